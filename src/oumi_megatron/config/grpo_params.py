@@ -1,0 +1,102 @@
+"""The ``grpo:`` section of a MEGATRON_GRPO config.
+
+Shared concepts use Oumi's ``GrpoParams`` field names (``num_generations``, ``temperature``,
+``epsilon``, ``max_prompt_length``, ``max_completion_length``, ``log_completions``); the rest is what
+current GRPO practice (DAPO, Dr. GRPO, NeMo-RL, verl, TRL) needs. Reward functions live here because
+Oumi rejects ``training.reward_functions`` for trainer types other than TRL_GRPO / VERL_GRPO; they
+resolve through Oumi's ``REWARD_FUNCTION`` registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from oumi.core.configs.params.base_params import BaseParams
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+ON_REWARD_ERROR = ("raise", "skip")
+
+
+@dataclass
+class RewardFunctionParams(BaseParams):
+    """One reward function from Oumi's REWARD_FUNCTION registry, weighted."""
+
+    name: str = ""
+    """Registered name (e.g. ``gsm8k``, ``countdown``, or your own ``@register(..., REWARD_FUNCTION)``)."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the function on every call."""
+
+
+@dataclass
+class MegatronGrpoParams(BaseParams):
+    """GRPO algorithm settings (rollouts, advantages, loss)."""
+
+    # Rollouts. Names shared with Oumi's GrpoParams.
+    num_generations: int = 8
+    """Completions sampled per prompt (the group size); at least 2."""
+
+    temperature: float = 0.9
+    """Sampling temperature, in (0, 2]."""
+
+    top_p: float = 1.0
+    """Nucleus sampling probability mass, in (0, 1]."""
+
+    max_prompt_length: int = 512
+    """Prompts are left-truncated to this many tokens."""
+
+    max_completion_length: int = 256
+    """Most tokens generated per completion."""
+
+    log_completions: bool = False
+    """Log a few prompt/completion/reward samples every step."""
+
+    # Loss.
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
+
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO's clip-higher): ratio <= 1 + epsilon_high. Default: epsilon."""
+
+    beta: float = 0.0
+    """KL penalty coefficient to the reference (initial) policy; 0 disables the reference model."""
+
+    kl_estimator: str = "k3"
+    """KL estimator: ``k1`` (log ratio), ``k2`` (squared log ratio / 2) or ``k3`` (Schulman's)."""
+
+    loss_aggregation: str = "token_mean"
+    """``token_mean`` (DAPO), ``seq_mean`` (original GRPO) or ``seq_mean_token_sum_norm`` (Dr. GRPO)."""
+
+    scale_rewards: bool = True
+    """Divide group-centred rewards by the group's std (False: Dr. GRPO's mean-only advantages)."""
+
+    # Updates per rollout batch.
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (old logprobs are taken before the first)."""
+
+    num_mini_batches: int = 1
+    """Optimizer steps per pass; each uses megatron.global_batch_size sequences.
+
+    Completions per GRPO step = megatron.global_batch_size x num_mini_batches.
+    """
+
+    # Rewards.
+    reward_functions: list[RewardFunctionParams] = field(default_factory=list)
+    """Weighted reward functions; the reward of a completion is their weighted sum."""
+
+    on_reward_error: str = "raise"
+    """A reward function that raises or returns NaN: ``raise`` stops the step, ``skip`` drops and counts the sample."""
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Longest sequence the trainer sees: prompt plus completion."""
+        return self.max_prompt_length + self.max_completion_length

@@ -1,0 +1,53 @@
+"""``MegatronTrainingConfig``: Oumi's TrainingConfig plus the top-level ``megatron:`` and ``grpo:`` sections.
+
+Oumi's own YAML loading returns this class (instead of a stock TrainingConfig) only for configs that
+ask for MEGATRON_GRPO or carry a ``megatron:`` / ``grpo:`` section; every other config loads exactly as
+before. See ``oumi_megatron.integration.oumi_patches``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oumi_megatron import _oumi_hook
+
+_oumi_hook.install()  # MEGATRON_GRPO must exist in TrainerType before configs are parsed.
+
+from oumi.core.configs import TrainingConfig  # noqa: E402
+from oumi.core.configs.params.training_params import TrainerType  # noqa: E402
+from oumi.exceptions import OumiConfigError  # noqa: E402
+
+from oumi_megatron.config.grpo_params import MegatronGrpoParams  # noqa: E402
+from oumi_megatron.config.megatron_params import MegatronParams  # noqa: E402
+
+MEGATRON_GRPO = "MEGATRON_GRPO"
+
+
+def megatron_trainer_type() -> TrainerType:
+    return TrainerType[MEGATRON_GRPO]
+
+
+@dataclass
+class MegatronTrainingConfig(TrainingConfig):
+    """A TrainingConfig for ``training.trainer_type: MEGATRON_GRPO``."""
+
+    megatron: MegatronParams = field(default_factory=MegatronParams)
+    """Parallel layout, batching and engine options (see MegatronParams)."""
+
+    grpo: MegatronGrpoParams = field(default_factory=MegatronGrpoParams)
+    """GRPO algorithm settings (see MegatronGrpoParams)."""
+
+    @property
+    def is_megatron_grpo(self) -> bool:
+        return self.training.trainer_type == megatron_trainer_type()
+
+    def finalize_and_validate(self) -> None:
+        # Oumi's own check would reject training.reward_functions with a message about TRL/VERL;
+        # point MEGATRON_GRPO users at the section that does take them.
+        if self.is_megatron_grpo and any(self.training.reward_functions or []):
+            raise OumiConfigError(
+                "training.reward_functions: MEGATRON_GRPO reads reward functions from "
+                "grpo.reward_functions (each with name, weight, kwargs). Move them there, e.g.\n"
+                "grpo:\n  reward_functions:\n    - name: gsm8k\n      weight: 1.0"
+            )
+        super().finalize_and_validate()

@@ -1,0 +1,208 @@
+"""The four small patches that let Oumi 0.9 run MEGATRON_GRPO (applied by ``_oumi_hook``).
+
+Each patch is idempotent and leaves Oumi's behaviour unchanged for every config that does not ask
+for MEGATRON_GRPO:
+
+1. ``TrainerType`` gains a ``MEGATRON_GRPO`` member.
+2. ``TrainingConfig.from_yaml*`` return a ``MegatronTrainingConfig`` (with ``megatron:`` / ``grpo:``)
+   for configs that ask for MEGATRON_GRPO; other configs load as stock ``TrainingConfig``.
+3. ``oumi.train.train`` hands MEGATRON_GRPO configs to ``oumi_megatron.train``.
+4. ``oumi distributed torchrun -c cfg.yaml`` (the design document's form, which stock Oumi passes
+   verbatim to torchrun) becomes ``torchrun ... -m oumi train -c cfg.yaml`` for MEGATRON_GRPO configs,
+   and runs on CPU-only machines with gloo.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MEGATRON_GRPO = "MEGATRON_GRPO"
+MEGATRON_GRPO_VALUE = "megatron_grpo"
+_PATCHED = "__oumi_megatron_patched__"
+
+
+def _already_patched(obj: Any) -> bool:
+    return bool(getattr(obj, _PATCHED, False))
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. TrainerType.MEGATRON_GRPO
+# --------------------------------------------------------------------------------------------------
+def patch_trainer_type(module: types.ModuleType) -> None:
+    trainer_type = module.TrainerType
+    if MEGATRON_GRPO in trainer_type.__members__:
+        return
+    # Enums are closed after class creation; add the member the way EnumType itself records one.
+    member = object.__new__(trainer_type)
+    member._name_ = MEGATRON_GRPO
+    member._value_ = MEGATRON_GRPO_VALUE
+    member._sort_order_ = len(trainer_type._member_names_)
+    member.__doc__ = "Megatron-Core GRPO trainer from the oumi-megatron package (TP/PP/CP/EP/DP)."
+    type.__setattr__(trainer_type, MEGATRON_GRPO, member)
+    trainer_type._member_map_[MEGATRON_GRPO] = member
+    trainer_type._value2member_map_[MEGATRON_GRPO_VALUE] = member
+    trainer_type._member_names_.append(MEGATRON_GRPO)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Config loading
+# --------------------------------------------------------------------------------------------------
+def _is_megatron_trainer_type(value: Any) -> bool:
+    return str(value).strip().split(".")[-1].upper() == MEGATRON_GRPO
+
+
+def config_requests_megatron(config_path: str | os.PathLike | None, arg_list: list[str]) -> bool:
+    """True if the YAML or the CLI overrides ask for MEGATRON_GRPO or carry megatron:/grpo: sections."""
+    for arg in arg_list or []:
+        key, _, value = arg.lstrip("-").partition("=")
+        if key.split(".")[0] in ("megatron", "grpo"):
+            return True
+        if key == "training.trainer_type" and _is_megatron_trainer_type(value):
+            return True
+    if config_path is None or not Path(config_path).is_file():
+        return False
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text())
+    except yaml.YAMLError:
+        return False  # Oumi reports the YAML error itself.
+    if not isinstance(raw, dict):
+        return False
+    if "megatron" in raw or "grpo" in raw:
+        return True
+    training = raw.get("training")
+    return isinstance(training, dict) and _is_megatron_trainer_type(training.get("trainer_type"))
+
+
+def patch_training_config(module: types.ModuleType) -> None:
+    training_config_cls = module.TrainingConfig
+    if _already_patched(training_config_cls.__dict__.get("from_yaml_and_arg_list")):
+        return
+    orig_from_yaml_and_arg_list = training_config_cls.from_yaml_and_arg_list.__func__
+    orig_from_yaml = training_config_cls.from_yaml.__func__
+
+    def _target_cls(cls: type, config_path: Any, arg_list: list[str]) -> type:
+        if cls is training_config_cls and config_requests_megatron(config_path, arg_list):
+            from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+            return MegatronTrainingConfig
+        return cls
+
+    @functools.wraps(orig_from_yaml_and_arg_list)
+    def from_yaml_and_arg_list(cls, config_path, arg_list, *args, **kwargs):  # type: ignore[no-untyped-def]
+        target = _target_cls(cls, config_path, arg_list)
+        return orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
+
+    @functools.wraps(orig_from_yaml)
+    def from_yaml(cls, config_path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return orig_from_yaml(_target_cls(cls, config_path, []), config_path, *args, **kwargs)
+
+    for fn in (from_yaml_and_arg_list, from_yaml):
+        setattr(fn, _PATCHED, True)
+    training_config_cls.from_yaml_and_arg_list = classmethod(from_yaml_and_arg_list)
+    training_config_cls.from_yaml = classmethod(from_yaml)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. oumi.train.train
+# --------------------------------------------------------------------------------------------------
+def patch_train(module: types.ModuleType) -> None:
+    orig_train = module.train
+    if _already_patched(orig_train):
+        return
+
+    @functools.wraps(orig_train)
+    def train(config: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_megatron_trainer_type(getattr(config.training.trainer_type, "name", "")):
+            from oumi_megatron.train import train_megatron_grpo
+
+            return train_megatron_grpo(config, verbose=kwargs.get("verbose", False))
+        return orig_train(config, *args, **kwargs)
+
+    setattr(train, _PATCHED, True)
+    module.train = train
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. oumi distributed torchrun -c cfg.yaml
+# --------------------------------------------------------------------------------------------------
+CONFIG_FLAGS = ("-c", "--config")
+
+
+def find_config_arg(args: list[str]) -> tuple[int, str] | None:
+    """Index and value of ``-c PATH`` / ``--config PATH`` / ``--config=PATH`` in ``args``."""
+    for i, arg in enumerate(args):
+        if arg in CONFIG_FLAGS and i + 1 < len(args):
+            return i, args[i + 1]
+        if arg.startswith("--config="):
+            return i, arg.split("=", 1)[1]
+    return None
+
+
+def rewrite_torchrun_args(args: list[str]) -> list[str]:
+    """Turn the design document's ``[torchrun flags] -c cfg.yaml [overrides]`` into
+    ``[torchrun flags] -m oumi train -c cfg.yaml [overrides]``; other forms are returned unchanged."""
+    if "-m" in args or any(a.endswith(".py") for a in args):
+        return list(args)
+    found = find_config_arg(args)
+    if found is None:
+        return list(args)
+    index, _ = found
+    return [*args[:index], "-m", "oumi", "train", *args[index:]]
+
+
+def _nproc_from_args(args: list[str]) -> tuple[int | None, list[str]]:
+    """Pops ``--nproc-per-node N`` / ``--nproc_per_node=N`` from torchrun flags."""
+    rest: list[str] = []
+    nproc: int | None = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key = arg.split("=", 1)[0]
+        if key in ("--nproc-per-node", "--nproc_per_node"):
+            value = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+            nproc = int(value)
+            i += 1 if "=" in arg else 2
+            continue
+        rest.append(arg)
+        i += 1
+    return nproc, rest
+
+
+def patch_distributed_torchrun(module: types.ModuleType) -> None:
+    orig_torchrun = module.torchrun
+    if _already_patched(orig_torchrun):
+        return
+
+    @functools.wraps(orig_torchrun)
+    def torchrun(ctx: Any, level: Any = None) -> None:
+        found = find_config_arg(list(ctx.args))
+        if found is None or not config_requests_megatron(found[1], []):
+            return orig_torchrun(ctx, level)  # Not ours: stock behaviour, unchanged.
+        ctx.args[:] = rewrite_torchrun_args(list(ctx.args))
+
+        import torch
+
+        if torch.cuda.is_available() or module._detect_backend() != "local":
+            return orig_torchrun(ctx, level)
+        # Stock Oumi refuses to start without GPUs. Megatron-Core runs on CPU with gloo (tests,
+        # the demo), so start N local CPU processes; N from --nproc-per-node, default 1.
+        nproc, rest = _nproc_from_args(list(ctx.args))
+        cmds = [
+            "torchrun",
+            "--nnodes=1",
+            f"--nproc-per-node={nproc or 1}",
+            f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+            f"--master-port={os.environ.get('MASTER_PORT', '8007')}",
+            *rest,
+        ]
+        module.logger.info(f"No GPU found: starting {nproc or 1} CPU process(es) with gloo.")
+        module._run_subprocess(cmds, rank=0)
+
+    setattr(torchrun, _PATCHED, True)
+    module.torchrun = torchrun

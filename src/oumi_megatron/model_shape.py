@@ -1,0 +1,91 @@
+"""The model's shape, read from its Hugging Face ``config.json`` without loading any weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Expert-count keys used by the MoE families transformers ships (Mixtral, Qwen-MoE, DeepSeek, ...).
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+class ModelShapeError(ValueError):
+    """config.json could not be found or read."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the parallel layout depends on."""
+
+    source: str
+    model_type: str
+    architectures: tuple[str, ...]
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_experts: int = 0
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict[str, Any], source: str) -> ModelShape:
+        # Multimodal configs nest the language model's settings.
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in text]
+        if missing:
+            raise ModelShapeError(f"{source}: config.json lacks {', '.join(missing)}; is it a causal LM config?")
+        heads = int(text["num_attention_heads"])
+        experts = next((int(text[k]) for k in _EXPERT_KEYS if text.get(k)), 0)
+        return cls(
+            source=source,
+            model_type=str(cfg.get("model_type", text.get("model_type", "unknown"))),
+            architectures=tuple(cfg.get("architectures") or ()),
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            vocab_size=int(text.get("vocab_size", 0)),
+            num_experts=experts,
+            max_position_embeddings=text.get("max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ModelShape:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelShapeError(f"{path} does not exist")
+        try:
+            return cls.from_config_dict(json.loads(path.read_text()), str(path))
+        except json.JSONDecodeError as e:
+            raise ModelShapeError(f"{path} is not valid JSON: {e}") from e
+
+    @classmethod
+    def resolve(cls, model_name: str, revision: str | None = None) -> ModelShape:
+        """From a local folder (or config.json), else from the Hugging Face Hub (config.json only)."""
+        local = Path(model_name).expanduser()
+        if local.exists():
+            return cls.from_file(local)
+        if model_name.startswith((".", "/", "~")):
+            raise ModelShapeError(f"local model path {model_name} does not exist")
+        try:
+            from huggingface_hub import hf_hub_download
+
+            downloaded = hf_hub_download(model_name, "config.json", revision=revision)
+        except Exception as e:  # noqa: BLE001 - offline, gated, missing repo: all mean "can't read it"
+            raise ModelShapeError(
+                f"could not read config.json of '{model_name}' from the Hugging Face Hub "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+        return cls.from_file(downloaded)
