@@ -15,12 +15,17 @@ _oumi_hook.install()  # MEGATRON_GRPO must exist in TrainerType before configs a
 
 from oumi.core.configs import TrainingConfig  # noqa: E402
 from oumi.core.configs.params.training_params import TrainerType  # noqa: E402
-from oumi.exceptions import OumiConfigError  # noqa: E402
 
 from oumi_megatron.config.grpo_params import MegatronGrpoParams  # noqa: E402
 from oumi_megatron.config.megatron_params import MegatronParams  # noqa: E402
 
 MEGATRON_GRPO = "MEGATRON_GRPO"
+
+MISPLACED_REWARD_FUNCTIONS = (
+    "training.reward_functions: MEGATRON_GRPO reads reward functions from grpo.reward_functions "
+    "(each with name, weight, kwargs). Move them there, e.g.\n"
+    "grpo:\n  reward_functions:\n    - name: gsm8k\n      weight: 1.0"
+)
 
 
 def megatron_trainer_type() -> TrainerType:
@@ -40,14 +45,3 @@ class MegatronTrainingConfig(TrainingConfig):
     @property
     def is_megatron_grpo(self) -> bool:
         return self.training.trainer_type == megatron_trainer_type()
-
-    def finalize_and_validate(self) -> None:
-        # Oumi's own check would reject training.reward_functions with a message about TRL/VERL;
-        # point MEGATRON_GRPO users at the section that does take them.
-        if self.is_megatron_grpo and any(self.training.reward_functions or []):
-            raise OumiConfigError(
-                "training.reward_functions: MEGATRON_GRPO reads reward functions from "
-                "grpo.reward_functions (each with name, weight, kwargs). Move them there, e.g.\n"
-                "grpo:\n  reward_functions:\n    - name: gsm8k\n      weight: 1.0"
-            )
-        super().finalize_and_validate()

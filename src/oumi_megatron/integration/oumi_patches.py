@@ -57,6 +57,16 @@ def _is_megatron_trainer_type(value: Any) -> bool:
     return str(value).strip().split(".")[-1].upper() == MEGATRON_GRPO
 
 
+def _raw_yaml(config_path: str | os.PathLike | None) -> dict:
+    if config_path is None or not Path(config_path).is_file():
+        return {}
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text())
+    except yaml.YAMLError:
+        return {}  # Oumi reports the YAML error itself.
+    return raw if isinstance(raw, dict) else {}
+
+
 def config_requests_megatron(config_path: str | os.PathLike | None, arg_list: list[str]) -> bool:
     """True if the YAML or the CLI overrides ask for MEGATRON_GRPO or carry megatron:/grpo: sections."""
     for arg in arg_list or []:
@@ -65,18 +75,25 @@ def config_requests_megatron(config_path: str | os.PathLike | None, arg_list: li
             return True
         if key == "training.trainer_type" and _is_megatron_trainer_type(value):
             return True
-    if config_path is None or not Path(config_path).is_file():
-        return False
-    try:
-        raw = yaml.safe_load(Path(config_path).read_text())
-    except yaml.YAMLError:
-        return False  # Oumi reports the YAML error itself.
-    if not isinstance(raw, dict):
-        return False
+    raw = _raw_yaml(config_path)
     if "megatron" in raw or "grpo" in raw:
         return True
     training = raw.get("training")
     return isinstance(training, dict) and _is_megatron_trainer_type(training.get("trainer_type"))
+
+
+def _reject_misplaced_reward_functions(config_path: str | os.PathLike | None, arg_list: list[str]) -> None:
+    # Oumi's TrainingParams rejects training.reward_functions with a message about TRL/VERL while the
+    # config is being built; tell MEGATRON_GRPO users where they go instead.
+    training = _raw_yaml(config_path).get("training")
+    in_yaml = isinstance(training, dict) and bool(training.get("reward_functions"))
+    in_args = any(a.lstrip("-").startswith("training.reward_functions") for a in arg_list or [])
+    if in_yaml or in_args:
+        from oumi.exceptions import OumiConfigError
+
+        from oumi_megatron.config.training_config import MISPLACED_REWARD_FUNCTIONS
+
+        raise OumiConfigError(MISPLACED_REWARD_FUNCTIONS)
 
 
 def patch_training_config(module: types.ModuleType) -> None:
@@ -87,11 +104,13 @@ def patch_training_config(module: types.ModuleType) -> None:
     orig_from_yaml = training_config_cls.from_yaml.__func__
 
     def _target_cls(cls: type, config_path: Any, arg_list: list[str]) -> type:
-        if cls is training_config_cls and config_requests_megatron(config_path, arg_list):
-            from oumi_megatron.config.training_config import MegatronTrainingConfig
+        from_stock = cls is training_config_cls and config_requests_megatron(config_path, arg_list)
+        if not from_stock and all(c.__name__ != "MegatronTrainingConfig" for c in cls.__mro__):
+            return cls
+        from oumi_megatron.config.training_config import MegatronTrainingConfig
 
-            return MegatronTrainingConfig
-        return cls
+        _reject_misplaced_reward_functions(config_path, arg_list)
+        return MegatronTrainingConfig
 
     @functools.wraps(orig_from_yaml_and_arg_list)
     def from_yaml_and_arg_list(cls, config_path, arg_list, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -1,0 +1,124 @@
+"""``oumi-megatron`` command line: validate, train.
+
+    oumi-megatron validate -c cfg.yaml [--world-size N] [--gpus-per-node G] [--model-config PATH] [--a.b=v ...]
+    oumi-megatron train -c cfg.yaml [--a.b=v ...]
+
+Dotted overrides work as in ``oumi train``: ``--megatron.tensor_model_parallel_size 8`` or ``...=8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+
+# soft_wrap: messages name fields and fixes; never break them mid-line.
+console = Console(stderr=False, highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def parse_overrides(extra: list[str]) -> list[str]:
+    """``["--a.b", "1", "--c=2"]`` -> ``["a.b=1", "c=2"]`` (Oumi's dotlist form)."""
+    out: list[str] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r}; overrides look like --megatron.micro_batch_size 2")
+        key = arg[2:]
+        if "=" in key:
+            out.append(key)
+            i += 1
+        elif i + 1 < len(extra):
+            out.append(f"{key}={extra[i + 1]}")
+            i += 2
+        else:
+            raise SystemExit(f"error: override {arg!r} has no value")
+    return out
+
+
+def load_config(config_path: str, overrides: list[str]):  # noqa: ANN201 - heavy import kept lazy
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+    if not os.path.isfile(config_path):
+        raise SystemExit(f"error: config file {config_path} does not exist")
+    return MegatronTrainingConfig.from_yaml_and_arg_list(config_path, overrides)
+
+
+def _print_report(report) -> None:  # noqa: ANN001
+    for warning in report.warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {warning}")
+    if report.ok:
+        shape = report.model_shape
+        if shape is not None:
+            console.print(
+                f"model: {shape.model_type} ({shape.source}): {shape.num_layers} layers, "
+                f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, "
+                f"hidden {shape.hidden_size}, vocab {shape.vocab_size}"
+                + (f", {shape.num_experts} experts" if shape.is_moe else "")
+            )
+        assert report.layout is not None
+        console.print(report.layout.describe())
+        console.print("[green]OK[/green]")
+    else:
+        err_console.print(report.format_problems())
+
+
+def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.validation import validate_config
+
+    config = load_config(args.config, parse_overrides(extra))
+    report = validate_config(
+        config,
+        world_size=args.world_size,
+        gpus_per_node=args.gpus_per_node,
+        model_config_path=args.model_config,
+    )
+    _print_report(report)
+    return 0 if report.ok else 1
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.train import train_megatron_grpo
+
+    config = load_config(args.config, parse_overrides(extra))
+    config.finalize_and_validate()
+    train_megatron_grpo(config)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oumi-megatron", description="Megatron-Core GRPO for Oumi")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("validate", help="check a config and print the resolved parallel layout")
+    v.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
+    v.add_argument("--world-size", type=int, default=None, help="processes/GPUs (default: TP*PP*CP*EP)")
+    v.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, to check node boundaries")
+    v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
+    v.set_defaults(func=cmd_validate)
+
+    t = sub.add_parser("train", help="train (same as `oumi train -c` for a MEGATRON_GRPO config)")
+    t.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
+    t.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except Exception as e:
+        from oumi.exceptions import OumiConfigError
+
+        if isinstance(e, OumiConfigError):
+            err_console.print(f"[red]error:[/red] {e}")
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

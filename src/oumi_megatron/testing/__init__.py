@@ -1,0 +1,1 @@
+"""Helpers that build tiny models and tokenizers locally (tests, the CPU demo): no downloads."""

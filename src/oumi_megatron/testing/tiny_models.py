@@ -1,0 +1,96 @@
+"""Tiny random Hugging Face causal LMs and a byte-level tokenizer, built locally.
+
+Used by the tests and the CPU demo so that nothing is downloaded. Shapes are the smallest that still
+exercise TP=2 / PP=2 / VPP=2 (heads and KV heads divisible by 2, layers divisible by 4) and that
+vLLM's CPU attention accepts (head size >= 32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# ChatML, as Qwen uses; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_byte_tokenizer():  # noqa: ANN201 - transformers type imported lazily
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens + ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320):  # noqa: ANN201
+    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=258,  # <|im_end|> in build_byte_tokenizer
+        pad_token_id=256,
+    )
+    if arch == "llama":
+        return LlamaConfig(head_dim=32, tie_word_embeddings=False, rope_theta=10000.0, **common)
+    if arch == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=32, tie_word_embeddings=False, rope_theta=10000.0, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4) -> Path:
+    """Writes a random tiny causal LM + tokenizer to ``out_dir`` (idempotent for the same arguments)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    stamp = out / "tiny_model.json"
+    spec = {"arch": arch, "seed": seed, "num_layers": num_layers}
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return out
+    tokenizer = build_byte_tokenizer()
+    config = tiny_config(arch, num_layers=num_layers)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config.eos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(json.dumps(spec))
+    return out

@@ -1,0 +1,542 @@
+"""Validation of a MEGATRON_GRPO config against a world size and the model's shape.
+
+Every rule appends to one report, so a user sees all problems at once. Each problem names the field
+and says how to fix it. Settings that cannot act in a given layout (ZB-H1 with PP=1, ModuleQueue on
+non-last stages) fall back with one warning, as the design documents say. ``oumi-megatron validate``
+prints the report; training runs the same function first, before any heavy work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from oumi.exceptions import OumiConfigError
+
+from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, ON_REWARD_ERROR
+from oumi_megatron.config.megatron_params import (
+    INFERENCE_BACKENDS,
+    PIPELINE_SCHEDULES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
+    WEIGHT_SYNC_METHODS,
+)
+from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.model_shape import ModelShape, ModelShapeError
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+
+class MegatronConfigError(OumiConfigError):
+    """A MEGATRON_GRPO config that cannot run; the message lists every problem."""
+
+    def __init__(self, report: ValidationReport) -> None:
+        self.report = report
+        super().__init__(report.format_problems())
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    """Dotted config path (``megatron.tensor_model_parallel_size``) or CLI flag (``--world-size``)."""
+    message: str
+    """What is wrong and how to fix it."""
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass
+class ValidationReport:
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    layout: ParallelLayout | None = None
+    model_shape: ModelShape | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def fields(self) -> list[str]:
+        return [p.field for p in self.problems]
+
+    def add(self, field_name: str, message: str) -> None:
+        self.problems.append(Problem(field_name, message))
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def format_problems(self) -> str:
+        n = len(self.problems)
+        head = f"MEGATRON_GRPO config has {n} problem{'s' if n != 1 else ''}:"
+        return "\n".join([head, *(f"  - {p}" for p in self.problems)])
+
+    def raise_if_invalid(self) -> None:
+        if self.problems:
+            raise MegatronConfigError(self)
+
+
+def _fmt_choices(choices: tuple[str, ...]) -> str:
+    return ", ".join(repr(c) for c in choices)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules that need only the config
+# --------------------------------------------------------------------------------------------------
+def _check_trainer_and_incompatible(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    if cfg.training.trainer_type.name != "MEGATRON_GRPO":
+        r.add(
+            "training.trainer_type",
+            f"is {cfg.training.trainer_type.name}, but the config has megatron:/grpo: sections, "
+            "which only MEGATRON_GRPO reads. Set training.trainer_type: MEGATRON_GRPO "
+            "or remove the megatron: and grpo: sections.",
+        )
+    if cfg.fsdp.enable_fsdp:
+        r.add(
+            "fsdp.enable_fsdp",
+            "FSDP cannot be combined with MEGATRON_GRPO (Megatron-Core does the sharding). "
+            "Set fsdp.enable_fsdp: False and use megatron.ddp_config / tensor/pipeline parallelism.",
+        )
+    if cfg.deepspeed.enable_deepspeed:
+        r.add(
+            "deepspeed.enable_deepspeed",
+            "DeepSpeed cannot be combined with MEGATRON_GRPO. Set deepspeed.enable_deepspeed: False; "
+            "megatron.ddp_config.use_distributed_optimizer gives ZeRO-1 style optimizer sharding.",
+        )
+    if not (cfg.model.model_name or "").strip():
+        r.add(
+            "model.model_name",
+            "is empty. Set it to a Hugging Face model name (e.g. meta-llama/Llama-3.1-8B-Instruct) "
+            "or a local folder with config.json.",
+        )
+
+
+def _check_positive(r: ValidationReport, name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or value < 1:
+        r.add(name, f"must be a positive integer, got {value!r}.")
+
+
+def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    m = cfg.megatron
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "module_queue_num_chunks",
+    ):
+        _check_positive(r, f"megatron.{name}", getattr(m, name))
+    for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
+        _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
+
+    if m.inference_backend not in INFERENCE_BACKENDS:
+        hint = " (sglang rollouts are not implemented in oumi-megatron)" if m.inference_backend == "sglang" else ""
+        r.add(
+            "megatron.inference_backend",
+            f"unknown value {m.inference_backend!r}{hint}. Use one of {_fmt_choices(INFERENCE_BACKENDS)}.",
+        )
+    if m.weight_sync_method not in WEIGHT_SYNC_METHODS:
+        r.add(
+            "megatron.weight_sync_method",
+            f"unknown value {m.weight_sync_method!r}. Use one of {_fmt_choices(WEIGHT_SYNC_METHODS)}.",
+        )
+    if m.pipeline_schedule not in PIPELINE_SCHEDULES:
+        r.add(
+            "megatron.pipeline_schedule",
+            f"unknown value {m.pipeline_schedule!r}. Use one of {_fmt_choices(PIPELINE_SCHEDULES)}.",
+        )
+    if m.inference_backend == "vllm" and not m.enable_weight_sync:
+        r.warn(
+            "megatron.enable_weight_sync is False: vLLM keeps generating with the initial weights "
+            "(rollouts use stale weights and GRPO is off-policy)."
+        )
+
+    frac = m.optimizer_config.optimizer_offload_fraction
+    if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+        r.add(
+            "megatron.optimizer_config.optimizer_offload_fraction",
+            f"must be in [0, 1], got {frac!r}. Use 1.0 to offload all optimizer state, 0.0 for none.",
+        )
+    elif frac > 0 and not m.optimizer_config.optimizer_cpu_offload:
+        r.warn(
+            "megatron.optimizer_config.optimizer_offload_fraction > 0 has no effect unless "
+            "megatron.optimizer_config.optimizer_cpu_offload is True."
+        )
+
+    t = m.transformer_config
+    if t.recompute_granularity is not None and t.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        r.add(
+            "megatron.transformer_config.recompute_granularity",
+            f"unknown value {t.recompute_granularity!r}. Use 'full', 'selective' or null (no recompute).",
+        )
+    if t.recompute_method is not None and t.recompute_method not in RECOMPUTE_METHODS:
+        r.add(
+            "megatron.transformer_config.recompute_method",
+            f"unknown value {t.recompute_method!r}. Use 'uniform', 'block' or null.",
+        )
+    if t.recompute_granularity == "full" and t.recompute_method is None:
+        r.add(
+            "megatron.transformer_config.recompute_method",
+            "full recompute needs a method. Set recompute_method: uniform (or block).",
+        )
+    bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
+    if bad_modules:
+        r.add(
+            "megatron.transformer_config.recompute_modules",
+            f"unknown module(s) {bad_modules}. Choose from {_fmt_choices(RECOMPUTE_MODULES)}.",
+        )
+    _check_positive(
+        r, "megatron.transformer_config.recompute_num_layers", t.recompute_num_layers, allow_none=True
+    )
+
+
+def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    g = cfg.grpo
+    if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
+        r.add("grpo.temperature", f"must be in (0, 2], got {g.temperature!r}. Typical: 0.6-1.0.")
+    if not isinstance(g.num_generations, int) or g.num_generations < 2:
+        r.add(
+            "grpo.num_generations",
+            f"must be at least 2, got {g.num_generations!r}: GRPO's advantage compares completions "
+            "of the same prompt. Typical: 4-16.",
+        )
+    if not 0.0 < g.top_p <= 1.0:
+        r.add("grpo.top_p", f"must be in (0, 1], got {g.top_p!r}. Use 1.0 to disable nucleus sampling.")
+    if not g.epsilon > 0:
+        r.add("grpo.epsilon", f"must be > 0, got {g.epsilon!r}. Typical: 0.2.")
+    if g.epsilon_high is not None and not g.epsilon_high > 0:
+        r.add("grpo.epsilon_high", f"must be > 0 or null (= epsilon), got {g.epsilon_high!r}. DAPO uses 0.28.")
+    if g.beta < 0:
+        r.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
+    if g.kl_estimator not in KL_ESTIMATORS:
+        r.add("grpo.kl_estimator", f"unknown value {g.kl_estimator!r}. Use one of {_fmt_choices(KL_ESTIMATORS)}.")
+    if g.loss_aggregation not in LOSS_AGGREGATIONS:
+        r.add(
+            "grpo.loss_aggregation",
+            f"unknown value {g.loss_aggregation!r}. Use one of {_fmt_choices(LOSS_AGGREGATIONS)}.",
+        )
+    if g.on_reward_error not in ON_REWARD_ERROR:
+        r.add("grpo.on_reward_error", f"unknown value {g.on_reward_error!r}. Use 'raise' or 'skip'.")
+    for name in ("max_prompt_length", "max_completion_length", "ppo_epochs", "num_mini_batches"):
+        _check_positive(r, f"grpo.{name}", getattr(g, name))
+
+    if not g.reward_functions:
+        r.add(
+            "grpo.reward_functions",
+            "is empty; GRPO needs a reward. Add at least one registered reward function, e.g.\n"
+            "      grpo:\n        reward_functions:\n          - name: gsm8k",
+        )
+    registered: set[str] | None = None
+    for i, rf in enumerate(g.reward_functions):
+        if not rf.name:
+            r.add(f"grpo.reward_functions[{i}].name", "is empty. Set it to a registered reward function name.")
+            continue
+        if not math.isfinite(rf.weight):
+            r.add(f"grpo.reward_functions[{i}].weight", f"must be a finite number, got {rf.weight!r}.")
+        if registered is None:
+            registered = _registered_reward_functions()
+        if rf.name not in registered:
+            r.add(
+                f"grpo.reward_functions[{i}].name",
+                f"{rf.name!r} is not in Oumi's REWARD_FUNCTION registry. Known: {sorted(registered)}. "
+                "Register your own with @register('name', RegistryType.REWARD_FUNCTION) in a module "
+                "listed in OUMI_EXTRA_DEPS_FILE.",
+            )
+
+
+def _registered_reward_functions() -> set[str]:
+    import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
+    from oumi.core.registry import REGISTRY, RegistryType
+
+    return set(REGISTRY.get_all(RegistryType.REWARD_FUNCTION))
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules that need the world size and the model's shape
+# --------------------------------------------------------------------------------------------------
+def _resolve_batches(
+    cfg: MegatronTrainingConfig, dp: int
+) -> tuple[int, int]:
+    m = cfg.megatron
+    micro = m.micro_batch_size or cfg.training.per_device_train_batch_size
+    global_batch = m.global_batch_size or micro * cfg.training.gradient_accumulation_steps * dp
+    return micro, global_batch
+
+
+def _resolve_schedule(cfg: MegatronTrainingConfig, r: ValidationReport) -> str:
+    m = cfg.megatron
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    if m.pipeline_schedule == "interleaved" and not vpp:
+        r.add(
+            "megatron.pipeline_schedule",
+            "'interleaved' needs megatron.virtual_pipeline_model_parallel_size (model chunks per "
+            "pipeline rank, e.g. 2). Set it, or use pipeline_schedule: 1f1b.",
+        )
+    if m.pipeline_schedule == "zb_h1":
+        # Seed 003, WeightGradStore.is_supported(): fall back to the schedule that would run anyway.
+        reason = None
+        if pp <= 1:
+            reason = "pipeline_model_parallel_size is 1 (no pipeline)"
+        elif vpp:
+            reason = "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
+        elif m.ddp_config.overlap_grad_reduce:
+            reason = "ddp_config.overlap_grad_reduce is on (its reduce hooks conflict with deferred weight gradients)"
+        elif importlib.util.find_spec("transformer_engine") is not None:
+            reason = "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
+        if reason is None:
+            return "zb_h1"
+        fallback = "none" if pp <= 1 else ("interleaved" if vpp else "1f1b")
+        r.warn(f"megatron.pipeline_schedule zb_h1 is not supported because {reason}; using {fallback}.")
+        return fallback
+    if pp <= 1:
+        return "none"
+    return "interleaved" if vpp else "1f1b"
+
+
+def _check_layout(
+    cfg: MegatronTrainingConfig, world_size: int, gpus_per_node: int | None, r: ValidationReport
+) -> ParallelLayout | None:
+    m = cfg.megatron
+    sizes = (
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.context_parallel_size,
+        m.expert_model_parallel_size,
+    )
+    if any(not isinstance(s, int) or s < 1 for s in sizes):
+        return None  # already reported
+    mp = m.model_parallel_size
+    if world_size % mp != 0:
+        r.add(
+            "megatron.tensor_model_parallel_size",
+            f"world_size ({world_size}) must be divisible by the product of all model parallel sizes ({mp}): "
+            f"TP {sizes[0]} x PP {sizes[1]} x CP {sizes[2]} x EP {sizes[3]}. Adjust the parallel sizes "
+            f"so that their product divides {world_size} (or run on a multiple of {mp} GPUs).",
+        )
+        return None
+    dp = world_size // mp
+    vpp = m.virtual_pipeline_model_parallel_size
+
+    if vpp is not None and m.pipeline_model_parallel_size <= 1:
+        r.add(
+            "megatron.virtual_pipeline_model_parallel_size",
+            "needs pipeline_model_parallel_size > 1 (it splits each pipeline rank's layers into chunks). "
+            "Remove it or raise pipeline_model_parallel_size.",
+        )
+    if m.sequence_parallel and m.tensor_model_parallel_size <= 1:
+        r.add(
+            "megatron.sequence_parallel",
+            "needs tensor_model_parallel_size > 1 (it shards activations over the TP group). "
+            "Set sequence_parallel: False or raise tensor_model_parallel_size.",
+        )
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            r.add("--gpus-per-node", f"must be a positive integer, got {gpus_per_node}.")
+        elif world_size % gpus_per_node != 0:
+            r.add(
+                "--gpus-per-node",
+                f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs.",
+            )
+        elif m.tensor_model_parallel_size > gpus_per_node:
+            r.warn(
+                f"megatron.tensor_model_parallel_size {m.tensor_model_parallel_size} spans nodes of "
+                f"{gpus_per_node} GPUs: TP all-reduces every layer, keep it within a node (NVLink)."
+            )
+
+    seq = cfg.grpo.max_sequence_length
+    cp = m.context_parallel_size
+    if cp > 1 and seq % (2 * cp) != 0:
+        fixed = seq + (2 * cp - seq % (2 * cp))
+        r.add(
+            "grpo.max_completion_length",
+            f"context parallelism splits each sequence into 2 x CP = {2 * cp} chunks, but "
+            f"grpo.max_prompt_length + grpo.max_completion_length = {seq} is not divisible by {2 * cp}. "
+            f"Set grpo.max_completion_length to {cfg.grpo.max_completion_length + fixed - seq} "
+            f"(total {fixed}).",
+        )
+
+    micro, global_batch = _resolve_batches(cfg, dp)
+    if micro < 1 or global_batch < 1:
+        return None
+    if global_batch % (micro * dp) != 0:
+        r.add(
+            "megatron.global_batch_size",
+            f"{global_batch} is not divisible by micro_batch_size x DP = {micro} x {dp} = {micro * dp}. "
+            f"Use a multiple of {micro * dp} (e.g. {max(1, global_batch // (micro * dp)) * micro * dp}).",
+        )
+    completions = global_batch * cfg.grpo.num_mini_batches
+    ng = cfg.grpo.num_generations
+    if isinstance(ng, int) and ng >= 2 and completions % ng != 0:
+        r.add(
+            "grpo.num_generations",
+            f"completions per GRPO step (megatron.global_batch_size x grpo.num_mini_batches = "
+            f"{completions}) must be a multiple of grpo.num_generations ({ng}) so that every prompt's "
+            "group is complete. Change either.",
+        )
+
+    schedule = _resolve_schedule(cfg, r)
+    if m.enable_module_queue:
+        r.warn(
+            "megatron.enable_module_queue acts only where it can: on the last pipeline stage "
+            f"(post_process=True{'; the only stage here' if m.pipeline_model_parallel_size == 1 else ''}) "
+            "during training. Other stages build a plain GPTModel, and it is disabled during "
+            "inference (logprobs and rollout generation)."
+        )
+    return ParallelLayout(
+        world_size=world_size,
+        tensor_parallel=m.tensor_model_parallel_size,
+        pipeline_parallel=m.pipeline_model_parallel_size,
+        context_parallel=cp,
+        expert_parallel=m.expert_model_parallel_size,
+        data_parallel=dp,
+        virtual_pipeline=vpp,
+        sequence_parallel=m.sequence_parallel,
+        micro_batch_size=micro,
+        global_batch_size=global_batch,
+        pipeline_schedule=schedule,
+        num_generations=ng if isinstance(ng, int) and ng > 0 else 1,
+        num_mini_batches=max(1, cfg.grpo.num_mini_batches),
+        gpus_per_node=gpus_per_node,
+    )
+
+
+def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: ValidationReport) -> None:
+    m = cfg.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    if tp >= 1 and shape.num_attention_heads % tp != 0:
+        r.add(
+            "megatron.tensor_model_parallel_size",
+            f"{tp} does not divide the model's {shape.num_attention_heads} attention heads. "
+            f"Use a divisor of {shape.num_attention_heads}.",
+        )
+    if tp >= 1 and shape.num_key_value_heads % tp != 0:
+        r.add(
+            "megatron.tensor_model_parallel_size",
+            f"{tp} does not divide the model's {shape.num_key_value_heads} key/value heads (GQA groups). "
+            f"Use a divisor of {shape.num_key_value_heads}.",
+        )
+    vpp = m.virtual_pipeline_model_parallel_size or 1
+    if pp >= 1 and vpp >= 1:
+        t = m.transformer_config
+        extra = int(t.account_for_embedding_in_pipeline_split) + int(t.account_for_loss_in_pipeline_split)
+        slots = shape.num_layers + extra
+        stages = pp * vpp
+        counted = f"{shape.num_layers} layers" + (f" + {extra} (embedding/loss)" if extra else "")
+        if slots % stages != 0:
+            vpp_field = m.virtual_pipeline_model_parallel_size is not None
+            field_name = (
+                "megatron.virtual_pipeline_model_parallel_size" if vpp_field else "megatron.pipeline_model_parallel_size"
+            )
+            msg = f"{counted} = {slots} cannot be split evenly over PP {pp}" + (
+                f" x VPP {vpp} = {stages} virtual stages" if vpp_field else " stages"
+            )
+            hints = []
+            if vpp_field and slots % pp == 0:
+                per_rank = slots // pp
+                good = [d for d in range(1, per_rank + 1) if per_rank % d == 0 and d > 1]
+                hints.append(
+                    "virtual_pipeline_model_parallel_size is model chunks per pipeline rank (Megatron-Core's "
+                    f"meaning), so it must divide the {per_rank} layers per rank: use one of {good or [1]}"
+                )
+            if not extra and (shape.num_layers + 2) % stages == 0:
+                hints.append(
+                    "or set megatron.transformer_config.account_for_embedding_in_pipeline_split and "
+                    f"account_for_loss_in_pipeline_split: true ({shape.num_layers} + 2 = "
+                    f"{shape.num_layers + 2} slots split evenly)"
+                )
+            if not hints:
+                hints.append(f"use a pipeline size that divides {slots}")
+            r.add(field_name, f"{msg}. Fix: {'; '.join(hints)}.")
+    ep = m.expert_model_parallel_size
+    if ep > 1 and not shape.is_moe:
+        r.add(
+            "megatron.expert_model_parallel_size",
+            f"is {ep}, but {shape.model_type} is a dense model (no experts). Set expert_model_parallel_size: 1.",
+        )
+    elif ep > 1 and shape.num_experts % ep != 0:
+        r.add(
+            "megatron.expert_model_parallel_size",
+            f"{ep} does not divide the model's {shape.num_experts} experts. Use a divisor of {shape.num_experts}.",
+        )
+
+
+def _check_megatron_bridge(r: ValidationReport) -> None:
+    from oumi_megatron.bridge_utils import check_megatron_bridge_available
+
+    try:
+        check_megatron_bridge_available()
+    except ImportError as e:
+        r.add("megatron-bridge", str(e))
+
+
+def default_world_size(cfg: MegatronTrainingConfig) -> int:
+    """WORLD_SIZE under torchrun; otherwise the smallest world the layout fits (DP = 1)."""
+    env = os.environ.get("WORLD_SIZE")
+    if env:
+        return int(env)
+    m = cfg.megatron
+    sizes = (
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.context_parallel_size,
+        m.expert_model_parallel_size,
+    )
+    return math.prod(s if isinstance(s, int) and s > 0 else 1 for s in sizes)
+
+
+def validate_config(
+    config: MegatronTrainingConfig,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    model_config_path: str | None = None,
+    model_shape: ModelShape | None = None,
+    check_bridge: bool = True,
+) -> ValidationReport:
+    """Checks a MEGATRON_GRPO config and resolves its parallel layout.
+
+    Args:
+        config: the parsed config.
+        world_size: number of processes (GPUs); default WORLD_SIZE or the model-parallel product.
+        gpus_per_node: GPUs per node, to check node boundaries (optional).
+        model_config_path: a config.json (or folder) to read the model's shape from instead of
+            ``model.model_name`` (e.g. a local copy when the Hub can't be reached).
+        model_shape: an already-read shape (skips reading config.json).
+        check_bridge: also check that Megatron-Bridge imports.
+    """
+    r = ValidationReport()
+    world = world_size if world_size is not None else default_world_size(config)
+    if world < 1:
+        r.add("--world-size", f"must be a positive integer, got {world}.")
+        return r
+    _check_trainer_and_incompatible(config, r)
+    _check_megatron_fields(config, r)
+    _check_grpo_fields(config, r)
+    r.layout = _check_layout(config, world, gpus_per_node, r)
+
+    if model_shape is None and (model_config_path or (config.model.model_name or "").strip()):
+        source = model_config_path or config.model.model_name
+        try:
+            if model_config_path:
+                model_shape = ModelShape.from_file(model_config_path)
+            else:
+                model_shape = ModelShape.resolve(config.model.model_name, config.model.model_revision)
+        except ModelShapeError as e:
+            field_name = "--model-config" if model_config_path else "model.model_name"
+            r.add(
+                field_name,
+                f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
+                f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
+            )
+    if model_shape is not None:
+        r.model_shape = model_shape
+        _check_model_shape(config, model_shape, r)
+    if check_bridge:
+        _check_megatron_bridge(r)
+    return r

@@ -1,0 +1,85 @@
+"""Shared fixtures: offline env, a tiny local model, YAML helpers, GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+# No network, no telemetry: everything the tests need is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU test); run scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
+
+
+def base_config_dict(model_dir: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A minimal valid MEGATRON_GRPO config as a dict; ``sections`` are merged one level deep."""
+    cfg: dict[str, Any] = {
+        "model": {"model_name": str(model_dir), "torch_dtype_str": "float32"},
+        "data": {
+            "train": {
+                "datasets": [
+                    {"dataset_name": "oumi-megatron/char-class", "dataset_path": str(REPO / "data/char_class_train.jsonl")}
+                ]
+            }
+        },
+        "training": {"trainer_type": "MEGATRON_GRPO", "max_steps": 2, "output_dir": "unused"},
+        "megatron": {"micro_batch_size": 2, "global_batch_size": 8},
+        "grpo": {
+            "num_generations": 4,
+            "max_prompt_length": 32,
+            "max_completion_length": 16,
+            "reward_functions": [{"name": "soft_5tokens_completions"}],
+        },
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, tiny_model_dir: Path):  # noqa: ANN201
+    """Builds a MegatronTrainingConfig through Oumi's own loader (the patched TrainingConfig)."""
+    from oumi.core.configs import TrainingConfig
+
+    def _make(overrides: list[str] | None = None, **sections: dict[str, Any]):  # noqa: ANN202
+        path = write_yaml(tmp_path / "cfg.yaml", base_config_dict(tiny_model_dir, **sections))
+        return TrainingConfig.from_yaml_and_arg_list(str(path), overrides or [])
+
+    return _make
+
+
+def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)

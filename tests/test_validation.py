@@ -1,0 +1,273 @@
+"""Every validation rule: one bad config each, asserting the field named in the message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oumi_megatron.model_shape import ModelShape
+from oumi_megatron.validation import MegatronConfigError, validate_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+DENSE = ModelShape(
+    source="test", model_type="llama", architectures=("LlamaForCausalLM",), num_layers=8,
+    hidden_size=256, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+)
+MOE = ModelShape(
+    source="test", model_type="mixtral", architectures=("MixtralForCausalLM",), num_layers=8,
+    hidden_size=256, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, num_experts=8,
+)
+
+
+def check(cfg, world_size: int = 1, shape: ModelShape | None = DENSE, **kw):  # noqa: ANN001, ANN201
+    return validate_config(cfg, world_size=world_size, model_shape=shape, check_bridge=False, **kw)
+
+
+def problem_fields(report) -> list[str]:  # noqa: ANN001
+    return report.fields()
+
+
+def test_valid_config_resolves_layout(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(megatron={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                "micro_batch_size": 2, "global_batch_size": 16})
+    r = check(cfg, world_size=8)
+    assert r.ok, r.format_problems()
+    lay = r.layout
+    assert (lay.tensor_parallel, lay.pipeline_parallel, lay.data_parallel) == (2, 2, 2)
+    assert lay.microbatches_per_step == 4  # 16 / (2 x DP 2)
+    assert lay.pipeline_schedule == "1f1b"
+    assert lay.prompts_per_rollout == 4 and lay.completions_per_rollout == 16
+    text = lay.describe()
+    assert "TP 2 x PP 2 x CP 1 x EP 1 x DP 2 = world size 8" in text
+    assert "microbatches per step per DP rank: 4" in text
+
+
+def test_batch_sizes_default_from_training_section(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(
+        training={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4},
+        megatron={"micro_batch_size": None, "global_batch_size": None},
+    )
+    r = check(cfg, world_size=2)
+    assert r.ok, r.format_problems()
+    assert (r.layout.micro_batch_size, r.layout.global_batch_size) == (2, 16)  # 2 x 4 x DP 2
+
+
+def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(megatron={"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 4})
+    r = check(cfg, world_size=16, shape=None)
+    assert "megatron.tensor_model_parallel_size" in problem_fields(r)
+    assert "world_size (16) must be divisible by the product of all model parallel sizes (32)" in r.format_problems()
+
+
+@pytest.mark.parametrize(
+    ("megatron", "shape", "world", "field", "text"),
+    [
+        ({"tensor_model_parallel_size": 3}, DENSE, 3, "megatron.tensor_model_parallel_size", "8 attention heads"),
+        ({"tensor_model_parallel_size": 8}, DENSE, 8, "megatron.tensor_model_parallel_size", "4 key/value heads"),
+        ({"pipeline_model_parallel_size": 3}, DENSE, 3, "megatron.pipeline_model_parallel_size", "8 layers = 8 cannot be split"),
+        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 8}, DENSE, 2,
+         "megatron.virtual_pipeline_model_parallel_size", "model chunks per pipeline rank"),
+        ({"virtual_pipeline_model_parallel_size": 2}, DENSE, 1, "megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1"),
+        ({"sequence_parallel": True}, DENSE, 1, "megatron.sequence_parallel", "needs tensor_model_parallel_size > 1"),
+        ({"expert_model_parallel_size": 2}, DENSE, 2, "megatron.expert_model_parallel_size", "dense model"),
+        ({"expert_model_parallel_size": 3}, MOE, 3, "megatron.expert_model_parallel_size", "8 experts"),
+        ({"micro_batch_size": 3, "global_batch_size": 8}, DENSE, 1, "megatron.global_batch_size", "not divisible by micro_batch_size x DP"),
+        ({"micro_batch_size": 2, "global_batch_size": 8}, DENSE, 3, "megatron.global_batch_size", "2 x 3 = 6"),
+        ({"inference_backend": "sglang"}, DENSE, 1, "megatron.inference_backend", "sglang rollouts are not implemented"),
+        ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'vllm'"),
+        ({"weight_sync_method": "rdma"}, DENSE, 1, "megatron.weight_sync_method", "'nccl', 'gloo', 'checkpoint'"),
+        ({"pipeline_schedule": "gpipe"}, DENSE, 1, "megatron.pipeline_schedule", "'1f1b', 'interleaved', 'zb_h1'"),
+        ({"pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved"}, DENSE, 2, "megatron.pipeline_schedule", "needs megatron.virtual_pipeline_model_parallel_size"),
+        ({"optimizer_config": {"optimizer_offload_fraction": 1.5}}, DENSE, 1, "megatron.optimizer_config.optimizer_offload_fraction", "[0, 1]"),
+        ({"optimizer_config": {"optimizer_offload_fraction": -0.1}}, DENSE, 1, "megatron.optimizer_config.optimizer_offload_fraction", "[0, 1]"),
+        ({"transformer_config": {"recompute_granularity": "some"}}, DENSE, 1, "megatron.transformer_config.recompute_granularity", "'full', 'selective'"),
+        ({"transformer_config": {"recompute_modules": ["attn"]}}, DENSE, 1, "megatron.transformer_config.recompute_modules", "'core_attn'"),
+        ({"tensor_model_parallel_size": 0}, DENSE, 1, "megatron.tensor_model_parallel_size", "positive integer"),
+    ],
+)
+def test_layout_rules_name_the_field(make_config, megatron, shape, world, field, text) -> None:  # noqa: ANN001
+    r = check(make_config(megatron=megatron), world_size=world, shape=shape)
+    assert field in problem_fields(r), r.format_problems()
+    assert text in r.format_problems()
+
+
+def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 30, "max_completion_length": 15})
+    r = check(cfg, world_size=2)
+    assert "grpo.max_completion_length" in problem_fields(r)
+    assert "Set grpo.max_completion_length to 18 (total 48)" in r.format_problems()
+    ok = check(make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 32, "max_completion_length": 16}), world_size=2)
+    assert ok.ok, ok.format_problems()
+
+
+@pytest.mark.parametrize(
+    ("grpo", "field", "text"),
+    [
+        ({"temperature": 0.0}, "grpo.temperature", "(0, 2]"),
+        ({"temperature": 2.5}, "grpo.temperature", "(0, 2]"),
+        ({"num_generations": 1}, "grpo.num_generations", "at least 2"),
+        ({"num_generations": 3}, "grpo.num_generations", "multiple of grpo.num_generations (3)"),
+        ({"top_p": 0.0}, "grpo.top_p", "(0, 1]"),
+        ({"kl_estimator": "k4"}, "grpo.kl_estimator", "'k1', 'k2', 'k3'"),
+        ({"loss_aggregation": "sum"}, "grpo.loss_aggregation", "'token_mean', 'seq_mean', 'seq_mean_token_sum_norm'"),
+        ({"beta": -1.0}, "grpo.beta", ">= 0"),
+        ({"epsilon": 0.0}, "grpo.epsilon", "> 0"),
+        ({"ppo_epochs": 0}, "grpo.ppo_epochs", "positive integer"),
+        ({"on_reward_error": "ignore"}, "grpo.on_reward_error", "'raise' or 'skip'"),
+        ({"reward_functions": []}, "grpo.reward_functions", "needs a reward"),
+        ({"reward_functions": [{"name": "no_such_reward"}]}, "grpo.reward_functions[0].name", "REWARD_FUNCTION registry"),
+    ],
+)
+def test_grpo_rules_name_the_field(make_config, grpo, field, text) -> None:  # noqa: ANN001
+    r = check(make_config(grpo=grpo))
+    assert field in problem_fields(r), r.format_problems()
+    assert text in r.format_problems()
+
+
+def test_oumi_registered_reward_functions_are_accepted(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k", "weight": 1.0}, {"name": "countdown", "weight": 0.5}]})
+    assert check(cfg).ok
+
+
+def test_fsdp_and_deepspeed_are_rejected(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(fsdp={"enable_fsdp": True}))
+    assert "fsdp.enable_fsdp" in problem_fields(r)
+    r = check(make_config(deepspeed={"enable_deepspeed": True}))
+    assert "deepspeed.enable_deepspeed" in problem_fields(r)
+
+
+def test_missing_and_unreadable_model(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    r = check(make_config(model={"model_name": ""}), shape=None)
+    assert "model.model_name" in problem_fields(r)
+    assert "is empty" in r.format_problems()
+    r = validate_config(make_config(model={"model_name": str(tmp_path / "nope")}), world_size=1, check_bridge=False)
+    assert "model.model_name" in problem_fields(r)
+    assert "does not exist" in r.format_problems()
+    # A hub name with the hub unreachable (HF_HUB_OFFLINE=1 in tests) says how to validate offline.
+    r = validate_config(make_config(model={"model_name": "org-that-is-not/cached-model"}), world_size=1, check_bridge=False)
+    assert "model.model_name" in problem_fields(r)
+    assert "--model-config" in r.format_problems()
+
+
+def test_wrong_trainer_type_with_megatron_section(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(training={"trainer_type": "TRL_GRPO"}))
+    assert "training.trainer_type" in problem_fields(r)
+
+
+def test_all_problems_are_reported_together_and_raise(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(megatron={"sequence_parallel": True, "inference_backend": "x"}, grpo={"temperature": 9.0})
+    r = check(cfg)
+    assert {"megatron.sequence_parallel", "megatron.inference_backend", "grpo.temperature"} <= set(problem_fields(r))
+    with pytest.raises(MegatronConfigError) as e:
+        r.raise_if_invalid()
+    assert "3 problems" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("megatron", "world", "used", "warning"),
+    [
+        ({"pipeline_schedule": "zb_h1"}, 1, "none", "pipeline_model_parallel_size is 1"),
+        ({"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 2,
+         "interleaved", "virtual_pipeline_model_parallel_size is set"),
+        ({"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2, "ddp_config": {"overlap_grad_reduce": True}}, 2,
+         "1f1b", "overlap_grad_reduce is on"),
+    ],
+)
+def test_zb_h1_falls_back_with_one_warning(make_config, megatron, world, used, warning) -> None:  # noqa: ANN001
+    r = check(make_config(megatron=megatron), world_size=world)
+    assert r.ok, r.format_problems()
+    assert r.layout.pipeline_schedule == used
+    zb = [w for w in r.warnings if "zb_h1" in w]
+    assert len(zb) == 1 and warning in zb[0]
+
+
+def test_zb_h1_is_used_where_supported(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2}), world_size=2)
+    assert r.ok and r.layout.pipeline_schedule == "zb_h1" and not r.warnings
+
+
+def test_module_queue_warns_where_it_cannot_act(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"enable_module_queue": True, "pipeline_model_parallel_size": 2}), world_size=2)
+    assert r.ok
+    mq = [w for w in r.warnings if "enable_module_queue" in w]
+    assert len(mq) == 1 and "last pipeline stage" in mq[0] and "inference" in mq[0]
+
+
+def test_megatron_bridge_missing_gives_the_seed_import_error(make_config, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    import importlib.util
+
+    from oumi_megatron import bridge_utils
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return None if name.startswith("megatron.bridge") else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ImportError, match="megatron-bridge is not available") as e:
+        bridge_utils.check_megatron_bridge_available()
+    assert "pip install megatron-bridge megatron-core megatron-lm" in str(e.value)
+    r = validate_config(make_config(), world_size=1, model_shape=DENSE, check_bridge=True)
+    assert "megatron-bridge" in problem_fields(r)
+
+
+def test_check_megatron_bridge_available_passes_here() -> None:
+    import sys
+
+    from oumi_megatron import check_megatron_bridge_available
+
+    check_megatron_bridge_available()
+    assert "megatron.bridge" in sys.modules
+    assert not any(name.startswith("transformer_engine") for name in sys.modules)
+    flagged = [
+        name for name, mod in list(sys.modules.items())
+        if name.startswith("megatron") and mod is not None and getattr(mod, "HAVE_TE", False) is True
+    ]
+    assert flagged == [], f"modules that believe TransformerEngine is installed: {flagged}"
+
+
+SHIPPED = [
+    ("tiny_cpu_grpo.yaml", 1, None, None),
+    ("tiny_cpu_grpo.yaml", 2, None, None),
+    ("one_gpu_grpo.yaml", 1, None, "qwen2.5-1.5b-instruct"),
+    ("train_70b_grpo.yaml", 16, 8, "llama-3.1-70b-instruct"),
+    ("train_405b_grpo.yaml", 256, 8, "llama-3.1-405b-instruct"),
+]
+
+
+@pytest.mark.parametrize(("name", "world", "gpn", "shape_dir"), SHIPPED)
+def test_shipped_configs_validate_for_their_world_size(name, world, gpn, shape_dir, tiny_model_dir) -> None:  # noqa: ANN001
+    from oumi_megatron.cli import load_config
+
+    overrides = [f"model.model_name={tiny_model_dir}"] if shape_dir is None else []
+    cfg = load_config(str(REPO / "configs" / name), overrides)
+    model_cfg = str(REPO / "configs/model_shapes" / shape_dir / "config.json") if shape_dir else None
+    r = validate_config(cfg, world_size=world, gpus_per_node=gpn, model_config_path=model_cfg)
+    assert r.ok, r.format_problems()
+    assert r.layout.world_size == world
+
+
+def test_seed_405b_vpp32_is_explained(tiny_model_dir) -> None:  # noqa: ANN001
+    from oumi_megatron.cli import load_config
+
+    cfg = load_config(str(REPO / "configs/train_405b_grpo.yaml"), ["megatron.virtual_pipeline_model_parallel_size=32"])
+    r = validate_config(cfg, world_size=256, model_config_path=str(REPO / "configs/model_shapes/llama-3.1-405b-instruct/config.json"),
+                        check_bridge=False)
+    assert problem_fields(r) == ["megatron.virtual_pipeline_model_parallel_size"]
+    msg = r.format_problems()
+    assert "PP 16 x VPP 32 = 512 virtual stages" in msg and "use one of [2, 4, 8]" in msg
+
+
+def test_70b_layout_matches_the_seed(tiny_model_dir) -> None:  # noqa: ANN001
+    from oumi_megatron.cli import load_config
+
+    cfg = load_config(str(REPO / "configs/train_70b_grpo.yaml"), [])
+    r = validate_config(cfg, world_size=16, model_config_path=str(REPO / "configs/model_shapes/llama-3.1-70b-instruct/config.json"),
+                        check_bridge=False)
+    assert r.ok
+    assert (r.layout.tensor_parallel, r.layout.pipeline_parallel, r.layout.data_parallel) == (8, 2, 1)
+    bad = validate_config(cfg, world_size=12, model_config_path=str(REPO / "configs/model_shapes/llama-3.1-70b-instruct/config.json"),
+                          check_bridge=False)
+    assert "world_size (12) must be divisible by the product of all model parallel sizes (16)" in bad.format_problems()
