@@ -34,10 +34,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "setup: installing the pinned set from $LOCK (first time: ~9 min, ~7 GB)"
   start=$(date +%s)
   # The lock pins pip itself; upgrade it first so the rest resolves wheels the same way.
-  "${PIP[@]}" install -q "$(grep -E '^pip==' "$LOCK")"
-  "${PIP[@]}" install -q --no-deps -r "$LOCK"
+  # (grep -v: this machine's pip.conf names local index folders that may not exist; pip warns per package.)
+  "${PIP[@]}" install -q "$(grep -E '^pip==' "$LOCK")" 2> >(grep -v "is ignored: it is neither" >&2)
+  "${PIP[@]}" install -q --no-deps -r "$LOCK" 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
 fi
 # Editable install of this package (cheap; keeps the .pth hook that wires us into Oumi in place).
-"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2> >(grep -v "is ignored: it is neither" >&2)

@@ -81,5 +81,6 @@ def make_config(tmp_path: Path, tiny_model_dir: Path):  # noqa: ANN201
 
 
 def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    # COLUMNS: Oumi's rich console wraps long messages at the terminal width; keep them on one line.
+    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400", **(env or {})}
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -5,13 +5,12 @@ Validation runs first, before anything heavy (model conversion, process groups, 
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
-from oumi_megatron.validation import validate_config
+from oumi.utils.logging import logger
 
-logger = logging.getLogger("oumi_megatron")
+from oumi_megatron.validation import validate_config
 
 
 def _as_megatron_config(config: Any) -> Any:

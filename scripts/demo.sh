@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job on a CPU machine: set up .venv (idempotent), build the tiny model locally, and run the
+# furthest part of the pipeline that works today: validate every shipped config for its world size.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=.venv/bin/python
+$PY scripts/make_demo_data.py
+$PY scripts/make_tiny_model.py --out output/tiny_qwen2 --arch qwen2
+run() { echo; echo "\$ $*"; "$@"; }
+run .venv/bin/oumi-megatron validate -c configs/tiny_cpu_grpo.yaml --world-size 1
+run .venv/bin/oumi-megatron validate -c configs/tiny_cpu_grpo.yaml --world-size 2 --megatron.pipeline_model_parallel_size 2
+run .venv/bin/oumi-megatron validate -c configs/one_gpu_grpo.yaml --world-size 1 \
+    --model-config configs/model_shapes/qwen2.5-1.5b-instruct/config.json
+run .venv/bin/oumi-megatron validate -c configs/train_70b_grpo.yaml --world-size 16 --gpus-per-node 8 \
+    --model-config configs/model_shapes/llama-3.1-70b-instruct/config.json
+run .venv/bin/oumi-megatron validate -c configs/train_405b_grpo.yaml --world-size 256 --gpus-per-node 8 \
+    --model-config configs/model_shapes/llama-3.1-405b-instruct/config.json

@@ -1,0 +1,101 @@
+"""Subprocess tests: the real `oumi` CLI, torchrun (gloo, 2 ranks) and `oumi-megatron` reach the plugin,
+and stock Oumi keeps working."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, VENV_BIN, base_config_dict, run_cli, write_yaml
+
+pytestmark = pytest.mark.slow
+
+PY = str(VENV_BIN / "python")
+LAYOUT_PP2 = "TP 1 x PP 2 x CP 1 x EP 1 x DP 1 = world size 2"
+
+
+@pytest.fixture(scope="module")
+def good_yaml(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return write_yaml(tmp_path_factory.mktemp("cfg") / "good.yaml", base_config_dict(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def bad_yaml(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    data = base_config_dict(tiny_model_dir, grpo={"temperature": 3.0}, megatron={"tensor_model_parallel_size": 4})
+    return write_yaml(tmp_path_factory.mktemp("cfg") / "bad.yaml", data)
+
+
+def test_python_start_does_not_import_oumi() -> None:
+    out = run_cli([PY, "-c", "import sys; print('oumi' in sys.modules, any(isinstance(f, type) for f in sys.meta_path))"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "False"
+    out = run_cli([PY, "-c", "import sys, oumi; print('oumi.train' in sys.modules, 'oumi_megatron' in sys.modules)"])
+    assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_oumi_megatron_validate_cli_prints_layout() -> None:
+    shape = REPO / "configs/model_shapes/llama-3.1-70b-instruct/config.json"
+    out = run_cli(["oumi-megatron", "validate", "-c", "configs/train_70b_grpo.yaml", "--world-size", "16",
+                   "--gpus-per-node", "8", "--model-config", str(shape)])
+    assert out.returncode == 0, out.stderr
+    assert "TP 8 x PP 2 x CP 1 x EP 1 x DP 1 = world size 16" in out.stdout
+    assert "nodes: 2 x 8 GPUs" in out.stdout
+    assert "microbatches per step per DP rank: 4" in out.stdout
+    assert "pipeline schedule: 1f1b" in out.stdout
+
+
+def test_python_m_validate_with_overrides_reports_every_problem(good_yaml: Path) -> None:
+    out = run_cli([PY, "-m", "oumi_megatron", "validate", "-c", str(good_yaml), "--world-size", "2",
+                   "--megatron.tensor_model_parallel_size", "4", "--grpo.num_generations=1"])
+    assert out.returncode == 1
+    assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in out.stderr
+    assert "grpo.num_generations: must be at least 2" in out.stderr
+
+
+def test_oumi_train_reaches_the_plugin_with_a_bad_config(bad_yaml: Path) -> None:
+    out = run_cli(["oumi", "train", "-c", str(bad_yaml)])
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "MEGATRON_GRPO config has" in text
+    assert "grpo.temperature" in text and "megatron.tensor_model_parallel_size" in text
+
+
+def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
+    out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", "29511", "-m", "oumi", "train",
+                   "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
+    text = out.stdout + out.stderr
+    assert LAYOUT_PP2 in text, text[-3000:]
+    bad = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", "29512", "-m", "oumi", "train",
+                   "-c", str(good_yaml), "--megatron.tensor_model_parallel_size", "4"])
+    assert bad.returncode != 0
+    assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("form", ["seed", "stock"])
+def test_oumi_distributed_torchrun_forms(good_yaml: Path, form: str) -> None:
+    target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
+    out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
+                   "--megatron.pipeline_model_parallel_size", "2"], env={"MASTER_PORT": "29513"})
+    text = out.stdout + out.stderr
+    assert "unrecognized arguments" not in text
+    assert LAYOUT_PP2 in text, text[-3000:]
+
+
+def test_stock_oumi_sft_still_trains(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "sft.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+            for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"model_name": str(tiny_model_dir), "torch_dtype_str": "float32", "model_max_length": 64},
+        "data": {"train": {"datasets": [{"dataset_name": "text_sft_jsonl", "dataset_path": str(data)}]}},
+        "training": {"trainer_type": "TRL_SFT", "max_steps": 2, "per_device_train_batch_size": 2,
+                     "output_dir": str(tmp_path / "out"), "save_final_model": False, "logging_steps": 1,
+                     "enable_wandb": False, "enable_tensorboard": False, "dataloader_num_workers": 0},
+    }
+    path = write_yaml(tmp_path / "sft.yaml", cfg)
+    out = run_cli(["oumi", "train", "-c", str(path)])
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "MEGATRON" not in out.stdout + out.stderr
