@@ -1,0 +1,80 @@
+"""torch.distributed and Megatron-Core process groups (TP, PP, CP, EP, DP, VPP) from MegatronParams."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from oumi_megatron.engine.cpu_shims import install_cpu_shims
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    virtual_pipeline: int | None = None
+
+    @classmethod
+    def from_params(cls, params) -> ParallelSizes:  # noqa: ANN001 - MegatronParams
+        return cls(
+            tensor=params.tensor_model_parallel_size,
+            pipeline=params.pipeline_model_parallel_size,
+            context=params.context_parallel_size,
+            expert=params.expert_model_parallel_size,
+            virtual_pipeline=params.virtual_pipeline_model_parallel_size,
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Create the default process group: NCCL on GPUs, gloo on CPU. Works without torchrun (1 rank)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python`/`oumi train` run: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def init_model_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
+    """Megatron-Core's process groups and its model-parallel RNG, for the given layout."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_distributed()
+    install_cpu_shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor,
+        pipeline_model_parallel_size=sizes.pipeline,
+        virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
+        context_parallel_size=sizes.context,
+        expert_model_parallel_size=sizes.expert,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,206 @@
+"""``MegatronEngine``: one policy model on Megatron-Core, trained one optimizer step at a time.
+
+The caller hands the engine this data-parallel rank's microbatches (every rank of a DP replica gets
+the same ones) and a per-token loss function; the engine runs Megatron-Core's pipeline schedule
+(``get_forward_backward_func``: no pipeline, 1F1B or interleaved), the DP gradient reduce, gradient
+clipping and the optimizer step. It also computes per-token log-probabilities without gradients.
+
+Loss contract. ``loss_fn(logprobs, batch) -> (loss_sum, count, metrics)`` where ``logprobs[b, t]`` is
+log p(``target_ids[b, t]`` | tokens up to t) at the sampling temperature, ``loss_sum`` a scalar summed
+over the microbatch, ``count`` an integer tensor (tokens for a token mean, sequences for a sequence
+mean) and ``metrics`` a dict of scalar sums. The gradient of a step is that of
+sum(loss_sum) / sum(count) over every microbatch of every DP rank: Megatron-Core's per-token-loss
+path (``calculate_per_token_loss``) divides the reduced gradients by the global count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepResult:
+    """Reduced over the whole global batch (all microbatches, all DP ranks); same on every rank."""
+
+    loss: float
+    count: float
+    grad_norm: float
+    lr: float
+    update_successful: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Sums of the loss function's metrics over the global batch."""
+
+
+def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
+    """Next-token targets: ``target[:, t] = input_ids[:, t + 1]``; the last column is ``pad_id``."""
+    targets = torch.full_like(input_ids, pad_id)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) at ``targets``; logits may be split over the TP group (vocab-parallel)."""
+    from megatron.core import tensor_parallel
+
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
+
+
+class MegatronEngine:
+    """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
+
+    def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: Any) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.params = params
+        self.step_count = 0
+        config = get_model_config(model[0])
+        config.finalize_model_grads_func = finalize_model_grads
+        if optimizer is not None:
+            config.grad_scale_func = optimizer.scale_loss
+        self.config = config
+
+    # ----------------------------------------------------------------------------------------------
+    # Running the schedule
+    # ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _prepare(microbatches: list[dict[str, torch.Tensor]]) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+        """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step)."""
+        seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+        mbs = microbatches[0]["input_ids"].shape[0]
+        out = []
+        for mb in microbatches:
+            if mb["input_ids"].shape[0] != mbs:
+                raise ValueError("all microbatches of a step must have the same micro batch size")
+            pad = seq_len - mb["input_ids"].shape[1]
+            padded = {k: (torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and pad else v) for k, v in mb.items()}
+            ids = padded["input_ids"]
+            padded.setdefault("target_ids", shift_targets(ids))
+            padded["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
+            out.append(padded)
+        return out, seq_len, mbs
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _run(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn, temperature: float, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches, seq_len, mbs = self._prepare(microbatches)
+        device = self._device()
+        batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+
+        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            batch = next(data_iterator)
+            output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                logprobs = token_logprobs(logits, batch["target_ids"], temperature)
+                loss_sum, count, metrics = loss_fn(logprobs, batch)
+                count = torch.as_tensor(count, device=logits.device).to(torch.int)
+                return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
+
+            return output, loss_func
+
+        # One iterator per model chunk (interleaved schedules pull from each).
+        n = len(batches)
+        iterators = [iter(batches) for _ in self.model] if len(self.model) > 1 else iter(batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=self.model,
+            num_microbatches=n,
+            seq_length=seq_len,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Public API
+    # ----------------------------------------------------------------------------------------------
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn, temperature: float = 1.0) -> StepResult:
+        """One optimizer step over this DP rank's microbatches (each: ``input_ids`` [mbs, seq] + loss inputs)."""
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step_count += 1
+        totals = self._reduce_metrics(outputs)
+        count = totals.pop("count")
+        loss_sum = totals.pop("loss_sum")
+        return StepResult(
+            loss=loss_sum / max(count, 1.0),
+            count=count,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            update_successful=bool(update_successful),
+            metrics=totals,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-token logprobs of each microbatch's ``input_ids`` (targets = next tokens), on every rank
+        of this DP replica; shape of each: [mbs, seq] (seq = the longest microbatch)."""
+        for chunk in self.model:
+            chunk.eval()
+
+        def keep(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {"logprobs": logprobs.detach()}
+
+        outputs = self._run(microbatches, keep, temperature, forward_only=True)
+        from megatron.core import parallel_state as ps
+
+        seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+        result = []
+        for i, mb in enumerate(microbatches):
+            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                t = outputs[i]["logprobs"].float().contiguous()
+            else:
+                t = torch.empty(mb["input_ids"].shape[0], seq_len, dtype=torch.float32, device=self._device())
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            result.append(t.cpu())
+        return result
+
+    def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
+        """Sum metric dicts over microbatches (last stage), then over DP, then share with all PP ranks."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(outputs[0].keys()) if outputs else []
+        n_keys = torch.tensor([len(keys)], dtype=torch.int64, device=self._device())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(n_keys, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        values = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self._device())
+        if outputs:
+            for out in outputs:
+                values += torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=values.device) for k in keys])
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            keys = self._broadcast_keys(keys)
+        return dict(zip(keys, values.tolist()))
+
+    @staticmethod
+    def _broadcast_keys(keys: list[str]) -> list[str]:
+        from megatron.core import parallel_state as ps
+
+        box = [keys]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return box[0]

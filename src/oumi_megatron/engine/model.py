@@ -1,0 +1,133 @@
+"""Building the Megatron-Core GPT model through Megatron-Bridge's provider.
+
+The bridge maps an HF config (Llama, Qwen2, Qwen3, ... ) to a ``GPTModelProvider`` (a Megatron-Core
+TransformerConfig that can build models) and knows how to move weights between the two formats.
+We set the parallel layout, precision and recompute settings from ``MegatronParams`` on it, pick the
+layer spec (TransformerEngine when installed, else Megatron-Core's local spec with fusions off, which
+need TE/apex/torch.compile) and build one model chunk per virtual pipeline stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oumi_megatron.bridge_utils import import_megatron_bridge
+
+# Fusions that need TransformerEngine, apex or torch.compile; off with the local spec.
+_LOCAL_SPEC_FUSIONS_OFF = (
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no Megatron-Bridge mapping."""
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and the CPU runs are parity tests)."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def load_bridge(hf_path: str | Path, trust_remote_code: bool = False, config_only: bool = False) -> Any:
+    """``AutoBridge`` for an HF model folder or hub name.
+
+    With ``config_only`` the bridge knows the architecture but no weights (used for checkpoints we
+    converted, whose weights live in Megatron format); otherwise HF weights are read lazily.
+    """
+    import_megatron_bridge()
+    from megatron.bridge import AutoBridge
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(hf_path), trust_remote_code=trust_remote_code)
+    if not AutoBridge.supports(hf_config):
+        archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
+        raise UnsupportedModelError(
+            f"model.model_name: {hf_path} is a {', '.join(archs)} model, which Megatron-Bridge cannot "
+            f"convert. Supported: {', '.join(sorted(AutoBridge.list_supported_models()))}."
+        )
+    if config_only:
+        return AutoBridge.from_hf_config(hf_config)
+    return AutoBridge.from_hf_pretrained(str(hf_path), trust_remote_code=trust_remote_code)
+
+
+def configure_provider(
+    provider: Any,
+    params: Any,  # MegatronParams
+    dtype: torch.dtype,
+    seq_length: int | None = None,
+) -> Any:
+    """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider."""
+    provider.tensor_model_parallel_size = params.tensor_model_parallel_size
+    provider.pipeline_model_parallel_size = params.pipeline_model_parallel_size
+    provider.virtual_pipeline_model_parallel_size = params.virtual_pipeline_model_parallel_size
+    provider.context_parallel_size = params.context_parallel_size
+    provider.expert_model_parallel_size = params.expert_model_parallel_size
+    provider.sequence_parallel = params.sequence_parallel
+    t = params.transformer_config
+    provider.account_for_embedding_in_pipeline_split = t.account_for_embedding_in_pipeline_split
+    provider.account_for_loss_in_pipeline_split = t.account_for_loss_in_pipeline_split
+    provider.recompute_granularity = t.recompute_granularity
+    if t.recompute_granularity == "full":
+        provider.recompute_method = t.recompute_method
+        provider.recompute_num_layers = t.recompute_num_layers or 1
+    else:  # Megatron-Core uses recompute_method / num_layers for full recompute only
+        provider.recompute_method = None
+        provider.recompute_num_layers = None
+    provider.recompute_modules = list(t.recompute_modules or ["core_attn"])
+    if seq_length is not None:
+        provider.seq_length = seq_length
+
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = dtype == torch.float16
+    # RL fine-tuning: no dropout (it would make old/new logprobs of the same tokens disagree).
+    provider.hidden_dropout = 0.0
+    provider.attention_dropout = 0.0
+    # Losses are summed per microbatch and divided by the global token/sequence count
+    # (GRPO's token_mean / seq_mean): Megatron then scales gradients by 1/count after the DP reduce.
+    provider.calculate_per_token_loss = True
+    if not have_transformer_engine():
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        provider.transformer_layer_spec = local_layer_spec
+        for name in _LOCAL_SPEC_FUSIONS_OFF:
+            if hasattr(provider, name):
+                setattr(provider, name, False)
+    provider.finalize()
+    return provider
+
+
+def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: bool) -> list[torch.nn.Module]:
+    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped if ``ddp_config``."""
+    from megatron.core.transformer.module import Float16Module
+
+    if not load_hf_weights:
+        provider.perform_initialization = False  # weights come from a checkpoint right after
+    return provider.provide_distributed_model(
+        ddp_config=ddp_config,
+        wrap_with_ddp=ddp_config is not None,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        mixed_precision_wrapper=Float16Module,
+    )
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

@@ -1,0 +1,51 @@
+"""Atomic directory writes: a folder either appears complete or not at all.
+
+Every rank writes into ``.<name>.partial`` next to the target; after a barrier, rank 0 renames it into
+place (replacing an older version via a second rename). A crash at any point leaves either the old
+folder or no folder at ``path``, never a half-written one; leftovers of ``.partial`` are removed on
+the next write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def partial_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary folder to write into (collective when torch.distributed is initialized)."""
+    path = Path(path)
+    tmp = partial_path(path)
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    yield tmp
+    _barrier()
+    if _rank() == 0:
+        old = path.parent / f".{path.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
