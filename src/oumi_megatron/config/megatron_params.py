@@ -48,7 +48,9 @@ class MegatronDDPConfig(BaseParams):
     """Overlap the distributed optimizer's parameter all-gather with the next forward."""
 
     average_in_collective: bool = True
-    """Average (rather than sum then scale) inside the collective."""
+    """Average (rather than sum then scale) inside the collective. The GRPO engine normalizes losses
+    by global token/sequence counts (Megatron-Core's per-token-loss path), which sums in the collective
+    and divides once, so it does not apply to MEGATRON_GRPO training; kept for config compatibility."""
 
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1 style)."""

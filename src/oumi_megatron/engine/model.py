@@ -101,6 +101,13 @@ def configure_provider(
     # Losses are summed per microbatch and divided by the global token/sequence count
     # (GRPO's token_mean / seq_mean): Megatron then scales gradients by 1/count after the DP reduce.
     provider.calculate_per_token_loss = True
+    if params.pipeline_model_parallel_size == 2:
+        # With two stages the previous and the next stage are the same rank. Batched p2p posts
+        # [send_prev, recv_prev, send_next, recv_next] on both ranks, so in the interleaved schedule's
+        # steady state an activation and a gradient of the same shape travel between the same pair in
+        # opposite orders and are swapped (seen on gloo: wrong losses from the 3rd microbatch on).
+        # The unbatched path orders them per rank parity and uses two communicators for a pair.
+        provider.batch_p2p_comm = False
     if not have_transformer_engine():
         from megatron.bridge.models.gpt_provider import local_layer_spec
 

@@ -1,0 +1,43 @@
+"""Assembling a MegatronEngine for the current layout from a converted (or trained) checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oumi_megatron.engine.conversion import build_from_checkpoint
+from oumi_megatron.engine.engine import MegatronEngine
+from oumi_megatron.engine.model import default_dtype
+from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
+
+
+def ddp_config_from_params(params: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    d = params.ddp_config
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32,
+        overlap_grad_reduce=d.overlap_grad_reduce,
+        overlap_param_gather=d.overlap_param_gather,
+        # GRPO losses are normalized by global token/sequence counts (calculate_per_token_loss):
+        # Megatron-Core then sums in the collective and divides by the count once; averaging in the
+        # collective as well would divide twice, so average_in_collective cannot apply here.
+        average_in_collective=False,
+        use_distributed_optimizer=d.use_distributed_optimizer,
+    )
+
+
+def build_engine(
+    checkpoint_dir: str | Path,
+    params: Any,
+    settings: OptimSettings,
+    dtype: torch.dtype | None = None,
+) -> tuple[Any, MegatronEngine]:
+    """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule."""
+    dtype = dtype or default_dtype()
+    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params))
+    optimizer = build_optimizer(chunks, params, settings, dtype)
+    scheduler = build_scheduler(optimizer, settings)
+    return bridge, MegatronEngine(chunks, optimizer, scheduler, params)

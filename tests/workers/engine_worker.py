@@ -1,0 +1,82 @@
+"""Runs a few engine steps under one layout (torchrun or plain python) and records the results.
+
+    python tests/workers/engine_worker.py CKPT OUT --tp 2 --pp 1 --vpp 0 --steps 2
+
+Writes OUT/result.json (losses, grad norms, logprobs of a fixed batch) on global rank 0, and exports
+the trained weights to OUT/hf. The data and the loss are the same for every layout, so results must
+match the single-rank run.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def global_batch(step: int, n: int = 8, seq: int = 24, vocab: int = 300) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def token_mean_nll(logprobs: torch.Tensor, batch: dict) -> tuple:
+    mask = batch["loss_mask"].float()
+    loss_sum = -(logprobs * mask).sum()
+    return loss_sum, mask.sum().to(torch.int), {"logprob_sum": (logprobs * mask).sum().detach()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--distributed-optimizer", type=int, default=1)
+    args = p.parse_args()
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.conversion import save_hf
+    from oumi_megatron.engine.optimizer import OptimSettings
+
+    params = MegatronParams(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp or None,
+    )
+    params.ddp_config.use_distributed_optimizer = bool(args.distributed_optimizer)
+    params.transformer_config.recompute_granularity = None
+    settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
+    bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    results = {"loss": [], "grad_norm": [], "count": []}
+    for step in range(args.steps):
+        ids = global_batch(step)
+        mask = torch.ones_like(ids)
+        mask[:, :4] = 0  # a "prompt" that is not trained on
+        mask[:, -1] = 0  # no target after the last token
+        mask[step::3, -6:-1] = 0  # some "padding"
+        local = ids.chunk(dp)[dp_rank], mask.chunk(dp)[dp_rank]
+        mbs = [{"input_ids": i, "loss_mask": m} for i, m in zip(local[0].split(args.mbs), local[1].split(args.mbs))]
+        r = engine.train_step(mbs, token_mean_nll)
+        results["loss"].append(r.loss)
+        results["grad_norm"].append(r.grad_norm)
+        results["count"].append(r.count)
+    probe = global_batch(99)[:4]
+    lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
+    results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
+    save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
+    if dist.get_rank() == 0:
+        (Path(args.out) / "result.json").write_text(json.dumps(results))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
