@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--distributed-optimizer", type=int, default=1)
+    p.add_argument("--save-at", type=int, default=0, help="save a training checkpoint after this step")
+    p.add_argument("--resume", default="", help="checkpoint to resume from before training")
+    p.add_argument("--no-export", action="store_true")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -55,9 +58,14 @@ def main() -> None:
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
+    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
+
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = {"loss": [], "grad_norm": [], "count": []}
-    for step in range(args.steps):
+    first = 0
+    if args.resume:
+        first = load_checkpoint(engine, args.resume)["step"]
+    for step in range(first, args.steps):
         ids = global_batch(step)
         mask = torch.ones_like(ids)
         mask[:, :4] = 0  # a "prompt" that is not trained on
@@ -69,11 +77,15 @@ def main() -> None:
         results["loss"].append(r.loss)
         results["grad_norm"].append(r.grad_norm)
         results["count"].append(r.count)
+        if args.save_at and step + 1 == args.save_at:
+            save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1}, Path(args.ckpt) / "hf")
     probe = global_batch(99)[:4]
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
-    save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
+    if not args.no_export:
+        save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
     if dist.get_rank() == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "result.json").write_text(json.dumps(results))
     dist.barrier()
 
