@@ -84,3 +84,11 @@ def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = No
     # COLUMNS: Oumi's rich console wraps long messages at the terminal width; keep them on one line.
     full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400", **(env or {})}
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

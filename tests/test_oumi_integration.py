@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, base_config_dict, run_cli, write_yaml
+from conftest import REPO, VENV_BIN, base_config_dict, free_port, run_cli, write_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +63,11 @@ def test_oumi_train_reaches_the_plugin_with_a_bad_config(bad_yaml: Path) -> None
 
 
 def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
-    out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", "29511", "-m", "oumi", "train",
+    out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
                    "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
     text = out.stdout + out.stderr
     assert LAYOUT_PP2 in text, text[-3000:]
-    bad = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", "29512", "-m", "oumi", "train",
+    bad = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
                    "-c", str(good_yaml), "--megatron.tensor_model_parallel_size", "4"])
     assert bad.returncode != 0
     assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in bad.stdout + bad.stderr
@@ -77,7 +77,7 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
 def test_oumi_distributed_torchrun_forms(good_yaml: Path, form: str) -> None:
     target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
     out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
-                   "--megatron.pipeline_model_parallel_size", "2"], env={"MASTER_PORT": "29513"})
+                   "--megatron.pipeline_model_parallel_size", "2"], env={"MASTER_PORT": str(free_port())})
     text = out.stdout + out.stderr
     assert "unrecognized arguments" not in text
     assert LAYOUT_PP2 in text, text[-3000:]

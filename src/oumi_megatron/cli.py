@@ -1,7 +1,11 @@
-"""``oumi-megatron`` command line: validate, train.
+"""``oumi-megatron`` command line: validate, convert, export, train.
 
     oumi-megatron validate -c cfg.yaml [--world-size N] [--gpus-per-node G] [--model-config PATH] [--a.b=v ...]
+    oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
+    oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
+
+convert/export run on one process, or on several under torchrun with the matching --tp/--pp.
 
 Dotted overrides work as in ``oumi train``: ``--megatron.tensor_model_parallel_size 8`` or ``...=8``.
 """
@@ -89,6 +93,44 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _layout_params(args: argparse.Namespace):  # noqa: ANN202
+    from oumi_megatron.config.megatron_params import MegatronParams
+
+    return MegatronParams(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+    )
+
+
+def _dtype(name: str | None):  # noqa: ANN202
+    import torch
+
+    return None if name in (None, "auto") else getattr(torch, name)
+
+
+def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.engine.conversion import convert_hf_to_megatron
+
+    out = convert_hf_to_megatron(args.hf, args.out, _layout_params(args), dtype=_dtype(args.dtype))
+    console.print(f"converted {args.hf} -> {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.engine.conversion import export_to_hf
+
+    out = export_to_hf(args.checkpoint, args.out, _layout_params(args))
+    console.print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun for > 1 rank)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oumi-megatron", description="Megatron-Core GRPO for Oumi")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, to check node boundaries")
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
     v.set_defaults(func=cmd_validate)
+
+    c = sub.add_parser("convert", help="convert an HF causal LM to a Megatron-Core checkpoint (Megatron-Bridge)")
+    c.add_argument("--hf", required=True, help="HF model folder or hub name")
+    c.add_argument("--out", required=True, help="output folder (e.g. output_dir/megatron_checkpoint)")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    _add_layout_flags(c)
+    c.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser("export", help="export a Megatron checkpoint (converted or trained) to an HF folder")
+    e.add_argument("--checkpoint", required=True, help="megatron_checkpoint/ or checkpoints/step_XXXXXX/")
+    e.add_argument("--out", required=True, help="output HF folder (written atomically)")
+    _add_layout_flags(e)
+    e.set_defaults(func=cmd_export)
 
     t = sub.add_parser("train", help="train (same as `oumi train -c` for a MEGATRON_GRPO config)")
     t.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")

@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--distributed-optimizer", type=int, default=1)
-    p.add_argument("--save-at", type=int, default=0, help="save a training checkpoint after this step")
+    p.add_argument("--save-at", type=int, action="append", default=[], help="save a checkpoint after this step")
     p.add_argument("--resume", default="", help="checkpoint to resume from before training")
     p.add_argument("--no-export", action="store_true")
     args = p.parse_args()
@@ -77,7 +77,7 @@ def main() -> None:
         results["loss"].append(r.loss)
         results["grad_norm"].append(r.grad_norm)
         results["count"].append(r.count)
-        if args.save_at and step + 1 == args.save_at:
+        if step + 1 in args.save_at:
             save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1}, Path(args.ckpt) / "hf")
     probe = global_batch(99)[:4]
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
