@@ -1,6 +1,6 @@
 """Single-rank parity against Hugging Face for the three architecture styles (run as a subprocess).
 
-    python tests/workers/parity_worker.py WORKDIR OUT_JSON
+    python tests/workers/parity_worker.py WORKDIR OUT_JSON [float32|bfloat16]
 
 For llama (untied), qwen2 (QKV bias, tied embeddings) and qwen3 (QK-norm): build a tiny random HF
 model, convert it with Megatron-Bridge, and record (1) max |Megatron logits - HF logits|,
@@ -17,13 +17,14 @@ import torch
 
 def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
+    dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import convert_hf_to_megatron, export_to_hf
-    from oumi_megatron.engine.model import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.testing.tiny_models import ARCHITECTURES, build_tiny_model
 
@@ -32,15 +33,16 @@ def main() -> None:
     params.transformer_config.recompute_granularity = None
     for arch in ARCHITECTURES:
         src = build_tiny_model(workdir / f"hf_{arch}", arch=arch)
-        ckpt = convert_hf_to_megatron(src, workdir / f"mc_{arch}", params, dtype=torch.float32)
-        _, engine = build_engine(ckpt, params, OptimSettings(), dtype=torch.float32)
-        hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        ckpt = convert_hf_to_megatron(src, workdir / f"mc_{arch}", params, dtype=dtype)
+        _, engine = build_engine(ckpt, params, OptimSettings(), dtype=dtype)
+        # The reference is always the fp32 HF model.
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().to(device)
         ids = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
-            ref_logits = hf(ids).logits
-            model = unwrap(engine.model[0]).eval()
+            ref_logits = hf(ids.to(device)).logits.float().cpu()
+            engine.model[0].eval()
             pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-            mc_logits = model(input_ids=ids, position_ids=pos, attention_mask=None)
+            mc_logits = engine.model[0](input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=None).float().cpu()
         ref_lp = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))[:, :-1]
         exported = export_to_hf(ckpt, workdir / f"export_{arch}", params)
@@ -48,11 +50,15 @@ def main() -> None:
         b = load_file(str(next(exported.glob("*.safetensors"))))
         extra = sorted(set(b) - set(a))
         tied_ok = all(torch.equal(b[k], a["model.embed_tokens.weight"]) for k in extra if k == "lm_head.weight")
-        reload_logits = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()(ids).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval().to(device)
+        with torch.no_grad():
+            reload_logits = reloaded(ids.to(device)).logits.float().cpu()
         results[arch] = {
             "logits_max_abs_diff": (mc_logits[..., : ref_logits.shape[-1]] - ref_logits).abs().max().item(),
             "logprobs_max_abs_diff": (lp - ref_lp).abs().max().item(),
-            "export_bit_identical": all(torch.equal(a[k], b[k]) for k in a) and set(a) <= set(b) and tied_ok,
+            # a bf16 checkpoint rounds fp32 source weights, so bit-identity is an fp32 property
+            "export_bit_identical": all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a) and set(a) <= set(b) and tied_ok,
+            "export_max_abs_diff": max((a[k] - b[k].to(a[k].dtype)).abs().max().item() for k in a),
             "export_extra_keys": extra,
             "reloaded_logits_max_abs_diff": (reload_logits - ref_logits).abs().max().item(),
         }

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.conversion import build_from_checkpoint
+from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.engine import MegatronEngine
-from oumi_megatron.engine.model import default_dtype
+from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
 
 
@@ -41,3 +42,24 @@ def build_engine(
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
     return bridge, MegatronEngine(chunks, optimizer, scheduler, params)
+
+
+def build_engine_from_hf_config(
+    hf_config: Any,
+    params: Any,
+    settings: OptimSettings,
+    dtype: torch.dtype | None = None,
+) -> tuple[Any, MegatronEngine]:
+    """A randomly initialized engine for an HF config (benchmarks; no weights are read)."""
+    from oumi_megatron.bridge_utils import import_megatron_bridge
+
+    dtype = dtype or default_dtype()
+    init_model_parallel(ParallelSizes.from_params(params))
+    import_megatron_bridge()
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_config(hf_config)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype)
+    chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)
+    optimizer = build_optimizer(chunks, params, settings, dtype)
+    return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params)

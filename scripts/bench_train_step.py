@@ -1,0 +1,107 @@
+"""Throughput, MFU and peak memory of one MegatronEngine training step for a ~0.9B dense model.
+
+    python scripts/bench_train_step.py --out result.json                          # 1 GPU
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out r.json   # TP=2
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out r.json   # PP=2
+
+Model: Llama-style, 16 layers, hidden 2048, 16 heads (8 KV heads), SwiGLU 5632, vocab 32000, bf16,
+random init (no weights read). Batch: micro batch 2 x 8 microbatches x seq 2048 = 32,768 tokens/step.
+FLOPs/token = 6 x (matmul parameters, output layer included) + 6 x layers x seq x hidden (causal
+attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU / peak dense bf16
+(989 TFLOP/s for H100 SXM and H200). scripts/gpu_check.sh runs all three and writes docs/benchmarks.md.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def model_config(seq: int):  # noqa: ANN201
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, rope_theta=10000.0,
+    )
+
+
+def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
+    h, f, layers, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f
+    matmul_params = layers * per_layer + h * v
+    return 6.0 * matmul_params + 6.0 * layers * seq * h
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+
+    import torch.distributed as dist
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+
+    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
+    cfg = model_config(args.seq)
+    _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
+
+    def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
+        return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = engine.train_step(batches, loss_fn)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    world = dist.get_world_size()
+    tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
+    step_s = sorted(times)[len(times) // 2]
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
+    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    result = {
+        "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
+        "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
+        "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
+        "peak_mem_gib": round(mem.item(), 2), "recompute": args.recompute, "final_loss": round(r.loss, 4),
+        "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
+    }
+    if dist.get_rank() == 0:
+        print("BENCH " + json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one call, on the lent GPU machine (torch 2.11 preinstalled there).
+#   bash scripts/gpu_check.sh            # from the repo root; wheels carried in .whl/ (see docs/benchmarks.md)
+# Installs what the image lacks (megatron-core, megatron-bridge, omegaconf) from .whl/, runs the GPU
+# tests (tests/test_gpu.py) and scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
+# Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+RESULTS=${OUT:-gpu_results}
+mkdir -p "$RESULTS"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+else
+  export PYTHONPATH=$PWD/src:$PWD/tests
+fi
+# The image's python has no venv: make `python`, `torchrun` and the CLIs resolve for the tests.
+mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python
+printf '#!/usr/bin/env bash\nexec python3 -m oumi_megatron "$@"\n' > /tmp/bin/oumi-megatron && chmod +x /tmp/bin/oumi-megatron
+export PATH=/tmp/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+NGPU=$(nvidia-smi -L | wc -l)
+
+python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+TEST_RC=${PIPESTATUS[0]}
+
+python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu.json" 2>&1 | tail -3
+if [ "$NGPU" -ge 2 ]; then
+  torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
+  torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
+fi
+
+python3 - "$RESULTS" <<'PY'
+import json, pathlib, sys
+rows = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"))]
+print("\n| layout | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in rows:
+    print(f"| {r['layout']} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} |")
+PY
+exit $TEST_RC

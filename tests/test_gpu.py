@@ -1,0 +1,57 @@
+"""GPU proofs (bf16, NCCL). Skipped, and reported as skipped, on machines without CUDA.
+
+Run by scripts/gpu_check.sh on the lent GPU machine. Tolerances (bf16 vs the fp32 HF reference):
+logits and logprobs within 0.1 absolute (bf16 keeps ~3 significant digits; logits here are O(1)).
+Across layouts (bf16): the first step's loss within 1e-3 relative, later ones within 5e-3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, VENV_BIN, free_port, run_cli
+
+pytestmark = pytest.mark.gpu
+PY = str(VENV_BIN / "python")
+TORCHRUN = str(VENV_BIN / "torchrun")
+WORKERS = REPO / "tests" / "workers"
+BF16_TOL = 0.1
+
+
+def _check(proc) -> None:  # noqa: ANN001
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: str) -> None:
+    work = tmp_path_factory.mktemp(f"gpu_{arch}")
+    out = work / "parity.json"
+    _check(run_cli([PY, str(WORKERS / "parity_worker.py"), str(work), str(out), "bfloat16"]))
+    r = json.loads(out.read_text())[arch]
+    assert r["logits_max_abs_diff"] <= BF16_TOL, r
+    assert r["logprobs_max_abs_diff"] <= BF16_TOL, r
+    assert r["reloaded_logits_max_abs_diff"] <= BF16_TOL, r
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp("gpu_layout")
+    src = build_tiny_model(work / "hf", arch="llama")
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
+    worker = [str(WORKERS / "engine_worker.py"), str(ckpt), "--steps", "3", "--no-export"]
+    _check(run_cli([PY, worker[0], worker[1], str(work / "ref"), *worker[2:]]))
+    _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), worker[0], worker[1],
+                    str(work / "par"), *worker[2:], *layout]))
+    ref = json.loads((work / "ref" / "result.json").read_text())
+    got = json.loads((work / "par" / "result.json").read_text())
+    assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-3 * abs(ref["loss"][0])
+    for a, b in zip(got["loss"], ref["loss"]):
+        assert abs(a - b) <= 5e-3 * abs(b)
