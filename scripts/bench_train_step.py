@@ -26,7 +26,7 @@ def model_config(seq: int):  # noqa: ANN201
     return LlamaConfig(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_theta=10000.0,
+        tie_word_embeddings=False, rope_theta=10000.0, architectures=["LlamaForCausalLM"],
     )
 
 
