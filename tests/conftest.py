@@ -49,7 +49,7 @@ def base_config_dict(model_dir: Path | str, **sections: dict[str, Any]) -> dict[
                 ]
             }
         },
-        "training": {"trainer_type": "MEGATRON_GRPO", "max_steps": 2, "output_dir": "unused"},
+        "training": {"trainer_type": "MEGATRON_GRPO", "max_steps": 2, "output_dir": "output/tests_unused"},
         "megatron": {"micro_batch_size": 2, "global_batch_size": 8},
         "grpo": {
             "num_generations": 4,

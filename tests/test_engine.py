@@ -150,6 +150,14 @@ def test_resume_is_exact(converted: Path, workdir: Path, reference: dict) -> Non
     assert resumed["logprobs"] == reference["logprobs"]
 
 
+def test_resume_is_exact_with_distributed_optimizer_over_dp2(converted: Path, workdir: Path) -> None:
+    full = _engine_run(converted, workdir / "dp2_full", ["--save-at", "2", "--no-export"], nproc=2)
+    ckpt = workdir / "dp2_full" / "checkpoints" / "step_000002"
+    resumed = _engine_run(converted, workdir / "dp2_resumed", ["--resume", str(ckpt), "--no-export"], nproc=2)
+    assert resumed["loss"] == full["loss"][2:]
+    assert resumed["logprobs"] == full["logprobs"]
+
+
 def test_kill_during_checkpoint_write_keeps_previous(converted: Path, workdir: Path) -> None:
     from oumi_megatron.engine.checkpointing import latest_checkpoint, list_checkpoints
 

@@ -18,13 +18,17 @@ LAYOUT_PP2 = "TP 1 x PP 2 x CP 1 x EP 1 x DP 1 = world size 2"
 
 @pytest.fixture(scope="module")
 def good_yaml(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    return write_yaml(tmp_path_factory.mktemp("cfg") / "good.yaml", base_config_dict(tiny_model_dir))
+    folder = tmp_path_factory.mktemp("cfg")
+    data = base_config_dict(tiny_model_dir, training={"output_dir": str(folder / "out")})
+    return write_yaml(folder / "good.yaml", data)
 
 
 @pytest.fixture(scope="module")
 def bad_yaml(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    data = base_config_dict(tiny_model_dir, grpo={"temperature": 3.0}, megatron={"tensor_model_parallel_size": 4})
-    return write_yaml(tmp_path_factory.mktemp("cfg") / "bad.yaml", data)
+    folder = tmp_path_factory.mktemp("cfg")
+    data = base_config_dict(tiny_model_dir, grpo={"temperature": 3.0}, megatron={"tensor_model_parallel_size": 4},
+                            training={"output_dir": str(folder / "out")})
+    return write_yaml(folder / "bad.yaml", data)
 
 
 def test_python_start_does_not_import_oumi() -> None:
@@ -67,6 +71,10 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
                    "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
     text = out.stdout + out.stderr
     assert LAYOUT_PP2 in text, text[-3000:]
+    # the trainer converted the model once with Megatron-Bridge and built the engine on both ranks
+    checkpoint = good_yaml.parent / "out" / "megatron_checkpoint"
+    assert (checkpoint / "oumi_megatron.json").is_file() and (checkpoint / "model").is_dir()
+    assert "Megatron-Core engine ready: 1 model chunk(s) per rank" in text, text[-3000:]
     bad = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
                    "-c", str(good_yaml), "--megatron.tensor_model_parallel_size", "4"])
     assert bad.returncode != 0
@@ -81,6 +89,7 @@ def test_oumi_distributed_torchrun_forms(good_yaml: Path, form: str) -> None:
     text = out.stdout + out.stderr
     assert "unrecognized arguments" not in text
     assert LAYOUT_PP2 in text, text[-3000:]
+    assert "Reusing the converted checkpoint" in text, text[-3000:]  # converted by the torchrun test
 
 
 def test_stock_oumi_sft_still_trains(tmp_path: Path, tiny_model_dir: Path) -> None:

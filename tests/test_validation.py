@@ -85,6 +85,7 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"transformer_config": {"recompute_granularity": "some"}}, DENSE, 1, "megatron.transformer_config.recompute_granularity", "'full', 'selective'"),
         ({"transformer_config": {"recompute_modules": ["attn"]}}, DENSE, 1, "megatron.transformer_config.recompute_modules", "'core_attn'"),
         ({"tensor_model_parallel_size": 0}, DENSE, 1, "megatron.tensor_model_parallel_size", "positive integer"),
+        ({"checkpoint_config": {"keep_last_n_checkpoints": -1}}, DENSE, 1, "megatron.checkpoint_config.keep_last_n_checkpoints", ">= 0"),
     ],
 )
 def test_layout_rules_name_the_field(make_config, megatron, shape, world, field, text) -> None:  # noqa: ANN001
@@ -211,6 +212,20 @@ def test_megatron_bridge_missing_gives_the_seed_import_error(make_config, monkey
     assert "pip install megatron-bridge megatron-core megatron-lm" in str(e.value)
     r = validate_config(make_config(), world_size=1, model_shape=DENSE, check_bridge=True)
     assert "megatron-bridge" in problem_fields(r)
+
+
+def test_unsupported_architecture_is_named(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    import json
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2, "num_hidden_layers": 2,
+        "hidden_size": 64, "num_attention_heads": 2, "vocab_size": 100,
+    }))
+    r = validate_config(make_config(model={"model_name": str(gpt2)}), world_size=1, check_bridge=True)
+    assert problem_fields(r) == ["model.model_name"]
+    assert "GPT2LMHeadModel model, which Megatron-Bridge cannot convert" in r.format_problems()
 
 
 def test_check_megatron_bridge_available_passes_here() -> None:

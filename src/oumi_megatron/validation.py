@@ -195,6 +195,9 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     _check_positive(
         r, "megatron.transformer_config.recompute_num_layers", t.recompute_num_layers, allow_none=True
     )
+    keep = m.checkpoint_config.keep_last_n_checkpoints
+    if not isinstance(keep, int) or keep < 0:
+        r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
 
 
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
@@ -467,13 +470,22 @@ def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: Valida
         )
 
 
-def _check_megatron_bridge(r: ValidationReport) -> None:
-    from oumi_megatron.bridge_utils import check_megatron_bridge_available
+def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> None:
+    from oumi_megatron.bridge_utils import check_megatron_bridge_available, import_megatron_bridge
 
     try:
         check_megatron_bridge_available()
     except ImportError as e:
         r.add("megatron-bridge", str(e))
+        return
+    if shape is not None and shape.architectures:
+        supported = set(import_megatron_bridge().AutoBridge.list_supported_models())
+        if not any(arch in supported for arch in shape.architectures):
+            r.add(
+                "model.model_name",
+                f"{shape.source} is a {', '.join(shape.architectures)} model, which Megatron-Bridge cannot "
+                f"convert. Use a supported architecture, e.g. {', '.join(sorted(a for a in supported if a.endswith('ForCausalLM'))[:8])} ...",
+            )
 
 
 def default_world_size(cfg: MegatronTrainingConfig) -> int:
@@ -538,5 +550,5 @@ def validate_config(
         r.model_shape = model_shape
         _check_model_shape(config, model_shape, r)
     if check_bridge:
-        _check_megatron_bridge(r)
+        _check_megatron_bridge(r, model_shape)
     return r

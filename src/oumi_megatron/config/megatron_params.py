@@ -112,6 +112,9 @@ class MegatronCheckpointConfig(BaseParams):
     use_fully_parallel_strategy: bool = True
     """Spread the save/load work over data-parallel ranks."""
 
+    keep_last_n_checkpoints: int = 2
+    """Training checkpoints kept in output_dir/checkpoints/ (older ones are deleted; 0 keeps all)."""
+
 
 @dataclass
 class MegatronParams(BaseParams):

@@ -28,7 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpoint_io import load_model, model_sharded_state_dict, save_model
+from oumi_megatron.engine.checkpoint_io import (
+    load_model,
+    load_strategy,
+    model_sharded_state_dict,
+    save_model,
+    save_strategy,
+)
 from oumi_megatron.utils.atomic import atomic_directory
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -40,6 +46,10 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _fully_parallel(engine: Any) -> bool:
+    return bool(engine.params.checkpoint_config.use_fully_parallel_strategy)
 
 
 def step_dir_name(step: int) -> str:
@@ -154,11 +164,12 @@ def save_checkpoint(
             shutil.copytree(hf_artifacts, tmp / "hf")
         if dist.is_initialized():
             dist.barrier()
-        save_model(engine.model, tmp / "model")
+        fully_parallel = _fully_parallel(engine)
+        save_model(engine.model, tmp / "model", fully_parallel)
         optim_sd = engine.optimizer.sharded_state_dict(
             model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
         )
-        dist_checkpointing.save({"optimizer": optim_sd}, str(tmp / "optimizer"))
+        dist_checkpointing.save({"optimizer": optim_sd}, str(tmp / "optimizer"), sharded_strategy=save_strategy(fully_parallel))
         torch.save(
             {"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count},
             tmp / f"rank_{_rank():05d}.pt",
@@ -180,12 +191,15 @@ def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     checkpoint = Path(checkpoint)
-    load_model(engine.model, checkpoint / "model")
+    fully_parallel = _fully_parallel(engine)
+    load_model(engine.model, checkpoint / "model", fully_parallel)
     _materialize_adam_state(engine.optimizer)
     optim_sd = engine.optimizer.sharded_state_dict(
         model_sharded_state_dict(engine.model), is_loading=True, metadata=_OPTIM_METADATA
     )
-    loaded = dist_checkpointing.load({"optimizer": optim_sd}, str(checkpoint / "optimizer"))
+    loaded = dist_checkpointing.load(
+        {"optimizer": optim_sd}, str(checkpoint / "optimizer"), sharded_strategy=load_strategy(checkpoint / "optimizer", fully_parallel)
+    )
     with _skip_missing_step_on_load(engine.optimizer):
         engine.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(engine.optimizer)

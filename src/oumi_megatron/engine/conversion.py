@@ -120,12 +120,17 @@ def checkpoint_matches_source(checkpoint_dir: str | Path, hf_path: str | Path) -
 def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtype: torch.dtype | None = None) -> Path:
     """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
     ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
-    if ok:
-        return Path(out_dir)
-    if _rank() == 0 and reason != "missing":
+    if _rank() == 0:
         from oumi.utils.logging import logger
 
-        logger.warning(f"Re-converting {hf_path} into {out_dir}: {reason}.")
+        if ok:
+            logger.info(f"Reusing the converted checkpoint {out_dir} (it matches {hf_path}).")
+        elif reason == "missing":
+            logger.info(f"Converting {hf_path} to a Megatron-Core checkpoint in {out_dir} (once).")
+        else:
+            logger.warning(f"Re-converting {hf_path} into {out_dir}: {reason}.")
+    if ok:
+        return Path(out_dir)
     return convert_hf_to_megatron(hf_path, out_dir, params, dtype)
 
 
