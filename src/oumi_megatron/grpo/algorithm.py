@@ -1,0 +1,94 @@
+"""GRPO (DeepSeekMath, arXiv:2402.03300) with the refinements current practice uses:
+DAPO's asymmetric clipping and token-level mean, Dr. GRPO's mean-only advantages and length
+normalization, and Schulman's k1/k2/k3 KL estimators.
+
+Shapes: ``[B]`` per sequence, ``[B, T]`` per token. ``mask`` is 1 on completion tokens that are
+trained on (not prompt, not padding). Everything here is differentiable where it must be and free of
+NaNs on degenerate inputs (a group with identical rewards, an all-masked row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages: ``(r - mean_group(r)) / (std_group(r) + eps)``.
+
+    ``rewards`` is ``[B]`` with the ``group_size`` completions of each prompt adjacent. With
+    ``scale_rewards=False`` (Dr. GRPO) the std division is skipped. A group whose rewards are all equal
+    gets zero advantage (its std is 0; the ``eps`` keeps the division finite).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be [B] with B divisible by group_size={group_size}, got {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        std = grouped.std(dim=1, keepdim=True, unbiased=group_size > 1)
+        centred = centred / (std + eps)
+    return centred.view(-1)
+
+
+def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    k1 = log(p/q); k2 = (log(p/q))^2 / 2; k3 = q/p - 1 - log(q/p) (unbiased, always >= 0), with
+    p the policy and q the reference probability of the sampled token.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        neg = -log_ratio.clamp(-20.0, 20.0)  # log(q/p), clamped so exp() stays finite
+        return neg.exp() - 1.0 - neg
+    raise ValueError(f"unknown kl_estimator {estimator!r}; use one of {KL_ESTIMATORS}")
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective as a per-token loss (to minimize), and where clipping was active.
+
+    ``ratio = exp(logprobs - old_logprobs)``; loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A).
+    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``.
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logprobs.dim() - 1 else advantages
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = (clipped < unclipped).to(logprobs.dtype)
+    return loss, was_clipped
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) such that the global loss is sum over microbatches/ranks of ``sum`` / of ``count``.
+
+    token_mean: every completion token weighs the same (DAPO); count = tokens.
+    seq_mean: mean over each sequence's tokens, then over sequences (original GRPO); count = sequences.
+    seq_mean_token_sum_norm: each sequence's token sum / ``max_len`` (a constant), then mean over
+    sequences (Dr. GRPO); count = sequences.
+    """
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    if mode == "token_mean":
+        return masked.sum(), mask.sum().round().to(torch.int64)
+    rows = per_token.shape[0]
+    if mode == "seq_mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum(), torch.tensor(rows, dtype=torch.int64, device=per_token.device)
+    if mode == "seq_mean_token_sum_norm":
+        if not max_len:
+            raise ValueError("seq_mean_token_sum_norm needs max_len (grpo.max_completion_length)")
+        return (masked.sum(-1) / float(max_len)).sum(), torch.tensor(rows, dtype=torch.int64, device=per_token.device)
+    raise ValueError(f"unknown loss_aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")

@@ -1,0 +1,44 @@
+"""The GRPO loss in the engine's loss contract (see ``engine/engine.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, kl_divergence
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def make_grpo_loss_fn(grpo: Any) -> LossFn:
+    """Per-token GRPO loss for ``MegatronEngine.train_step``, from the ``grpo:`` section.
+
+    Each microbatch must carry, aligned with the engine's logprob positions (position t scores
+    token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] and, when
+    ``grpo.beta > 0``, ``ref_logprobs`` [b, T]. Metrics are sums over the microbatch (the trainer
+    divides by ``completion_tokens``).
+    """
+
+    def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch["completion_mask"].to(logprobs.dtype)
+        pg_loss, was_clipped = clipped_surrogate(
+            logprobs, batch["old_logprobs"], batch["advantages"], grpo.epsilon, grpo.epsilon_high
+        )
+        per_token = pg_loss
+        kl = torch.zeros_like(logprobs)
+        if grpo.beta > 0:
+            kl = kl_divergence(logprobs, batch["ref_logprobs"], grpo.kl_estimator)
+            per_token = per_token + grpo.beta * kl
+        loss_sum, count = aggregate(per_token, mask, grpo.loss_aggregation, grpo.max_completion_length)
+        metrics = {
+            "completion_tokens": mask.sum().detach(),
+            "pg_loss_sum": (pg_loss * mask).sum().detach(),
+            "kl_sum": (kl * mask).sum().detach(),
+            "clipped_tokens": (was_clipped * mask).sum().detach(),
+            "ratio_sum": (torch.exp(logprobs - batch["old_logprobs"]) * mask).sum().detach(),
+        }
+        return loss_sum, count, metrics
+
+    return loss_fn

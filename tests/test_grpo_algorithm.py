@@ -1,0 +1,102 @@
+"""GRPO as pure tensor functions: hand-computed values and degenerate cases."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, group_advantages, kl_divergence
+from oumi_megatron.grpo.loss import make_grpo_loss_fn
+
+
+def test_group_advantages_mean_and_std() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.4, 0.6, 0.8])
+    adv = group_advantages(r, group_size=4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # unbiased, as TRL
+    assert torch.allclose(adv[:4], (torch.tensor([1.0, 0.0, 0.0, 1.0]) - 0.5) / (std + 1e-6))
+    assert torch.allclose(adv.view(2, 4).sum(1), torch.zeros(2), atol=1e-6)
+    unscaled = group_advantages(r, group_size=4, scale_rewards=False)
+    assert torch.allclose(unscaled[4:], torch.tensor([-0.3, -0.1, 0.1, 0.3]), atol=1e-6)
+
+
+def test_identical_rewards_give_zero_advantage_not_nan() -> None:
+    adv = group_advantages(torch.tensor([0.7, 0.7, 0.7, 0.0, 1.0, 0.5]), group_size=3)
+    assert torch.isfinite(adv).all()
+    assert torch.equal(adv[:3], torch.zeros(3))
+    assert adv[3] < 0 < adv[4]
+
+
+def test_group_advantages_rejects_incomplete_groups() -> None:
+    with pytest.raises(ValueError, match="divisible by group_size=4"):
+        group_advantages(torch.zeros(6), group_size=4)
+
+
+def test_kl_estimators() -> None:
+    lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    log_ratio = math.log(2.0)
+    assert kl_divergence(lp, ref, "k1").item() == pytest.approx(log_ratio)
+    assert kl_divergence(lp, ref, "k2").item() == pytest.approx(0.5 * log_ratio**2)
+    assert kl_divergence(lp, ref, "k3").item() == pytest.approx(0.5 - 1 + log_ratio)  # q/p - 1 - log(q/p)
+    same = torch.tensor([-1.3, -0.2])
+    for est in ("k1", "k2", "k3"):
+        assert torch.allclose(kl_divergence(same, same, est), torch.zeros(2))
+    assert (kl_divergence(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="k1"):
+        kl_divergence(lp, ref, "k9")
+
+
+def test_clipped_surrogate_clips_asymmetrically() -> None:
+    old = torch.zeros(1, 4)
+    lp = torch.log(torch.tensor([[1.0, 1.5, 0.5, 1.1]]))  # ratios 1, 1.5, 0.5, 1.1
+    loss, clipped = clipped_surrogate(lp, old, torch.tensor([1.0]), epsilon=0.2, epsilon_high=0.28)
+    # positive advantage: ratio capped at 1.28 above, not below
+    assert torch.allclose(loss, -torch.tensor([[1.0, 1.28, 0.5, 1.1]]), atol=1e-6)
+    assert clipped.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    loss, clipped = clipped_surrogate(lp, old, torch.tensor([-1.0]), epsilon=0.2, epsilon_high=0.28)
+    # negative advantage: -min(-r, -clip(r)) = max(r, clip(r)): ratio 0.5 is raised to 0.8
+    assert torch.allclose(loss, torch.tensor([[1.0, 1.5, 0.8, 1.1]]), atol=1e-6)
+    assert clipped.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_surrogate_gradient_is_policy_gradient_at_ratio_one() -> None:
+    lp = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, _ = clipped_surrogate(lp, lp.detach(), adv, epsilon=0.2)
+    loss.sum().backward()
+    assert torch.allclose(lp.grad, -adv[:, None].expand(2, 3))
+
+
+def test_aggregations() -> None:
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    s, c = aggregate(per_token, mask, "token_mean")
+    assert (s.item(), c.item()) == (10.0, 4)  # (1+2+3+4) / 4 tokens
+    s, c = aggregate(per_token, mask, "seq_mean")
+    assert s.item() == pytest.approx(2.0 + 4.0) and c.item() == 2  # mean(2, 4)
+    s, c = aggregate(per_token, mask, "seq_mean_token_sum_norm", max_len=4)
+    assert s.item() == pytest.approx(6 / 4 + 4 / 4) and c.item() == 2
+    s, c = aggregate(per_token, torch.zeros_like(mask), "seq_mean")
+    assert s.item() == 0.0 and c.item() == 2  # an all-masked row contributes 0, no NaN
+    with pytest.raises(ValueError, match="max_len"):
+        aggregate(per_token, mask, "seq_mean_token_sum_norm")
+
+
+def test_grpo_loss_fn_masks_prompt_and_padding_and_adds_kl() -> None:
+    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.1, kl_estimator="k1",
+                           loss_aggregation="token_mean", max_completion_length=4)
+    lp = torch.log(torch.tensor([[0.9, 0.5, 0.5, 0.9]]))
+    batch = {
+        "completion_mask": torch.tensor([[0, 1, 1, 0]]),  # prompt, 2 completion tokens, padding
+        "old_logprobs": lp.clone(),
+        "ref_logprobs": torch.log(torch.tensor([[0.9, 0.25, 0.5, 0.1]])),
+        "advantages": torch.tensor([1.0]),
+    }
+    loss_sum, count, m = make_grpo_loss_fn(grpo)(lp, batch)
+    kl = math.log(2.0)  # only the 2nd token differs from the reference among unmasked tokens
+    assert count.item() == 2
+    assert loss_sum.item() == pytest.approx(-2.0 + 0.1 * kl)
+    assert m["kl_sum"].item() == pytest.approx(kl) and m["clipped_tokens"].item() == 0.0
+    assert m["completion_tokens"].item() == 2 and m["ratio_sum"].item() == pytest.approx(2.0)
