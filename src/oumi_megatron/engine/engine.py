@@ -90,14 +90,22 @@ class MegatronEngine:
             padded = {k: (torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and pad else v) for k, v in mb.items()}
             ids = padded["input_ids"]
             padded.setdefault("target_ids", shift_targets(ids))
-            padded["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
+            if "position_ids" not in mb:
+                padded["position_ids"] = torch.arange(seq_len, device=ids.device).unsqueeze(0).expand_as(ids)
             out.append(padded)
         return out, seq_len, mbs
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def _run(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn, temperature: float, forward_only: bool) -> list[dict[str, Any]]:
+    def _run(
+        self,
+        microbatches: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        temperature: float,
+        forward_only: bool,
+        keep_logits: dict[str, torch.Tensor] | None = None,
+    ) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches, seq_len, mbs = self._prepare(microbatches)
@@ -106,9 +114,15 @@ class MegatronEngine:
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
-            output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None)
+            output = model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                attention_mask=batch.get("attention_mask"),
+            )
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                if keep_logits is not None:
+                    keep_logits["logits"] = logits.detach()
                 logprobs = token_logprobs(logits, batch["target_ids"], temperature)
                 loss_sum, count, metrics = loss_fn(logprobs, batch)
                 count = torch.as_tensor(count, device=logits.device).to(torch.int)
@@ -178,6 +192,40 @@ class MegatronEngine:
                 dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
             result.append(t.cpu())
         return result
+
+    @torch.no_grad()
+    def last_token_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (fp32) at the last position of each row, on every rank.
+
+        ``attention_mask`` [b, 1, s, s] is True where attention is not allowed (causal + padding),
+        which lets left-padded prompts be batched for generation.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        for chunk in self.model:
+            chunk.eval()
+
+        def no_loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple:
+            return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {}
+
+        # The last stage's loss function sees the (vocab-parallel) logits: keep them, gather over TP.
+        captured: dict[str, torch.Tensor] = {}
+        batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        self._run([batch], no_loss, 1.0, forward_only=True, keep_logits=captured)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            last = captured["logits"][:, -1, :].float().contiguous()
+            last = tensor_parallel.gather_from_tensor_model_parallel_region(last)
+            vocab = torch.tensor([last.shape[-1]], device=self._device())
+        else:
+            vocab = torch.zeros(1, dtype=torch.int64, device=self._device())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+            dist.broadcast(vocab, src=src, group=group)
+            if not ps.is_pipeline_last_stage(ignore_virtual=True):
+                last = torch.empty(input_ids.shape[0], int(vocab.item()), dtype=torch.float32, device=self._device())
+            dist.broadcast(last, src=src, group=group)
+        return last
 
     def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
         """Sum metric dicts over microbatches (last stage), then over DP, then share with all PP ranks."""

@@ -1,0 +1,90 @@
+"""The embedded rollout backend: batched sampling from the policy's own Megatron-Core model.
+
+No copy of the weights and no extra process: generation calls the same model chunks the optimizer
+updates, through Megatron-Core's forward-only schedule, so it works under every TP/PP/VPP layout
+(every rank of a model replica takes part; tokens are drawn from a generator seeded identically on
+each of them, so all agree). Prompts are left-padded and masked.
+
+Limitation of this version: no KV cache: each new token re-runs the whole prefix (cost grows with
+length squared), which is fine for short completions and the CPU demo and slow for long ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oumi_megatron.rollout.sampling import SamplingParams, sample
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finished: bool
+    """True if the completion ended with EOS (False: cut at max_new_tokens)."""
+
+
+def left_padded_batch(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, L], position ids (0 at each row's first real token) and a [B, 1, L, L] mask
+    (True = may not attend) combining causality with the left padding."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
+        real[i, length - len(p):] = True
+    return ids, *_positions_and_mask(real)
+
+
+def _positions_and_mask(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = (real.long().cumsum(dim=-1) - 1).clamp(min=0)
+    length = real.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal[None] & real[:, None, :]
+    # a padding row attends to itself only (its output is never used), so softmax has no empty row
+    allowed |= torch.eye(length, dtype=torch.bool)[None] & ~real[:, :, None]
+    return positions, ~allowed[:, None]
+
+
+class MegatronRolloutBackend:
+    """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
+
+    def __init__(self, engine, vocab_size: int, seed: int = 0) -> None:  # noqa: ANN001 - MegatronEngine
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1) -> list[Rollout]:
+        """``num_generations`` completions per prompt, adjacent in the result (a GRPO group)."""
+        expanded = [p for p in prompts for _ in range(num_generations)]
+        ids, _, _ = left_padded_batch(expanded, params.pad_token_id)
+        real = ids != params.pad_token_id
+        for i, p in enumerate(expanded):  # pad may be a real token inside a prompt
+            real[i] = False
+            real[i, ids.shape[1] - len(p):] = True
+        finished = torch.zeros(len(expanded), dtype=torch.bool)
+        new_tokens: list[torch.Tensor] = []
+        for _ in range(params.max_new_tokens):
+            positions, mask = _positions_and_mask(real)
+            logits = self.engine.last_token_logits(ids, positions, mask)[:, : self.vocab_size].cpu()
+            nxt = sample(logits, params, self.generator)
+            nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
+            new_tokens.append(nxt)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            real = torch.cat([real, ~finished[:, None]], dim=1)
+            if params.eos_token_id is not None:
+                finished |= nxt == params.eos_token_id
+            if bool(finished.all()):
+                break
+        generated = torch.stack(new_tokens, dim=1) if new_tokens else torch.zeros(len(expanded), 0, dtype=torch.long)
+        out = []
+        for i, p in enumerate(expanded):
+            toks = generated[i].tolist()
+            done = params.eos_token_id is not None and params.eos_token_id in toks
+            if done:
+                toks = toks[: toks.index(params.eos_token_id) + 1]
+            out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done))
+        return out
