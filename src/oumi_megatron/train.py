@@ -25,7 +25,7 @@ def _as_megatron_config(config: Any) -> Any:
     return MegatronTrainingConfig(**fields)
 
 
-def train_megatron_grpo(config: Any, verbose: bool = False) -> None:
+def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     config = _as_megatron_config(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = validate_config(config, world_size=world_size)
@@ -45,11 +45,56 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> None:
     dtype = config.model.torch_dtype
     # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.
     checkpoint = ensure_converted(config.model.model_name, output_dir / "megatron_checkpoint", config.megatron, dtype)
-    _, engine = build_engine(checkpoint, config.megatron, OptimSettings.from_training_params(config.training), dtype)
+    bridge, engine = build_engine(checkpoint, config.megatron, OptimSettings.from_training_params(config.training), dtype)
     if rank == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
-    raise NotImplementedError(
-        "MEGATRON_GRPO: the config is valid and the Megatron-Core engine is built "
-        f"(converted checkpoint: {checkpoint}), but the GRPO rollout/update loop is not implemented "
-        "in this version of oumi-megatron yet."
+
+    from oumi.builders import build_tokenizer
+
+    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
+
+    if config.megatron.inference_backend != "megatron":
+        raise NotImplementedError(
+            "megatron.inference_backend: only 'megatron' (embedded) rollouts exist in this version; "
+            "vLLM workers come with issue #5. Set inference_backend: megatron."
+        )
+    trainer = OumiMegatronGrpoTrainer(
+        config, engine, bridge, checkpoint, report.layout, build_tokenizer(config.model), load_prompts(config)
     )
+    trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
+    return trainer
+
+
+class _Concat:
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.sizes = [len(p) for p in parts]
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+    def __getitem__(self, i: int) -> Any:
+        for part, size in zip(self.parts, self.sizes):
+            if i < size:
+                return part[i]
+            i -= size
+        raise IndexError(i)
+
+
+def load_prompts(config: Any) -> Any:
+    """The training datasets of ``data.train`` from Oumi's dataset registry (local jsonl/parquet via dataset_path)."""
+    from oumi.core.registry import REGISTRY
+
+    import oumi_megatron.demo_task  # noqa: F401 - registers the demo dataset
+
+    parts = []
+    for d in config.data.train.datasets:
+        cls = REGISTRY.get_dataset(d.dataset_name, subset=d.subset)
+        if cls is None:
+            raise ValueError(
+                f"data.train.datasets: {d.dataset_name!r} is not a registered Oumi dataset. GRPO datasets "
+                "(e.g. openai/gsm8k, d1shs0ap/countdown, oumi-megatron/char-class) are."
+            )
+        parts.append(cls(dataset_name=d.dataset_name, dataset_path=d.dataset_path, subset=d.subset,
+                         split=d.split, **(d.dataset_kwargs or {})))
+    return _Concat(parts)

@@ -258,6 +258,8 @@ def _registered_reward_functions() -> set[str]:
     import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
     from oumi.core.registry import REGISTRY, RegistryType
 
+    import oumi_megatron.demo_task  # noqa: F401 - registers the demo's char_class reward
+
     return set(REGISTRY.get_all(RegistryType.REWARD_FUNCTION))
 
 

@@ -47,7 +47,10 @@ def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T) at ``targets``; logits may be split over the TP group (vocab-parallel)."""
+    """log softmax(logits / T) at ``targets``; logits may be split over the TP group (vocab-parallel).
+
+    Note: Megatron's vocab-parallel cross entropy overwrites its input in place (fp32 logits included).
+    """
     from megatron.core import tensor_parallel
 
     scaled = logits.float()
@@ -87,7 +90,7 @@ class MegatronEngine:
             if mb["input_ids"].shape[0] != mbs:
                 raise ValueError("all microbatches of a step must have the same micro batch size")
             pad = seq_len - mb["input_ids"].shape[1]
-            padded = {k: (torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and pad else v) for k, v in mb.items()}
+            padded = {k: (torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and pad else v) for k, v in mb.items() if v is not None}
             ids = padded["input_ids"]
             padded.setdefault("target_ids", shift_targets(ids))
             if "position_ids" not in mb:
@@ -122,7 +125,8 @@ class MegatronEngine:
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 if keep_logits is not None:
-                    keep_logits["logits"] = logits.detach()
+                    # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
+                    keep_logits["last"] = logits[:, -1, :].detach().float().clone()
                 logprobs = token_logprobs(logits, batch["target_ids"], temperature)
                 loss_sum, count, metrics = loss_fn(logprobs, batch)
                 count = torch.as_tensor(count, device=logits.device).to(torch.int)
@@ -214,7 +218,7 @@ class MegatronEngine:
         batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         self._run([batch], no_loss, 1.0, forward_only=True, keep_logits=captured)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            last = captured["logits"][:, -1, :].float().contiguous()
+            last = captured["last"].contiguous()
             last = tensor_parallel.gather_from_tensor_model_parallel_region(last)
             vocab = torch.tensor([last.shape[-1]], device=self._device())
         else:

@@ -1,0 +1,94 @@
+"""Reward functions from Oumi's REWARD_FUNCTION registry, weighted and checked.
+
+Oumi registers functions in two conventions; both are supported:
+- TRL style, called once per batch: ``fn(completions=[str], prompts=[str], **dataset_columns, **kwargs) -> [float]``
+- verl style, called per sample: ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float``
+  (ground_truth from the row's ``reward_model.ground_truth``, as Oumi's GRPO datasets produce).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned a non-finite value (grpo.on_reward_error: raise)."""
+
+
+@dataclass
+class RewardResult:
+    total: torch.Tensor
+    """[N] weighted sum of the functions' rewards (0 for invalid samples)."""
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+    valid: torch.Tensor | None = None
+    """[N] False for samples dropped under grpo.on_reward_error: skip."""
+
+
+def _registry_function(name: str) -> Callable:
+    import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
+    from oumi.core.registry import REGISTRY
+
+    import oumi_megatron.demo_task  # noqa: F401 - registers the demo's reward function and dataset
+
+    fn = REGISTRY.get_reward_function(name)
+    if fn is None:
+        raise KeyError(f"grpo.reward_functions: {name!r} is not in Oumi's REWARD_FUNCTION registry")
+    return fn
+
+
+def _is_verl_style(fn: Callable) -> bool:
+    return "solution_str" in inspect.signature(fn).parameters
+
+
+class RewardComputer:
+    def __init__(self, specs: list[Any], on_error: str = "raise") -> None:
+        self.specs = [(s.name, float(s.weight), dict(s.kwargs), _registry_function(s.name)) for s in specs]
+        self.on_error = on_error
+
+    def _fail(self, name: str, index: int | None, completion: str | None, why: str) -> None:
+        where = f"sample {index} (completion {completion[:80]!r})" if index is not None else "a batch"
+        raise RewardFunctionError(
+            f"reward function {name!r} {why} on {where}. Fix the function, or set "
+            "grpo.on_reward_error: skip to drop and count such samples."
+        )
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> RewardResult:
+        n = len(completions)
+        total = torch.zeros(n, dtype=torch.float64)
+        valid = torch.ones(n, dtype=torch.bool)
+        per_function: dict[str, torch.Tensor] = {}
+        for name, weight, kwargs, fn in self.specs:
+            values = torch.full((n,), float("nan"), dtype=torch.float64)
+            if _is_verl_style(fn):
+                for i, (text, row) in enumerate(zip(completions, rows)):
+                    try:
+                        gt = (row.get("reward_model") or {}).get("ground_truth")
+                        values[i] = float(fn(data_source=row.get("data_source"), solution_str=text, ground_truth=gt,
+                                             extra_info=row.get("extra_info"), **kwargs))
+                    except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
+                        if self.on_error == "raise":
+                            self._fail(name, i, text, f"raised {type(e).__name__}: {e}")
+            else:
+                columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion")} if rows else {}
+                try:
+                    out = fn(completions=completions, prompts=prompts, **columns, **kwargs)
+                    values = torch.tensor([float(v) for v in out], dtype=torch.float64)
+                    if len(values) != n:
+                        raise ValueError(f"returned {len(values)} values for {n} completions")
+                except Exception as e:  # noqa: BLE001
+                    if self.on_error == "raise":
+                        self._fail(name, None, None, f"raised {type(e).__name__}: {e}")
+                    values = torch.full((n,), float("nan"), dtype=torch.float64)
+            bad = ~torch.isfinite(values)
+            if bad.any() and self.on_error == "raise":
+                i = int(bad.nonzero()[0])
+                self._fail(name, i, completions[i], f"returned {values[i].item()}")
+            valid &= ~bad
+            per_function[name] = torch.where(bad, torch.zeros_like(values), values)
+            total += weight * per_function[name]
+        return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function, valid=valid)

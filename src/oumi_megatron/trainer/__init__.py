@@ -1,0 +1,1 @@
+"""The GRPO training loop (OumiMegatronGrpoTrainer) and its metrics."""
