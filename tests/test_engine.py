@@ -65,6 +65,7 @@ def test_megatron_matches_hf(hf_parity: dict, arch: str) -> None:
     r = hf_parity[arch]
     assert r["logits_max_abs_diff"] <= HF_TOL
     assert r["logprobs_max_abs_diff"] <= HF_TOL
+    assert r["last_token_logits_max_abs_diff"] <= HF_TOL  # left-padded, masked: the rollout path
     assert r["export_bit_identical"], r
     assert r["reloaded_logits_max_abs_diff"] == 0.0
     # Megatron-Bridge writes lm_head.weight even for tied embeddings (equal to embed_tokens, checked).

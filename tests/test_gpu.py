@@ -34,6 +34,7 @@ def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: 
     r = json.loads(out.read_text())[arch]
     assert r["logits_max_abs_diff"] <= BF16_TOL, r
     assert r["logprobs_max_abs_diff"] <= BF16_TOL, r
+    assert r["last_token_logits_max_abs_diff"] <= BF16_TOL, r
     assert r["reloaded_logits_max_abs_diff"] <= BF16_TOL, r
 
 

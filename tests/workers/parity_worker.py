@@ -45,6 +45,13 @@ def main() -> None:
             mc_logits = engine.model[0](input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=None).float().cpu()
         ref_lp = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))[:, :-1]
+        # generation's path: last-position logits of left-padded prompts with an explicit mask
+        from oumi_megatron.rollout.megatron_backend import left_padded_batch
+
+        prompts = [ids[0, :20].tolist(), ids[1, :32].tolist()]
+        pid, ppos, pmask = left_padded_batch(prompts, pad_id=0)
+        last = engine.last_token_logits(pid.to(device), ppos.to(device), pmask.to(device)).float().cpu()
+        ref_last = torch.stack([ref_logits[0, 19], ref_logits[1, 31]])
         exported = export_to_hf(ckpt, workdir / f"export_{arch}", params)
         a = load_file(str(next(src.glob("*.safetensors"))))
         b = load_file(str(next(exported.glob("*.safetensors"))))
@@ -56,6 +63,7 @@ def main() -> None:
         results[arch] = {
             "logits_max_abs_diff": (mc_logits[..., : ref_logits.shape[-1]] - ref_logits).abs().max().item(),
             "logprobs_max_abs_diff": (lp - ref_lp).abs().max().item(),
+            "last_token_logits_max_abs_diff": (last[:, : ref_last.shape[-1]] - ref_last).abs().max().item(),
             # a bf16 checkpoint rounds fp32 source weights, so bit-identity is an fp32 property
             "export_bit_identical": all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a) and set(a) <= set(b) and tied_ok,
             "export_max_abs_diff": max((a[k] - b[k].to(a[k].dtype)).abs().max().item() for k in a),
