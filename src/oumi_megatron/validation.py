@@ -309,12 +309,7 @@ def _check_layout(
     cfg: MegatronTrainingConfig, world_size: int, gpus_per_node: int | None, r: ValidationReport
 ) -> ParallelLayout | None:
     m = cfg.megatron
-    sizes = (
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.context_parallel_size,
-        m.expert_model_parallel_size,
-    )
+    sizes = m.parallel_sizes
     if any(not isinstance(s, int) or s < 1 for s in sizes):
         return None  # already reported
     mp = m.model_parallel_size
@@ -495,14 +490,7 @@ def default_world_size(cfg: MegatronTrainingConfig) -> int:
     env = os.environ.get("WORLD_SIZE")
     if env:
         return int(env)
-    m = cfg.megatron
-    sizes = (
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.context_parallel_size,
-        m.expert_model_parallel_size,
-    )
-    return math.prod(s if isinstance(s, int) and s > 0 else 1 for s in sizes)
+    return math.prod(s if isinstance(s, int) and s > 0 else 1 for s in cfg.megatron.parallel_sizes)
 
 
 def validate_config(

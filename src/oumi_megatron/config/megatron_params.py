@@ -181,11 +181,17 @@ class MegatronParams(BaseParams):
     """``megatron`` (embedded: generate with the policy's own weights) or ``vllm``."""
 
     @property
+    def parallel_sizes(self) -> tuple[int, int, int, int]:
+        """(TP, PP, CP, EP)."""
+        return (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+            self.expert_model_parallel_size,
+        )
+
+    @property
     def model_parallel_size(self) -> int:
         """TP x PP x CP x EP: GPUs that hold one replica of the model."""
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
-            * self.expert_model_parallel_size
-        )
+        tp, pp, cp, ep = self.parallel_sizes
+        return tp * pp * cp * ep

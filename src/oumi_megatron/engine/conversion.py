@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +173,3 @@ def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: Any | 
     bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype)
     return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir)
 
-
-def is_main_process() -> bool:
-    return _rank() == 0 and os.environ.get("LOCAL_RANK", "0") == "0"

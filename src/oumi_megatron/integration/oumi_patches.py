@@ -140,7 +140,8 @@ def patch_train(module: types.ModuleType) -> None:
         if _is_megatron_trainer_type(getattr(config.training.trainer_type, "name", "")):
             from oumi_megatron.train import train_megatron_grpo
 
-            return train_megatron_grpo(config, verbose=kwargs.get("verbose", False))
+            trainer = train_megatron_grpo(config, verbose=kwargs.get("verbose", False))
+            return trainer.get_last_eval_metrics()  # Oumi's train() returns metrics or None
         return orig_train(config, *args, **kwargs)
 
     setattr(train, _PATCHED, True)
