@@ -56,3 +56,20 @@ def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory,
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-3 * abs(ref["loss"][0])
     for a, b in zip(got["loss"], ref["loss"]):
         assert abs(a - b) <= 5e-3 * abs(b)
+
+
+def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp("gpu_async")
+    src = build_tiny_model(work / "hf", arch="qwen2")
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
+    worker = str(WORKERS / "engine_worker.py")
+    _check(run_cli([PY, worker, str(ckpt), str(work / "full"), "--steps", "3", "--save-at", "2", "--async-save", "--no-export"]))
+    saved = work / "full" / "checkpoints" / "step_000002"
+    assert (saved / "trainer_state.json").is_file() and not (saved.parent / ".step_000002.partial").exists()
+    _check(run_cli([PY, worker, str(ckpt), str(work / "resumed"), "--steps", "3", "--resume", str(saved), "--no-export"]))
+    full = json.loads((work / "full" / "result.json").read_text())
+    resumed = json.loads((work / "resumed" / "result.json").read_text())
+    assert abs(resumed["loss"][0] - full["loss"][2]) <= 1e-5 * abs(full["loss"][2])

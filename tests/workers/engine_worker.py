@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--save-at", type=int, action="append", default=[], help="save a checkpoint after this step")
     p.add_argument("--resume", default="", help="checkpoint to resume from before training")
     p.add_argument("--no-export", action="store_true")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (GPU)")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -58,7 +59,9 @@ def main() -> None:
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
-    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, load_checkpoint, save_checkpoint
+
+    writer = AsyncCheckpointWriter() if args.async_save else None
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = {"loss": [], "grad_norm": [], "count": []}
@@ -78,7 +81,10 @@ def main() -> None:
         results["grad_norm"].append(r.grad_norm)
         results["count"].append(r.count)
         if step + 1 in args.save_at:
-            save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1}, Path(args.ckpt) / "hf")
+            save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1},
+                            Path(args.ckpt) / "hf", async_writer=writer)
+    if writer is not None:
+        writer.close()
     probe = global_batch(99)[:4]
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None

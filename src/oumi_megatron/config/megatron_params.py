@@ -107,7 +107,7 @@ class MegatronCheckpointConfig(BaseParams):
     """Distributed checkpointing (``megatron.core.dist_checkpointing``)."""
 
     use_async_checkpoint: bool = False
-    """Write checkpoints in the background (GPU only)."""
+    """Write checkpoint tensors in the background while training continues (committed when done)."""
 
     use_fully_parallel_strategy: bool = True
     """Spread the save/load work over data-parallel ranks."""

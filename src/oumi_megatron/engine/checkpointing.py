@@ -35,7 +35,7 @@ from oumi_megatron.engine.checkpoint_io import (
     save_model,
     save_strategy,
 )
-from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.utils import atomic
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -145,6 +145,34 @@ def _unshare_adam_steps(optimizer: Any) -> None:
                 state["step"] = state["step"].detach().clone()
 
 
+class AsyncCheckpointWriter:
+    """Background checkpoint writes (``checkpoint_config.use_async_checkpoint``).
+
+    Megatron-Core stages the tensors to host memory when the save is scheduled, so training goes on
+    while a background process writes them; the checkpoint is committed (renamed into place, pruned)
+    by a finalize step once every rank's write has finished. ``poll`` finalizes finished writes,
+    ``wait`` blocks until all are done (before the next save and at the end of training).
+    """
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+
+    def schedule(self, request: Any) -> None:
+        self.queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        self.wait()
+        self.queue.close()
+
+
 def save_checkpoint(
     engine: Any,
     root: str | Path,
@@ -152,37 +180,62 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     hf_artifacts: str | Path,
     keep_last: int = 2,
+    async_writer: AsyncCheckpointWriter | None = None,
 ) -> Path:
-    """Collective. Writes ``root/step_XXXXXX`` atomically, then prunes to the newest ``keep_last``."""
+    """Collective. Writes ``root/step_XXXXXX`` atomically, then prunes to the newest ``keep_last``.
+
+    With ``async_writer`` the tensor files are written in the background and the checkpoint appears
+    (is committed) only when they are complete; until then it stays ``.step_XXXXXX.partial``.
+    """
     from megatron.core import dist_checkpointing
 
     final = Path(root) / step_dir_name(step)
-    with atomic_directory(final) as tmp:
-        if _rank() == 0:
-            (tmp / "model").mkdir()
-            (tmp / "optimizer").mkdir()
-            shutil.copytree(hf_artifacts, tmp / "hf")
-        if dist.is_initialized():
-            dist.barrier()
-        fully_parallel = _fully_parallel(engine)
-        save_model(engine.model, tmp / "model", fully_parallel)
-        optim_sd = engine.optimizer.sharded_state_dict(
-            model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
+    if async_writer is not None:
+        async_writer.wait()  # one checkpoint in flight at a time
+    tmp = atomic.begin(final)
+    if _rank() == 0:
+        (tmp / "model").mkdir()
+        (tmp / "optimizer").mkdir()
+        shutil.copytree(hf_artifacts, tmp / "hf")
+    if dist.is_initialized():
+        dist.barrier()
+    fully_parallel = _fully_parallel(engine)
+    optim_sd = engine.optimizer.sharded_state_dict(
+        model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
+    )
+    # torch.save of RNG / scheduler is small and synchronous; the tensors may go in the background.
+    torch.save(
+        {"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count},
+        tmp / f"rank_{_rank():05d}.pt",
+    )
+    background = async_writer is not None
+    requests = [
+        dist_checkpointing.save(
+            sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel),
+            async_sharded_save=background, async_strategy="mcore",
         )
-        dist_checkpointing.save({"optimizer": optim_sd}, str(tmp / "optimizer"), sharded_strategy=save_strategy(fully_parallel))
-        torch.save(
-            {"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count},
-            tmp / f"rank_{_rank():05d}.pt",
-        )
+        for sub, sd in (("model", model_sharded_state_dict(engine.model)), ("optimizer", {"optimizer": optim_sd}))
+    ]
+
+    def commit() -> None:
         if dist.is_initialized():
             dist.barrier()
         if _rank() == 0:  # written last: its presence marks a complete checkpoint
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-    if _rank() == 0 and keep_last > 0:
-        for _, old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+        atomic.commit(final)
+        if _rank() == 0 and keep_last > 0:
+            for _, old in list_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+    if background:
+        requests[0].add_finalize_fn(lambda: None)
+        async_writer.schedule(requests[0])
+        requests[1].add_finalize_fn(commit)
+        async_writer.schedule(requests[1])
+    else:
+        commit()
     return final
 
 

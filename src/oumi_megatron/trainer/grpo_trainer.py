@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
 from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -94,6 +94,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.order = list(range(len(dataset)))
         random.Random(config.training.seed).shuffle(self.order)
         self.last_metrics: dict[str, Any] = {}
+        use_async = config.megatron.checkpoint_config.use_async_checkpoint
+        self.async_writer = AsyncCheckpointWriter() if use_async else None
 
     # -- data ---------------------------------------------------------------------------------------
     def _next_rows(self, n: int) -> list[dict[str, Any]]:
@@ -236,11 +238,15 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             task = progress.add_task("grpo", total=max_steps, completed=self.step, reward=float("nan"))
             while self.step < max_steps:
                 metrics = self.grpo_step()
+                if self.async_writer is not None:
+                    self.async_writer.poll()
                 metrics_log.log(self.step, metrics)
                 progress.update(task, completed=self.step, reward=metrics["reward/mean"])
                 if save_steps and self.step % save_steps == 0 and self.step < max_steps:
                     self.save_state()
         self.save_state()
+        if self.async_writer is not None:
+            self.async_writer.close()
         metrics_log.close()
         if self.config.training.save_final_model:
             self.save_model(self.config, final=True)
@@ -255,6 +261,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             {"data_position": self.data_position, "generator_state": self.backend.generator.get_state().tolist()},
             self.hf_artifacts,
             keep_last=self.config.megatron.checkpoint_config.keep_last_n_checkpoints,
+            async_writer=self.async_writer,
         )
 
     def save_model(self, config: Any, final: bool = True) -> None:

@@ -29,9 +29,8 @@ def partial_path(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 
 
-@contextlib.contextmanager
-def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yields a temporary folder to write into (collective when torch.distributed is initialized)."""
+def begin(path: str | Path) -> Path:
+    """Collective: a fresh, empty ``.<name>.partial`` folder next to ``path`` to write into."""
     path = Path(path)
     tmp = partial_path(path)
     if _rank() == 0:
@@ -39,13 +38,26 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    yield tmp
+    return tmp
+
+
+def commit(path: str | Path) -> None:
+    """Collective: move the finished ``.<name>.partial`` into place (replacing an older ``path``)."""
+    path = Path(path)
     _barrier()
     if _rank() == 0:
         old = path.parent / f".{path.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
-        tmp.rename(path)
+        partial_path(path).rename(path)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary folder to write into (collective when torch.distributed is initialized)."""
+    tmp = begin(path)
+    yield tmp
+    commit(path)
