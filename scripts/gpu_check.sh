@@ -4,6 +4,7 @@
 # Installs what the image lacks (megatron-core, megatron-bridge, omegaconf) from .whl/, runs the GPU
 # tests (tests/test_gpu.py) and scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
+# GPU_CHECK_BENCH=0 runs the tests only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +27,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
 TEST_RC=${PIPESTATUS[0]}
 
+if [ "${GPU_CHECK_BENCH:-1}" = "0" ]; then NGPU=0; echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; else
 python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu.json" 2>&1 | tail -3
+fi
 if [ "$NGPU" -ge 2 ]; then
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
