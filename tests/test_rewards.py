@@ -1,0 +1,66 @@
+"""Reward functions through Oumi's registry: weights, both call conventions, and failures."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
+
+
+def spec(name: str, weight: float = 1.0, **kwargs) -> SimpleNamespace:  # noqa: ANN003
+    return SimpleNamespace(name=name, weight=weight, kwargs=kwargs)
+
+
+@pytest.fixture(scope="module")
+def registry():  # noqa: ANN201
+    from oumi.core.registry import REGISTRY, RegistryType
+
+    import oumi_megatron.demo_task  # noqa: F401
+
+    for name, fn in {
+        "test_flaky": lambda completions, **kw: [float("nan") if c == "bad" else 1.0 for c in completions],
+        "test_raises": lambda completions, **kw: 1 / 0,
+    }.items():
+        if REGISTRY.get_reward_function(name) is None:
+            REGISTRY.register(name, RegistryType.REWARD_FUNCTION, fn)
+    return REGISTRY
+
+
+def test_weighted_sum_per_function_and_trl_columns(registry) -> None:  # noqa: ANN001
+    rc = RewardComputer([spec("char_class", 2.0), spec("soft_5tokens_completions", 0.5)])
+    rows = [{"prompt": "p", "target": "digits"}, {"prompt": "p", "target": "letters"}]
+    r = rc(["p", "p"], ["1234", "ab12"], rows)
+    assert r.per_function["char_class"].tolist() == [1.0, 0.5]
+    soft = r.per_function["soft_5tokens_completions"]
+    assert torch.allclose(r.total, 2.0 * torch.tensor([1.0, 0.5], dtype=torch.float64) + 0.5 * soft)
+    assert r.valid.all()
+
+
+def test_verl_style_reward_gets_ground_truth(registry) -> None:  # noqa: ANN001
+    rc = RewardComputer([spec("gsm8k")])
+    rows = [{"data_source": "gsm8k", "reward_model": {"ground_truth": "72"}, "extra_info": {}}] * 2
+    r = rc(["q", "q"], ["so #### 72", "so #### 71"], rows)
+    assert r.total.tolist() == [1.0, 0.0]
+
+
+def test_nan_reward_stops_the_step_naming_function_and_sample(registry) -> None:  # noqa: ANN001
+    rc = RewardComputer([spec("test_flaky")])
+    with pytest.raises(RewardFunctionError, match=r"'test_flaky' returned nan on sample 1 \(completion 'bad'\)"):
+        rc(["p"] * 3, ["ok", "bad", "ok"], [{"prompt": "p"}] * 3)
+    with pytest.raises(RewardFunctionError, match="'test_raises' raised ZeroDivisionError"):
+        RewardComputer([spec("test_raises")])(["p"], ["x"], [{"prompt": "p"}])
+
+
+def test_skip_drops_and_counts_invalid_samples(registry) -> None:  # noqa: ANN001
+    r = RewardComputer([spec("test_flaky")], on_error="skip")(["p"] * 3, ["ok", "bad", "ok"], [{"prompt": "p"}] * 3)
+    assert r.valid.tolist() == [True, False, True]
+    assert r.total.tolist() == [1.0, 0.0, 1.0] and all(math.isfinite(x) for x in r.total.tolist())
+
+
+def test_unknown_reward_function_is_named(registry) -> None:  # noqa: ANN001
+    with pytest.raises(KeyError, match="'no_such_fn' is not in Oumi's REWARD_FUNCTION registry"):
+        RewardComputer([spec("no_such_fn")])
