@@ -192,9 +192,7 @@ class MegatronEngine:
                 t = outputs[i]["logprobs"].float().contiguous()
             else:
                 t = torch.empty(mb["input_ids"].shape[0], seq_len, dtype=torch.float32, device=self._device())
-            if ps.get_pipeline_model_parallel_world_size() > 1:
-                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-            result.append(t.cpu())
+            result.append(self._from_last_stage(t).cpu())
         return result
 
     @torch.no_grad()
@@ -217,35 +215,37 @@ class MegatronEngine:
         captured: dict[str, torch.Tensor] = {}
         batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         self._run([batch], no_loss, 1.0, forward_only=True, keep_logits=captured)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            last = captured["last"].contiguous()
-            last = tensor_parallel.gather_from_tensor_model_parallel_region(last)
-            vocab = torch.tensor([last.shape[-1]], device=self._device())
-        else:
-            vocab = torch.zeros(1, dtype=torch.int64, device=self._device())
+        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        if last_stage:
+            last = tensor_parallel.gather_from_tensor_model_parallel_region(captured["last"].contiguous())
+        vocab = self._from_last_stage(torch.tensor([last.shape[-1] if last_stage else 0], device=self._device()))
+        if not last_stage:
+            last = torch.empty(input_ids.shape[0], int(vocab.item()), dtype=torch.float32, device=self._device())
+        return self._from_last_stage(last)
+
+    @staticmethod
+    def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as filled on the last pipeline stage, on every rank of the pipeline group
+        (other ranks pass a buffer of the same shape and dtype)."""
+        from megatron.core import parallel_state as ps
+
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
-            dist.broadcast(vocab, src=src, group=group)
-            if not ps.is_pipeline_last_stage(ignore_virtual=True):
-                last = torch.empty(input_ids.shape[0], int(vocab.item()), dtype=torch.float32, device=self._device())
-            dist.broadcast(last, src=src, group=group)
-        return last
+            dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return tensor
 
     def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
         """Sum metric dicts over microbatches (last stage), then over DP, then share with all PP ranks."""
         from megatron.core import parallel_state as ps
 
         keys = sorted(outputs[0].keys()) if outputs else []
-        n_keys = torch.tensor([len(keys)], dtype=torch.int64, device=self._device())
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(n_keys, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        n_keys = self._from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self._device()))
         values = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self._device())
         if outputs:
             for out in outputs:
                 values += torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=values.device) for k in keys])
         dist.all_reduce(values, group=ps.get_data_parallel_group())
+        self._from_last_stage(values)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
             keys = self._broadcast_keys(keys)
         return dict(zip(keys, values.tolist()))
 
