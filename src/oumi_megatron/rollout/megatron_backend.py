@@ -26,15 +26,21 @@ class Rollout:
     """True if the completion ended with EOS (False: cut at max_new_tokens)."""
 
 
-def left_padded_batch(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [B, L], position ids (0 at each row's first real token) and a [B, 1, L, L] mask
-    (True = may not attend) combining causality with the left padding."""
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] left-padded with ``pad_id``, and where the real tokens are (pad may be a real token too)."""
     length = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     real = torch.zeros((len(prompts), length), dtype=torch.bool)
     for i, p in enumerate(prompts):
         ids[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
         real[i, length - len(p):] = True
+    return ids, real
+
+
+def left_padded_batch(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, L], position ids (0 at each row's first real token) and a [B, 1, L, L] mask
+    (True = may not attend) combining causality with the left padding."""
+    ids, real = _left_pad(prompts, pad_id)
     return ids, *_positions_and_mask(real)
 
 
@@ -60,11 +66,7 @@ class MegatronRolloutBackend:
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1) -> list[Rollout]:
         """``num_generations`` completions per prompt, adjacent in the result (a GRPO group)."""
         expanded = [p for p in prompts for _ in range(num_generations)]
-        ids, _, _ = left_padded_batch(expanded, params.pad_token_id)
-        real = ids != params.pad_token_id
-        for i, p in enumerate(expanded):  # pad may be a real token inside a prompt
-            real[i] = False
-            real[i, ids.shape[1] - len(p):] = True
+        ids, real = _left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
         new_tokens: list[torch.Tensor] = []
         for _ in range(params.max_new_tokens):
