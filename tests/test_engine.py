@@ -5,6 +5,7 @@
   2 optimizer steps, the logprobs after them, and the exported weights equal the single-rank run.
 - Save at step 2, resume in a new process: step 3 equals the uninterrupted run exactly.
 - Killing the process while it writes a checkpoint leaves the previous one as the latest.
+- Packed microbatches (sequence packing) give the padded layout's logprobs, entropy, loss and gradients.
 
 Tolerances (fp32): logits/logprobs vs HF 1e-4 (seen: < 1e-6); across layouts the loss agrees to
 1e-5 relative and weights after 2 Adam steps (lr 1e-3) to 2e-5 absolute (seen: <= 4e-6, reduction
@@ -140,6 +141,27 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     # and training really moved the weights (a run that did nothing would also 'match')
     initial = _weights(workdir / "hf_llama")
     assert max((ref_w[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
+
+
+PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradients
+
+
+def test_packed_microbatches_match_padded(converted: Path, workdir: Path) -> None:
+    """Sequence packing: same logprobs, entropy, loss and gradients as one-sequence-per-row padding
+    for every loss aggregation, with fewer tokens processed."""
+    out = workdir / "packing.json"
+    _check(run_cli([PY, str(WORKERS / "packing_worker.py"), str(converted), str(out)]))
+    r = json.loads(out.read_text())
+    assert r["logprobs_max_abs_diff"] <= PACKED_ATOL and r["entropy_max_abs_diff"] <= PACKED_ATOL
+    assert 0.5 < r["entropy_mean"] < 6.0  # ~log(320) = 5.77 for a random tiny model at T = 0.9
+    tokens = r["tokens"]
+    assert tokens["packed"]["real"] == tokens["padded"]["real"]
+    assert tokens["packed"]["processed"] < tokens["padded"]["processed"], tokens
+    for mode, a in r["aggregations"].items():
+        assert abs(a["loss"][0] - a["loss"][1]) <= PACKED_ATOL * max(1.0, abs(a["loss"][0])), (mode, a)
+        assert a["count"][0] == a["count"][1] and a["clipped_tokens"][0] == a["clipped_tokens"][1] > 0, (mode, a)
+        assert a["grad_max_abs"] > 1e-3, (mode, a)  # real gradients, not an empty comparison
+        assert a["grad_max_abs_diff"] <= PACKED_ATOL * a["grad_max_abs"], (mode, a)
 
 
 def test_resume_is_exact(converted: Path, workdir: Path, reference: dict) -> None:

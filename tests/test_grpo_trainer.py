@@ -43,7 +43,8 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
     assert [r["step"] for r in rows] == list(range(1, 81))
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     for key in ("reward/char_class", "advantage/std", "kl", "clip_fraction", "completion_length/mean",
-                "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm"):
+                "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm", "entropy",
+                "batch/padding_fraction"):
         assert key in rows[-1], key
     assert (out / "megatron_checkpoint" / "oumi_megatron.json").is_file()
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_000050", "step_000080"]
@@ -75,10 +76,17 @@ def test_resume_mid_training_continues_exactly(tmp_path: Path, tiny_model_dir: P
         assert [r[key] for r in b] == [r[key] for r in a[2:]], key
 
 
-def test_two_rank_data_parallel_run_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_two_rank_data_parallel_packed_run_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """DP=2: each rank generates and trains on its half of the completions, in packed microbatches."""
     out = tmp_path / "dp2"
     _train(out, tiny_model_dir, "--training.max_steps", "60", "--training.save_steps", "0",
-           "--training.save_final_model", "false", nproc=2)
+           "--training.save_final_model", "false", "--megatron.enable_sequence_packing", "true", nproc=2)
     rows = _metrics(out)
     assert len(rows) == 60
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
+    # packing: fewer tokens processed than the real ones padded to the longest sequence would need
+    assert all(r["batch/processed_tokens"] >= r["batch/real_tokens"] for r in rows)
+    assert sum(r["batch/padding_fraction"] for r in rows) / len(rows) < 0.25, [r["batch/padding_fraction"] for r in rows]
+    assert sum(r["batch/tokens_saved_fraction"] for r in rows) > 0, [r["batch/tokens_saved_fraction"] for r in rows]
+    # entropy of the sampling distribution falls as the policy concentrates on one character class
+    assert rows[-1]["entropy"] < rows[0]["entropy"], (rows[0]["entropy"], rows[-1]["entropy"])

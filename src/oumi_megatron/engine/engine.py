@@ -59,6 +59,25 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / T) at every position; logits may be split over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    z = logits.float() / temperature
+    z_max = z.max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    e = (z - z_max).exp()
+    sums = torch.cat([e.sum(dim=-1, keepdim=True), (e * z).sum(dim=-1, keepdim=True)], dim=-1)
+    if tp > 1:
+        dist.all_reduce(sums, group=group)
+    # H = log sum exp(z) - E_p[z]
+    return (sums[..., 0].log() + z_max[..., 0] - sums[..., 1] / sums[..., 0])
+
+
 class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
@@ -108,6 +127,7 @@ class MegatronEngine:
         temperature: float,
         forward_only: bool,
         keep_logits: dict[str, torch.Tensor] | None = None,
+        with_entropy: bool = False,
     ) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -127,8 +147,10 @@ class MegatronEngine:
                 if keep_logits is not None:
                     # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
                     keep_logits["last"] = logits[:, -1, :].detach().float().clone()
+                # before the cross entropy, which overwrites ``logits``
+                extra = {"entropy": token_entropy(logits.detach(), temperature)} if with_entropy else {}
                 logprobs = token_logprobs(logits, batch["target_ids"], temperature)
-                loss_sum, count, metrics = loss_fn(logprobs, batch)
+                loss_sum, count, metrics = loss_fn(logprobs, {**batch, **extra})
                 count = torch.as_tensor(count, device=logits.device).to(torch.int)
                 return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
 
@@ -176,24 +198,39 @@ class MegatronEngine:
     def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-token logprobs of each microbatch's ``input_ids`` (targets = next tokens), on every rank
         of this DP replica; shape of each: [mbs, seq] (seq = the longest microbatch)."""
-        for chunk in self.model:
-            chunk.eval()
+        return self._forward_only_per_token(microbatches, temperature, with_entropy=False)[0]
 
-        def keep(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {"logprobs": logprobs.detach()}
+    @torch.no_grad()
+    def compute_logprobs_and_entropy(
+        self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``compute_logprobs`` plus the entropy of the sampling distribution softmax(logits / T) at every position."""
+        return self._forward_only_per_token(microbatches, temperature, with_entropy=True)
 
-        outputs = self._run(microbatches, keep, temperature, forward_only=True)
+    def _forward_only_per_token(
+        self, microbatches: list[dict[str, torch.Tensor]], temperature: float, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from megatron.core import parallel_state as ps
 
+        for chunk in self.model:
+            chunk.eval()
+        names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+
+        def keep(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            values = {"logprobs": logprobs.detach(), "entropy": batch.get("entropy")}
+            return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {k: values[k] for k in names}
+
+        outputs = self._run(microbatches, keep, temperature, forward_only=True, with_entropy=with_entropy)
         seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
-        result = []
+        result: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         for i, mb in enumerate(microbatches):
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
-                t = outputs[i]["logprobs"].float().contiguous()
-            else:
-                t = torch.empty(mb["input_ids"].shape[0], seq_len, dtype=torch.float32, device=self._device())
-            result.append(self._from_last_stage(t).cpu())
-        return result
+            for name in names:
+                if ps.is_pipeline_last_stage(ignore_virtual=True):
+                    t = outputs[i][name].float().contiguous()
+                else:
+                    t = torch.empty(mb["input_ids"].shape[0], seq_len, dtype=torch.float32, device=self._device())
+                result[name].append(self._from_last_stage(t).cpu())
+        return result["logprobs"], result.get("entropy", [])
 
     @torch.no_grad()
     def last_token_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

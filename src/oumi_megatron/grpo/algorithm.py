@@ -71,24 +71,40 @@ def clipped_surrogate(
     return loss, was_clipped
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    max_len: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) such that the global loss is sum over microbatches/ranks of ``sum`` / of ``count``.
 
     token_mean: every completion token weighs the same (DAPO); count = tokens.
     seq_mean: mean over each sequence's tokens, then over sequences (original GRPO); count = sequences.
     seq_mean_token_sum_norm: each sequence's token sum / ``max_len`` (a constant), then mean over
     sequences (Dr. GRPO); count = sequences.
+
+    Sequences are the rows, or, for packed rows, ``segment_ids`` [B, T]: the sequence of each token
+    numbered 0..S-1 across the microbatch, -1 on padding.
     """
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if mode == "token_mean":
         return masked.sum(), mask.sum().round().to(torch.int64)
-    rows = per_token.shape[0]
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")
+    if segment_ids is None:
+        seq_sum, seq_tokens = masked.sum(-1), mask.sum(-1)
+    else:
+        ids = segment_ids.reshape(-1)
+        keep = ids >= 0
+        n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
+        seq_sum = masked.new_zeros(n).index_add(0, ids[keep], masked.reshape(-1)[keep])
+        seq_tokens = mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep])
+    count = torch.tensor(seq_sum.shape[0], dtype=torch.int64, device=per_token.device)
     if mode == "seq_mean":
-        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_seq.sum(), torch.tensor(rows, dtype=torch.int64, device=per_token.device)
-    if mode == "seq_mean_token_sum_norm":
-        if not max_len:
-            raise ValueError("seq_mean_token_sum_norm needs max_len (grpo.max_completion_length)")
-        return (masked.sum(-1) / float(max_len)).sum(), torch.tensor(rows, dtype=torch.int64, device=per_token.device)
-    raise ValueError(f"unknown loss_aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")
+        return (seq_sum / seq_tokens.clamp(min=1.0)).sum(), count
+    if not max_len:
+        raise ValueError("seq_mean_token_sum_norm needs max_len (grpo.max_completion_length)")
+    return (seq_sum / float(max_len)).sum(), count

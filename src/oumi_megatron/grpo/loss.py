@@ -16,8 +16,9 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
     """Per-token GRPO loss for ``MegatronEngine.train_step``, from the ``grpo:`` section.
 
     Each microbatch must carry, aligned with the engine's logprob positions (position t scores
-    token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] and, when
-    ``grpo.beta > 0``, ``ref_logprobs`` [b, T]. Metrics are sums over the microbatch (the trainer
+    token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] or [b, T] and, when
+    ``grpo.beta > 0``, ``ref_logprobs`` [b, T]; packed rows also carry ``segment_ids`` [b, T]
+    (see ``trainer/batches.py``). Metrics are sums over the microbatch (the trainer
     divides by ``completion_tokens``).
     """
 
@@ -31,7 +32,7 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
         if grpo.beta > 0:
             kl = kl_divergence(logprobs, batch["ref_logprobs"], grpo.kl_estimator)
             per_token = per_token + grpo.beta * kl
-        loss_sum, count = aggregate(per_token, mask, grpo.loss_aggregation, grpo.max_completion_length)
+        loss_sum, count = aggregate(per_token, mask, grpo.loss_aggregation, grpo.max_completion_length, batch.get("segment_ids"))
         metrics = {
             "completion_tokens": mask.sum().detach(),
             "pg_loss_sum": (pg_loss * mask).sum().detach(),

@@ -11,13 +11,15 @@ One GRPO step:
 6. metrics to metrics.jsonl / TensorBoard; checkpoints every ``training.save_steps``; at the end the HF
    export to output_dir/hf_model and PNG plots.
 
-Every rank runs the same loop (generation and updates are collective); each data-parallel rank
-trains on its shard of the rollout batch.
+Every rank runs the same loop. Each data-parallel rank generates, scores and trains on its own share
+of the completions (ranks of one model replica generate together); rewards are gathered over DP so
+group advantages see whole groups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 from collections.abc import Iterator
@@ -32,8 +34,9 @@ from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.rewards import RewardComputer
-from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend, Rollout
+from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 
 try:  # Oumi's trainer interface (absent on engine-only machines)
@@ -112,94 +115,147 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return ids[-self.grpo.max_prompt_length :]
 
-    # -- batches ------------------------------------------------------------------------------------
-    def _sequences(self, rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded prompt+completion ids and the completion mask at logprob positions."""
-        pad = self.sampling.pad_token_id
-        length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-        ids = torch.full((len(rollouts), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(rollouts), length), dtype=torch.float32)
-        for i, r in enumerate(rollouts):
-            seq = r.prompt_ids + r.completion_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            # logprob position t scores token t + 1: completion tokens sit at len(prompt) .. len(seq)-1
-            mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1.0
-        return ids, mask
-
-    def _microbatches(self, tensors: dict[str, torch.Tensor], rows: range | list[int]) -> list[dict[str, torch.Tensor]]:
-        mbs = self.layout.micro_batch_size
-        idx = list(rows)
-        return [{k: v[idx[i : i + mbs]] for k, v in tensors.items()} for i in range(0, len(idx), mbs)]
-
-    def _dp_rows(self, start: int, count: int) -> range:
+    # -- data-parallel helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _dp() -> tuple[int, int, Any]:
         from megatron.core import parallel_state as ps
 
-        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        per = count // dp
-        return range(start + rank * per, start + (rank + 1) * per)
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        """Concatenate every DP rank's ``local`` [n, ...] in rank order (float64, on the CPU)."""
+        dp, _, group = self._dp()
+        if dp == 1:
+            return local.double()
+        t = local.double().to(self.engine._device())
+        parts = [torch.empty_like(t) for _ in range(dp)]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts).cpu()
+
+    def _sum_dp(self, values: list[float]) -> list[float]:
+        dp, _, group = self._dp()
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine._device())
+        if dp > 1:
+            dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    def _rollout_seed(self, dp_rank: int) -> int:
+        """Sampling seed of one step on one DP rank: a function of (seed, step, rank), so a resumed run
+        draws what the uninterrupted one drew, and DP ranks draw different samples."""
+        key = f"{self.config.training.seed}/{self.step}/{dp_rank}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+
+    def _layout(self, batch: SequenceBatch) -> MicrobatchLayout:
+        mbs, pad = self.layout.micro_batch_size, self.sampling.pad_token_id
+        if not self.config.megatron.enable_sequence_packing:
+            return padded_layout(batch, mbs, pad)
+        # every DP rank runs the same number of microbatches (empty ones are all padding)
+        lengths = [len(t) for t in batch.token_ids]
+        local = -(-len(first_fit_decreasing(lengths, max(lengths))) // mbs)
+        return packed_layout(batch, mbs, pad, min_microbatches=self._max_dp(local))
+
+    def _max_dp(self, value: int) -> int:
+        dp, _, group = self._dp()
+        t = torch.tensor([value], dtype=torch.int64, device=self.engine._device())
+        if dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
 
     # -- one GRPO step ------------------------------------------------------------------------------
     def grpo_step(self) -> dict[str, Any]:
+        """One GRPO step. Each DP rank generates, scores and trains on its own share of the
+        completions; rewards are gathered so advantages see whole groups."""
         g = self.grpo
+        dp, dp_rank, _ = self._dp()
         t0 = time.perf_counter()
         rows = self._next_rows(self.layout.prompts_per_rollout)
         prompt_ids = [self._prompt_ids(r) for r in rows]
-        rollouts = self.backend.generate(prompt_ids, self.sampling, g.num_generations)
+        n = len(rows) * g.num_generations
+        per_rank = n // dp
+        mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)  # sample i belongs to prompt i // G
+        self.backend.generator.manual_seed(self._rollout_seed(dp_rank))
+        rollouts = self.backend.generate([prompt_ids[i // g.num_generations] for i in mine], self.sampling)
         t_rollout = time.perf_counter() - t0
 
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
-        prompts = [self.tokenizer.decode(p, skip_special_tokens=True) for p in prompt_ids for _ in range(g.num_generations)]
-        group_rows = [row for row in rows for _ in range(g.num_generations)]
-        rewards = self.rewards(prompts, completions, group_rows)
-        advantages = group_advantages(rewards.total.float(), g.num_generations, g.scale_rewards)
-        advantages = torch.where(rewards.valid, advantages, torch.zeros_like(advantages))
+        prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+        rewards = self.rewards(prompts, completions, [rows[i // g.num_generations] for i in mine])
+        names = list(rewards.per_function)
+        local_stats = torch.stack(
+            [rewards.total, rewards.valid.double(), *(rewards.per_function[k] for k in names),
+             torch.tensor([float(len(r.completion_ids)) for r in rollouts]),
+             torch.tensor([float(r.finished) for r in rollouts])], dim=1)
+        stats = self._gather_dp(local_stats)  # [n, k], the whole rollout batch, on every rank
+        total, valid = stats[:, 0], stats[:, 1] > 0.5
+        lengths, finished = stats[:, -2], stats[:, -1]
+        advantages = group_advantages(total.float(), g.num_generations, g.scale_rewards)
+        advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
 
-        ids, mask = self._sequences(rollouts)
-        mask = mask * rewards.valid[:, None].float()  # samples dropped by on_reward_error: skip
-        n, length = ids.shape
-        per_mini = self.layout.global_batch_size
-        # the rows this data-parallel rank trains on: its shard of every mini-batch
-        shards = [self._dp_rows(m * per_mini, per_mini) for m in range(g.num_mini_batches)]
-        mine = [i for shard in shards for i in shard]
+        # this rank's share of every mini-batch (one optimizer step each)
+        per_mini = self.layout.global_batch_size // dp
+        layouts = []
+        for m in range(g.num_mini_batches):
+            part = range(m * per_mini, (m + 1) * per_mini)
+            batch = SequenceBatch(
+                token_ids=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in part],
+                prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
+                advantages=advantages[[mine[i] for i in part]],
+                trainable=valid[[mine[i] for i in part]],
+            )
+            layouts.append(self._layout(batch))
+
         t1 = time.perf_counter()
         # old (and reference) logprobs: before any update of this step, no gradients
-        mine_mbs = self._microbatches({"input_ids": ids}, mine)
-        old = torch.zeros(n, length)
-        old[mine] = torch.cat(self.engine.compute_logprobs(mine_mbs, g.temperature))[:, :length]
-        batch = {"input_ids": ids, "completion_mask": mask, "advantages": advantages, "old_logprobs": old}
-        if self.reference is not None:
-            ref = torch.zeros(n, length)
-            with self.reference.active():
-                ref[mine] = torch.cat(self.engine.compute_logprobs(mine_mbs, g.temperature))[:, :length]
-            batch["ref_logprobs"] = ref
+        entropy_sum = 0.0
+        for layout in layouts:
+            old, entropy = self.engine.compute_logprobs_and_entropy(layout.microbatches, g.temperature)
+            for mb, lp, ent in zip(layout.microbatches, old, entropy):
+                mb["old_logprobs"] = lp
+                entropy_sum += float((ent * mb["completion_mask"]).sum())
+            if self.reference is not None:
+                with self.reference.active():
+                    ref = self.engine.compute_logprobs(layout.microbatches, g.temperature)
+                for mb, lp in zip(layout.microbatches, ref):
+                    mb["ref_logprobs"] = lp
         t_logprob = time.perf_counter() - t1
 
         t2 = time.perf_counter()
         results = []
         for _ in range(g.ppo_epochs):
-            for shard in shards:
-                results.append(self.engine.train_step(self._microbatches(batch, shard), self.loss_fn, g.temperature))
+            for layout in layouts:
+                results.append(self.engine.train_step(layout.microbatches, self.loss_fn, g.temperature))
         t_train = time.perf_counter() - t2
 
+        real, processed, padded, entropy_sum, scored = self._sum_dp([
+            float(sum(lo.real_tokens for lo in layouts)), float(sum(lo.processed_tokens for lo in layouts)),
+            float(sum(lo.padded_tokens for lo in layouts)),
+            entropy_sum, float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
+        ])
         self.step += 1
         last = results[-1]
         tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
-        lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
         metrics: dict[str, Any] = {
-            "reward/mean": rewards.total.mean().item(),
-            "reward/std": rewards.total.std().item() if n > 1 else 0.0,
-            **{f"reward/{k}": v.mean().item() for k, v in rewards.per_function.items()},
-            "reward/invalid_samples": int((~rewards.valid).sum()),
+            "reward/mean": total.mean().item(),
+            "reward/std": total.std().item() if n > 1 else 0.0,
+            **{f"reward/{k}": stats[:, 2 + j].mean().item() for j, k in enumerate(names)},
+            "reward/invalid_samples": int((~valid).sum()),
             "advantage/mean": advantages.mean().item(),
             "advantage/std": advantages.std().item() if n > 1 else 0.0,
+            "advantage/max_abs": advantages.abs().max().item(),
             "loss": sum(r.loss for r in results) / len(results),
             "kl": last.metrics.get("kl_sum", 0.0) / tokens,
             "clip_fraction": last.metrics.get("clipped_tokens", 0.0) / tokens,
+            "entropy": entropy_sum / max(scored, 1.0),
             "grad_norm": last.grad_norm,
             "lr": last.lr,
             "completion_length/mean": lengths.mean().item(),
             "completion_length/max": int(lengths.max()),
-            "completion_length/truncated_fraction": sum(not r.finished for r in rollouts) / n,
+            "completion_length/truncated_fraction": float((finished < 0.5).double().mean()),
+            "batch/real_tokens": int(real),
+            "batch/processed_tokens": int(processed),
+            "batch/padding_fraction": 1.0 - real / max(processed, 1.0),
+            # what packing saves against one sequence per row (0 when packing is off)
+            "batch/tokens_saved_fraction": 1.0 - processed / max(padded, 1.0),
             "time/rollout_s": t_rollout,
             "time/logprob_s": t_logprob,
             "time/train_s": t_train,
@@ -226,7 +282,6 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if resume is not None:
             state = load_checkpoint(self.engine, resume)
             self.step, self.data_position = state["step"], state["data_position"]
-            self.backend.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
         max_steps = self.config.training.max_steps
         save_steps = self.config.training.save_steps
         metrics_log = MetricsLogger(self.output_dir, enabled=_rank() == 0, tensorboard=self.config.training.enable_tensorboard)
@@ -258,7 +313,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.engine,
             self.output_dir / "checkpoints",
             self.step,
-            {"data_position": self.data_position, "generator_state": self.backend.generator.get_state().tolist()},
+            {"data_position": self.data_position},
             self.hf_artifacts,
             keep_last=self.config.megatron.checkpoint_config.keep_last_n_checkpoints,
             async_writer=self.async_writer,

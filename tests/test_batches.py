@@ -1,0 +1,86 @@
+"""Microbatch layouts (trainer/batches.py): padded and packed hold the same tokens and loss inputs.
+
+The model-level parity (logprobs, loss, gradients) is tests/test_engine.py::test_packed_microbatches_match_padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oumi_megatron.grpo.algorithm import aggregate
+from oumi_megatron.trainer.batches import (
+    SequenceBatch,
+    block_causal_mask,
+    first_fit_decreasing,
+    packed_layout,
+    padded_layout,
+)
+
+
+def _batch() -> SequenceBatch:
+    ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17], [18, 19]]
+    return SequenceBatch(ids, prompt_lengths=[2, 1, 2, 3, 1, 1], advantages=torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0]),
+                         trainable=torch.tensor([True, True, True, False, True, True]))
+
+
+def test_first_fit_decreasing_respects_capacity_and_places_everything() -> None:
+    lengths = [5, 2, 3, 4, 3, 2]
+    bins = first_fit_decreasing(lengths, 5)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(lengths[i] for i in b) <= 5 for b in bins)
+    assert len(bins) == 4  # 19 tokens need at least 4 rows of 5
+
+
+def test_packed_and_padded_hold_the_same_sequences() -> None:
+    batch = _batch()
+    padded, packed = padded_layout(batch, 2, pad_id=0), packed_layout(batch, 2, pad_id=0)
+    assert padded.processed_tokens == 6 * 5 and packed.processed_tokens == 2 * 2 * 5  # 4 rows of 5 tokens
+    assert padded.real_tokens == packed.real_tokens == 19
+    assert padded.padded_tokens == packed.padded_tokens == 30
+    for name in ("input_ids", "completion_mask", "advantages", "position_ids"):
+        a = padded.per_sequence([mb[name] for mb in padded.microbatches])
+        b = packed.per_sequence([mb[name] for mb in packed.microbatches])
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+    mask = padded.per_sequence([mb["completion_mask"] for mb in padded.microbatches])
+    # sequence 0: prompt of 2, completion 3 -> positions 1, 2, 3 score the completion tokens
+    assert mask[0].tolist() == [0, 1, 1, 1, 0]
+    assert mask[3].sum() == 0  # not trainable (skipped reward): kept, never trained on
+
+
+def test_block_causal_mask_keeps_attention_inside_each_sequence() -> None:
+    seg = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    allowed = ~block_causal_mask(seg)[0, 0]
+    assert allowed[1].tolist() == [True, True, False, False, False, False]
+    assert allowed[4].tolist() == [False, False, True, True, True, False]
+    assert allowed[5].tolist() == [False, False, False, False, False, True]  # padding sees itself only
+
+
+def test_packed_layout_pads_to_the_requested_number_of_microbatches() -> None:
+    layout = packed_layout(_batch(), 2, pad_id=0, min_microbatches=3)
+    assert len(layout.microbatches) == 3
+    empty = layout.microbatches[2]
+    assert empty["completion_mask"].sum() == 0 and (empty["segment_ids"] == -1).all()
+
+
+def test_segment_aggregation_equals_one_row_per_sequence() -> None:
+    batch = _batch()
+    padded, packed = padded_layout(batch, 6, pad_id=0), packed_layout(batch, 4, pad_id=0)
+    g = torch.Generator().manual_seed(0)
+    per_seq_values = [torch.randn(len(t), generator=g) for t in batch.token_ids]
+
+    def place(layout):  # noqa: ANN001, ANN202
+        mb = layout.microbatches[0]
+        values = torch.zeros_like(mb["completion_mask"])
+        for (m, r, s, n), v in zip(layout.placements, per_seq_values):
+            values[r, s : s + n] = v
+        return values, mb
+
+    (va, a), (vb, b) = place(padded), place(packed)
+    for mode in ("token_mean", "seq_mean", "seq_mean_token_sum_norm"):
+        sa, ca = aggregate(va, a["completion_mask"], mode, 8, a["segment_ids"])
+        sb, cb = aggregate(vb, b["completion_mask"], mode, 8, b["segment_ids"])
+        assert torch.allclose(sa, sb, atol=1e-6) and int(ca) == int(cb), mode
+    # padded rows without segment ids aggregate per row, as before
+    s_rows, c_rows = aggregate(va, a["completion_mask"], "seq_mean", 8)
+    s_seg, c_seg = aggregate(va, a["completion_mask"], "seq_mean", 8, a["segment_ids"])
+    assert torch.allclose(s_rows, s_seg) and int(c_rows) == int(c_seg) == 6
