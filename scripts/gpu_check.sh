@@ -2,7 +2,8 @@
 # GPU tests and benchmarks in one call, on the lent GPU machine (torch 2.11 preinstalled there).
 #   bash scripts/gpu_check.sh            # from the repo root; wheels carried in .whl/ (see docs/benchmarks.md)
 # Installs what the image lacks (megatron-core, megatron-bridge, omegaconf) from .whl/, runs the GPU
-# tests (tests/test_gpu.py) and scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
+# tests (tests/test_gpu.py: parity, layouts, async checkpoints, the GRPO loop on 1 GPU and PP=2) and
+# scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only.
 set -uo pipefail
@@ -11,6 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HF_HUB_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 RESULTS=${OUT:-gpu_results}
 mkdir -p "$RESULTS"
+export GPU_RESULTS=$RESULTS
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
@@ -42,5 +44,13 @@ print("\n| layout | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | 
 print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in rows:
     print(f"| {r['layout']} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} |")
+loops = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("grpo_loop_*.json"))]
+if loops:
+    print("\n| GRPO loop (tiny demo) | GPUs | card | steps | reward first 10 -> last 10 | wall s | rollout s | train s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in loops:
+    name = f"TP{r['tp']} PP{r['pp']}" + (" packed" if r["packing"] else "")
+    w = r["rewards"]
+    print(f"| {name} | {r['world_size']} | {r['card']} | {r['steps']} | {sum(w[:10])/10:.3f} -> {sum(w[-10:])/10:.3f} | {r['seconds']:.0f} | {r['rollout_s']:.0f} | {r['train_s']:.0f} |")
 PY
 exit $TEST_RC

@@ -8,6 +8,7 @@ Across layouts (bf16): the first step's loss within 1e-3 relative, later ones wi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,23 @@ def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactor
     full = json.loads((work / "full" / "result.json").read_text())
     resumed = json.loads((work / "resumed" / "result.json").read_text())
     assert abs(resumed["loss"][0] - full["loss"][2]) <= 1e-5 * abs(full["loss"][2])
+
+
+@pytest.mark.parametrize(
+    "layout", [[], ["--pp", "2", "--packing"]], ids=["1gpu", "pp2_packed"]
+)
+def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
+    """The demo's GRPO loop (same trainer, rollouts, rewards, hyper-parameters) in bf16 on NCCL.
+    The image has no Oumi, so the worker builds the config in Python (tests/workers/grpo_loop_worker.py)."""
+    if layout and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    work = tmp_path_factory.mktemp("gpu_grpo")
+    worker = [str(WORKERS / "grpo_loop_worker.py"), str(work), "--steps", "80", *layout]
+    cmd = [PY, *worker] if not layout else [TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker]
+    _check(run_cli(cmd))
+    r = json.loads((work / "result.json").read_text())
+    if os.environ.get("GPU_RESULTS"):  # scripts/gpu_check.sh prints these in its table
+        (Path(os.environ["GPU_RESULTS"]) / f"grpo_loop_{'_'.join(layout) or '1gpu'}.json").write_text(json.dumps(r))
+    assert r["steps"] == 80 and r["hf_model"]
+    rewards = r["rewards"]
+    assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, [round(x, 3) for x in rewards]

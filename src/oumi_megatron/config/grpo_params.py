@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from oumi.core.configs.params.base_params import BaseParams
+from oumi_megatron.config.base import BaseParams
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")

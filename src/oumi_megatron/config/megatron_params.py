@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:
-    from oumi.core.configs.params.base_params import BaseParams
-except ImportError:  # pragma: no cover - exercised on engine-only machines
-    # The engine (Megatron-Core + Megatron-Bridge) also runs where Oumi is not installed, e.g. the
-    # GPU benchmark machine; there these sections are plain dataclasses. Oumi only needs BaseParams
-    # for its recursive finalize_and_validate, which does not run without Oumi.
-    @dataclass
-    class BaseParams:  # type: ignore[no-redef]
-        def finalize_and_validate(self) -> None:
-            pass
+from oumi_megatron.config.base import BaseParams
 
 INFERENCE_BACKENDS = ("megatron", "vllm")
 """Rollout engines. ``sglang`` appears in the design document but is not implemented."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,7 @@ def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtyp
     """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
     ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
     if _rank() == 0:
-        from oumi.utils.logging import logger
-
+        logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed, plain logging elsewhere
         if ok:
             logger.info(f"Reusing the converted checkpoint {out_dir} (it matches {hf_path}).")
         elif reason == "missing":

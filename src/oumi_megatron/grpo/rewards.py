@@ -46,8 +46,14 @@ def _is_verl_style(fn: Callable) -> bool:
 
 
 class RewardComputer:
-    def __init__(self, specs: list[Any], on_error: str = "raise") -> None:
-        self.specs = [(s.name, float(s.weight), dict(s.kwargs), _registry_function(s.name)) for s in specs]
+    """Weighted reward functions. ``functions`` maps names to callables used instead of Oumi's
+    registry (for code that runs without Oumi); other names resolve through the registry."""
+
+    def __init__(self, specs: list[Any], on_error: str = "raise", functions: dict[str, Callable] | None = None) -> None:
+        functions = functions or {}
+        self.specs = [
+            (s.name, float(s.weight), dict(s.kwargs), functions.get(s.name) or _registry_function(s.name)) for s in specs
+        ]
         self.on_error = on_error
 
     def _fail(self, name: str, index: int | None, completion: str | None, why: str) -> None:

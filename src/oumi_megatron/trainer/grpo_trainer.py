@@ -71,7 +71,18 @@ class ReferenceWeights:
 
 
 class OumiMegatronGrpoTrainer(BaseTrainer):
-    def __init__(self, config: Any, engine: Any, bridge: Any, checkpoint_dir: Path, layout: Any, tokenizer: Any, dataset: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        engine: Any,
+        bridge: Any,
+        checkpoint_dir: Path,
+        layout: Any,
+        tokenizer: Any,
+        dataset: Any,
+        reward_functions: dict[str, Any] | None = None,
+    ) -> None:
+        """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names."""
         self.config = config
         self.engine = engine
         self.bridge = bridge
@@ -81,7 +92,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.dataset = dataset
         self.grpo = config.grpo
         self.output_dir = Path(config.training.output_dir)
-        self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error)
+        self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error, reward_functions)
         self.backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
         self.sampling = SamplingParams(
             temperature=self.grpo.temperature,
