@@ -126,27 +126,37 @@ class MegatronEngine:
         loss_fn: LossFn,
         temperature: float,
         forward_only: bool,
-        keep_logits: dict[str, torch.Tensor] | None = None,
+        keep_logits: dict[int, torch.Tensor] | None = None,
         with_entropy: bool = False,
+        inference_context: Any = None,
     ) -> list[dict[str, Any]]:
+        """Run the schedule. ``keep_logits`` receives each microbatch's last-position logits;
+        ``inference_context`` (a KV cache) is handed to the model, microbatch i using cache rows
+        from i * micro_batch_size."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches, seq_len, mbs = self._prepare(microbatches)
         device = self._device()
-        batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+        batches = [{**{k: v.to(device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
+            index = int(batch["_index"])
+            extra: dict[str, Any] = {}
+            if inference_context is not None:
+                inference_context.batch_size_offset = index * mbs  # the cache rows of this microbatch
+                extra["inference_context"] = inference_context
             output = model(
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 attention_mask=batch.get("attention_mask"),
+                **extra,
             )
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 if keep_logits is not None:
                     # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
-                    keep_logits["last"] = logits[:, -1, :].detach().float().clone()
+                    keep_logits[index] = logits[:, -1, :].detach().float().clone()
                 # before the cross entropy, which overwrites ``logits``
                 extra = {"entropy": token_entropy(logits.detach(), temperature)} if with_entropy else {}
                 logprobs = token_logprobs(logits, batch["target_ids"], temperature)
@@ -232,12 +242,38 @@ class MegatronEngine:
                 result[name].append(self._from_last_stage(t).cpu())
         return result["logprobs"], result.get("entropy", [])
 
+    # ----------------------------------------------------------------------------------------------
+    # Generation (the embedded rollout backend)
+    # ----------------------------------------------------------------------------------------------
+    def _generation_microbatches(self, rows: int) -> tuple[int, int]:
+        """(microbatches, padded rows) for a generation forward: with PP > 1 one microbatch per stage,
+        so stages overlap (and the interleaved schedule, which needs at least PP, runs)."""
+        from megatron.core import parallel_state as ps
+
+        m = ps.get_pipeline_model_parallel_world_size()
+        return m, -(-rows // m) * m
+
+    def new_kv_cache(self, rows: int, max_sequence_length: int) -> Any:
+        """A Megatron-Core static KV cache for ``rows`` sequences of up to ``max_sequence_length`` tokens
+        (each rank caches keys/values of its own layers and TP heads)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        return StaticInferenceContext(max_batch_size=self._generation_microbatches(rows)[1],
+                                      max_sequence_length=max_sequence_length)
+
     @torch.no_grad()
-    def last_token_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def last_token_logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        kv_cache: Any = None,
+    ) -> torch.Tensor:
         """Full-vocabulary logits (fp32) at the last position of each row, on every rank.
 
-        ``attention_mask`` [b, 1, s, s] is True where attention is not allowed (causal + padding),
-        which lets left-padded prompts be batched for generation.
+        ``attention_mask`` is True where attention is not allowed: [b, 1, s, s] (causal + padding),
+        which lets left-padded prompts be batched, or with a ``kv_cache`` holding the earlier tokens
+        [b, 1, s, cached + s]. With a cache the call appends these ``s`` tokens to it.
         """
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -248,17 +284,27 @@ class MegatronEngine:
         def no_loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple:
             return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
+        rows = input_ids.shape[0]
+        m, padded = self._generation_microbatches(rows)
+        tensors = [input_ids, position_ids, attention_mask]
+        if padded > rows:  # repeat the last row to fill the microbatches; its outputs are dropped
+            tensors = [torch.cat([t, t[-1:].expand(padded - rows, *t.shape[1:])]) for t in tensors]
+        size = padded // m
+        batches = [{"input_ids": tensors[0][i : i + size], "position_ids": tensors[1][i : i + size],
+                    "attention_mask": tensors[2][i : i + size]} for i in range(0, padded, size)]
         # The last stage's loss function sees the (vocab-parallel) logits: keep them, gather over TP.
-        captured: dict[str, torch.Tensor] = {}
-        batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
-        self._run([batch], no_loss, 1.0, forward_only=True, keep_logits=captured)
+        captured: dict[int, torch.Tensor] = {}
+        self._run(batches, no_loss, 1.0, forward_only=True, keep_logits=captured, inference_context=kv_cache)
+        if kv_cache is not None:
+            kv_cache.increment_sequence_len_offset(input_ids.shape[1])
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         if last_stage:
-            last = tensor_parallel.gather_from_tensor_model_parallel_region(captured["last"].contiguous())
+            last = torch.cat([captured[i] for i in range(m)])
+            last = tensor_parallel.gather_from_tensor_model_parallel_region(last.contiguous())
         vocab = self._from_last_stage(torch.tensor([last.shape[-1] if last_stage else 0], device=self._device()))
         if not last_stage:
-            last = torch.empty(input_ids.shape[0], int(vocab.item()), dtype=torch.float32, device=self._device())
-        return self._from_last_stage(last)
+            last = torch.empty(padded, int(vocab.item()), dtype=torch.float32, device=self._device())
+        return self._from_last_stage(last)[:rows]
 
     @staticmethod
     def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@ updates, through Megatron-Core's forward-only schedule, so it works under every 
 (every rank of a model replica takes part; tokens are drawn from a generator seeded identically on
 each of them, so all agree). Prompts are left-padded and masked.
 
-Limitation of this version: no KV cache: each new token re-runs the whole prefix (cost grows with
-length squared), which is fine for short completions and the CPU demo and slow for long ones.
+KV cache: a Megatron-Core ``StaticInferenceContext`` per batch. The prompt is run once (prefill),
+then each step runs only the new token against the cached keys/values, with a [b, 1, 1, S] mask that
+hides each row's left padding (and the pad tokens of rows that already ended). Rotary positions are
+the cache slots, so a left-padded row is shifted by a constant, which RoPE (relative) ignores.
+``kv_cache=False`` re-runs the whole prefix per token (the reference the tests compare against).
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def _positions_and_mask(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 class MegatronRolloutBackend:
     """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
 
-    def __init__(self, engine, vocab_size: int, seed: int = 0) -> None:  # noqa: ANN001 - MegatronEngine
+    def __init__(self, engine, vocab_size: int, seed: int = 0, kv_cache: bool = True) -> None:  # noqa: ANN001 - MegatronEngine
         self.engine = engine
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.kv_cache = kv_cache
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1) -> list[Rollout]:
@@ -69,9 +73,13 @@ class MegatronRolloutBackend:
         ids, real = _left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
         new_tokens: list[torch.Tensor] = []
-        for _ in range(params.max_new_tokens):
-            positions, mask = _positions_and_mask(real)
-            logits = self.engine.last_token_logits(ids, positions, mask)[:, : self.vocab_size].cpu()
+        cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.kv_cache else None
+        for step in range(params.max_new_tokens):
+            if cache is not None and step > 0:  # only the newest token, against the cached ones
+                ids_in, positions, mask = ids[:, -1:], (real.long().sum(-1, keepdim=True) - 1).clamp(min=0), (~real)[:, None, None, :]
+            else:
+                ids_in, (positions, mask) = ids, _positions_and_mask(real)
+            logits = self.engine.last_token_logits(ids_in, positions, mask, cache)[:, : self.vocab_size].cpu()
             nxt = sample(logits, params, self.generator)
             nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
             new_tokens.append(nxt)

@@ -1,0 +1,97 @@
+"""The embedded rollout backend with and without its KV cache, under one layout.
+
+    python tests/workers/generation_worker.py CKPT OUT.json [--hf HF_DIR] [--tp 2 | --pp 2 --vpp 2] (torchrun for 2)
+
+Left-padded prompts of different lengths. Records (rank 0):
+- the max abs difference of last-token logits, KV cache vs re-running the prefix, over greedy steps;
+- greedy tokens with the cache (to compare across layouts and with transformers' generate, --hf);
+- sampled completions (same seed) with and without the cache, with an EOS that ends some rows early.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 8, 8, 8, 8, 8, 120, 64, 1], [77, 31, 200, 9, 14, 2, 150]]
+NEW_TOKENS = 12
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--hf", default="")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=0)
+    args = p.parse_args()
+
+    import torch.distributed as dist
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend, left_padded_batch
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            virtual_pipeline_model_parallel_size=args.vpp or None)
+    params.transformer_config.recompute_granularity = None
+    _, engine = build_engine(args.ckpt, params, OptimSettings(), dtype=torch.float32)
+    vocab = 259
+
+    # Logits, step by step: cache vs whole prefix, greedy
+    ids, positions, mask = left_padded_batch(PROMPTS, pad_id=256)
+    lengths = torch.tensor([len(q) for q in PROMPTS])
+    pads = ids.shape[1] - lengths  # every row grows by one real token per step: its padding stays the same
+    cache = engine.new_kv_cache(len(PROMPTS), ids.shape[1] + NEW_TOKENS)
+    cached = engine.last_token_logits(ids, positions, mask, cache)
+    worst = 0.0
+    greedy = []
+    for step in range(NEW_TOKENS):
+        full = engine.last_token_logits(ids, positions, mask)
+        worst = max(worst, (full - cached).abs().max().item())
+        nxt = cached[:, :vocab].argmax(-1).cpu()
+        greedy.append(nxt)
+        ids, positions, mask = left_padded_batch([row[pad:].tolist() + [t] for row, pad, t in zip(ids, pads.tolist(), nxt.tolist())], 256)
+        if step < NEW_TOKENS - 1:
+            decode_mask = mask[:, :, -1:, :]  # the newest token's row: its prefix, without the padding
+            cached = engine.last_token_logits(ids[:, -1:], positions[:, -1:], decode_mask, cache)
+    greedy_tokens = torch.stack(greedy, 1)
+
+    # Sampling through the backend, same seed, with and without the cache
+    probe = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=False)
+    first = probe.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256), num_generations=2)
+    eos = first[0].completion_ids[3]  # a token row 0 samples at step 4 (same seed below): rows end early
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256, eos_token_id=eos)
+    runs = {}
+    for kv in (False, True):
+        backend = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=kv)
+        runs[kv] = [r.completion_ids for r in backend.generate(PROMPTS, sampling, num_generations=2)]
+
+    result = {
+        "logits_max_abs_diff": worst,
+        "greedy_tokens": greedy_tokens.tolist(),
+        "sampled_no_cache": runs[False],
+        "sampled_kv_cache": runs[True],
+        "rows_ended_early": sum(1 for c in runs[True] if c and c[-1] == eos and len(c) < NEW_TOKENS),
+    }
+    if args.hf and dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.hf, torch_dtype=torch.float32)
+        hf_tokens = []
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=256, suppress_tokens=list(range(vocab, model.config.vocab_size)))
+            hf_tokens.append(out[0, len(prompt):].tolist())
+        result["hf_greedy_tokens"] = hf_tokens
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(result))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
