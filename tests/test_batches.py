@@ -5,6 +5,7 @@ The model-level parity (logprobs, loss, gradients) is tests/test_engine.py::test
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oumi_megatron.grpo.algorithm import aggregate
@@ -20,7 +21,8 @@ from oumi_megatron.trainer.batches import (
 def _batch() -> SequenceBatch:
     ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17], [18, 19]]
     return SequenceBatch(ids, prompt_lengths=[2, 1, 2, 3, 1, 1], advantages=torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0]),
-                         trainable=torch.tensor([True, True, True, False, True, True]))
+                         trainable=torch.tensor([True, True, True, False, True, True]),
+                         rollout_logprobs=[[-0.1, -0.2, -0.3], [-0.4], [-0.5], [-0.6], [-0.7, -0.8], [-0.9]])
 
 
 def test_first_fit_decreasing_respects_capacity_and_places_everything() -> None:
@@ -37,7 +39,7 @@ def test_packed_and_padded_hold_the_same_sequences() -> None:
     assert padded.processed_tokens == 6 * 5 and packed.processed_tokens == 2 * 2 * 5  # 4 rows of 5 tokens
     assert padded.real_tokens == packed.real_tokens == 19
     assert padded.padded_tokens == packed.padded_tokens == 30
-    for name in ("input_ids", "completion_mask", "advantages", "position_ids"):
+    for name in ("input_ids", "completion_mask", "advantages", "position_ids", "rollout_logprobs"):
         a = padded.per_sequence([mb[name] for mb in padded.microbatches])
         b = packed.per_sequence([mb[name] for mb in packed.microbatches])
         assert all(torch.equal(x, y) for x, y in zip(a, b)), name
@@ -45,6 +47,8 @@ def test_packed_and_padded_hold_the_same_sequences() -> None:
     # sequence 0: prompt of 2, completion 3 -> positions 1, 2, 3 score the completion tokens
     assert mask[0].tolist() == [0, 1, 1, 1, 0]
     assert mask[3].sum() == 0  # not trainable (skipped reward): kept, never trained on
+    rollout = padded.per_sequence([mb["rollout_logprobs"] for mb in padded.microbatches])
+    assert rollout[0].tolist() == pytest.approx([0.0, -0.1, -0.2, -0.3, 0.0])  # aligned with the completion mask
 
 
 def test_block_causal_mask_keeps_attention_inside_each_sequence() -> None:

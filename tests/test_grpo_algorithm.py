@@ -85,7 +85,7 @@ def test_aggregations() -> None:
 
 
 def test_grpo_loss_fn_masks_prompt_and_padding_and_adds_kl() -> None:
-    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.1, kl_estimator="k1",
+    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.1, kl_estimator="k1", tis_cap=None,
                            loss_aggregation="token_mean", max_completion_length=4)
     lp = torch.log(torch.tensor([[0.9, 0.5, 0.5, 0.9]]))
     batch = {
@@ -100,3 +100,41 @@ def test_grpo_loss_fn_masks_prompt_and_padding_and_adds_kl() -> None:
     assert loss_sum.item() == pytest.approx(-2.0 + 0.1 * kl)
     assert m["kl_sum"].item() == pytest.approx(kl) and m["clipped_tokens"].item() == 0.0
     assert m["completion_tokens"].item() == 2 and m["ratio_sum"].item() == pytest.approx(2.0)
+
+
+def test_logprob_mismatch_sums() -> None:
+    from oumi_megatron.grpo.algorithm import logprob_mismatch
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[-1.1, -2.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last token is not a completion token
+    m = logprob_mismatch(rollout, trainer, mask)
+    assert m["tokens"] == 2
+    assert torch.isclose(m["abs_diff_sum"], torch.tensor(0.1))
+    assert torch.isclose(m["abs_diff_max"], torch.tensor(0.1))
+    assert torch.isclose(m["exp_abs_diff_sum"], torch.exp(torch.tensor(0.1)) + 1.0)
+
+
+def test_truncated_importance_sampling_weights_and_loss() -> None:
+    from types import SimpleNamespace
+
+    from oumi_megatron.grpo.algorithm import truncated_importance_weights
+    from oumi_megatron.grpo.loss import make_grpo_loss_fn
+
+    trainer = torch.tensor([[-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.0, -2.0, 0.0]])  # p_t/p_r = 1, e, 1/e
+    w = truncated_importance_weights(trainer, rollout, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, float(torch.exp(torch.tensor(-1.0)))]]))
+    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", loss_aggregation="token_mean",
+                           max_completion_length=3, tis_cap=2.0)
+    batch = {"completion_mask": torch.ones(1, 3), "old_logprobs": trainer, "advantages": torch.tensor([1.0]),
+             "rollout_logprobs": rollout}
+    logprobs = trainer.clone().requires_grad_(True)
+    loss_sum, count, metrics = make_grpo_loss_fn(grpo)(logprobs, batch)
+    loss_sum.backward()
+    # at ratio 1 the gradient of -ratio * A is -A per token, scaled by the TIS weight
+    assert torch.allclose(logprobs.grad, -w)
+    assert metrics["tis_capped_tokens"] == 1 and int(count) == 3
+    off = SimpleNamespace(**{**vars(grpo), "tis_cap": None})
+    plain, _, plain_metrics = make_grpo_loss_fn(off)(trainer.clone(), batch)
+    assert "tis_weight_sum" not in plain_metrics and torch.isclose(plain, torch.tensor(-3.0))

@@ -46,6 +46,9 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
                 "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm", "entropy",
                 "batch/padding_fraction"):
         assert key in rows[-1], key
+    # the embedded backend samples from the trainer's own weights (fp32): its logprobs (KV cache) equal
+    # the trainer's recomputed ones up to rounding
+    assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-4 and rows[-1]["mismatch/token_mult_prob_error"] < 1.0001
     assert (out / "megatron_checkpoint" / "oumi_megatron.json").is_file()
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_000050", "step_000080"]
     assert (out / "plots" / "reward_mean.png").stat().st_size > 1000

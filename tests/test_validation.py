@@ -115,6 +115,7 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
         ({"loss_aggregation": "sum"}, "grpo.loss_aggregation", "'token_mean', 'seq_mean', 'seq_mean_token_sum_norm'"),
         ({"beta": -1.0}, "grpo.beta", ">= 0"),
         ({"epsilon": 0.0}, "grpo.epsilon", "> 0"),
+        ({"tis_cap": 0.5}, "grpo.tis_cap", ">= 1 or null"),
         ({"ppo_epochs": 0}, "grpo.ppo_epochs", "positive integer"),
         ({"on_reward_error": "ignore"}, "grpo.on_reward_error", "'raise' or 'skip'"),
         ({"reward_functions": []}, "grpo.reward_functions", "needs a reward"),

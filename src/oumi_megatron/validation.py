@@ -216,6 +216,8 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
         r.add("grpo.epsilon", f"must be > 0, got {g.epsilon!r}. Typical: 0.2.")
     if g.epsilon_high is not None and not g.epsilon_high > 0:
         r.add("grpo.epsilon_high", f"must be > 0 or null (= epsilon), got {g.epsilon_high!r}. DAPO uses 0.28.")
+    if g.tis_cap is not None and not g.tis_cap >= 1.0:
+        r.add("grpo.tis_cap", f"must be >= 1 or null (off), got {g.tis_cap!r}: it caps p_trainer / p_rollout. Typical: 2.0.")
     if g.beta < 0:
         r.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
     if g.kl_estimator not in KL_ESTIMATORS:

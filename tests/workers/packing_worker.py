@@ -77,7 +77,7 @@ def main() -> None:
         "aggregations": {},
     }
     for mode in ("token_mean", "seq_mean", "seq_mean_token_sum_norm"):
-        grpo = SimpleNamespace(epsilon=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_aggregation=mode,
+        grpo = SimpleNamespace(epsilon=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_aggregation=mode, tis_cap=None,
                                max_completion_length=32)
         loss_fn = make_grpo_loss_fn(grpo)
         runs = {}

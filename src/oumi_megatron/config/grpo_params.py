@@ -75,6 +75,11 @@ class MegatronGrpoParams(BaseParams):
     scale_rewards: bool = True
     """Divide group-centred rewards by the group's std (False: Dr. GRPO's mean-only advantages)."""
 
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token's policy-gradient term by
+    min(p_trainer / p_rollout, tis_cap) to correct for rollout-engine vs trainer logprob drift
+    (vLLM rollouts; e.g. 2.0). None: off."""
+
     # Updates per rollout batch.
     ppo_epochs: int = 1
     """Passes over each rollout batch (old logprobs are taken before the first)."""

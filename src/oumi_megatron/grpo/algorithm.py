@@ -108,3 +108,26 @@ def aggregate(
     if not max_len:
         raise ValueError("seq_mean_token_sum_norm needs max_len (grpo.max_completion_length)")
     return (seq_sum / float(max_len)).sum(), count
+
+
+def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the rollout engine's logprobs of the sampled tokens are from the trainer's, on the same
+    tokens (before any update). Sums over masked tokens, so they add up over microbatches and ranks:
+    ``abs_diff_sum`` (/ tokens = mean |diff|), ``exp_abs_diff_sum`` (/ tokens = NeMo-RL's
+    token_mult_prob_error, the mean of exp(|diff|)), ``tokens``; and ``abs_diff_max``."""
+    mask = mask.to(trainer_logprobs.dtype)
+    diff = (rollout_logprobs - trainer_logprobs).abs() * mask
+    return {
+        "abs_diff_sum": diff.sum(),
+        "exp_abs_diff_sum": (diff.exp() * mask).sum(),
+        "tokens": mask.sum(),
+        "abs_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
+    }
+
+
+def truncated_importance_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"): the samples came from the rollout engine's distribution, the
+    gradient is taken for the trainer's, so each token's policy-gradient term is weighted by
+    ``min(p_trainer / p_rollout, cap)`` (no gradient through the weight)."""
+    return torch.exp(trainer_logprobs - rollout_logprobs).clamp(max=cap).detach()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, kl_divergence
+from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, kl_divergence, truncated_importance_weights
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -18,7 +18,8 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
     Each microbatch must carry, aligned with the engine's logprob positions (position t scores
     token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] or [b, T] and, when
     ``grpo.beta > 0``, ``ref_logprobs`` [b, T]; packed rows also carry ``segment_ids`` [b, T]
-    (see ``trainer/batches.py``). Metrics are sums over the microbatch (the trainer
+    (see ``trainer/batches.py``). With ``grpo.tis_cap`` set, ``rollout_logprobs`` [b, T] (the rollout
+    engine's logprobs of the sampled tokens) turn on truncated importance sampling. Metrics are sums over the microbatch (the trainer
     divides by ``completion_tokens``).
     """
 
@@ -27,6 +28,11 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
         pg_loss, was_clipped = clipped_surrogate(
             logprobs, batch["old_logprobs"], batch["advantages"], grpo.epsilon, grpo.epsilon_high
         )
+        tis = None
+        if grpo.tis_cap is not None and "rollout_logprobs" in batch:
+            # old_logprobs are the trainer's, before any update: the behaviour policy as the trainer sees it
+            tis = truncated_importance_weights(batch["old_logprobs"], batch["rollout_logprobs"], grpo.tis_cap)
+            pg_loss = pg_loss * tis
         per_token = pg_loss
         kl = torch.zeros_like(logprobs)
         if grpo.beta > 0:
@@ -40,6 +46,9 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
             "clipped_tokens": (was_clipped * mask).sum().detach(),
             "ratio_sum": (torch.exp(logprobs - batch["old_logprobs"]) * mask).sum().detach(),
         }
+        if tis is not None:
+            metrics["tis_weight_sum"] = (tis * mask).sum()
+            metrics["tis_capped_tokens"] = ((tis >= grpo.tis_cap) * mask).sum()
         return loss_sum, count, metrics
 
     return loss_fn

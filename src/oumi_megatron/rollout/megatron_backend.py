@@ -27,6 +27,9 @@ class Rollout:
     completion_ids: list[int]
     finished: bool
     """True if the completion ended with EOS (False: cut at max_new_tokens)."""
+    logprobs: list[float] | None = None
+    """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
+    before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,16 +76,18 @@ class MegatronRolloutBackend:
         ids, real = _left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
         new_tokens: list[torch.Tensor] = []
+        new_logprobs: list[torch.Tensor] = []
         cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.kv_cache else None
         for step in range(params.max_new_tokens):
             if cache is not None and step > 0:  # only the newest token, against the cached ones
                 ids_in, positions, mask = ids[:, -1:], (real.long().sum(-1, keepdim=True) - 1).clamp(min=0), (~real)[:, None, None, :]
             else:
                 ids_in, (positions, mask) = ids, _positions_and_mask(real)
-            logits = self.engine.last_token_logits(ids_in, positions, mask, cache)[:, : self.vocab_size].cpu()
-            nxt = sample(logits, params, self.generator)
+            full = self.engine.last_token_logits(ids_in, positions, mask, cache).cpu()
+            nxt = sample(full[:, : self.vocab_size], params, self.generator)
             nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
             new_tokens.append(nxt)
+            new_logprobs.append(torch.log_softmax(full / params.temperature, dim=-1).gather(1, nxt[:, None])[:, 0])
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             real = torch.cat([real, ~finished[:, None]], dim=1)
             if params.eos_token_id is not None:
@@ -90,11 +95,12 @@ class MegatronRolloutBackend:
             if bool(finished.all()):
                 break
         generated = torch.stack(new_tokens, dim=1) if new_tokens else torch.zeros(len(expanded), 0, dtype=torch.long)
+        logprobs = torch.stack(new_logprobs, dim=1) if new_logprobs else torch.zeros(len(expanded), 0)
         out = []
         for i, p in enumerate(expanded):
             toks = generated[i].tolist()
             done = params.eos_token_id is not None and params.eos_token_id in toks
             if done:
                 toks = toks[: toks.index(params.eos_token_id) + 1]
-            out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done))
+            out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done, logprobs=logprobs[i, : len(toks)].tolist()))
         return out

@@ -35,6 +35,8 @@ class SequenceBatch:
     """[N] one per sequence."""
     trainable: torch.Tensor | None = None
     """[N] bool; False: the sequence is kept but no token is trained on (a skipped reward)."""
+    rollout_logprobs: list[list[float]] | None = None
+    """The rollout engine's logprobs of each sequence's completion tokens (for mismatch metrics / TIS)."""
 
 
 @dataclass
@@ -60,25 +62,34 @@ class MicrobatchLayout:
 
 
 def _fill_row(row: dict[str, torch.Tensor], start: int, ids: list[int], prompt_len: int, advantage: float,
-              trainable: bool, segment: int) -> None:
+              trainable: bool, segment: int, rollout_logprobs: list[float] | None) -> None:
     n = len(ids)
     row["input_ids"][start : start + n] = torch.tensor(ids, dtype=torch.long)
     # logprob position t scores token t + 1: completion tokens sit at prompt_len .. n - 1
     if trainable:
         row["completion_mask"][start + prompt_len - 1 : start + n - 1] = 1.0
+    if rollout_logprobs is not None:
+        row["rollout_logprobs"][start + prompt_len - 1 : start + n - 1] = torch.tensor(rollout_logprobs)
     row["advantages"][start : start + n] = advantage
     row["segment_ids"][start : start + n] = segment
     row["position_ids"][start : start + n] = torch.arange(n)
 
 
-def _empty_rows(rows: int, length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    return {
+def _empty_rows(rows: int, length: int, pad_id: int, with_rollout_logprobs: bool) -> dict[str, torch.Tensor]:
+    out = {
         "input_ids": torch.full((rows, length), pad_id, dtype=torch.long),
         "completion_mask": torch.zeros(rows, length),
         "advantages": torch.zeros(rows, length),
         "segment_ids": torch.full((rows, length), -1, dtype=torch.long),
         "position_ids": torch.zeros(rows, length, dtype=torch.long),
     }
+    if with_rollout_logprobs:
+        out["rollout_logprobs"] = torch.zeros(rows, length)
+    return out
+
+
+def _rollout_logprobs(batch: SequenceBatch, i: int) -> list[float] | None:
+    return None if batch.rollout_logprobs is None else batch.rollout_logprobs[i]
 
 
 def _trainable(batch: SequenceBatch) -> list[bool]:
@@ -94,11 +105,12 @@ def padded_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int) -> M
     trainable = _trainable(batch)
     layout = MicrobatchLayout([], real_tokens=sum(len(t) for t in batch.token_ids))
     for first in range(0, n, micro_batch_size):
-        mb = _empty_rows(micro_batch_size, length, pad_id)
+        mb = _empty_rows(micro_batch_size, length, pad_id, batch.rollout_logprobs is not None)
         for r in range(micro_batch_size):
             i = first + r
             row = {k: v[r] for k, v in mb.items()}
-            _fill_row(row, 0, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i], r)
+            _fill_row(row, 0, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i], r,
+                      _rollout_logprobs(batch, i))
             layout.placements.append((len(layout.microbatches), r, 0, len(batch.token_ids[i])))
         layout.microbatches.append(mb)
     return layout
@@ -145,7 +157,7 @@ def packed_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int, min_
     trainable = _trainable(batch)
     layout = MicrobatchLayout([], placements=[(0, 0, 0, 0)] * len(lengths), real_tokens=sum(lengths))
     for m in range(n_micro):
-        mb = _empty_rows(micro_batch_size, capacity, pad_id)
+        mb = _empty_rows(micro_batch_size, capacity, pad_id, batch.rollout_logprobs is not None)
         segment = 0
         for r in range(micro_batch_size):
             b = m * micro_batch_size + r
@@ -154,7 +166,8 @@ def packed_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int, min_
             row = {k: v[r] for k, v in mb.items()}
             start = 0
             for i in bins[b]:
-                _fill_row(row, start, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i], segment)
+                _fill_row(row, start, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i],
+                          segment, _rollout_logprobs(batch, i))
                 layout.placements[i] = (m, r, start, lengths[i])
                 start += lengths[i]
                 segment += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
 from oumi_megatron.engine.conversion import save_hf
-from oumi_megatron.grpo.algorithm import group_advantages
+from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.rewards import RewardComputer
 from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
@@ -166,11 +167,14 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         return packed_layout(batch, mbs, pad, min_microbatches=self._max_dp(local))
 
     def _max_dp(self, value: int) -> int:
+        return int(self._max_dp_float(float(value)))
+
+    def _max_dp_float(self, value: float) -> float:
         dp, _, group = self._dp()
-        t = torch.tensor([value], dtype=torch.int64, device=self.engine._device())
+        t = torch.tensor([value], dtype=torch.float64, device=self.engine._device())
         if dp > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
+        return float(t.item())
 
     # -- one GRPO step ------------------------------------------------------------------------------
     def grpo_step(self) -> dict[str, Any]:
@@ -212,17 +216,24 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
                 advantages=advantages[[mine[i] for i in part]],
                 trainable=valid[[mine[i] for i in part]],
+                rollout_logprobs=[rollouts[i].logprobs for i in part] if all(rollouts[i].logprobs is not None for i in part) else None,
             )
             layouts.append(self._layout(batch))
 
         t1 = time.perf_counter()
         # old (and reference) logprobs: before any update of this step, no gradients
         entropy_sum = 0.0
+        mismatch = {"abs_diff_sum": 0.0, "exp_abs_diff_sum": 0.0, "tokens": 0.0, "abs_diff_max": 0.0}
         for layout in layouts:
             old, entropy = self.engine.compute_logprobs_and_entropy(layout.microbatches, g.temperature)
             for mb, lp, ent in zip(layout.microbatches, old, entropy):
                 mb["old_logprobs"] = lp
                 entropy_sum += float((ent * mb["completion_mask"]).sum())
+                if "rollout_logprobs" in mb:  # the rollout engine's view of the same tokens
+                    m = logprob_mismatch(mb["rollout_logprobs"], lp, mb["completion_mask"])
+                    for k in ("abs_diff_sum", "exp_abs_diff_sum", "tokens"):
+                        mismatch[k] += float(m[k])
+                    mismatch["abs_diff_max"] = max(mismatch["abs_diff_max"], float(m["abs_diff_max"]))
             if self.reference is not None:
                 with self.reference.active():
                     ref = self.engine.compute_logprobs(layout.microbatches, g.temperature)
@@ -237,11 +248,13 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 results.append(self.engine.train_step(layout.microbatches, self.loss_fn, g.temperature))
         t_train = time.perf_counter() - t2
 
-        real, processed, padded, entropy_sum, scored = self._sum_dp([
+        real, processed, padded, entropy_sum, scored, mm_abs, mm_exp, mm_tokens = self._sum_dp([
             float(sum(lo.real_tokens for lo in layouts)), float(sum(lo.processed_tokens for lo in layouts)),
             float(sum(lo.padded_tokens for lo in layouts)),
             entropy_sum, float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
+            mismatch["abs_diff_sum"], mismatch["exp_abs_diff_sum"], mismatch["tokens"],
         ])
+        mm_max = self._max_dp_float(mismatch["abs_diff_max"])
         self.step += 1
         last = results[-1]
         tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
@@ -256,7 +269,14 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             "loss": sum(r.loss for r in results) / len(results),
             "kl": last.metrics.get("kl_sum", 0.0) / tokens,
             "clip_fraction": last.metrics.get("clipped_tokens", 0.0) / tokens,
+            **({"tis/mean_weight": last.metrics["tis_weight_sum"] / tokens,
+                "tis/capped_fraction": last.metrics["tis_capped_tokens"] / tokens} if "tis_weight_sum" in last.metrics else {}),
             "entropy": entropy_sum / max(scored, 1.0),
+            # rollout engine vs trainer logprobs of the same tokens, before the update
+            "mismatch/mean_abs_diff": mm_abs / max(mm_tokens, 1.0),
+            "mismatch/max_abs_diff": mm_max,
+            "mismatch/exp_mean_abs_diff": math.exp(mm_abs / max(mm_tokens, 1.0)),
+            "mismatch/token_mult_prob_error": mm_exp / max(mm_tokens, 1.0),
             "grad_norm": last.grad_norm,
             "lr": last.lr,
             "completion_length/mean": lengths.mean().item(),
