@@ -5,7 +5,7 @@
 # tests (tests/test_gpu.py: parity, layouts, async checkpoints, the GRPO loop on 1 GPU and PP=2) and
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
-# GPU_CHECK_BENCH=0 runs the tests only.
+# GPU_CHECK_BENCH=0 runs the tests only; GPU_CHECK_TESTS="expr" selects tests (pytest -k).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +26,7 @@ export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 NGPU=$(nvidia-smi -L | wc -l)
 
-python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"} 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
 TEST_RC=${PIPESTATUS[0]}
 
 if [ "${GPU_CHECK_BENCH:-1}" = "0" ]; then NGPU=0; echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; else
