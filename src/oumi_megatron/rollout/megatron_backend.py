@@ -14,22 +14,10 @@ the cache slots, so a left-padded row is shifted by a constant, which RoPE (rela
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from oumi_megatron.rollout.base import Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams, sample
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    finished: bool
-    """True if the completion ended with EOS (False: cut at max_new_tokens)."""
-    logprobs: list[float] | None = None
-    """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
-    before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +58,11 @@ class MegatronRolloutBackend:
         self.kv_cache = kv_cache
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
+                 seed: int | None = None) -> list[Rollout]:
         """``num_generations`` completions per prompt, adjacent in the result (a GRPO group)."""
+        if seed is not None:
+            self.generator.manual_seed(seed)
         expanded = [p for p in prompts for _ in range(num_generations)]
         ids, real = _left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
@@ -104,3 +95,10 @@ class MegatronRolloutBackend:
                 toks = toks[: toks.index(params.eos_token_id) + 1]
             out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done, logprobs=logprobs[i, : len(toks)].tolist()))
         return out
+
+    def sync_weights(self) -> WeightSyncStats | None:
+        """Nothing to sync: generation reads the weights the optimizer just updated."""
+        return None
+
+    def close(self) -> None:
+        pass

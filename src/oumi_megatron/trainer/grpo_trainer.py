@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import random
 import time
@@ -35,10 +36,13 @@ from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.rewards import RewardComputer
+from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
+
+logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
 try:  # Oumi's trainer interface (absent on engine-only machines)
     from oumi.core.trainers.base_trainer import BaseTrainer
@@ -82,8 +86,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         tokenizer: Any,
         dataset: Any,
         reward_functions: dict[str, Any] | None = None,
+        backend: RolloutBackend | None = None,
     ) -> None:
-        """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names."""
+        """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names.
+        ``backend``: the rollout engine (default: the embedded Megatron backend on ``engine``)."""
         self.config = config
         self.engine = engine
         self.bridge = bridge
@@ -94,7 +100,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.grpo = config.grpo
         self.output_dir = Path(config.training.output_dir)
         self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error, reward_functions)
-        self.backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
+        self.backend = backend or MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
         self.sampling = SamplingParams(
             temperature=self.grpo.temperature,
             top_p=self.grpo.top_p,
@@ -105,6 +111,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.reference = ReferenceWeights(engine.model) if self.grpo.beta > 0 else None
         self.loss_fn = make_grpo_loss_fn(self.grpo)
         self.step = 0
+        self.weights_synced_at = 0  # the engines start from the same HF weights as the policy
         self.data_position = 0
         self.order = list(range(len(dataset)))
         random.Random(config.training.seed).shuffle(self.order)
@@ -176,20 +183,35 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
 
+    def _sync_rollout_weights(self) -> tuple[float, WeightSyncStats | None]:
+        """Make the rollout engines generate with the current policy (after every update, and after a
+        resume). A failed sync raises: training never continues on stale weights unless
+        megatron.enable_weight_sync is false (warned at start)."""
+        if self.weights_synced_at == self.step or not self.config.megatron.enable_weight_sync:
+            return 0.0, None
+        start = time.perf_counter()
+        stats = self.backend.sync_weights()
+        self.weights_synced_at = self.step
+        if stats is not None and _rank() == 0:
+            logger.info(f"weight sync ({stats.method}): {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
+                        f"{stats.seconds:.3f} s = {stats.gbps:.2f} GB/s")
+        return time.perf_counter() - start, stats
+
     # -- one GRPO step ------------------------------------------------------------------------------
     def grpo_step(self) -> dict[str, Any]:
         """One GRPO step. Each DP rank generates, scores and trains on its own share of the
         completions; rewards are gathered so advantages see whole groups."""
         g = self.grpo
         dp, dp_rank, _ = self._dp()
-        t0 = time.perf_counter()
         rows = self._next_rows(self.layout.prompts_per_rollout)
         prompt_ids = [self._prompt_ids(r) for r in rows]
         n = len(rows) * g.num_generations
         per_rank = n // dp
         mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)  # sample i belongs to prompt i // G
-        self.backend.generator.manual_seed(self._rollout_seed(dp_rank))
-        rollouts = self.backend.generate([prompt_ids[i // g.num_generations] for i in mine], self.sampling)
+        t_sync, sync = self._sync_rollout_weights()
+        t0 = time.perf_counter()
+        rollouts = self.backend.generate([prompt_ids[i // g.num_generations] for i in mine], self.sampling,
+                                         seed=self._rollout_seed(dp_rank))
         t_rollout = time.perf_counter() - t0
 
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
@@ -290,7 +312,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             "time/rollout_s": t_rollout,
             "time/logprob_s": t_logprob,
             "time/train_s": t_train,
-            "time/sync_s": 0.0,  # embedded backend: the rollout engine is the policy itself
+            "time/sync_s": t_sync,  # 0 for the embedded backend: the rollout engine is the policy itself
+            **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps}
+               if sync is not None else {}),
             "tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
         }
         if g.log_completions and _rank() == 0:
@@ -334,6 +358,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if self.async_writer is not None:
             self.async_writer.close()
         metrics_log.close()
+        self.backend.close()
         if self.config.training.save_final_model:
             self.save_model(self.config, final=True)
         if _rank() == 0:

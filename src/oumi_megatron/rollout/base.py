@@ -1,0 +1,54 @@
+"""What the GRPO loop needs from a rollout engine, whichever it is.
+
+``megatron`` (rollout/megatron_backend.py): generation with the policy's own Megatron-Core weights, in
+the trainer's processes; nothing to sync. ``vllm`` (rollout/vllm_backend.py): vLLM engines that
+receive the policy's weights after every optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from oumi_megatron.rollout.sampling import SamplingParams
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finished: bool
+    """True if the completion ended with EOS (False: cut at max_new_tokens)."""
+    logprobs: list[float] | None = None
+    """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
+    before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
+
+
+@dataclass
+class WeightSyncStats:
+    """One weight update of the rollout engines."""
+
+    method: str
+    tensors: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+class RolloutBackend(Protocol):
+    """Generates completions; ``sync_weights`` makes the next ``generate`` use the trainer's current weights."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
+                 seed: int | None = None) -> list[Rollout]:
+        """``num_generations`` completions per prompt, adjacent in the result (a GRPO group); ``seed``
+        makes the draw reproducible."""
+        ...
+
+    def sync_weights(self) -> WeightSyncStats | None:
+        """Push the policy's weights to the engines (collective over the trainer's ranks); None: nothing to do."""
+        ...
+
+    def close(self) -> None: ...
