@@ -53,13 +53,15 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
 
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
-    if config.megatron.inference_backend != "megatron":
-        raise NotImplementedError(
-            "megatron.inference_backend: only 'megatron' (embedded) rollouts exist in this version; "
-            "vLLM workers come with issue #5. Set inference_backend: megatron."
-        )
+    backend = None
+    if config.megatron.inference_backend == "vllm":
+        from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+
+        backend = VllmRolloutBackend(engine, bridge, config.model.model_name, dtype, config.megatron, config.grpo,
+                                     seed=config.training.seed, work_dir=output_dir, hf_artifacts=checkpoint / "hf")
     trainer = OumiMegatronGrpoTrainer(
-        config, engine, bridge, checkpoint, report.layout, build_tokenizer(config.model), load_prompts(config)
+        config, engine, bridge, checkpoint, report.layout, build_tokenizer(config.model), load_prompts(config),
+        backend=backend,
     )
     trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
     return trainer

