@@ -187,9 +187,18 @@ class VllmEngineHost:
             self.llm.wake_up()
 
 
+# Set by torchrun for the trainer's ranks and inherited by the engine process, where vLLM would take
+# them for its own world (and wait for ranks that never come).
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
 def serve(conn: Any, spec: EngineSpec) -> None:
     """The engine process (``rollout_placement: separate``): start, then answer commands until ``close``.
     Every reply is ``("ok", value)`` or ``("error", traceback)``."""
+    for name in _LAUNCHER_ENV:
+        os.environ.pop(name, None)
     try:
         host = VllmEngineHost(spec)
         conn.send(("ok", "ready"))
