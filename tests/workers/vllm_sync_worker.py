@@ -82,6 +82,18 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
         result["hf_greedy"] = [model.generate(torch.tensor([q]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                               pad_token_id=256)[0, len(q):].tolist() for q in PROMPTS]
+    if args.placement == "separate" and dist.get_world_size() == 1:
+        # an engine that died: the next sync must stop training with a clear error, not carry on stale
+        from oumi_megatron.rollout.vllm_backend import WeightSyncError
+
+        backend.process.process.kill()
+        backend.process.process.join()
+        try:
+            backend.sync_weights()
+            result["dead_engine_sync"] = "no error"
+        except WeightSyncError as e:
+            result["dead_engine_sync"] = str(e)
+    if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     backend.close()
     dist.barrier()
