@@ -103,6 +103,18 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
     assert ok.ok, ok.format_problems()
 
 
+def test_vllm_placement_rules(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": "colocated"}), world_size=2)
+    assert "megatron.rollout_placement" in problem_fields(r) and "rollout_placement: separate" in r.format_problems()
+    r = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": "nearby"}))
+    assert "megatron.rollout_placement" in problem_fields(r)
+    r = check(make_config(megatron={"inference_backend": "vllm", "weight_sync_bucket_mb": 0}))
+    assert "megatron.weight_sync_bucket_mb" in problem_fields(r)
+    ok = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": "separate", "weight_sync_method": "gloo"}),
+               world_size=2)
+    assert ok.ok, ok.format_problems()
+
+
 @pytest.mark.parametrize(
     ("grpo", "field", "text"),
     [

@@ -343,6 +343,15 @@ def _check_layout(
     dp = world_size // mp
     vpp = m.virtual_pipeline_model_parallel_size
 
+    if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and world_size > 1:
+        # vLLM's in-process engine would take the trainer's torch.distributed world for its own
+        r.add(
+            "megatron.rollout_placement",
+            f"colocated vLLM engines run inside the trainer's process, which this version supports for one "
+            f"process only (world size here: {world_size}). Use rollout_placement: separate (an engine process "
+            "per data-parallel replica), or inference_backend: megatron.",
+        )
+
     if vpp is not None and m.pipeline_model_parallel_size <= 1:
         r.add(
             "megatron.virtual_pipeline_model_parallel_size",
