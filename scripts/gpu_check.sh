@@ -5,7 +5,8 @@
 # tests (tests/test_gpu.py: parity, layouts, async checkpoints, the GRPO loop on 1 GPU and PP=2) and
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
-# GPU_CHECK_BENCH=0 runs the tests only; GPU_CHECK_TESTS="expr" selects tests (pytest -k).
+# GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs);
+# GPU_CHECK_TESTS="expr" selects tests (pytest -k).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,12 +30,17 @@ NGPU=$(nvidia-smi -L | wc -l)
 python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"} 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
 TEST_RC=${PIPESTATUS[0]}
 
-if [ "${GPU_CHECK_BENCH:-1}" = "0" ]; then NGPU=0; echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; else
-python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu.json" 2>&1 | tail -3
+BENCH=${GPU_CHECK_BENCH:-1}
+if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
+if [ "$BENCH" = "1" ]; then
+  python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu.json" 2>&1 | tail -3
+  if [ "$NGPU" -ge 2 ]; then
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
+  fi
 fi
-if [ "$NGPU" -ge 2 ]; then
-  torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
-  torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
+if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "sync" ]; }; then
+  python3 scripts/bench_weight_sync.py --out "$RESULTS/sync.json" 2>&1 | tail -20
 fi
 
 python3 - "$RESULTS" <<'PY'
@@ -52,5 +58,11 @@ for r in loops:
     name = f"TP{r['tp']} PP{r['pp']}" + (" packed" if r["packing"] else "")
     w = r["rewards"]
     print(f"| {name} | {r['world_size']} | {r['card']} | {r['steps']} | {sum(w[:10])/10:.3f} -> {sum(w[-10:])/10:.3f} | {r['seconds']:.0f} | {r['rollout_s']:.0f} | {r['train_s']:.0f} |")
+sync = pathlib.Path(sys.argv[1]) / "sync.json"
+if sync.is_file():
+    r = json.loads(sync.read_text())
+    print("\n| weight sync (trainer GPU 0 -> receiver GPU 1, NCCL) | card | GB | tensors | bucket MiB | raw broadcast GB/s | export only s | sync s | sync GB/s | of raw |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| Bridge export -> buckets -> weight_stream | {r['card']} | {r['bytes']/1e9:.2f} | {r['tensors']} | {r['bucket_mb']:.0f} | {r['raw_broadcast_gbps']:.1f} | {r['export_only_s']:.2f} | {r['sync_s']:.2f} | {r['sync_gbps']:.1f} | {100*r['fraction_of_raw']:.0f}% |")
 PY
 exit $TEST_RC
