@@ -46,7 +46,7 @@ def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
         for pairs in weight_stream.receive(group):
             n += len(pairs)
         torch.cuda.synchronize()
-        group.broadcast(torch.tensor([n], dtype=torch.int64, device="cuda"))  # ack: all received
+        group.broadcast(torch.tensor([n], dtype=torch.int64, device="cuda"), src=1)  # ack: all received
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         stats = weight_stream.send(group, weight_stream.hf_weight_stream(bridge, engine.model), int(args.bucket_mb * 2**20))
-        ack = group.broadcast(torch.zeros(1, dtype=torch.int64, device="cuda"))
+        ack = group.broadcast(torch.zeros(1, dtype=torch.int64, device="cuda"), src=1)
         torch.cuda.synchronize()
         syncs.append((time.perf_counter() - t0, stats))
         assert int(ack.item()) == stats.tensors, (int(ack.item()), stats.tensors)

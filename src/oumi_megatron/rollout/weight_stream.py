@@ -93,9 +93,9 @@ class PairGroup:
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank = src
         self.group.broadcast([tensor], opts).wait()
         return tensor
 
