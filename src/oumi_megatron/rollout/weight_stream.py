@@ -106,6 +106,7 @@ class SendStats:
     bytes: int = 0
     seconds: float = 0.0
     broadcast_seconds: float = 0.0
+    """Host time inside broadcast calls (gloo: the transfer; NCCL: only the enqueue, it is asynchronous)."""
 
 
 def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SendStats:
