@@ -44,7 +44,7 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     for key in ("reward/char_class", "advantage/std", "kl", "clip_fraction", "completion_length/mean",
                 "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm", "entropy",
-                "batch/padding_fraction"):
+                "batch/padding_fraction", "perf/step_s", "perf/train_tokens_per_s", "perf/peak_host_memory_gib"):
         assert key in rows[-1], key
     # the embedded backend samples from the trainer's own weights (fp32): its logprobs (KV cache) equal
     # the trainer's recomputed ones up to rounding
@@ -83,9 +83,11 @@ def test_two_rank_data_parallel_packed_run_learns(tmp_path: Path, tiny_model_dir
     """DP=2: each rank generates and trains on its half of the completions, in packed microbatches."""
     out = tmp_path / "dp2"
     _train(out, tiny_model_dir, "--training.max_steps", "60", "--training.save_steps", "0",
-           "--training.save_final_model", "false", "--megatron.enable_sequence_packing", "true", nproc=2)
+           "--training.save_final_model", "false", "--megatron.enable_sequence_packing", "true",
+           "--training.include_performance_metrics", "false", nproc=2)
     rows = _metrics(out)
     assert len(rows) == 60
+    assert not any(k.startswith("perf/") for k in rows[0])  # training.include_performance_metrics: false
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     # packing: fewer tokens processed than the real ones padded to the longest sequence would need
     assert all(r["batch/processed_tokens"] >= r["batch/real_tokens"] for r in rows)

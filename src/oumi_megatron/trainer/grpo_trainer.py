@@ -322,6 +322,22 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics = metrics
         return metrics
 
+    def _performance_metrics(self, metrics: dict[str, Any], step_s: float) -> dict[str, float]:
+        """``training.include_performance_metrics``: throughput and memory on top of the step timings."""
+        import resource
+
+        trained = metrics["batch/processed_tokens"] * self.grpo.ppo_epochs
+        out = {
+            "perf/step_s": step_s,
+            "perf/completions_per_s": self.layout.completions_per_rollout / max(step_s, 1e-9),
+            "perf/train_tokens_per_s": trained / max(metrics["time/train_s"], 1e-9),
+            # ru_maxrss is in KiB on Linux
+            "perf/peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        }
+        if torch.cuda.is_available():
+            out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
     # -- BaseTrainer --------------------------------------------------------------------------------
     def _resume_point(self, resume_from_checkpoint: str | None) -> Path | None:
         if resume_from_checkpoint:
@@ -347,7 +363,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         with progress:
             task = progress.add_task("grpo", total=max_steps, completed=self.step, reward=float("nan"))
             while self.step < max_steps:
+                started = time.perf_counter()
                 metrics = self.grpo_step()
+                if getattr(self.config.training, "include_performance_metrics", False):
+                    metrics.update(self._performance_metrics(metrics, time.perf_counter() - started))
                 if self.async_writer is not None:
                     self.async_writer.poll()
                 metrics_log.log(self.step, metrics)
