@@ -102,6 +102,7 @@ class VllmRolloutBackend:
         from oumi_megatron.rollout.vllm_engine import GLOO_ENGINE, EngineSpec
 
         self.engine, self.bridge = engine, bridge
+        self.export = weight_stream.HFWeightExporter(bridge, engine.model)
         self.method = params.weight_sync_method
         self.placement = params.rollout_placement
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
@@ -185,7 +186,7 @@ class VllmRolloutBackend:
         return stats
 
     def _sync_in_memory(self) -> WeightSyncStats:
-        pairs = weight_stream.hf_weight_stream(self.bridge, self.engine.model)
+        pairs = self.export()
         if not self.is_owner:
             n = sum(1 for _ in pairs)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, 0.0)

@@ -2,7 +2,7 @@
 
 Torch only (no vLLM import), so the trainer side stays light.
 
-Source: Megatron-Bridge's ``export_hf_weights`` yields ``(hf_name, tensor)`` for the whole model,
+Source (``HFWeightExporter``): Megatron-Bridge's ``export_hf_weights`` yields ``(hf_name, tensor)`` for the whole model,
 gathered over TP/PP (every rank of a replica iterates: it is collective, and every rank gets full
 tensors). Buckets: consecutive tensors packed into one contiguous byte buffer of about
 ``bucket_bytes`` (fewer, larger messages). Wire format, over a 2-process group (rank 0 = trainer,
@@ -13,6 +13,7 @@ rank 1 = engine), self-describing so the receiver needs nothing up front:
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -26,12 +27,29 @@ import torch.distributed as dist
 _ALIGN = 64  # byte alignment of each tensor inside a bucket
 
 
-def hf_weight_stream(bridge: Any, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for the whole model, on every rank (collective over the training ranks)."""
-    from oumi_megatron.engine.model import unwrap
+class HFWeightExporter:
+    """``(hf_name, tensor)`` for the whole model, on every rank (collective over the training ranks).
 
-    for name, tensor in bridge.export_hf_weights([unwrap(c) for c in chunks], cpu=False, show_progress=False):
-        yield name, tensor
+    Bridge's conversion plan (which Megatron parameter becomes which HF tensors) is built on the first
+    call and reused: the parameters are updated in place, so the plan stays valid, and rebuilding it
+    each time is most of the export's cost on a small model. No LoRA adapters exist here, so adapter
+    merging (another per-call plan) is off."""
+
+    def __init__(self, bridge: Any, chunks: list[torch.nn.Module]) -> None:
+        from oumi_megatron.engine.model import unwrap
+
+        self.bridge = bridge
+        self.models = [unwrap(c) for c in chunks]
+        self.tasks: list[Any] | None = None
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.tasks is None:
+            # what export_hf_weights builds when given none (the public get_conversion_tasks insists on
+            # HF weights, which our config-only bridge does not hold)
+            self.tasks = self.bridge._model_bridge.build_conversion_tasks(self.bridge.hf_pretrained, self.models)
+        for name, tensor in self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
+                                                          conversion_tasks=self.tasks, merge_adapter_weights=False):
+            yield name, tensor
 
 
 @dataclass
@@ -94,10 +112,14 @@ class PairGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.broadcast_async(tensor, src).wait()
+        return tensor
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """Started, not waited for: keep ``tensor`` alive until ``.wait()`` (the group holds a reference too)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.group.broadcast([tensor], opts).wait()
-        return tensor
+        return self.group.broadcast([tensor], opts)
 
 
 @dataclass
@@ -109,20 +131,28 @@ class SendStats:
     """Host time inside broadcast calls (gloo: the transfer; NCCL: only the enqueue, it is asynchronous)."""
 
 
-def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SendStats:
-    """Trainer side: stream every bucket, then the end marker."""
+def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, max_in_flight: int = 2) -> SendStats:
+    """Trainer side: stream every bucket, then the end marker. Up to ``max_in_flight`` buckets are on
+    the wire while the next one is exported and packed (with NCCL the broadcasts run on their own
+    stream); older ones are waited for, so at most that many bucket buffers exist at once."""
     stats = SendStats()
     start = time.perf_counter()
+    in_flight: collections.deque[list[Any]] = collections.deque()
     for bucket in buckets(((n, t.to(group.device)) for n, t in pairs), bucket_bytes):
+        while len(in_flight) >= max_in_flight:
+            for work in in_flight.popleft():
+                work.wait()
         meta = torch.frombuffer(bytearray(json.dumps(bucket.meta).encode()), dtype=torch.uint8).to(group.device)
+        header = torch.tensor([meta.numel(), bucket.buffer.numel()], dtype=torch.int64, device=group.device)
         t0 = time.perf_counter()
-        group.broadcast(torch.tensor([meta.numel(), bucket.buffer.numel()], dtype=torch.int64, device=group.device))
-        group.broadcast(meta)
-        group.broadcast(bucket.buffer)
+        in_flight.append([group.broadcast_async(t) for t in (header, meta, bucket.buffer)])
         stats.broadcast_seconds += time.perf_counter() - t0
         stats.tensors += len(bucket.meta)
         stats.bytes += bucket.buffer.numel()
-    group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device))
+    in_flight.append([group.broadcast_async(torch.zeros(2, dtype=torch.int64, device=group.device))])
+    for works in in_flight:
+        for work in works:
+            work.wait()
     stats.seconds = time.perf_counter() - start
     return stats
 
