@@ -142,15 +142,15 @@ class MegatronEngine:
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
             index = int(batch["_index"])
-            extra: dict[str, Any] = {}
+            cache: dict[str, Any] = {}
             if inference_context is not None:
                 inference_context.batch_size_offset = index * mbs  # the cache rows of this microbatch
-                extra["inference_context"] = inference_context
+                cache["inference_context"] = inference_context
             output = model(
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 attention_mask=batch.get("attention_mask"),
-                **extra,
+                **cache,
             )
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -158,9 +158,9 @@ class MegatronEngine:
                     # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
                     keep_logits[index] = logits[:, -1, :].detach().float().clone()
                 # before the cross entropy, which overwrites ``logits``
-                extra = {"entropy": token_entropy(logits.detach(), temperature)} if with_entropy else {}
+                entropy = {"entropy": token_entropy(logits.detach(), temperature)} if with_entropy else {}
                 logprobs = token_logprobs(logits, batch["target_ids"], temperature)
-                loss_sum, count, metrics = loss_fn(logprobs, {**batch, **extra})
+                loss_sum, count, metrics = loss_fn(logprobs, {**batch, **entropy})
                 count = torch.as_tensor(count, device=logits.device).to(torch.int)
                 return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
 
