@@ -20,17 +20,10 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
-import socket
 import time
 from pathlib import Path
 
 import torch
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
@@ -58,7 +51,9 @@ def main() -> None:
     args = p.parse_args()
     raw_bytes, raw_reps = 2**30, 5
 
-    port = _port()
+    from oumi_megatron.engine.distributed import free_port
+
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=receiver, args=(port, args.rounds * len(args.bucket_mb), raw_bytes, raw_reps), daemon=True)
     child.start()
@@ -67,7 +62,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     from oumi_megatron.config.megatron_params import MegatronParams

@@ -32,7 +32,8 @@ class ParallelSizes:
         )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +45,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         return
     if "RANK" not in os.environ:  # a plain `python`/`oumi train` run: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"

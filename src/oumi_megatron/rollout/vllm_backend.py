@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oumi_megatron.engine.distributed import free_port
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -32,14 +33,6 @@ from oumi_megatron.rollout.sampling import SamplingParams
 
 class WeightSyncError(RuntimeError):
     """The rollout engine did not take the new weights; training stops rather than use stale ones."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _EngineProcess:
@@ -127,7 +120,7 @@ class VllmRolloutBackend:
         if self.placement == "separate":
             self.process = _EngineProcess(spec)
             if transfer == GLOO_ENGINE:
-                port = _free_port()
+                port = free_port()
                 self.process.send("init_transfer", {"host": "127.0.0.1", "port": port})
                 self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0)
                 self.process.wait("init_transfer")

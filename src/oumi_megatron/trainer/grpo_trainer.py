@@ -171,12 +171,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         # every DP rank runs the same number of microbatches (empty ones are all padding)
         lengths = [len(t) for t in batch.token_ids]
         local = -(-len(first_fit_decreasing(lengths, max(lengths))) // mbs)
-        return packed_layout(batch, mbs, pad, min_microbatches=self._max_dp(local))
+        return packed_layout(batch, mbs, pad, min_microbatches=int(self._max_dp(local)))
 
-    def _max_dp(self, value: int) -> int:
-        return int(self._max_dp_float(float(value)))
-
-    def _max_dp_float(self, value: float) -> float:
+    def _max_dp(self, value: float) -> float:
         dp, _, group = self._dp()
         t = torch.tensor([value], dtype=torch.float64, device=self.engine._device())
         if dp > 1:
@@ -276,7 +273,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             entropy_sum, float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
             mismatch["abs_diff_sum"], mismatch["exp_abs_diff_sum"], mismatch["tokens"],
         ])
-        mm_max = self._max_dp_float(mismatch["abs_diff_max"])
+        mm_max = self._max_dp(mismatch["abs_diff_max"])
         self.step += 1
         last = results[-1]
         tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
