@@ -104,8 +104,10 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
 
 
 def test_vllm_placement_rules(make_config) -> None:  # noqa: ANN001
-    r = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": "colocated"}), world_size=2)
-    assert "megatron.rollout_placement" in problem_fields(r) and "rollout_placement: separate" in r.format_problems()
+    for placement, method in [("colocated", "nccl"), ("separate", "nccl"), ("separate", "checkpoint")]:
+        ok = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": placement,
+                                         "weight_sync_method": method, "tensor_model_parallel_size": 2}), world_size=4)
+        assert ok.ok, (placement, method, ok.format_problems())
     r = check(make_config(megatron={"inference_backend": "vllm", "rollout_placement": "nearby"}))
     assert "megatron.rollout_placement" in problem_fields(r)
     r = check(make_config(megatron={"inference_backend": "vllm", "weight_sync_bucket_mb": 0}))
@@ -299,3 +301,13 @@ def test_70b_layout_matches_the_seed(tiny_model_dir) -> None:  # noqa: ANN001
     bad = validate_config(cfg, world_size=12, model_config_path=str(REPO / "configs/model_shapes/llama-3.1-70b-instruct/config.json"),
                           check_bridge=False)
     assert "world_size (12) must be divisible by the product of all model parallel sizes (16)" in bad.format_problems()
+
+
+def test_separate_engines_take_the_gpus_after_the_trainers() -> None:
+    from oumi_megatron.rollout.vllm_backend import engine_gpu
+
+    assert engine_gpu([str(i) for i in range(8)], trainer_gpus=4, engine_index=0) == "4"
+    assert engine_gpu([str(i) for i in range(8)], trainer_gpus=4, engine_index=3) == "7"
+    assert engine_gpu(["2", "5", "6"], trainer_gpus=1, engine_index=1) == "6"  # CUDA_VISIBLE_DEVICES respected
+    with pytest.raises(ValueError, match="megatron.rollout_placement.*--nproc-per-node"):
+        engine_gpu([str(i) for i in range(8)], trainer_gpus=8, engine_index=0)

