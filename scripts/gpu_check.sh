@@ -6,7 +6,7 @@
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs);
-# GPU_CHECK_TESTS="expr" selects tests (pytest -k).
+# GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,11 +15,18 @@ RESULTS=${OUT:-gpu_results}
 mkdir -p "$RESULTS"
 export GPU_RESULTS=$RESULTS
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if [ ! -f /tmp/site/.oumi_megatron_whl ]; then  # once per machine: a later vLLM install may upgrade pydantic
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.oumi_megatron_whl
+  fi
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 else
   export PYTHONPATH=$PWD/src:$PWD/tests
 fi
+# vLLM, when its parts were carried (scripts/gpu_vllm_install.sh); its tests skip, visibly, otherwise.
+# The trimmed wheel set has no flashinfer: vLLM's sampler must not ask for it.
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+bash scripts/gpu_vllm_install.sh
 # The image's python has no venv: make `python`, `torchrun` and the CLIs resolve for the tests.
 mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python
 printf '#!/usr/bin/env bash\nexec python3 -m oumi_megatron "$@"\n' > /tmp/bin/oumi-megatron && chmod +x /tmp/bin/oumi-megatron
@@ -58,6 +65,13 @@ for r in loops:
     name = f"TP{r['tp']} PP{r['pp']}" + (" packed" if r["packing"] else "")
     w = r["rewards"]
     print(f"| {name} | {r['world_size']} | {r['card']} | {r['steps']} | {sum(w[:10])/10:.3f} -> {sum(w[-10:])/10:.3f} | {r['seconds']:.0f} | {r['rollout_s']:.0f} | {r['train_s']:.0f} |")
+vl = [(p.stem.removeprefix("vllm_gpu_"), json.loads(p.read_text())) for p in sorted(pathlib.Path(sys.argv[1]).glob("vllm_gpu_*.json"))]
+if vl:
+    print("\n| vLLM engine on GPU (bf16) | sync | tensors | MB | sync s | stale engine mean/max abs diff | after sync mean/max |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+for name, r in vl:
+    s = r["sync"]
+    print(f"| {name} | {s['method']} | {s['tensors']} | {s['bytes']/1e6:.1f} | {s['seconds']:.3f} | {r['stale_engine_mean']:.3f} / {r['stale_engine']:.3f} | {r['after_sync_mean']:.4f} / {r['after_sync']:.4f} |")
 sync = pathlib.Path(sys.argv[1]) / "sync.json"
 if sync.is_file():
     r = json.loads(sync.read_text())

@@ -7,6 +7,7 @@ Across layouts (bf16): the first step's loss within 1e-3 relative, later ones wi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -110,3 +111,34 @@ def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layou
     assert r["steps"] == 80 and r["hf_model"]
     rewards = r["rewards"]
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, [round(x, 3) for x in rewards]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM not installed (the lent GPU image has none; scripts/gpu_check.sh installs it from "
+                           "wheels carried in .vllm/, see docs/benchmarks.md)")
+@pytest.mark.parametrize(("placement", "gpus"), [("colocated", 1), ("separate", 2)])
+def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPathFactory, placement: str, gpus: int) -> None:
+    """The real vLLM engine on GPU, bf16: separate = trainer on GPU 0, engine process on GPU 1, weights
+    streamed over NCCL (weight_sync_method: nccl); colocated = engine in the trainer's process on its
+    GPU, asleep while training. After two optimizer steps the un-synced engine is off; after the sync
+    its logprobs match the trainer's up to bf16 rounding (mean |diff| <= 0.02; the stale engine's is
+    several times that)."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp(f"gpu_vllm_{placement}")
+    src = build_tiny_model(work / "hf", arch="qwen2", head_dim=64)
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
+    out = work / "sync.json"
+    _check(run_cli([PY, str(WORKERS / "vllm_sync_worker.py"), str(ckpt), str(src), str(out), "--placement", placement,
+                    "--method", "nccl", "--dtype", "bfloat16"], env={"LOCAL_WORLD_SIZE": "1"}))
+    r = json.loads(out.read_text())
+    if os.environ.get("GPU_RESULTS"):
+        (Path(os.environ["GPU_RESULTS"]) / f"vllm_gpu_{placement}.json").write_text(json.dumps(r))
+    assert r["sync"]["bytes"] > 0 and r["sync"]["tensors"] >= 30, r["sync"]
+    assert r["after_sync_mean"] <= 0.02, r
+    assert r["stale_engine_mean"] >= 5 * r["after_sync_mean"], r
+    if placement == "separate":
+        assert "vLLM engine process exited" in r["dead_engine_sync"], r["dead_engine_sync"]

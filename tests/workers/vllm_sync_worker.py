@@ -28,7 +28,9 @@ def main() -> None:
     p.add_argument("--method", default="gloo")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
 
     import torch.distributed as dist
 
@@ -44,34 +46,38 @@ def main() -> None:
                             inference_backend="vllm", rollout_placement=args.placement, weight_sync_method=args.method,
                             weight_sync_bucket_mb=0.05)  # small buckets: many of them, fused params split across
     params.transformer_config.recompute_granularity = None
-    bridge, engine = build_engine(args.ckpt, params, OptimSettings(lr=2e-2, total_steps=10), dtype=torch.float32)
+    bridge, engine = build_engine(args.ckpt, params, OptimSettings(lr=2e-2, total_steps=10), dtype=dtype)
     grpo = SimpleNamespace(max_prompt_length=32, max_completion_length=12)
     out_dir = Path(args.out).parent / f"vllm_{args.placement}_{args.method}_tp{args.tp}_pp{args.pp}"
-    backend = VllmRolloutBackend(engine, bridge, args.hf, torch.float32, params, grpo, seed=0, work_dir=out_dir,
+    backend = VllmRolloutBackend(engine, bridge, args.hf, dtype, params, grpo, seed=0, work_dir=out_dir,
                                  hf_artifacts=Path(args.ckpt) / "hf")
     sample = SamplingParams(temperature=1.0, max_new_tokens=12, pad_token_id=256)
 
-    def mismatch() -> float:
+    def mismatch(name: str) -> None:
+        """result[name] = max |engine - trainer| logprob on completion tokens; result[name_mean] = the mean."""
         rollouts = backend.generate(PROMPTS, sample, num_generations=2)
         batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
                               torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
         layout = padded_layout(batch, 2, pad_id=256)
         trainer = engine.compute_logprobs(layout.microbatches)
-        worst = 0.0
+        worst, total, count = 0.0, 0.0, 0.0
         for mb, lp in zip(layout.microbatches, trainer):
-            worst = max(worst, ((mb["rollout_logprobs"] - lp).abs() * mb["completion_mask"]).max().item())
-        return worst
+            mask = mb["completion_mask"].to(lp.device)
+            diff = (mb["rollout_logprobs"].to(lp.device).float() - lp.float()).abs() * mask
+            worst, total, count = max(worst, diff.max().item()), total + diff.sum().item(), count + mask.sum().item()
+        result[name], result[f"{name}_mean"] = worst, total / max(count, 1.0)
 
-    result = {"before_update": mismatch()}
+    result: dict = {}
+    mismatch("before_update")
     g = torch.Generator().manual_seed(0)
     for _ in range(2):  # raise the likelihood of random sequences: the policy moves
         ids = torch.randint(0, 250, (4, 16), generator=g)
         mbs = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
         engine.train_step(mbs, lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
-    result["stale_engine"] = mismatch()
+    mismatch("stale_engine")
     stats = backend.sync_weights()
     result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
-    result["after_sync"] = mismatch()
+    mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256))
     result["vllm_greedy"] = [r.completion_ids for r in greedy]
     export = out_dir / "hf_export"

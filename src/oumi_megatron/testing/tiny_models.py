@@ -45,14 +45,15 @@ def build_byte_tokenizer():  # noqa: ANN201 - transformers type imported lazily
     return hf_tok
 
 
-def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320):  # noqa: ANN201
-    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm)."""
+def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32):  # noqa: ANN201
+    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm).
+    Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=2 * head_dim,
+        intermediate_size=4 * head_dim,
         num_hidden_layers=num_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -63,26 +64,27 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320)
         pad_token_id=256,
     )
     if arch == "llama":
-        return LlamaConfig(head_dim=32, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, **common)
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **common)
     if arch == "qwen3":
-        return Qwen3Config(head_dim=32, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        return Qwen3Config(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, **common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
-def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4,
+                     head_dim: int = 32) -> Path:
     """Writes a random tiny causal LM + tokenizer to ``out_dir`` (idempotent for the same arguments)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     stamp = out / "tiny_model.json"
-    spec = {"arch": arch, "seed": seed, "num_layers": num_layers}
+    spec = {"arch": arch, "seed": seed, "num_layers": num_layers, **({"head_dim": head_dim} if head_dim != 32 else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return out
     tokenizer = build_byte_tokenizer()
-    config = tiny_config(arch, num_layers=num_layers)
+    config = tiny_config(arch, num_layers=num_layers, head_dim=head_dim)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config.eos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
