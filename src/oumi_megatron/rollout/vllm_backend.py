@@ -172,6 +172,7 @@ class VllmRolloutBackend:
             spec.seed = seed + me // tp  # one seed per engine: its TP ranks must sample alike
             spec.tensor_parallel_size = tp
             spec.executor = "external_launcher" if world > 1 else "uni"
+            spec.sleep_mode = True
             self.is_owner = True  # every rank holds (a TP shard of) an engine
             self.host = VllmEngineHost(spec)
             return
@@ -258,6 +259,7 @@ class VllmRolloutBackend:
             n = sum(1 for _ in pairs)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, 0.0)
         self.process.send("receive_update")
+        self.process.wait("receive_update (opening the session)")
         sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
         self.process.wait("receive_update")
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -112,6 +112,8 @@ class EngineSpec:
     """The GPU(s) of an engine process (``separate`` placement on GPUs), as CUDA_VISIBLE_DEVICES."""
     gpu_memory_utilization: float = 0.4
     kv_cache_bytes: int | None = None
+    sleep_mode: bool = False
+    """Colocated engines on GPU sleep while the trainer trains; separate ones keep their GPU."""
     tensor_parallel_size: int = 1
     executor: str = "uni"
     """``uni`` (the engine in this process alone) or ``external_launcher`` (colocated with several
@@ -132,9 +134,10 @@ class VllmEngineHost:
             # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up
             max_num_batched_tokens=max(256, spec.max_model_len),
         )
+        self.sleep_mode = spec.sleep_mode and torch.cuda.is_available()
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True
+            kwargs["enable_sleep_mode"] = self.sleep_mode
         elif spec.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
         if spec.transfer_backend:
@@ -166,9 +169,13 @@ class VllmEngineHost:
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def receive_update(self) -> None:
-        """One update session; the trainer streams the buckets meanwhile (separate placement)."""
+    def receive_update(self, ready: Callable[[], None] | None = None) -> None:
+        """One update session; the trainer streams the buckets meanwhile (separate placement).
+        ``ready`` is called once the session is open: the trainer only starts sending then, so a
+        failure to open it is reported instead of leaving the sender blocked in a broadcast."""
         self.llm.start_weight_update()
+        if ready is not None:
+            ready()
         self.llm.update_weights({"update_info": {}})
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
@@ -197,11 +204,11 @@ class VllmEngineHost:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        if torch.cuda.is_available():
+        if self.sleep_mode:
             self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
-        if torch.cuda.is_available():
+        if self.sleep_mode:
             self.llm.wake_up()
 
 
@@ -231,6 +238,9 @@ def serve(conn: Any, spec: EngineSpec) -> None:
             conn.send(("ok", None))
             return
         try:
+            if op == "receive_update":  # two replies: the session is open, then it is done
+                conn.send(("ok", host.receive_update(ready=lambda: conn.send(("ok", "ready")))))
+                continue
             conn.send(("ok", getattr(host, op)(*args)))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
