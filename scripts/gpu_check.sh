@@ -2,7 +2,8 @@
 # GPU tests and benchmarks in one call, on the lent GPU machine (torch 2.11 preinstalled there).
 #   bash scripts/gpu_check.sh            # from the repo root; wheels carried in .whl/ (see docs/benchmarks.md)
 # Installs what the image lacks (megatron-core, megatron-bridge, omegaconf) from .whl/, runs the GPU
-# tests (tests/test_gpu.py: parity, layouts, async checkpoints, the GRPO loop on 1 GPU and PP=2) and
+# tests (tests/test_gpu.py: parity, layouts, async checkpoints, the GRPO loop on 1 GPU and PP=2, the
+# vLLM engine on GPU when its wheels were carried: scripts/gpu_vllm_install.sh) and
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs);

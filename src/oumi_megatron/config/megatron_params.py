@@ -167,9 +167,9 @@ class MegatronParams(BaseParams):
     """Push new weights to the rollout engines after every optimizer step."""
 
     weight_sync_method: str = "nccl"
-    """How weights reach ``separate`` vLLM engines: ``nccl`` (GPU), ``gloo`` (CPU / debugging), or
+    """How weights reach ``separate`` vLLM engines: ``nccl`` (GPUs), ``gloo`` (CPU / debugging), or
     ``checkpoint`` (an HF safetensors folder the engines reload; also for ``colocated``). Colocated
-    engines otherwise get an in-memory copy."""
+    engines otherwise load the weights in memory."""
 
     weight_sync_bucket_mb: float = 256.0
     """Tensors are streamed to the engines packed in buckets of about this many MiB."""
@@ -178,8 +178,9 @@ class MegatronParams(BaseParams):
     """``megatron`` (embedded: generate with the policy's own weights) or ``vllm``."""
 
     rollout_placement: str = "colocated"
-    """vLLM engines: ``colocated`` (in the trainer's process, sharing its GPU; sleeps while training)
-    or ``separate`` (an engine process per data-parallel replica, on its own GPU(s))."""
+    """vLLM engines: ``colocated`` (in the trainer's processes, sharing their GPUs, one engine per
+    Megatron TP group with vLLM TP = Megatron TP; they sleep while training) or ``separate`` (a
+    single-GPU engine process per data-parallel replica, on the node's GPUs after the trainer's)."""
 
     vllm_gpu_memory_utilization: float = 0.4
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
