@@ -57,7 +57,7 @@ def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
     return visible[trainer_gpus + engine_index]
 
 
-def _replica(world: dist.ProcessGroup | None = None) -> tuple[Any, list[int]]:
+def _replica() -> tuple[Any, list[int]]:
     """Collective over the world: a gloo group of the ranks that share this rank's data-parallel rank
     (every rank creates every replica's group, as torch.distributed requires), and their ranks."""
     from megatron.core import parallel_state as ps
@@ -197,9 +197,6 @@ class VllmRolloutBackend:
             self.process.wait("init_transfer")
 
     # -- rollouts -----------------------------------------------------------------------------------
-    def _engine_call(self, op: str, *args: Any) -> Any:
-        return self.process.call(op, *args) if self.process is not None else getattr(self.host, op)(*args)
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
                  seed: int | None = None) -> list[Rollout]:
         """Every rank of a replica gets the replica's rollouts (prompt-major, ``num_generations`` each).
@@ -229,9 +226,11 @@ class VllmRolloutBackend:
                 for prompt, samples in zip(prompts, results) for ids, lps, reason in samples]
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
-        self._engine_call("wake_up")
-        outputs = self._engine_call("generate", prompts, sampling)
-        self._engine_call("sleep")
+        if self.process is not None:  # a separate engine keeps its GPU: nothing to wake
+            return self.process.call("generate", prompts, sampling)
+        self.host.wake_up()
+        outputs = self.host.generate(prompts, sampling)
+        self.host.sleep()
         return outputs
 
     # -- weights --------------------------------------------------------------------------------------
@@ -279,8 +278,10 @@ class VllmRolloutBackend:
         folder = self.work_dir / "rollout_weights"
         save_hf(self.bridge, self.engine.model, self.hf_artifacts, folder)  # collective, atomic, ends in a barrier
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
-        if self.is_owner:
-            self._engine_call("reload_from", str(folder))
+        if self.process is not None:
+            self.process.call("reload_from", str(folder))
+        elif self.host is not None:
+            self.host.reload_from(str(folder))
         return WeightSyncStats("checkpoint", 0, size, 0.0)
 
     def close(self) -> None:

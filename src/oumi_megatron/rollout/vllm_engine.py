@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

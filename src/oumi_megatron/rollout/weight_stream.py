@@ -57,8 +57,8 @@ class HFWeightExporter:
 def _strip_each_config_once() -> Iterator[None]:
     """Megatron-Bridge strips the TransformerConfig of non-picklable attributes (a recursive walk of
     ~350 calls) for every fused QKV / gate-up tensor, to broadcast it over pipeline stages, and does so
-    even without pipeline parallelism: 60-65% of an export's host time (measured on CPU, 16 layers,
-    147 tensors). Within one export the config objects do not change, so each is stripped once; the
+    even without pipeline parallelism: about half of an export's host time (CPU, 16 layers, 147
+    tensors: 7.8 ms as is, 4.0 ms with this; scripts/bench_export_host.py). Within one export the config objects do not change, so each is stripped once; the
     stripped copy is only read (Bridge itself reuses one across layers when PP > 1). Scoped to the
     export: Bridge's function is restored when the export ends."""
     from megatron.bridge.models.conversion import param_mapping
@@ -111,8 +111,8 @@ def pack(pairs: list[tuple[str, torch.Tensor]], device: torch.device | None = No
 
 def buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Consecutive tensors packed into buckets of about ``bucket_bytes``. A tensor of ``bucket_bytes``
-    or more travels alone, as a view of its own bytes (no packing copy: on a ~1B model that copy was
-    a fifth of the sync's GPU time)."""
+    or more travels alone, as a view of its own bytes: no packing copy (a ~1B model's sync on 2 x H100:
+    18-23 ms with the copy, 14-15 ms without; within the noise on another host, docs/benchmarks.md)."""
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in pairs:
