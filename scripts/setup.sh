@@ -32,6 +32,17 @@ STAMP="$VENV/.oumi_megatron_lock.sha256"
 WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "setup: installing the pinned set from $LOCK (first time: ~9 min, ~7 GB)"
+  # The PyPI torch build drags ~3.4 GB of CUDA libraries (it cannot import without them, and the
+  # CPU-only build lives on an index CI cannot reach), so a full install needs ~7.3 GB in .venv plus
+  # pip's downloads. Fail now with the numbers rather than minutes later with ENOSPC.
+  need_gb=${OUMI_MEGATRON_SETUP_NEED_GB:-8}
+  free_gb=$(df -Pk "$VENV" | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "setup: only ${free_gb} GB free on the disk of $VENV; the install needs ~${need_gb} GB" \
+         "(.venv ~7.3 GB + pip downloads). Free space (old venvs, /tmp, ~/.cache/pip) and rerun;" \
+         "set OUMI_MEGATRON_SETUP_NEED_GB to override the check." >&2
+    exit 1
+  fi
   start=$(date +%s)
   # The lock pins pip itself; upgrade it first so the rest resolves wheels the same way.
   # (grep -v: this machine's pip.conf names local index folders that may not exist; pip warns per package.)
