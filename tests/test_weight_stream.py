@@ -7,6 +7,7 @@ size or more travels as a view of its own bytes (no packing copy).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -63,3 +64,46 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
     assert [n for n, _ in received] == [n for n, _ in pairs]
     for (_, want), (_, have) in zip(pairs, received):
         assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+_EXPORT_TWICE = """
+import os, sys, torch
+from oumi_megatron.config.megatron_params import MegatronParams
+from oumi_megatron.engine.builder import build_engine_from_hf_config
+from oumi_megatron.engine.optimizer import OptimSettings
+from oumi_megatron.rollout import weight_stream
+from oumi_megatron.testing.tiny_models import tiny_config
+
+cfg = tiny_config("llama", num_layers=2)
+cfg.architectures = ["LlamaForCausalLM"]
+bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+from megatron.bridge.models.conversion import param_mapping
+bridges_own = param_mapping.remove_non_pickleables
+export = weight_stream.HFWeightExporter(bridge, engine.model)
+for step in range(2):
+    ours = {n: t.clone() for n, t in export()}
+    assert param_mapping.remove_non_pickleables is bridges_own, "Bridge's function not restored"
+    reference = {n: t.clone() for n, t in bridge.export_hf_weights(engine.model, cpu=True, show_progress=False)}
+    assert ours.keys() == reference.keys(), sorted(set(ours) ^ set(reference))
+    bad = [n for n in ours if not torch.equal(ours[n], reference[n])]
+    assert not bad, (step, bad)
+    with torch.no_grad():  # an optimizer step's in-place update, on every parameter
+        for p in engine.model[0].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+assert len(export.stripped_configs) >= 1
+print("OK", len(ours), "tensors; stripped configs kept:", len(export.stripped_configs))
+"""
+
+
+def test_exporter_equals_bridges_export_after_in_place_updates() -> None:
+    """HFWeightExporter (cached conversion plan, each config stripped once and kept across exports)
+    yields exactly what Bridge's own export_hf_weights yields, before and after the weights change in
+    place, and leaves Bridge's functions as it found them. Its own process: it sets up Megatron's
+    parallel state."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", _EXPORT_TWICE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
