@@ -7,12 +7,12 @@ size or more travels as a view of its own bytes (no packing copy).
 
 from __future__ import annotations
 
-import os
+import sys
 import threading
 
 import torch
 
-from conftest import free_port
+from conftest import free_port, run_cli
 from oumi_megatron.rollout import weight_stream
 
 
@@ -67,7 +67,7 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
 
 
 _EXPORT_TWICE = """
-import os, sys, torch
+import torch
 from oumi_megatron.config.megatron_params import MegatronParams
 from oumi_megatron.engine.builder import build_engine_from_hf_config
 from oumi_megatron.engine.optimizer import OptimSettings
@@ -100,10 +100,6 @@ def test_exporter_equals_bridges_export_after_in_place_updates() -> None:
     yields exactly what Bridge's own export_hf_weights yields, before and after the weights change in
     place, and leaves Bridge's functions as it found them. Its own process: it sets up Megatron's
     parallel state."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
-    proc = subprocess.run([sys.executable, "-c", _EXPORT_TWICE], env=env, capture_output=True, text=True, timeout=600)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = run_cli([sys.executable, "-c", _EXPORT_TWICE], env=env)
     assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]

@@ -100,10 +100,15 @@ class Bucket:
         return out
 
 
+def _meta_entry(name: str, t: torch.Tensor, offset: int) -> list[Any]:
+    """One tensor's entry in a bucket's ``meta`` (the wire format above)."""
+    return [name, str(t.dtype).removeprefix("torch."), list(t.shape), offset]
+
+
 def pack(pairs: list[tuple[str, torch.Tensor]], device: torch.device | None = None) -> Bucket:
     meta, offset = [], 0
     for name, t in pairs:
-        meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        meta.append(_meta_entry(name, t, offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     buffer = torch.empty(offset, dtype=torch.uint8, device=device or pairs[0][1].device)
     for (name, t), (_, _, _, o) in zip(pairs, meta):
@@ -124,7 +129,7 @@ def buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
             if pending:
                 yield pack(pending)
                 pending, size = [], 0
-            yield Bucket([[name, str(t.dtype).removeprefix("torch."), list(t.shape), 0]], t.detach().view(-1).view(torch.uint8))
+            yield Bucket([_meta_entry(name, t, 0)], t.detach().view(-1).view(torch.uint8))
             continue
         pending.append((name, t))
         size += nbytes
@@ -198,7 +203,8 @@ def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_byt
     # (works, the tensors they send): a bucket's buffer may be the model's own tensor (see ``buckets``),
     # kept referenced here until its broadcast is done
     in_flight: collections.deque[tuple[list[Any], tuple[torch.Tensor, ...]]] = collections.deque()
-    for bucket in buckets(((n, t.to(group.device)) for n, t in pairs), bucket_bytes):
+    counted = Counted(buckets(((n, t.to(group.device)) for n, t in pairs), bucket_bytes))
+    for bucket in counted:
         while len(in_flight) >= max_in_flight:
             for work in in_flight.popleft()[0]:
                 work.wait()
@@ -208,13 +214,12 @@ def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_byt
         tensors = (header, meta, bucket.buffer)
         in_flight.append(([group.broadcast_async(t) for t in tensors], tensors))
         stats.broadcast_seconds += time.perf_counter() - t0
-        stats.tensors += len(bucket.meta)
-        stats.bytes += bucket.buffer.numel()
     end = torch.zeros(2, dtype=torch.int64, device=group.device)
     in_flight.append(([group.broadcast_async(end)], (end,)))
     for works, _ in in_flight:
         for work in works:
             work.wait()
+    stats.tensors, stats.bytes = counted.tensors, counted.bytes
     stats.seconds = time.perf_counter() - start
     return stats
 
