@@ -29,6 +29,49 @@ def test_identical_rewards_give_zero_advantage_not_nan() -> None:
     assert adv[3] < 0 < adv[4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(("value", "size"), [(0.1, 8), (93.71, 16), (1 / 3, 5), (-2.7e4, 7), (1e-9, 2)])
+def test_identical_group_advantage_is_exactly_zero_in_any_dtype(dtype: torch.dtype, value: float, size: int) -> None:
+    # issue 10: 8 x 0.1 gave -0.0074 each, 16 x 93.71 gave -0.86 (float32 mean off by one rounding step)
+    other = torch.tensor([0.0, 1.0] * (size // 2) + [0.5] * (size % 2))
+    r = torch.cat([torch.full((size,), value), other]).to(dtype)
+    for scale in (True, False):
+        adv = group_advantages(r, group_size=size, scale_rewards=scale)
+        assert adv.dtype == torch.float32
+        assert torch.equal(adv[:size], torch.zeros(size)), adv[:size]
+        assert adv[size:].abs().max() > 0.1  # the group with variance is untouched
+
+
+def test_group_advantages_match_trl_formula_in_fp64() -> None:
+    """TRL: (r - mean) / (std + eps) per group, unbiased std; checked on random groups."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(64, generator=g, dtype=torch.float64)
+    grouped = r.view(-1, 8)
+    want = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+    assert torch.allclose(group_advantages(r, 8).double(), want, atol=1e-6, rtol=1e-6)
+    want_unscaled = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+    assert torch.allclose(group_advantages(r, 8, scale_rewards=False).double(), want_unscaled, atol=1e-7)
+
+
+def test_skipped_samples_change_nothing_in_their_group() -> None:
+    """on_reward_error: skip: [1, 1, 1, skipped] gives the valid ones 0 (not +0.5), and a skipped
+    sample's value never enters the statistics: any value there gives the same advantages."""
+    valid = torch.tensor([True, True, True, False])
+    for placeholder in (0.0, 1.0, -5.0, 123.0):
+        adv = group_advantages(torch.tensor([1.0, 1.0, 1.0, placeholder]), 4, valid=valid)
+        assert torch.equal(adv, torch.zeros(4))
+    r = torch.tensor([0.2, 0.9, 0.4, 0.0, 0.7, 0.1])
+    valid = torch.tensor([True, True, True, False, True, True])
+    adv = group_advantages(r, 6, valid=valid)
+    kept = r[valid]
+    want = (kept - kept.mean()) / (kept.std() + 1e-6)
+    assert torch.allclose(adv[valid], want, atol=1e-6) and adv[3] == 0.0
+    # the same as the group without the skipped sample, whatever its placeholder value
+    assert torch.equal(group_advantages(torch.tensor([0.2, 0.9, 0.4, 55.0, 0.7, 0.1]), 6, valid=valid), adv)
+    # a group with a single valid sample has nothing to compare it with
+    assert torch.equal(group_advantages(torch.tensor([3.0, 0.0]), 2, valid=torch.tensor([True, False])), torch.zeros(2))
+
+
 def test_group_advantages_rejects_incomplete_groups() -> None:
     with pytest.raises(ValueError, match="divisible by group_size=4"):
         group_advantages(torch.zeros(6), group_size=4)
@@ -79,7 +122,10 @@ def test_aggregations() -> None:
     s, c = aggregate(per_token, mask, "seq_mean_token_sum_norm", max_len=4)
     assert s.item() == pytest.approx(6 / 4 + 4 / 4) and c.item() == 2
     s, c = aggregate(per_token, torch.zeros_like(mask), "seq_mean")
-    assert s.item() == 0.0 and c.item() == 2  # an all-masked row contributes 0, no NaN
+    assert s.item() == 0.0 and c.item() == 0  # an all-masked row contributes nothing, no NaN
+    # a sequence with no trained token (a skipped reward) does not dilute the sequence mean
+    s, c = aggregate(per_token, torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]]), "seq_mean")
+    assert s.item() == pytest.approx(2.0) and c.item() == 1
     with pytest.raises(ValueError, match="max_len"):
         aggregate(per_token, mask, "seq_mean_token_sum_norm")
 

@@ -64,3 +64,38 @@ def test_skip_drops_and_counts_invalid_samples(registry) -> None:  # noqa: ANN00
 def test_unknown_reward_function_is_named(registry) -> None:  # noqa: ANN001
     with pytest.raises(KeyError, match="'no_such_fn' is not in Oumi's REWARD_FUNCTION registry"):
         RewardComputer([spec("no_such_fn")])
+
+
+@pytest.mark.parametrize("bad", ["0.5", b"1", [0.5], {"score": 1.0}, object()])
+def test_a_reward_that_is_not_a_number_is_rejected(registry, bad) -> None:  # noqa: ANN001
+    """float("0.5") would accept a string; a reward must be a number."""
+    from oumi.core.registry import REGISTRY, RegistryType
+
+    name = f"test_returns_{type(bad).__name__}"
+    if REGISTRY.get_reward_function(name) is None:
+        REGISTRY.register(name, RegistryType.REWARD_FUNCTION, lambda completions, _v=bad, **kw: [_v for _ in completions])
+    with pytest.raises(RewardFunctionError, match=rf"'{name}' returned {type(bad).__name__} .*a reward must be a number"):
+        RewardComputer([spec(name)])(["p"], ["x"], [{"prompt": "p"}])
+    r = RewardComputer([spec(name)], on_error="skip")(["p", "p"], ["x", "y"], [{"prompt": "p"}] * 2)
+    assert r.valid.tolist() == [False, False] and "a reward must be a number" in r.errors[0]
+
+
+def test_numbers_of_every_kind_are_accepted(registry) -> None:  # noqa: ANN001
+    import numpy as np
+
+    from oumi_megatron.grpo.rewards import as_reward
+
+    for value, want in ((1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5), (np.int64(2), 2.0), (torch.tensor(0.75), 0.75)):
+        assert as_reward(value) == want
+    assert math.isnan(as_reward(None))
+    with pytest.raises(TypeError):
+        as_reward(True)  # a bool is a bug in the function (a missing float()), not a reward
+
+
+def test_a_batch_function_returning_the_wrong_count_is_named(registry) -> None:  # noqa: ANN001
+    from oumi.core.registry import REGISTRY, RegistryType
+
+    if REGISTRY.get_reward_function("test_short") is None:
+        REGISTRY.register("test_short", RegistryType.REWARD_FUNCTION, lambda completions, **kw: [1.0])
+    with pytest.raises(RewardFunctionError, match=r"'test_short' returned 1 values for 3 completions"):
+        RewardComputer([spec("test_short")])(["p"] * 3, ["a", "b", "c"], [{"prompt": "p"}] * 3)

@@ -45,7 +45,10 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     dtype = config.model.torch_dtype
     # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.
     checkpoint = ensure_converted(config.model.model_name, output_dir / "megatron_checkpoint", config.megatron, dtype)
-    bridge, engine = build_engine(checkpoint, config.megatron, OptimSettings.from_training_params(config.training), dtype)
+    # the LR schedule advances per optimizer step: ppo_epochs x num_mini_batches per GRPO step
+    updates_per_step = config.grpo.ppo_epochs * config.grpo.num_mini_batches
+    settings = OptimSettings.from_training_params(config.training, updates_per_step=updates_per_step)
+    bridge, engine = build_engine(checkpoint, config.megatron, settings, dtype)
     if rank == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
 

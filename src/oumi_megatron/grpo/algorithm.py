@@ -15,21 +15,39 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages: ``(r - mean_group(r)) / (std_group(r) + eps)``.
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale_rewards: bool = True,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-relative advantages: ``(r - mean_group(r)) / (std_group(r) + eps)`` (float32).
 
     ``rewards`` is ``[B]`` with the ``group_size`` completions of each prompt adjacent. With
-    ``scale_rewards=False`` (Dr. GRPO) the std division is skipped. A group whose rewards are all equal
-    gets zero advantage (its std is 0; the ``eps`` keeps the division finite).
+    ``scale_rewards=False`` (Dr. GRPO) the std division is skipped; the std is unbiased, as TRL's.
+    ``valid`` ([B] bool) marks samples whose reward exists (``on_reward_error: skip`` drops the
+    others): only valid samples enter their group's mean and std, invalid ones get 0.
+
+    A group whose valid rewards are all equal (or that has fewer than 2) gets exactly 0, in any
+    dtype: the statistics are taken in float64, and such groups are zeroed explicitly, because even
+    float64 gives ``mean([0.1] * 8) != 0.1``, and that rounding residue divided by a std of the same
+    size would be an advantage of order 1.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be [B] with B divisible by group_size={group_size}, got {tuple(rewards.shape)}")
-    grouped = rewards.float().view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    grouped = rewards.double().view(-1, group_size)
+    keep = torch.ones_like(grouped, dtype=torch.bool) if valid is None else valid.view(-1, group_size).bool()
+    count = keep.sum(dim=1, keepdim=True)
+    mean = torch.where(keep, grouped, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(keep, grouped - mean, 0.0)
     if scale_rewards:
-        std = grouped.std(dim=1, keepdim=True, unbiased=group_size > 1)
+        std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         centred = centred / (std + eps)
-    return centred.view(-1)
+    lowest = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)
+    highest = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)
+    constant = (count < 2) | (lowest == highest)
+    return torch.where(constant, 0.0, centred).float().view(-1)
 
 
 def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -83,7 +101,7 @@ def aggregate(
     token_mean: every completion token weighs the same (DAPO); count = tokens.
     seq_mean: mean over each sequence's tokens, then over sequences (original GRPO); count = sequences.
     seq_mean_token_sum_norm: each sequence's token sum / ``max_len`` (a constant), then mean over
-    sequences (Dr. GRPO); count = sequences.
+    sequences (Dr. GRPO); count = sequences. Only sequences with at least one masked-in token count.
 
     Sequences are the rows, or, for packed rows, ``segment_ids`` [B, T]: the sequence of each token
     numbered 0..S-1 across the microbatch, -1 on padding.
@@ -102,7 +120,8 @@ def aggregate(
         n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
         seq_sum = masked.new_zeros(n).index_add(0, ids[keep], masked.reshape(-1)[keep])
         seq_tokens = mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep])
-    count = torch.tensor(seq_sum.shape[0], dtype=torch.int64, device=per_token.device)
+    # sequences with no trained token (skipped rewards, padding rows) are not in the mean
+    count = (seq_tokens > 0).sum().to(torch.int64)
     if mode == "seq_mean":
         return (seq_sum / seq_tokens.clamp(min=1.0)).sum(), count
     if not max_len:

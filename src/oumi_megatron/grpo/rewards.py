@@ -9,6 +9,7 @@ Oumi registers functions in two conventions; both are supported:
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,21 @@ class RewardResult:
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
     valid: torch.Tensor | None = None
     """[N] False for samples dropped under grpo.on_reward_error: skip."""
+    errors: list[str] = field(default_factory=list)
+    """Why samples were dropped (the first few), for the warning a skipped step logs."""
+
+
+def as_reward(value: Any) -> float:
+    """A reward function's value as a float. Only numbers count (int, float, numpy and one-element
+    torch scalars): ``float("0.5")`` would silently accept a string, so strings and other types
+    raise TypeError. ``None`` and NaN become NaN (no reward for this sample)."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        return float(value.item())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"returned {type(value).__name__} {value!r}; a reward must be a number (int or float)")
 
 
 def _registry_function(name: str) -> Callable:
@@ -63,38 +79,63 @@ class RewardComputer:
             "grpo.on_reward_error: skip to drop and count such samples."
         )
 
+    def _handle(self, name: str, index: int | None, completion: str | None, why: str, errors: list[str]) -> None:
+        """A failed reward: raise (``on_reward_error: raise``) or note why (``skip``; the value stays NaN)."""
+        if self.on_error == "raise":
+            self._fail(name, index, completion, why)
+        if len(errors) < 5:
+            errors.append(f"{name!r} {why} on " + (f"sample {index}" if index is not None else "the batch"))
+
+    def _store(self, values: torch.Tensor, i: int, value: Any, name: str, completion: str, errors: list[str]) -> None:
+        try:
+            values[i] = as_reward(value)
+        except TypeError as e:
+            self._handle(name, i, completion, str(e), errors)
+            return
+        if not torch.isfinite(values[i]):
+            self._handle(name, i, completion, f"returned {values[i].item()}", errors)
+
+    def _values(self, name: str, fn: Callable, kwargs: dict[str, Any], prompts: list[str], completions: list[str],
+                rows: list[dict[str, Any]], errors: list[str]) -> torch.Tensor:
+        """One function's reward per sample, NaN where it gave none (under ``skip``)."""
+        n = len(completions)
+        values = torch.full((n,), float("nan"), dtype=torch.float64)
+        if _is_verl_style(fn):
+            for i, (text, row) in enumerate(zip(completions, rows)):
+                try:
+                    gt = (row.get("reward_model") or {}).get("ground_truth")
+                    out = fn(data_source=row.get("data_source"), solution_str=text, ground_truth=gt,
+                             extra_info=row.get("extra_info"), **kwargs)
+                except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
+                    self._handle(name, i, text, f"raised {type(e).__name__}: {e}", errors)
+                    continue
+                self._store(values, i, out, name, text, errors)
+            return values
+        columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion")} if rows else {}
+        try:
+            outs = fn(completions=completions, prompts=prompts, **columns, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            self._handle(name, None, None, f"raised {type(e).__name__}: {e}", errors)
+            return values
+        if isinstance(outs, (str, bytes, dict)) or not hasattr(outs, "__len__") or len(outs) != n:
+            got = f"{len(outs)} values" if isinstance(outs, (list, tuple)) else repr(outs)[:80]
+            self._handle(name, None, None, f"returned {got} for {n} completions (one number each is needed)", errors)
+            return values
+        for i, out in enumerate(outs):
+            self._store(values, i, out, name, completions[i], errors)
+        return values
+
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> RewardResult:
         n = len(completions)
         total = torch.zeros(n, dtype=torch.float64)
         valid = torch.ones(n, dtype=torch.bool)
         per_function: dict[str, torch.Tensor] = {}
+        errors: list[str] = []
         for name, weight, kwargs, fn in self.specs:
-            values = torch.full((n,), float("nan"), dtype=torch.float64)
-            if _is_verl_style(fn):
-                for i, (text, row) in enumerate(zip(completions, rows)):
-                    try:
-                        gt = (row.get("reward_model") or {}).get("ground_truth")
-                        values[i] = float(fn(data_source=row.get("data_source"), solution_str=text, ground_truth=gt,
-                                             extra_info=row.get("extra_info"), **kwargs))
-                    except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
-                        if self.on_error == "raise":
-                            self._fail(name, i, text, f"raised {type(e).__name__}: {e}")
-            else:
-                columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion")} if rows else {}
-                try:
-                    out = fn(completions=completions, prompts=prompts, **columns, **kwargs)
-                    values = torch.tensor([float(v) for v in out], dtype=torch.float64)
-                    if len(values) != n:
-                        raise ValueError(f"returned {len(values)} values for {n} completions")
-                except Exception as e:  # noqa: BLE001
-                    if self.on_error == "raise":
-                        self._fail(name, None, None, f"raised {type(e).__name__}: {e}")
-                    values = torch.full((n,), float("nan"), dtype=torch.float64)
+            values = self._values(name, fn, kwargs, prompts, completions, rows, errors)
             bad = ~torch.isfinite(values)
-            if bad.any() and self.on_error == "raise":
-                i = int(bad.nonzero()[0])
-                self._fail(name, i, completions[i], f"returned {values[i].item()}")
             valid &= ~bad
             per_function[name] = torch.where(bad, torch.zeros_like(values), values)
             total += weight * per_function[name]
-        return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function, valid=valid)
+        return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function,
+                            valid=valid, errors=errors)

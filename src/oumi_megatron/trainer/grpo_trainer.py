@@ -35,7 +35,7 @@ from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, latest_che
 from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
-from oumi_megatron.grpo.rewards import RewardComputer
+from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
 from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -43,6 +43,8 @@ from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
+MAX_ALL_SKIPPED_STEPS = 3
+"""GRPO steps in a row in which every reward was skipped before the run stops with an error."""
 
 try:  # Oumi's trainer interface (absent on engine-only machines)
     from oumi.core.trainers.base_trainer import BaseTrainer
@@ -116,6 +118,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.order = list(range(len(dataset)))
         random.Random(config.training.seed).shuffle(self.order)
         self.last_metrics: dict[str, Any] = {}
+        self.all_skipped_steps = 0
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
@@ -194,6 +197,25 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                         f"{stats.seconds:.3f} s = {stats.gbps:.2f} GB/s")
         return time.perf_counter() - start, stats
 
+    def _any_scored(self, valid: torch.Tensor, errors: list[str]) -> bool:
+        """False when every sample of the step was skipped (``on_reward_error: skip``): the step is not
+        trained on, with a warning; that many steps in a row means the reward function fails on
+        everything, which stops the run instead of training on nothing for ever."""
+        if bool(valid.any()):
+            self.all_skipped_steps = 0
+            return True
+        self.all_skipped_steps += 1
+        why = "; ".join(errors) or "(the failures were on other data-parallel ranks)"
+        if self.all_skipped_steps >= MAX_ALL_SKIPPED_STEPS:
+            raise RewardFunctionError(
+                f"every sample's reward was skipped (grpo.on_reward_error: skip) in {self.all_skipped_steps} GRPO "
+                f"steps in a row, so nothing is being trained. Fix the reward function(s): {why}"
+            )
+        if _rank() == 0:
+            logger.warning(f"GRPO step {self.step + 1}: every sample's reward was skipped, so this step trains on "
+                           f"nothing (no optimizer step). {why}")
+        return False
+
     # -- one GRPO step ------------------------------------------------------------------------------
     def grpo_step(self) -> dict[str, Any]:
         """One GRPO step. Each DP rank generates, scores and trains on its own share of the
@@ -222,8 +244,13 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         stats = self._gather_dp(local_stats)  # [n, k], the whole rollout batch, on every rank
         total, valid = stats[:, 0], stats[:, 1] > 0.5
         lengths, finished = stats[:, -2], stats[:, -1]
-        advantages = group_advantages(total.float(), g.num_generations, g.scale_rewards)
-        advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+        # skipped samples (on_reward_error: skip) are outside their group's statistics and the loss
+        advantages = group_advantages(total, g.num_generations, g.scale_rewards, valid=valid)
+        if not self._any_scored(valid, rewards.errors):
+            self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
+            self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
+                                 "time/rollout_s": t_rollout, "time/sync_s": t_sync}
+            return self.last_metrics
 
         # this rank's share of every mini-batch (one optimizer step each)
         per_mini = self.layout.global_batch_size // dp
@@ -277,10 +304,12 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.step += 1
         last = results[-1]
         tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
+        scored_rewards = total[valid]  # the mean of what was scored: skipped samples have no reward
         metrics: dict[str, Any] = {
-            "reward/mean": total.mean().item(),
-            "reward/std": total.std().item() if n > 1 else 0.0,
-            **{f"reward/{k}": stats[:, 2 + j].mean().item() for j, k in enumerate(names)},
+            "reward/mean": scored_rewards.mean().item() if len(scored_rewards) else float("nan"),
+            "reward/std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
+            **{f"reward/{k}": stats[valid, 2 + j].mean().item() if len(scored_rewards) else float("nan")
+               for j, k in enumerate(names)},
             "reward/invalid_samples": int((~valid).sum()),
             "advantage/mean": advantages.mean().item(),
             "advantage/std": advantages.std().item() if n > 1 else 0.0,
@@ -323,11 +352,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         """``training.include_performance_metrics``: throughput and memory on top of the step timings."""
         import resource
 
-        trained = metrics["batch/processed_tokens"] * self.grpo.ppo_epochs
+        trained = metrics.get("batch/processed_tokens", 0) * self.grpo.ppo_epochs
         out = {
             "perf/step_s": step_s,
             "perf/completions_per_s": self.layout.completions_per_rollout / max(step_s, 1e-9),
-            "perf/train_tokens_per_s": trained / max(metrics["time/train_s"], 1e-9),
+            "perf/train_tokens_per_s": trained / max(metrics.get("time/train_s", 0.0), 1e-9),
             # ru_maxrss is in KiB on Linux
             "perf/peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         }
