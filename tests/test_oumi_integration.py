@@ -4,6 +4,7 @@ and stock Oumi keeps working."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,14 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
 
 
 @pytest.mark.parametrize("form", ["seed", "stock"])
-def test_oumi_distributed_torchrun_forms(good_yaml: Path, form: str) -> None:
+def test_oumi_distributed_torchrun_forms(good_yaml: Path, form: str, tmp_path: Path) -> None:
+    # a new output_dir per run (a used one is refused), with the conversion of the torchrun test copied in
+    out_dir = tmp_path / "out"
+    shutil.copytree(good_yaml.parent / "out" / "megatron_checkpoint", out_dir / "megatron_checkpoint")
     target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
     out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
-                   "--megatron.pipeline_model_parallel_size", "2"], env={"MASTER_PORT": str(free_port())})
+                   "--megatron.pipeline_model_parallel_size", "2", "--training.output_dir", str(out_dir)],
+                  env={"MASTER_PORT": str(free_port())})
     text = out.stdout + out.stderr
     assert "unrecognized arguments" not in text
     assert LAYOUT_PP2 in text, text[-3000:]

@@ -99,8 +99,33 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
     r = check(cfg, world_size=2)
     assert "grpo.max_completion_length" in problem_fields(r)
     assert "Set grpo.max_completion_length to 18 (total 48)" in r.format_problems()
-    ok = check(make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 32, "max_completion_length": 16}), world_size=2)
-    assert ok.ok, ok.format_problems()
+    # a divisible length leaves only the rule that CP does not run yet (issue 10: accepted must mean it runs)
+    r = check(make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 32, "max_completion_length": 16}),
+              world_size=2)
+    assert problem_fields(r) == ["megatron.context_parallel_size"], r.format_problems()
+    assert "context parallelism is not supported yet" in r.format_problems()
+
+
+@pytest.mark.parametrize(
+    ("megatron", "world", "field", "text"),
+    [
+        ({"context_parallel_size": 2}, 2, "megatron.context_parallel_size", "Set context_parallel_size: 1"),
+        ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, 2, "megatron.sequence_parallel",
+         "Set sequence_parallel: False"),
+        ({"expert_model_parallel_size": 2}, 2, "megatron.expert_model_parallel_size", "Set expert_model_parallel_size: 1"),
+    ],
+)
+def test_parallelism_that_does_not_run_yet_is_rejected(make_config, megatron, world, field, text) -> None:  # noqa: ANN001
+    r = check(make_config(megatron=megatron), world_size=world, shape=MOE)
+    assert field in problem_fields(r) and text in r.format_problems(), r.format_problems()
+    assert "not supported yet" in r.format_problems()
+
+
+def test_average_in_collective_is_warned_not_silently_dropped(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"ddp_config": {"average_in_collective": True}}))
+    assert r.ok, r.format_problems()
+    assert any("average_in_collective: True is not used" in w for w in r.warnings), r.warnings
+    assert not any("average_in_collective" in w for w in check(make_config()).warnings)
 
 
 def test_vllm_placement_rules(make_config) -> None:  # noqa: ANN001
@@ -132,7 +157,6 @@ def test_vllm_placement_rules(make_config) -> None:  # noqa: ANN001
         ({"tis_cap": 0.5}, "grpo.tis_cap", ">= 1 or null"),
         ({"ppo_epochs": 0}, "grpo.ppo_epochs", "positive integer"),
         ({"on_reward_error": "ignore"}, "grpo.on_reward_error", "'raise' or 'skip'"),
-        ({"reward_functions": []}, "grpo.reward_functions", "needs a reward"),
         ({"reward_functions": [{"name": "no_such_reward"}]}, "grpo.reward_functions[0].name", "REWARD_FUNCTION registry"),
     ],
 )
@@ -140,6 +164,13 @@ def test_grpo_rules_name_the_field(make_config, grpo, field, text) -> None:  # n
     r = check(make_config(grpo=grpo))
     assert field in problem_fields(r), r.format_problems()
     assert text in r.format_problems()
+
+
+def test_no_reward_and_no_default_reward_is_an_error(make_config) -> None:  # noqa: ANN001
+    data = {"train": {"datasets": [{"dataset_name": "trl-lib/tldr"}]}}
+    r = check(make_config(grpo={"reward_functions": []}, data=data))
+    assert "grpo.reward_functions" in problem_fields(r)
+    assert "needs a reward" in r.format_problems() and "no default reward" in r.format_problems()
 
 
 def test_oumi_registered_reward_functions_are_accepted(make_config) -> None:  # noqa: ANN001
@@ -173,9 +204,9 @@ def test_wrong_trainer_type_with_megatron_section(make_config) -> None:  # noqa:
 
 
 def test_all_problems_are_reported_together_and_raise(make_config) -> None:  # noqa: ANN001
-    cfg = make_config(megatron={"sequence_parallel": True, "inference_backend": "x"}, grpo={"temperature": 9.0})
+    cfg = make_config(megatron={"pipeline_schedule": "x", "inference_backend": "x"}, grpo={"temperature": 9.0})
     r = check(cfg)
-    assert {"megatron.sequence_parallel", "megatron.inference_backend", "grpo.temperature"} <= set(problem_fields(r))
+    assert {"megatron.pipeline_schedule", "megatron.inference_backend", "grpo.temperature"} == set(problem_fields(r))
     with pytest.raises(MegatronConfigError) as e:
         r.raise_if_invalid()
     assert "3 problems" in str(e.value)

@@ -52,6 +52,8 @@ def load_config(config_path: str, overrides: list[str]):  # noqa: ANN201 - heavy
 
 
 def _print_report(report) -> None:  # noqa: ANN001
+    for note in report.notes:
+        err_console.print(f"[cyan]note:[/cyan] {note}")
     for warning in report.warnings:
         err_console.print(f"[yellow]warning:[/yellow] {warning}")
     if report.ok:
@@ -63,8 +65,7 @@ def _print_report(report) -> None:  # noqa: ANN001
                 f"hidden {shape.hidden_size}, vocab {shape.vocab_size}"
                 + (f", {shape.num_experts} experts" if shape.is_moe else "")
             )
-        assert report.layout is not None
-        console.print(report.layout.describe())
+        console.print(report.require_layout().describe())
         console.print("[green]OK[/green]")
     else:
         err_console.print(report.format_problems())

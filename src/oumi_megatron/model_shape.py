@@ -13,7 +13,11 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 
 
 class ModelShapeError(ValueError):
-    """config.json could not be found or read."""
+    """config.json could not be found or read, or describes a model this project cannot train."""
+
+    def __init__(self, message: str, unsupported_architecture: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported_architecture = unsupported_architecture
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class ModelShape:
     num_experts: int = 0
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
+    remote_code: bool = False
+    """config.json has an ``auto_map``: loading it runs the model folder's own code."""
 
     @property
     def is_moe(self) -> bool:
@@ -42,7 +48,14 @@ class ModelShape:
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in text]
         if missing:
-            raise ModelShapeError(f"{source}: config.json lacks {', '.join(missing)}; is it a causal LM config?")
+            # e.g. GPT-2 (n_layer, n_embd): not a GPT-style architecture Megatron-Bridge maps
+            arch = ", ".join(cfg.get("architectures") or ()) or f"model_type {cfg.get('model_type', 'unknown')!r}"
+            raise ModelShapeError(
+                f"{source} is a {arch} model: architecture not supported (Megatron-Bridge maps Llama-style "
+                f"causal LMs such as LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM; "
+                f"this config.json has no {', '.join(missing)}). Use a supported model.",
+                unsupported_architecture=True,
+            )
         heads = int(text["num_attention_heads"])
         experts = next((int(text[k]) for k in _EXPERT_KEYS if text.get(k)), 0)
         return cls(
@@ -57,6 +70,7 @@ class ModelShape:
             num_experts=experts,
             max_position_embeddings=text.get("max_position_embeddings"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            remote_code=bool(cfg.get("auto_map")),
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """Entry point for MEGATRON_GRPO training: ``oumi train`` routes here (see integration/oumi_patches.py).
 
-Validation runs first, before anything heavy (model conversion, process groups, datasets).
+Validation, the data and the output folder are checked first, before anything heavy (model conversion,
+process groups, the engine).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from oumi.utils.logging import logger
 
+from oumi_megatron.data import load_prompts, steps_for_epochs
 from oumi_megatron.validation import validate_config
 
 
@@ -26,16 +28,35 @@ def _as_megatron_config(config: Any) -> Any:
 
 
 def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
+    """Validate, check the data and the output folder, convert (once), build the engine, run GRPO.
+
+    Everything that can be wrong with the user's input is checked before the model is converted.
+    """
     config = _as_megatron_config(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    report = validate_config(config, world_size=world_size)
-    for warning in report.warnings:
-        logger.warning(warning)
-    report.raise_if_invalid()
-    assert report.layout is not None
     rank = int(os.environ.get("RANK", "0"))
+    report = validate_config(config, world_size=world_size)
     if rank == 0:
-        logger.info("MEGATRON_GRPO layout:\n%s", report.layout.describe())
+        for note in report.notes:
+            logger.info(f"Config: {note}")
+        for warning in report.warnings:
+            logger.warning(warning)
+    layout = report.require_layout()
+    if rank == 0:
+        logger.info("MEGATRON_GRPO layout:\n%s", layout.describe())
+
+    # The data before the model: a bad file is reported now, not after minutes of conversion.
+    dataset = load_prompts(config, log=logger if rank == 0 else None)
+    if config.training.max_steps <= 0:
+        config.training.max_steps = steps_for_epochs(config.training.num_train_epochs, len(dataset),
+                                                     layout.prompts_per_rollout)
+        if rank == 0:
+            logger.info(f"training.max_steps = {config.training.max_steps}: {config.training.num_train_epochs} "
+                        f"epoch(s) of {len(dataset)} prompts at {layout.prompts_per_rollout} prompts per GRPO step.")
+
+    from oumi_megatron.trainer.run_dir import plan_start
+
+    start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
 
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import ensure_converted
@@ -44,11 +65,13 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.
-    checkpoint = ensure_converted(config.model.model_name, output_dir / "megatron_checkpoint", config.megatron, dtype)
+    checkpoint = ensure_converted(config.model.model_name, output_dir / "megatron_checkpoint", config.megatron, dtype,
+                                  trust_remote_code=bool(config.model.trust_remote_code))
     # the LR schedule advances per optimizer step: ppo_epochs x num_mini_batches per GRPO step
     updates_per_step = config.grpo.ppo_epochs * config.grpo.num_mini_batches
     settings = OptimSettings.from_training_params(config.training, updates_per_step=updates_per_step)
-    bridge, engine = build_engine(checkpoint, config.megatron, settings, dtype)
+    bridge, engine = build_engine(checkpoint, config.megatron, settings, dtype,
+                                  trust_remote_code=bool(config.model.trust_remote_code))
     if rank == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
 
@@ -61,45 +84,10 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
         from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
 
         backend = VllmRolloutBackend(engine, bridge, config.model.model_name, dtype, config.megatron, config.grpo,
-                                     seed=config.training.seed, work_dir=output_dir, hf_artifacts=checkpoint / "hf")
+                                     seed=config.training.seed, work_dir=output_dir, hf_artifacts=checkpoint / "hf",
+                                     trust_remote_code=bool(config.model.trust_remote_code))
     trainer = OumiMegatronGrpoTrainer(
-        config, engine, bridge, checkpoint, report.layout, build_tokenizer(config.model), load_prompts(config),
-        backend=backend,
+        config, engine, bridge, checkpoint, layout, build_tokenizer(config.model), dataset, backend=backend,
     )
-    trainer.train(resume_from_checkpoint=config.training.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
     return trainer
-
-
-class _Concat:
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-        self.sizes = [len(p) for p in parts]
-
-    def __len__(self) -> int:
-        return sum(self.sizes)
-
-    def __getitem__(self, i: int) -> Any:
-        for part, size in zip(self.parts, self.sizes):
-            if i < size:
-                return part[i]
-            i -= size
-        raise IndexError(i)
-
-
-def load_prompts(config: Any) -> Any:
-    """The training datasets of ``data.train`` from Oumi's dataset registry (local jsonl/parquet via dataset_path)."""
-    from oumi.core.registry import REGISTRY
-
-    import oumi_megatron.demo_task  # noqa: F401 - registers the demo dataset
-
-    parts = []
-    for d in config.data.train.datasets:
-        cls = REGISTRY.get_dataset(d.dataset_name, subset=d.subset)
-        if cls is None:
-            raise ValueError(
-                f"data.train.datasets: {d.dataset_name!r} is not a registered Oumi dataset. GRPO datasets "
-                "(e.g. openai/gsm8k, d1shs0ap/countdown, oumi-megatron/char-class) are."
-            )
-        parts.append(cls(dataset_name=d.dataset_name, dataset_path=d.dataset_path, subset=d.subset,
-                         split=d.split, **(d.dataset_kwargs or {})))
-    return _Concat(parts)

@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oumi.exceptions import OumiConfigError
@@ -56,6 +57,8 @@ class Problem:
 class ValidationReport:
     problems: list[Problem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Settings taken over from Oumi's own fields (config/oumi_fields.py), for the log."""
     layout: ParallelLayout | None = None
     model_shape: ModelShape | None = None
 
@@ -80,6 +83,15 @@ class ValidationReport:
     def raise_if_invalid(self) -> None:
         if self.problems:
             raise MegatronConfigError(self)
+
+    def require_layout(self) -> ParallelLayout:
+        """The resolved layout; raises ``MegatronConfigError`` listing the problems if there is none."""
+        self.raise_if_invalid()
+        if self.layout is None:  # every path that leaves it unresolved reports why; never a bare assert
+            self.add("megatron", "the parallel layout could not be resolved from this config; check the parallel "
+                                 "sizes and batch sizes (oumi-megatron validate -c CONFIG prints the details).")
+            raise MegatronConfigError(self)
+        return self.layout
 
 
 def _fmt_choices(choices: tuple[str, ...]) -> str:
@@ -117,6 +129,49 @@ def _check_trainer_and_incompatible(cfg: MegatronTrainingConfig, r: ValidationRe
         )
 
 
+def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    t = cfg.training
+    if t.max_steps is not None and t.max_steps == 0:
+        r.add("training.max_steps", "is 0: nothing would be trained. Set it to the number of GRPO steps to run, "
+                                    "or to -1 to run training.num_train_epochs passes over the data.")
+    elif (t.max_steps is None or t.max_steps < 0) and not (t.num_train_epochs or 0) > 0:
+        r.add("training.max_steps", f"is {t.max_steps} and training.num_train_epochs is {t.num_train_epochs}: set "
+                                    "max_steps (GRPO steps) or a positive num_train_epochs.")
+    if not isinstance(t.save_steps, int) or t.save_steps < 0:
+        r.add("training.save_steps", f"must be >= 0 (0: save only at the end), got {t.save_steps!r}.")
+    lr = t.learning_rate
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        r.add("training.learning_rate", f"must be a finite number >= 0, got {lr!r}. Typical for GRPO: 1e-7 to 1e-5.")
+    elif lr == 0:
+        r.warn("training.learning_rate is 0: the policy will not change.")
+    for name in ("warmup_steps",):
+        value = getattr(t, name)
+        if value is not None and value < 0:
+            r.add(f"training.{name}", f"must be >= 0, got {value!r}.")
+    if t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
+        r.add("training.warmup_ratio", f"must be in [0, 1], got {t.warmup_ratio!r}.")
+    _check_output_dir(t.output_dir, r)
+
+
+def _check_output_dir(output_dir: str, r: ValidationReport) -> None:
+    """output_dir must be a folder we can create and write into (checked now, not after conversion)."""
+    path = Path(output_dir or "").expanduser()
+    if not str(output_dir or "").strip():
+        r.add("training.output_dir", "is empty. Set it to a folder for checkpoints, metrics and the exported model.")
+        return
+    if path.exists() and not path.is_dir():
+        r.add("training.output_dir", f"{path} exists and is not a folder. Choose another output_dir.")
+        return
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        r.add("training.output_dir", f"cannot be created: {existing} is a file. Choose another output_dir.")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        r.add("training.output_dir", f"{existing} is not writable by this user, so {path} cannot be written. "
+                                     "Choose a writable output_dir.")
+
+
 def _check_positive(r: ValidationReport, name: str, value: int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -136,6 +191,35 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         _check_positive(r, f"megatron.{name}", getattr(m, name))
     for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
         _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
+
+    # Accepted fields must run. These do not yet on Megatron-Core's local (non-TransformerEngine)
+    # spec, the only one installable here.
+    if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1:
+        r.add(
+            "megatron.context_parallel_size",
+            f"is {m.context_parallel_size}, but context parallelism is not supported yet: Megatron-Core's local "
+            "attention asserts CP = 1 (CP lives in TransformerEngine's attention, which is not installed), and "
+            "nothing splits sequences over CP ranks. Set context_parallel_size: 1; for long sequences use "
+            "recompute (transformer_config.recompute_granularity: full) or more pipeline stages.",
+        )
+    if m.sequence_parallel:
+        r.add(
+            "megatron.sequence_parallel",
+            "is not supported yet: Megatron-Core's local spec norms (torch LayerNorm/RMSNorm) refuse sequence "
+            "parallelism without TransformerEngine. Set sequence_parallel: False.",
+        )
+    if isinstance(m.expert_model_parallel_size, int) and m.expert_model_parallel_size > 1:
+        r.add(
+            "megatron.expert_model_parallel_size",
+            f"is {m.expert_model_parallel_size}, but expert parallelism is not supported yet (no MoE model has "
+            "been run through this engine). Set expert_model_parallel_size: 1.",
+        )
+    if m.ddp_config.average_in_collective:
+        r.warn(
+            "megatron.ddp_config.average_in_collective: True is not used: GRPO losses are normalized by the global "
+            "token/sequence count, which Megatron-Core does by summing gradients in the collective and dividing "
+            "once (averaging as well would divide twice). The gradient is the same average. Remove the setting."
+        )
 
     if m.inference_backend not in INFERENCE_BACKENDS:
         hint = " (sglang rollouts are not implemented in oumi-megatron)" if m.inference_backend == "sglang" else ""
@@ -245,7 +329,8 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
     if not g.reward_functions:
         r.add(
             "grpo.reward_functions",
-            "is empty; GRPO needs a reward. Add at least one registered reward function, e.g.\n"
+            "is empty, and the training data has no default reward (gsm8k and countdown data get theirs "
+            "automatically); GRPO needs a reward. Add at least one registered reward function, e.g.\n"
             "      grpo:\n        reward_functions:\n          - name: gsm8k",
         )
     registered: set[str] | None = None
@@ -375,7 +460,14 @@ def _check_layout(
         )
 
     micro, global_batch = _resolve_batches(cfg, dp)
-    if micro < 1 or global_batch < 1:
+    if not isinstance(micro, int) or micro < 1:
+        r.add("megatron.micro_batch_size", f"resolves to {micro!r} (from training.per_device_train_batch_size); "
+                                           "set megatron.micro_batch_size to a positive integer.")
+        return None
+    if not isinstance(global_batch, int) or global_batch < 1:
+        r.add("megatron.global_batch_size", f"resolves to {global_batch!r} (micro_batch_size x training."
+                                            "gradient_accumulation_steps x DP); set megatron.global_batch_size to a "
+                                            "positive multiple of micro_batch_size x DP.")
         return None
     if global_batch % (micro * dp) != 0:
         r.add(
@@ -466,6 +558,18 @@ def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: Valida
             if not hints:
                 hints.append(f"use a pipeline size that divides {slots}")
             r.add(field_name, f"{msg}. Fix: {'; '.join(hints)}.")
+    if shape.remote_code and not cfg.model.trust_remote_code:
+        r.add("model.trust_remote_code", f"{shape.source} needs its own code to load (config.json has an auto_map), "
+                                         "which is not run unless you allow it. If you trust it, set "
+                                         "model.trust_remote_code: true.")
+    seq, limit = cfg.grpo.max_sequence_length, shape.max_position_embeddings
+    if isinstance(limit, int) and limit > 0 and isinstance(seq, int) and seq > limit:
+        r.add(
+            "grpo.max_completion_length",
+            f"grpo.max_prompt_length + grpo.max_completion_length = {cfg.grpo.max_prompt_length} + "
+            f"{cfg.grpo.max_completion_length} = {seq} exceeds the model's max_position_embeddings ({limit}). "
+            f"Lower them so that they sum to at most {limit}.",
+        )
     ep = m.expert_model_parallel_size
     if ep > 1 and not shape.is_moe:
         r.add(
@@ -515,6 +619,9 @@ def validate_config(
 ) -> ValidationReport:
     """Checks a MEGATRON_GRPO config and resolves its parallel layout.
 
+    First takes over Oumi's own fields (training.reward_functions, training.grpo, ...; see
+    ``config/oumi_fields.py``) into the megatron:/grpo: sections, once per config object.
+
     Args:
         config: the parsed config.
         world_size: number of processes (GPUs); default WORLD_SIZE or the model-parallel product.
@@ -524,12 +631,20 @@ def validate_config(
         model_shape: an already-read shape (skips reading config.json).
         check_bridge: also check that Megatron-Bridge imports.
     """
+    from oumi_megatron.config.oumi_fields import adopt_oumi_fields
+
     r = ValidationReport()
+    adoption = adopt_oumi_fields(config)
+    r.notes.extend(adoption.notes)
+    r.warnings.extend(adoption.warnings)
+    for field_name, message in adoption.problems:
+        r.add(field_name, message)
     world = world_size if world_size is not None else default_world_size(config)
     if world < 1:
         r.add("--world-size", f"must be a positive integer, got {world}.")
         return r
     _check_trainer_and_incompatible(config, r)
+    _check_training_fields(config, r)
     _check_megatron_fields(config, r)
     _check_grpo_fields(config, r)
     r.layout = _check_layout(config, world, gpus_per_node, r)
@@ -543,11 +658,15 @@ def validate_config(
                 model_shape = ModelShape.resolve(config.model.model_name, config.model.model_revision)
         except ModelShapeError as e:
             field_name = "--model-config" if model_config_path else "model.model_name"
-            r.add(
-                field_name,
-                f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
-                f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
-            )
+            if e.unsupported_architecture:
+                r.add(field_name, str(e))
+                check_bridge = False  # said already, in the words that fit
+            else:
+                r.add(
+                    field_name,
+                    f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
+                    f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
+                )
     if model_shape is not None:
         r.model_shape = model_shape
         _check_model_shape(config, model_shape, r)

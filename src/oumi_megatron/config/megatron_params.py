@@ -48,10 +48,11 @@ class MegatronDDPConfig(BaseParams):
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the next forward."""
 
-    average_in_collective: bool = True
-    """Average (rather than sum then scale) inside the collective. The GRPO engine normalizes losses
-    by global token/sequence counts (Megatron-Core's per-token-loss path), which sums in the collective
-    and divides once, so it does not apply to MEGATRON_GRPO training; kept for config compatibility."""
+    average_in_collective: bool = False
+    """Average (rather than sum then scale) inside the collective. Not used by MEGATRON_GRPO: the GRPO
+    losses are normalized by global token/sequence counts (Megatron-Core's per-token-loss path), which
+    sums in the collective and divides once; averaging too would divide twice. Setting it True only
+    warns (the design document's reference YAML sets it); the gradient is the same average either way."""
 
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1 style)."""

@@ -21,13 +21,6 @@ from oumi_megatron.config.megatron_params import MegatronParams  # noqa: E402
 
 MEGATRON_GRPO = "MEGATRON_GRPO"
 
-MISPLACED_REWARD_FUNCTIONS = (
-    "training.reward_functions: MEGATRON_GRPO reads reward functions from grpo.reward_functions "
-    "(each with name, weight, kwargs). Move them there, e.g.\n"
-    "grpo:\n  reward_functions:\n    - name: gsm8k\n      weight: 1.0"
-)
-
-
 def megatron_trainer_type() -> TrainerType:
     return TrainerType[MEGATRON_GRPO]
 

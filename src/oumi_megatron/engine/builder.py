@@ -35,10 +35,12 @@ def build_engine(
     params: Any,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[Any, MegatronEngine]:
     """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule."""
     dtype = dtype or default_dtype()
-    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params))
+    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params),
+                                           trust_remote_code=trust_remote_code)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
     return bridge, MegatronEngine(chunks, optimizer, scheduler, params)

@@ -5,18 +5,27 @@ Layout of ``output_dir/checkpoints/step_000012/``:
 * ``model/``: weights as a Megatron-Core distributed checkpoint (also what ``export`` reads);
 * ``optimizer/``: the optimizer state as a distributed checkpoint;
 * ``hf/``: config and tokenizer files (so a checkpoint exports on its own);
-* ``rank_XXXXX.pt``: per-rank RNG states and the LR scheduler;
+* ``rank_XXXXX.json``: per-rank RNG states and the LR scheduler, as plain JSON (no pickle: a crafted
+  checkpoint must not run code when it is loaded);
+* ``manifest.json``: every file's size (and the SHA-256 of the small ones), to detect truncation;
 * ``trainer_state.json``: step, data position and whatever the trainer adds; written last.
 
 Each checkpoint is written into ``.step_000012.partial`` and renamed when complete (see
 ``utils/atomic.py``), so ``latest_checkpoint`` never sees a partial one; only the newest
-``keep_last`` are kept.
+``keep_last`` up to the step just saved are kept. ``newest_valid_checkpoint`` checks checkpoints
+against their manifest, newest first, and sets aside (renames to ``step_XXXXXX.corrupt``) the ones
+that fail, so a damaged latest checkpoint falls back to the previous complete one.
+
+Trust: Megatron-Core's distributed-checkpoint metadata (``.metadata``, ``common.pt``) is pickled by
+torch, so load checkpoints only from a source you trust.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import random
 import re
 import shutil
@@ -39,6 +48,13 @@ from oumi_megatron.utils import atomic
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+_HASH_BELOW = 16 * 2**20  # files smaller than this are hashed as well as sized
+logger = logging.getLogger("oumi")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (missing, incomplete or damaged); the message names it."""
 # Megatron-Core's default distributed-optimizer sharding cannot be saved without TE/apex
 # ("ShardedTensor.flattened_range is not supported"); fully_reshardable works everywhere.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -74,25 +90,131 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
+def _tensor_json(t: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(t.dtype).replace("torch.", ""), "data": t.cpu().flatten().tolist()}
+
+
+def _tensor_from_json(d: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(d["data"], dtype=getattr(torch, d["dtype"]))
+
+
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    """RNG states as JSON-able values (lists of ints), restored exactly by ``_set_rng_state``."""
     from megatron.core import tensor_parallel
 
-    state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(words), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _tensor_json(torch.get_rng_state()),
+        "megatron_tracker": {k: _tensor_json(v) for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = _tensor_json(torch.cuda.get_rng_state())
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
     from megatron.core import tensor_parallel
 
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_tensor_from_json(state["torch"]))
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(_tensor_from_json(state["cuda"]))
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {k: _tensor_from_json(v) for k, v in state["megatron_tracker"].items()}
+    )
+
+
+def _rank_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / f"rank_{rank:05d}.json"
+
+
+def _read_rank_state(checkpoint: Path, rank: int) -> dict[str, Any]:
+    path = _rank_file(checkpoint, rank)
+    if not path.is_file() and (checkpoint / f"rank_{rank:05d}.pt").is_file():
+        raise CheckpointError(
+            f"{checkpoint} was written by an older oumi-megatron (rank_{rank:05d}.pt, a pickle, which is not loaded "
+            "because unpickling can run code). Resume from a checkpoint written by this version."
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# Manifest: detecting truncated / missing files before any collective load starts
+# --------------------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Every file's size, and the SHA-256 of files under 16 MiB (metadata, per-rank state); the big
+    tensor files are only sized, which catches truncation without reading terabytes at every save."""
+    files = {}
+    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name not in (MANIFEST_FILE, STATE_FILE)):
+        size = path.stat().st_size
+        files[str(path.relative_to(checkpoint))] = {"size": size, **({"sha256": _sha256(path)} if size < _HASH_BELOW else {})}
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def verify_checkpoint(checkpoint: str | Path) -> str | None:
+    """None if ``checkpoint`` is complete and matches its manifest, else what is wrong (naming the file).
+    Checkpoints written before manifests existed are accepted as complete."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / STATE_FILE).is_file():
+        return f"{checkpoint / STATE_FILE} is missing (an incomplete checkpoint)"
+    try:
+        json.loads((checkpoint / STATE_FILE).read_text())
+    except ValueError as e:
+        return f"{checkpoint / STATE_FILE} is damaged ({e})"
+    manifest = checkpoint / MANIFEST_FILE
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"{manifest} is damaged ({e})"
+    for name, want in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{path} has {size} bytes, {want['size']} were written (truncated or changed)"
+        if "sha256" in want and _sha256(path) != want["sha256"]:
+            return f"{path} does not match the checksum written with it (damaged)"
+    return None
+
+
+def newest_valid_checkpoint(root: str | Path) -> Path | None:
+    """Collective. The newest checkpoint under ``root`` that passes ``verify_checkpoint``; damaged newer ones
+    are renamed to ``step_XXXXXX.corrupt`` (kept for inspection, no longer listed or pruned) with a warning."""
+    found = None
+    for _, path in reversed(list_checkpoints(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            found = path
+            break
+        if _rank() == 0:
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+            logger.warning(f"Checkpoint {path} is damaged: {problem}. Moved it to {aside} and resuming from the "
+                           "previous complete checkpoint instead.")
+        if dist.is_initialized():
+            dist.barrier()
+    return found
 
 
 def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -203,10 +325,9 @@ def save_checkpoint(
     optim_sd = engine.optimizer.sharded_state_dict(
         model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
     )
-    # torch.save of RNG / scheduler is small and synchronous; the tensors may go in the background.
-    torch.save(
-        {"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count},
-        tmp / f"rank_{_rank():05d}.pt",
+    # The RNG / scheduler state is small and written now; the tensors may go in the background.
+    _rank_file(tmp, _rank()).write_text(
+        json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
     )
     background = async_writer is not None
     requests = [
@@ -220,11 +341,15 @@ def save_checkpoint(
     def commit() -> None:
         if dist.is_initialized():
             dist.barrier()
-        if _rank() == 0:  # written last: its presence marks a complete checkpoint
+        if _rank() == 0:
+            write_manifest(tmp)
+            # written last: its presence marks a complete checkpoint
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         atomic.commit(final)
         if _rank() == 0 and keep_last > 0:
-            for _, old in list_checkpoints(root)[:-keep_last]:
+            # only checkpoints up to this step: newer ones (of a run resumed from an earlier step) are replaced
+            # when training reaches their step, never pruned in favour of an older lineage
+            for _, old in [c for c in list_checkpoints(root) if c[0] <= step][:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
@@ -240,10 +365,26 @@ def save_checkpoint(
 
 
 def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
-    """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state."""
+    """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state. A missing,
+    incomplete or damaged checkpoint raises ``CheckpointError`` naming it (checked before any load)."""
+    checkpoint = Path(checkpoint)
+    problem = verify_checkpoint(checkpoint) if checkpoint.is_dir() else f"{checkpoint} does not exist"
+    if problem is not None:
+        raise CheckpointError(f"cannot resume from {checkpoint}: {problem}.")
+    local = _read_rank_state(checkpoint, _rank())
+    try:
+        _load_tensors(engine, checkpoint)
+    except Exception as e:  # noqa: BLE001 - torch / dist_checkpointing errors do not name the checkpoint
+        raise CheckpointError(f"cannot resume from {checkpoint}: {type(e).__name__}: {e}") from e
+    engine.scheduler.load_state_dict(local["scheduler"])
+    engine.step_count = local["engine_step"]
+    _set_rng_state(local["rng"])
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def _load_tensors(engine: Any, checkpoint: Path) -> None:
     from megatron.core import dist_checkpointing
 
-    checkpoint = Path(checkpoint)
     fully_parallel = _fully_parallel(engine)
     load_model(engine.model, checkpoint / "model", fully_parallel)
     _materialize_adam_state(engine.optimizer)
@@ -256,8 +397,3 @@ def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
     with _skip_missing_step_on_load(engine.optimizer):
         engine.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(engine.optimizer)
-    local = torch.load(checkpoint / f"rank_{_rank():05d}.pt", weights_only=False)
-    engine.scheduler.load_state_dict(local["scheduler"])
-    engine.step_count = local["engine_step"]
-    _set_rng_state(local["rng"])
-    return json.loads((checkpoint / STATE_FILE).read_text())

@@ -45,11 +45,16 @@ def _resolve_local(hf_path: str | Path) -> Path:
 
 
 def source_fingerprint(hf_path: str | Path) -> dict[str, Any]:
-    """What identifies a source model: its config and the names and sizes of its weight files."""
+    """What identifies a source model: its config, and the name, size and modification time (ns) of each
+    weight file. The time catches weights rewritten in place with the same size; a copy that keeps
+    sizes and times (cp -p, rsync -a) of different weights would not be caught, and hashing every
+    weight file (140 GB at 70B) at every start costs minutes, so a changed time forces a
+    re-conversion instead (a touched file reconverts, which is safe)."""
     local = _resolve_local(hf_path)
     config_sha = hashlib.sha256((local / "config.json").read_bytes()).hexdigest()
     weights = sorted(
-        (p.name, p.stat().st_size) for p in local.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in local.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
     )
     return {"source": str(hf_path), "config_sha256": config_sha, "weight_files": [list(w) for w in weights]}
 
@@ -70,15 +75,18 @@ def convert_hf_to_megatron(
     out_dir: str | Path,
     params: Any | None = None,
     dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Converts an HF causal LM into a Megatron-Core distributed checkpoint at ``out_dir``.
 
     Collective over the ranks of the layout in ``params`` (default: one rank, TP=PP=1).
+    ``trust_remote_code`` (``model.trust_remote_code``) lets transformers run the model folder's own
+    configuration/modeling code; off by default.
     """
     params = params or _default_params()
     dtype = dtype or default_dtype()
     init_model_parallel(ParallelSizes.from_params(params))
-    bridge = load_bridge(hf_path)
+    bridge = load_bridge(hf_path, trust_remote_code=trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
     chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     meta = {
@@ -117,7 +125,8 @@ def checkpoint_matches_source(checkpoint_dir: str | Path, hf_path: str | Path) -
     return True, "matches"
 
 
-def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtype: torch.dtype | None = None) -> Path:
+def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtype: torch.dtype | None = None,
+                     trust_remote_code: bool = False) -> Path:
     """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
     ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
     if _rank() == 0:
@@ -130,19 +139,20 @@ def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtyp
             logger.warning(f"Re-converting {hf_path} into {out_dir}: {reason}.")
     if ok:
         return Path(out_dir)
-    return convert_hf_to_megatron(hf_path, out_dir, params, dtype)
+    return convert_hf_to_megatron(hf_path, out_dir, params, dtype, trust_remote_code=trust_remote_code)
 
 
-def load_bridge_for_checkpoint(checkpoint_dir: str | Path) -> Any:
+def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bool = False) -> Any:
     """The bridge of a converted checkpoint, from its saved HF config/tokenizer (no source needed)."""
-    return load_bridge(Path(checkpoint_dir) / "hf", config_only=True)
+    return load_bridge(Path(checkpoint_dir) / "hf", trust_remote_code=trust_remote_code, config_only=True)
 
 
-def build_from_checkpoint(checkpoint_dir: str | Path, params: Any, dtype: torch.dtype | None = None, ddp_config: Any | None = None) -> tuple[Any, list[torch.nn.Module]]:
+def build_from_checkpoint(checkpoint_dir: str | Path, params: Any, dtype: torch.dtype | None = None,
+                          ddp_config: Any | None = None, trust_remote_code: bool = False) -> tuple[Any, list[torch.nn.Module]]:
     """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``."""
     dtype = dtype or default_dtype()
     init_model_parallel(ParallelSizes.from_params(params))
-    bridge = load_bridge_for_checkpoint(checkpoint_dir)
+    bridge = load_bridge_for_checkpoint(checkpoint_dir, trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype)
     chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
     load_model(chunks, Path(checkpoint_dir) / "model")
@@ -158,7 +168,39 @@ def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path
 
     with atomic_directory(out_dir) as tmp:
         bridge.save_hf_pretrained([unwrap(c) for c in chunks], tmp, show_progress=False, source_path=str(hf_artifacts))
+        if _rank() == 0:
+            _drop_tied_output_weight(tmp)
     return Path(out_dir)
+
+
+def _drop_tied_output_weight(folder: Path) -> None:
+    """Megatron-Bridge writes ``lm_head.weight`` even for models with tied embeddings (Qwen2-0.5B,
+    Llama-3.2-1B, ...), whose HF checkpoints hold only ``model.embed_tokens.weight``. Remove it so the
+    export has exactly the tensors of the model it came from (transformers re-ties on load)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+        return
+    name = "lm_head.weight"
+    removed = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if name not in f.keys():
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        removed += tensors.pop(name).nbytes
+        save_file(tensors, str(path), metadata=metadata)
+    index = folder / "model.safetensors.index.json"
+    if removed and index.is_file():
+        data = json.loads(index.read_text())
+        data.get("weight_map", {}).pop(name, None)
+        if "total_size" in data.get("metadata", {}):
+            data["metadata"]["total_size"] -= removed
+        index.write_text(json.dumps(data, indent=2))
 
 
 def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: Any | None = None) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.bridge_utils import import_megatron_bridge
+from oumi_megatron.errors import UserInputError
 
 # Fusions that need TransformerEngine, apex or torch.compile; off with the local spec.
 _LOCAL_SPEC_FUSIONS_OFF = (
@@ -29,8 +30,9 @@ _LOCAL_SPEC_FUSIONS_OFF = (
 )
 
 
-class UnsupportedModelError(ValueError):
-    """The model's architecture has no Megatron-Bridge mapping."""
+class UnsupportedModelError(UserInputError, ValueError):
+    """The model cannot be loaded: no Megatron-Bridge mapping for its architecture, or it needs its own code
+    and model.trust_remote_code is off."""
 
 
 def have_transformer_engine() -> bool:
@@ -52,7 +54,15 @@ def load_bridge(hf_path: str | Path, trust_remote_code: bool = False, config_onl
     from megatron.bridge import AutoBridge
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(str(hf_path), trust_remote_code=trust_remote_code)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UnsupportedModelError(
+            f"model.model_name: {hf_path} needs its own code (config.json has an auto_map) to load. If you trust "
+            "that code, set model.trust_remote_code: true."
+        ) from e
     if not AutoBridge.supports(hf_config):
         archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
         raise UnsupportedModelError(

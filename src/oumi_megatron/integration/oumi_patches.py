@@ -82,18 +82,19 @@ def config_requests_megatron(config_path: str | os.PathLike | None, arg_list: li
     return isinstance(training, dict) and _is_megatron_trainer_type(training.get("trainer_type"))
 
 
-def _reject_misplaced_reward_functions(config_path: str | os.PathLike | None, arg_list: list[str]) -> None:
-    # Oumi's TrainingParams rejects training.reward_functions with a message about TRL/VERL while the
-    # config is being built; tell MEGATRON_GRPO users where they go instead.
-    training = _raw_yaml(config_path).get("training")
-    in_yaml = isinstance(training, dict) and bool(training.get("reward_functions"))
-    in_args = any(a.lstrip("-").startswith("training.reward_functions") for a in arg_list or [])
-    if in_yaml or in_args:
-        from oumi.exceptions import OumiConfigError
+def _adopt_oumi_fields(config: Any, config_path: str | os.PathLike | None, arg_list: list[str]) -> Any:
+    """Record which fields the YAML / overrides set, then take over Oumi's own fields (reward functions,
+    training.grpo, ...) into megatron:/grpo: (see config/oumi_fields.py). Runs before Oumi's
+    finalize_and_validate, which would reject training.reward_functions for this trainer type."""
+    from oumi_megatron.config.oumi_fields import adopt_oumi_fields, explicit_keys
 
-        from oumi_megatron.config.training_config import MISPLACED_REWARD_FUNCTIONS
+    config.__dict__["_explicit_keys"] = explicit_keys(_raw_yaml(config_path), list(arg_list or []))
+    adopt_oumi_fields(config)
+    return config
 
-        raise OumiConfigError(MISPLACED_REWARD_FUNCTIONS)
+
+def _is_ours(cls: type) -> bool:
+    return any(c.__name__ == "MegatronTrainingConfig" for c in cls.__mro__)
 
 
 def patch_training_config(module: types.ModuleType) -> None:
@@ -105,21 +106,23 @@ def patch_training_config(module: types.ModuleType) -> None:
 
     def _target_cls(cls: type, config_path: Any, arg_list: list[str]) -> type:
         from_stock = cls is training_config_cls and config_requests_megatron(config_path, arg_list)
-        if not from_stock and all(c.__name__ != "MegatronTrainingConfig" for c in cls.__mro__):
+        if not from_stock and not _is_ours(cls):
             return cls
         from oumi_megatron.config.training_config import MegatronTrainingConfig
 
-        _reject_misplaced_reward_functions(config_path, arg_list)
         return MegatronTrainingConfig
 
     @functools.wraps(orig_from_yaml_and_arg_list)
     def from_yaml_and_arg_list(cls, config_path, arg_list, *args, **kwargs):  # type: ignore[no-untyped-def]
         target = _target_cls(cls, config_path, arg_list)
-        return orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
+        config = orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
+        return _adopt_oumi_fields(config, config_path, arg_list) if _is_ours(target) else config
 
     @functools.wraps(orig_from_yaml)
     def from_yaml(cls, config_path, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return orig_from_yaml(_target_cls(cls, config_path, []), config_path, *args, **kwargs)
+        target = _target_cls(cls, config_path, [])
+        config = orig_from_yaml(target, config_path, *args, **kwargs)
+        return _adopt_oumi_fields(config, config_path, []) if _is_ours(target) else config
 
     for fn in (from_yaml_and_arg_list, from_yaml):
         setattr(fn, _PATCHED, True)

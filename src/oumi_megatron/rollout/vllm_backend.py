@@ -142,6 +142,7 @@ class VllmRolloutBackend:
         seed: int,
         work_dir: Path,
         hf_artifacts: Path,
+        trust_remote_code: bool = False,
     ) -> None:
         """``engine``: the MegatronEngine (its chunks are exported); ``hf_model``: the HF folder the
         engines start from (the same weights the policy starts from); ``params``: MegatronParams."""
@@ -162,6 +163,7 @@ class VllmRolloutBackend:
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
             gpu_memory_utilization=params.vllm_gpu_memory_utilization, kv_cache_bytes=64 * 2**20,
+            extra={"trust_remote_code": True} if trust_remote_code else {},
         )
 
         if self.placement == "colocated":

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
+from oumi_megatron.engine.checkpointing import (
+    AsyncCheckpointWriter,
+    load_checkpoint,
+    newest_valid_checkpoint,
+    save_checkpoint,
+)
 from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -369,7 +374,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if resume_from_checkpoint:
             return Path(resume_from_checkpoint)
         if getattr(self.config.training, "try_resume_from_last_checkpoint", False):
-            return latest_checkpoint(self.output_dir / "checkpoints")
+            return newest_valid_checkpoint(self.output_dir / "checkpoints")
         return None
 
     def train(self, resume_from_checkpoint: str | None = None) -> None:
@@ -379,9 +384,18 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if resume is not None:
             state = load_checkpoint(self.engine, resume)
             self.step, self.data_position = state["step"], state["data_position"]
+            self.weights_synced_at = -1  # the rollout engines still hold the initial weights
+            if _rank() == 0:
+                logger.info(f"Resumed from {resume}: continuing at GRPO step {self.step + 1} "
+                            f"(data position {self.data_position}).")
         max_steps = self.config.training.max_steps
+        if self.step >= max_steps:
+            self._finish_without_training(resume, max_steps)
+            return
         save_steps = self.config.training.save_steps
-        metrics_log = MetricsLogger(self.output_dir, enabled=_rank() == 0, tensorboard=self.config.training.enable_tensorboard)
+        # the metrics of the steps after the resumed one (an interrupted run's) are dropped, so each step is logged once
+        metrics_log = MetricsLogger(self.output_dir, enabled=_rank() == 0, tensorboard=self.config.training.enable_tensorboard,
+                                    start_step=self.step, wandb_run=self._wandb_settings())
         progress = Progress(
             TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("reward {task.fields[reward]:.3f}"),
             TimeElapsedColumn(), disable=_rank() != 0,
@@ -408,6 +422,29 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.save_model(self.config, final=True)
         if _rank() == 0:
             plot_curves(self.output_dir)
+
+    def _finish_without_training(self, resume: Path | None, max_steps: int) -> None:
+        """Resumed at (or past) training.max_steps: nothing to train; keep the run's files as they are, and
+        export the model only if the run never did."""
+        if _rank() == 0:
+            logger.warning(f"Nothing to train: {resume} is at GRPO step {self.step} and training.max_steps is {max_steps}. "
+                           "Raise training.max_steps to train further.")
+        if self.async_writer is not None:
+            self.async_writer.close()
+        self.backend.close()
+        if self.config.training.save_final_model and not (self.output_dir / "hf_model").exists():
+            self.save_model(self.config, final=True)
+
+    def _wandb_settings(self) -> dict[str, Any] | None:
+        """``training.enable_wandb``: W&B run settings (project from WANDB_PROJECT, name from run_name)."""
+        t = self.config.training
+        if not getattr(t, "enable_wandb", False):
+            return None
+        import dataclasses
+
+        config = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                  for k, v in (("megatron", self.config.megatron), ("grpo", self.config.grpo))}
+        return {"name": getattr(t, "run_name", None), "config": config}
 
     def save_state(self) -> None:
         save_checkpoint(

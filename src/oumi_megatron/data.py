@@ -1,0 +1,136 @@
+"""The training prompts: loaded from Oumi's dataset registry and checked before any heavy work.
+
+A bad data file must be reported before the model is converted (minutes, hours at 70B), in one
+message naming the file, the row and the fix: a missing or empty file, a line that is not JSON or
+not UTF-8, a row without the ``prompt`` column (or that the dataset class cannot transform).
+Every row is transformed once here, so no step later meets a row it cannot use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from oumi_megatron.errors import UserInputError
+
+
+class DataError(UserInputError):
+    """A training data file or row that cannot be used; the message names the file, the row and the fix."""
+
+
+class PromptDataset:
+    """The rows of several datasets as one sequence (``data.train.datasets`` in order)."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.sizes = [len(p) for p in parts]
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+    def __getitem__(self, i: int) -> Any:
+        for part, size in zip(self.parts, self.sizes):
+            if i < size:
+                return part[i]
+            i -= size
+        raise IndexError(i)
+
+
+def _scan_jsonl(path: Path, where: str) -> list[int]:
+    """Line numbers of the rows of a local jsonl file; a clear error for the first bad line."""
+    if not path.is_file():
+        raise DataError(f"{where}: {path} does not exist. Fix dataset_path (relative paths start at the folder "
+                        "you launch from).")
+    rows = []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: {path} line {number} is not valid UTF-8 ({e.reason} at byte {e.start}). "
+                                "Save the file as UTF-8.") from e
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: {path} line {number} is not valid JSON ({e.msg} at column {e.colno}). "
+                                "Each line must be one JSON object.") from e
+            if not isinstance(value, dict):
+                raise DataError(f"{where}: {path} line {number} is a JSON {type(value).__name__}, not an object "
+                                "with the dataset's columns.")
+            rows.append(number)
+    if not rows:
+        raise DataError(f"{where}: {path} has no rows. Point dataset_path at a file with training prompts.")
+    return rows
+
+
+def _check_prompt(row: Any) -> str | None:
+    """What is wrong with a transformed row's ``prompt`` (None if usable)."""
+    if not isinstance(row, dict) or "prompt" not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        return f"has no 'prompt' column (it has {keys})"
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "has an empty 'prompt'"
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        return None
+    return "has a 'prompt' that is neither text nor a list of chat messages ({'role': ..., 'content': ...})"
+
+
+def load_prompts(config: Any, log: Any = None) -> PromptDataset:
+    """``data.train`` through Oumi's dataset registry, every row transformed and checked once."""
+    from oumi.core.registry import REGISTRY
+
+    import oumi_megatron.demo_task  # noqa: F401 - registers the demo dataset
+
+    started = time.perf_counter()
+    parts = []
+    for i, d in enumerate(config.data.train.datasets):
+        where = f"data.train.datasets[{i}] ({d.dataset_name})"
+        cls = REGISTRY.get_dataset(d.dataset_name, subset=d.subset)
+        if cls is None:
+            raise DataError(
+                f"{where}: {d.dataset_name!r} is not a registered Oumi dataset. GRPO datasets (e.g. openai/gsm8k, "
+                "d1shs0ap/countdown, oumi-megatron/char-class) are; register your own with @register_dataset."
+            )
+        lines = None
+        path = Path(d.dataset_path).expanduser() if d.dataset_path else None
+        if path is not None:
+            if path.suffix.lower() == ".jsonl":
+                lines = _scan_jsonl(path, where)
+            elif not path.exists():
+                raise DataError(f"{where}: {path} does not exist. Fix dataset_path.")
+        source = str(path) if path is not None else d.dataset_name
+        try:
+            dataset = cls(dataset_name=d.dataset_name, dataset_path=d.dataset_path, subset=d.subset, split=d.split,
+                          **(d.dataset_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - pandas / datasets errors do not name the file
+            raise DataError(f"{where}: cannot load {source}: {type(e).__name__}: {e}") from e
+        if len(dataset) == 0:
+            raise DataError(f"{where}: {source} has no rows. Point it at data with training prompts.")
+        for index in range(len(dataset)):
+            row_name = f"row {index}" + (f" (line {lines[index]})" if lines and index < len(lines) else "")
+            try:
+                row = dataset[index]
+            except Exception as e:  # noqa: BLE001 - the dataset class's transform of a malformed row
+                raise DataError(f"{where}: {source} {row_name} cannot be read by {cls.__name__}: "
+                                f"{type(e).__name__}: {e}. Fix or remove the row.") from e
+            problem = _check_prompt(row)
+            if problem is not None:
+                raise DataError(f"{where}: {source} {row_name} {problem}. Every row needs a prompt "
+                                f"(a {d.dataset_name} row as {cls.__name__} expects).")
+        parts.append(dataset)
+    prompts = PromptDataset(parts)
+    if log is not None:
+        log.info(f"Training data: {len(prompts)} prompts checked in {time.perf_counter() - started:.1f} s.")
+    return prompts
+
+
+def steps_for_epochs(epochs: float, rows: int, prompts_per_step: int) -> int:
+    """GRPO steps for ``epochs`` passes over ``rows`` prompts, ``prompts_per_step`` each (the last partial
+    step included)."""
+    return max(1, math.ceil(epochs * rows / prompts_per_step))
