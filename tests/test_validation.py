@@ -342,3 +342,95 @@ def test_separate_engines_take_the_gpus_after_the_trainers() -> None:
     assert engine_gpu(["2", "5", "6"], trainer_gpus=1, engine_index=1) == "6"  # CUDA_VISIBLE_DEVICES respected
     with pytest.raises(ValueError, match="megatron.rollout_placement.*--nproc-per-node"):
         engine_gpu([str(i) for i in range(8)], trainer_gpus=8, engine_index=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 10: inputs that used to fail late (after conversion) or silently
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("training", "field", "text"),
+    [
+        ({"max_steps": 0}, "training.max_steps", "is 0: nothing would be trained"),
+        ({"save_steps": -1}, "training.save_steps", "must be >= 0 (0: save only at the end)"),
+        ({"learning_rate": -1e-5}, "training.learning_rate", "must be a finite number >= 0"),
+        ({"warmup_ratio": 1.5}, "training.warmup_ratio", "must be in [0, 1]"),
+    ],
+)
+def test_training_fields_are_checked_up_front(make_config, training, field, text) -> None:  # noqa: ANN001
+    r = check(make_config(training={"trainer_type": "MEGATRON_GRPO", **training}))
+    assert field in problem_fields(r) and text in r.format_problems(), r.format_problems()
+
+
+def test_epochs_without_max_steps_are_accepted(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(training={"trainer_type": "MEGATRON_GRPO", "max_steps": -1, "num_train_epochs": 2}))
+    assert r.ok, r.format_problems()
+
+
+def test_output_dir_that_cannot_be_written_is_named(make_config, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    r = check(make_config(training={"output_dir": str(a_file)}))
+    assert "training.output_dir" in problem_fields(r) and "exists and is not a folder" in r.format_problems()
+    r = check(make_config(training={"output_dir": str(a_file / "run")}))
+    assert "training.output_dir" in problem_fields(r) and "is a file" in r.format_problems()
+    # not writable (faked: the tests may run as root, who can write anywhere)
+    import oumi_megatron.validation as validation
+
+    monkeypatch.setattr(validation.os, "access", lambda path, mode: False)
+    r = check(make_config(training={"output_dir": str(tmp_path / "new" / "run")}))
+    assert "training.output_dir" in problem_fields(r) and "is not writable" in r.format_problems()
+
+
+def test_sequence_longer_than_the_model_positions_is_rejected(make_config) -> None:  # noqa: ANN001
+    short = ModelShape(**{**DENSE.__dict__, "max_position_embeddings": 40})
+    r = check(make_config(grpo={"max_prompt_length": 32, "max_completion_length": 16}), shape=short)
+    assert "grpo.max_completion_length" in problem_fields(r)
+    assert "32 + 16 = 48 exceeds the model's max_position_embeddings (40)" in r.format_problems()
+    assert check(make_config(grpo={"max_prompt_length": 24, "max_completion_length": 16}), shape=short).ok
+
+
+def test_gpt2_gets_architecture_not_supported(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
+    cfg = make_config(model={"model_name": str(tmp_path / "gpt2")})
+    r = validate_config(cfg, world_size=1, check_bridge=True)
+    assert problem_fields(r) == ["model.model_name"], r.format_problems()
+    assert "GPT2LMHeadModel model: architecture not supported" in r.format_problems()
+    assert "lacks" not in r.format_problems()
+
+
+def test_model_with_its_own_code_needs_trust_remote_code(make_config, tmp_path: Path, tiny_model_dir: Path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    config = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    r = check(make_config(model={"model_name": str(remote)}), shape=None)
+    assert "model.trust_remote_code" in problem_fields(r) and "set model.trust_remote_code: true" in r.format_problems()
+    r = check(make_config(model={"model_name": str(remote), "trust_remote_code": True}), shape=None)
+    assert "model.trust_remote_code" not in problem_fields(r), r.format_problems()
+
+
+def test_trust_remote_code_reaches_transformers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A folder whose config class is its own code loads only with trust_remote_code (the engine's loader)."""
+    import json
+    import shutil
+
+    from oumi_megatron.engine.model import UnsupportedModelError, load_bridge
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    (remote / "configuration_tiny.py").write_text(
+        "from transformers import Qwen2Config\n\nclass TinyRemoteConfig(Qwen2Config):\n    model_type = 'tiny_remote'\n"
+    )
+    config = json.loads((remote / "config.json").read_text())
+    config.update(model_type="tiny_remote", auto_map={"AutoConfig": "configuration_tiny.TinyRemoteConfig"})
+    (remote / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="set model.trust_remote_code: true"):
+        load_bridge(remote, config_only=True)
+    # with it, transformers runs the folder's own config class
+    bridge = load_bridge(remote, trust_remote_code=True, config_only=True)
+    assert type(bridge.hf_pretrained).__name__ == "TinyRemoteConfig"

@@ -76,8 +76,12 @@ def _check_prompt(row: Any) -> str | None:
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return None if prompt.strip() else "has an empty 'prompt'"
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        return None
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+        contents = [m.get("content") for m in prompt]
+        if not all(isinstance(c, str) for c in contents):
+            # pandas fills a column that other rows have with NaN: this row has no prompt
+            return "has no prompt text (its 'prompt' is missing or not text)"
+        return None if any(c.strip() for c in contents) else "has an empty 'prompt'"
     return "has a 'prompt' that is neither text nor a list of chat messages ({'role': ..., 'content': ...})"
 
 

@@ -163,9 +163,14 @@ class _Adopter:
         from oumi_megatron.config.grpo_params import RewardFunctionParams
 
         t = self.config.training
-        names = [n for n in (t.reward_functions or []) if n]
+        # Oumi rejects training.reward_functions for this trainer type while building the config, so the
+        # loader takes them out of the YAML first (integration/oumi_patches.py) and leaves them here
+        taken = self.config.__dict__.get("_training_rewards") or {}
+        names = [n for n in (taken.get("reward_functions") or t.reward_functions or []) if n]
+        if isinstance(names, str):
+            names = [names]
         if names:
-            kwargs = dict(t.reward_function_kwargs or {})
+            kwargs = dict(taken.get("reward_function_kwargs") or t.reward_function_kwargs or {})
             wanted = [RewardFunctionParams(name=n, kwargs=dict(kwargs)) for n in names]
             ours = self.config.grpo.reward_functions
             if ours and [(r.name, dict(r.kwargs)) for r in ours] != [(r.name, r.kwargs) for r in wanted]:

@@ -14,9 +14,12 @@ for MEGATRON_GRPO:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +85,41 @@ def config_requests_megatron(config_path: str | os.PathLike | None, arg_list: li
     return isinstance(training, dict) and _is_megatron_trainer_type(training.get("trainer_type"))
 
 
-def _adopt_oumi_fields(config: Any, config_path: str | os.PathLike | None, arg_list: list[str]) -> Any:
+_REWARD_KEYS = ("reward_functions", "reward_function_kwargs")
+
+
+@contextlib.contextmanager
+def _without_training_rewards(config_path: Any, arg_list: list[str]) -> Iterator[tuple[Any, list[str], dict[str, Any]]]:
+    """Oumi's TrainingParams rejects training.reward_functions for trainer types other than TRL/VERL while
+    the config object is being built, so they are taken out of the YAML and the overrides first (a
+    temporary copy of the YAML; yields its path, the remaining overrides and what was taken out) and
+    handed to config/oumi_fields.py, which moves them to grpo.reward_functions."""
+    raw = _raw_yaml(config_path)
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    taken = {k: training.pop(k) for k in _REWARD_KEYS if k in training}
+    rest = []
+    for arg in arg_list or []:
+        key, sep, value = arg.lstrip("-").partition("=")
+        if sep and key in tuple(f"training.{k}" for k in _REWARD_KEYS):
+            taken[key.split(".", 1)[1]] = yaml.safe_load(value)
+        else:
+            rest.append(arg)
+    if not taken or ("reward_functions" in taken and not taken["reward_functions"] and len(taken) == 1):
+        yield config_path, list(arg_list or []), taken
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / Path(str(config_path or "config.yaml")).name
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        yield (str(path) if config_path is not None else None), rest, taken
+
+
+def _adopt_oumi_fields(config: Any, config_path: Any, arg_list: list[str], taken: dict[str, Any]) -> Any:
     """Record which fields the YAML / overrides set, then take over Oumi's own fields (reward functions,
-    training.grpo, ...) into megatron:/grpo: (see config/oumi_fields.py). Runs before Oumi's
-    finalize_and_validate, which would reject training.reward_functions for this trainer type."""
+    training.grpo, ...) into megatron:/grpo: (see config/oumi_fields.py)."""
     from oumi_megatron.config.oumi_fields import adopt_oumi_fields, explicit_keys
 
     config.__dict__["_explicit_keys"] = explicit_keys(_raw_yaml(config_path), list(arg_list or []))
+    config.__dict__["_training_rewards"] = taken
     adopt_oumi_fields(config)
     return config
 
@@ -99,7 +130,8 @@ def _is_ours(cls: type) -> bool:
 
 def patch_training_config(module: types.ModuleType) -> None:
     training_config_cls = module.TrainingConfig
-    if _already_patched(training_config_cls.__dict__.get("from_yaml_and_arg_list")):
+    current = training_config_cls.__dict__.get("from_yaml_and_arg_list")
+    if _already_patched(getattr(current, "__func__", current)):  # a classmethod: the mark is on its function
         return
     orig_from_yaml_and_arg_list = training_config_cls.from_yaml_and_arg_list.__func__
     orig_from_yaml = training_config_cls.from_yaml.__func__
@@ -115,14 +147,20 @@ def patch_training_config(module: types.ModuleType) -> None:
     @functools.wraps(orig_from_yaml_and_arg_list)
     def from_yaml_and_arg_list(cls, config_path, arg_list, *args, **kwargs):  # type: ignore[no-untyped-def]
         target = _target_cls(cls, config_path, arg_list)
-        config = orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
-        return _adopt_oumi_fields(config, config_path, arg_list) if _is_ours(target) else config
+        if not _is_ours(target):
+            return orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
+        with _without_training_rewards(config_path, arg_list) as (path, rest, taken):
+            config = orig_from_yaml_and_arg_list(target, path, rest, *args, **kwargs)
+        return _adopt_oumi_fields(config, config_path, arg_list, taken)
 
     @functools.wraps(orig_from_yaml)
     def from_yaml(cls, config_path, *args, **kwargs):  # type: ignore[no-untyped-def]
         target = _target_cls(cls, config_path, [])
-        config = orig_from_yaml(target, config_path, *args, **kwargs)
-        return _adopt_oumi_fields(config, config_path, []) if _is_ours(target) else config
+        if not _is_ours(target):
+            return orig_from_yaml(target, config_path, *args, **kwargs)
+        with _without_training_rewards(config_path, []) as (path, _, taken):
+            config = orig_from_yaml(target, path, *args, **kwargs)
+        return _adopt_oumi_fields(config, config_path, [], taken)
 
     for fn in (from_yaml_and_arg_list, from_yaml):
         setattr(fn, _PATCHED, True)
