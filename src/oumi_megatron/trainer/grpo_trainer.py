@@ -124,6 +124,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         random.Random(config.training.seed).shuffle(self.order)
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
+        self.warned_truncation = False
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
@@ -135,12 +136,22 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.data_position += 1
         return rows
 
-    def _prompt_ids(self, row: dict[str, Any]) -> list[int]:
+    def _prompt_ids(self, row: dict[str, Any]) -> tuple[list[int], int]:
+        """The rendered prompt, left-truncated to grpo.max_prompt_length (as TRL does), and its full length."""
         prompt = row["prompt"]
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return ids[-self.grpo.max_prompt_length :]
+        limit = self.grpo.max_prompt_length
+        return ids[-limit:], len(ids)
+
+    def _note_truncation(self, lengths: list[int], cut: int) -> None:
+        """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
+        if cut and not self.warned_truncation and _rank() == 0:
+            self.warned_truncation = True
+            logger.warning(f"{cut} of {len(lengths)} prompts this step are longer than grpo.max_prompt_length "
+                           f"({self.grpo.max_prompt_length} tokens; longest {max(lengths)}) and lose their beginning. "
+                           "Raise grpo.max_prompt_length (metric prompt/truncated_fraction counts them every step).")
 
     # -- data-parallel helpers ----------------------------------------------------------------------
     @staticmethod
@@ -228,7 +239,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         g = self.grpo
         dp, dp_rank, _ = self._dp()
         rows = self._next_rows(self.layout.prompts_per_rollout)
-        prompt_ids = [self._prompt_ids(r) for r in rows]
+        rendered = [self._prompt_ids(r) for r in rows]
+        prompt_ids = [ids for ids, _ in rendered]
+        full_lengths = [n for _, n in rendered]
+        truncated = sum(n > g.max_prompt_length for n in full_lengths)
+        self._note_truncation(full_lengths, truncated)
         n = len(rows) * g.num_generations
         per_rank = n // dp
         mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)  # sample i belongs to prompt i // G
@@ -332,6 +347,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             "mismatch/token_mult_prob_error": mm_exp / max(mm_tokens, 1.0),
             "grad_norm": last.grad_norm,
             "lr": last.lr,
+            "prompt/truncated_fraction": truncated / len(rows),
             "completion_length/mean": lengths.mean().item(),
             "completion_length/max": int(lengths.max()),
             "completion_length/truncated_fraction": float((finished < 0.5).double().mean()),
