@@ -184,3 +184,36 @@ def test_truncated_importance_sampling_weights_and_loss() -> None:
     off = SimpleNamespace(**{**vars(grpo), "tis_cap": None})
     plain, _, plain_metrics = make_grpo_loss_fn(off)(trainer.clone(), batch)
     assert "tis_weight_sum" not in plain_metrics and torch.isclose(plain, torch.tensor(-3.0))
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_skipped_sample_changes_nothing_in_the_loss(mode: str, packed: bool) -> None:
+    """A sample whose reward was skipped stays in the batch (shapes stay fixed) but adds nothing to the
+    loss or to the count it is normalized by: loss and count equal those of the batch without it."""
+    from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
+
+    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", tis_cap=None,
+                           loss_aggregation=mode, max_completion_length=6)
+    loss_fn = make_grpo_loss_fn(grpo)
+    seqs = [[5, 6, 7, 8, 9], [5, 6, 10, 11], [5, 12, 13, 14, 15, 16], [5, 6, 7, 17]]
+    adv = torch.tensor([0.5, -1.0, 1.5, 0.25])
+
+    def loss(keep: list[int], trainable: list[bool]) -> tuple[float, int]:
+        batch = SequenceBatch(token_ids=[seqs[i] for i in keep], prompt_lengths=[2] * len(keep),
+                              advantages=adv[keep], trainable=torch.tensor(trainable))
+        layout = packed_layout(batch, 1, 0) if packed else padded_layout(batch, 1, 0)
+        total, count = 0.0, 0
+        for mb in layout.microbatches:
+            # logprobs that depend only on the token, so the layout (row, offset) cannot matter
+            lp = -0.01 * mb["input_ids"].double()
+            s, c, _ = loss_fn(lp, {**mb, "old_logprobs": lp - 0.05})
+            total, count = total + float(s), count + int(c)
+        return total, count
+
+    with_skipped = loss([0, 1, 2, 3], [True, False, True, True])
+    without = loss([0, 2, 3], [True, True, True])
+    assert with_skipped[1] == without[1] > 0
+    assert with_skipped[0] == pytest.approx(without[0], rel=1e-12)
+    # and the skipped sample did matter when it was not skipped (the check can fail)
+    assert loss([0, 1, 2, 3], [True] * 4) != with_skipped
