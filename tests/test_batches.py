@@ -87,4 +87,5 @@ def test_segment_aggregation_equals_one_row_per_sequence() -> None:
     # padded rows without segment ids aggregate per row, as before
     s_rows, c_rows = aggregate(va, a["completion_mask"], "seq_mean", 8)
     s_seg, c_seg = aggregate(va, a["completion_mask"], "seq_mean", 8, a["segment_ids"])
-    assert torch.allclose(s_rows, s_seg) and int(c_rows) == int(c_seg) == 6
+    # 6 sequences, one untrainable (a skipped reward): it is not in the sequence mean's count
+    assert torch.allclose(s_rows, s_seg) and int(c_rows) == int(c_seg) == 5

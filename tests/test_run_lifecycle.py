@@ -186,3 +186,24 @@ def test_migrated_verl_gsm8k_example_runs_as_meant(finished: Path, tiny_model_di
     assert rows[-1]["mismatch/max_abs_diff"] < 1e-3  # vLLM's logprobs are the trainer's (fp32)
     assert (out / "hf_model" / "config.json").is_file() and [p.name for p in (out / "checkpoints").iterdir()]
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_quick_start_yaml_runs_on_the_cpu(finished: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The design document's Quick Start YAML as shipped (configs/quickstart_70b_grpo.yaml: `gsm8k` data, no
+    reward function), shrunk to the CPU by overrides of the model, layout, data file and step count only:
+    the dataset resolves to Oumi's openai/gsm8k and its gsm8k reward scores the completions."""
+    data = tmp_path / "gsm8k_train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"{a} + {a} = {2 * a}\n#### {2 * a}"})
+                            + "\n" for a in range(1, 9)))
+    out = _fresh(tmp_path, finished)
+    proc = _train(out, tiny_model_dir, "--model.torch_dtype_str", "float32", "--megatron.tensor_model_parallel_size", "1",
+                  "--megatron.pipeline_model_parallel_size", "1", "--megatron.inference_backend", "megatron",
+                  "--data.train.datasets[0].dataset_path", str(data), "--training.max_steps", "2",
+                  "--grpo.max_completion_length", "16", "--grpo.max_prompt_length", "128",
+                  config=str(REPO / "configs" / "quickstart_70b_grpo.yaml"))
+    _ok(proc)
+    text = proc.stdout + proc.stderr
+    assert "data.train.datasets[0].dataset_name = 'openai/gsm8k'" in text
+    assert "grpo.reward_functions = ['gsm8k'] (no reward function configured" in text
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all("reward/gsm8k" in r for r in rows)

@@ -434,3 +434,15 @@ def test_trust_remote_code_reaches_transformers(tmp_path: Path, tiny_model_dir: 
     # with it, transformers runs the folder's own config class
     bridge = load_bridge(remote, trust_remote_code=True, config_only=True)
     assert type(bridge.hf_pretrained).__name__ == "TinyRemoteConfig"
+
+
+def test_an_unresolvable_layout_is_a_message_not_an_assert(make_config) -> None:  # noqa: ANN001
+    """train.py and cli.py used `assert report.layout is not None`: a bare AssertionError."""
+    cfg = make_config(megatron={"micro_batch_size": None, "global_batch_size": None},
+                      training={"per_device_train_batch_size": 0})
+    r = check(cfg)
+    assert problem_fields(r) == ["megatron.micro_batch_size"], r.format_problems()
+    assert "resolves to 0 (from training.per_device_train_batch_size)" in r.format_problems()
+    with pytest.raises(MegatronConfigError, match="megatron.micro_batch_size"):
+        r.require_layout()
+    assert check(make_config()).require_layout().world_size == 1
