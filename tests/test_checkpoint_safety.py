@@ -96,7 +96,7 @@ def test_manifest_catches_truncated_changed_and_missing_files(tmp_path: Path) ->
     assert "trainer_state.json is missing" in verify_checkpoint(good)
 
 
-def test_newest_valid_checkpoint_sets_damaged_ones_aside(tmp_path: Path) -> None:
+def test_newest_valid_checkpoint_skips_damaged_ones(tmp_path: Path, caplog) -> None:  # noqa: ANN001
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         _fake_checkpoint(root, step)
@@ -104,7 +104,8 @@ def test_newest_valid_checkpoint_sets_damaged_ones_aside(tmp_path: Path) -> None
         shard = root / f"step_{step:06d}" / "model" / "__0_0.distcp"
         shard.write_bytes(shard.read_bytes()[:100])
     assert newest_valid_checkpoint(root) == root / "step_000002"
-    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004.corrupt", "step_000006.corrupt"]
+    assert "step_000006 is damaged" in caplog.text and "step_000004 is damaged" in caplog.text
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004", "step_000006"]  # read-only
     shutil.rmtree(root / "step_000002")
     assert newest_valid_checkpoint(root) is None
 

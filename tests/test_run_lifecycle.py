@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
+from oumi_megatron.engine.checkpointing import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 CONFIG = str(REPO / "configs" / "tiny_cpu_grpo.yaml")
@@ -62,12 +63,29 @@ def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
     return out
 
 
-def test_a_finished_output_dir_is_never_overwritten(finished: Path, tiny_model_dir: Path) -> None:
+def _plan(out: Path, **training):  # noqa: ANN003, ANN202
+    """The start decision `oumi train` makes before converting (trainer/run_dir.py), in this process."""
+    from types import SimpleNamespace
+
+    from oumi_megatron.trainer.run_dir import plan_start
+
+    base = {"output_dir": str(out), "resume_from_checkpoint": None, "try_resume_from_last_checkpoint": False}
+    return plan_start(SimpleNamespace(**{**base, **training}))
+
+
+def test_a_finished_output_dir_is_never_overwritten(finished: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from oumi_megatron.errors import UserInputError
+    from oumi_megatron.trainer.run_dir import OutputDirInUseError
+
     before = _digest(finished)
-    proc = _train(finished, tiny_model_dir, "--training.max_steps", "4")
-    _failed(proc, "already holds a run (checkpoints/, hf_model/, metrics.jsonl)",
-            "set training.try_resume_from_last_checkpoint: true", "choose another training.output_dir")
-    assert _digest(finished) == before
+    with pytest.raises(OutputDirInUseError) as e:
+        _plan(finished)
+    for text in ("already holds a run (checkpoints/, hf_model/, metrics.jsonl)",
+                 "set training.try_resume_from_last_checkpoint: true", "choose another training.output_dir"):
+        assert text in str(e.value)
+    assert isinstance(e.value, UserInputError)  # `oumi train` prints it without a traceback and exits 1
+    assert _plan(_fresh(tmp_path, finished)).checkpoint is None  # the conversion cache alone is not a run
+    assert _plan(finished, try_resume_from_last_checkpoint=True).step == 4
     # resuming a finished run: nothing to train, and nothing rewritten (hf_model, checkpoints, metrics)
     proc = _train(finished, tiny_model_dir, "--training.max_steps", "4", "--training.try_resume_from_last_checkpoint",
                   "true")
@@ -86,18 +104,21 @@ def test_damaged_latest_checkpoint_falls_back_and_metrics_hold_each_step_once(fi
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a truncated tensor file
 
     # named explicitly: refused, naming the file (was EOFError with no path)
-    proc = _train(run, tiny_model_dir, "--training.max_steps", "6", "--training.resume_from_checkpoint", str(step4))
-    _failed(proc, f"cannot resume from {step4}", str(shard.relative_to(step4)), "bytes")
+    from oumi_megatron.trainer.run_dir import ResumeCheckpointError
 
-    # the newest complete one: step 2, with a warning naming the damaged one, set aside
+    with pytest.raises(ResumeCheckpointError, match=rf"cannot resume from {step4}: .*{shard.name} has \d+ bytes"):
+        _plan(run, resume_from_checkpoint=str(step4))
+
+    # the newest complete one: step 2, with a warning naming the damaged one
     proc = _train(run, tiny_model_dir, "--training.max_steps", "6", "--training.save_steps", "2",
                   "--training.try_resume_from_last_checkpoint", "true")
     _ok(proc)
     text = proc.stdout + proc.stderr
     assert f"Checkpoint {step4} is damaged" in text and "Resumed from" in text and "step_000002" in text
     assert "dropped 2 row(s) of steps after 2" in text  # metrics.jsonl held steps 3, 4 of the first run
-    assert (run / "checkpoints" / "step_000004.corrupt").is_dir()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000004", "step_000004.corrupt", "step_000006"]
+    # the damaged step 4 was replaced when training reached step 4 again; step 2 pruned (keep 2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
+    assert verify_checkpoint(run / "checkpoints" / "step_000004") is None
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     first = {r["step"]: r for r in _metrics(finished)}

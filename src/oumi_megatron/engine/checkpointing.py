@@ -13,8 +13,8 @@ Layout of ``output_dir/checkpoints/step_000012/``:
 Each checkpoint is written into ``.step_000012.partial`` and renamed when complete (see
 ``utils/atomic.py``), so ``latest_checkpoint`` never sees a partial one; only the newest
 ``keep_last`` up to the step just saved are kept. ``newest_valid_checkpoint`` checks checkpoints
-against their manifest, newest first, and sets aside (renames to ``step_XXXXXX.corrupt``) the ones
-that fail, so a damaged latest checkpoint falls back to the previous complete one.
+against their manifest, newest first, so a damaged latest checkpoint falls back to the previous
+complete one (with a warning naming the bad file).
 
 Trust: Megatron-Core's distributed-checkpoint metadata (``.metadata``, ``common.pt``) is pickled by
 torch, so load checkpoints only from a source you trust.
@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -61,7 +62,8 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    # the resume plan runs before torch.distributed is initialized: torchrun's RANK then
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _fully_parallel(engine: Any) -> bool:
@@ -198,23 +200,18 @@ def verify_checkpoint(checkpoint: str | Path) -> str | None:
 
 
 def newest_valid_checkpoint(root: str | Path) -> Path | None:
-    """Collective. The newest checkpoint under ``root`` that passes ``verify_checkpoint``; damaged newer ones
-    are renamed to ``step_XXXXXX.corrupt`` (kept for inspection, no longer listed or pruned) with a warning."""
-    found = None
+    """The newest checkpoint under ``root`` that passes ``verify_checkpoint``, warning about each damaged
+    newer one. Read-only, so every rank can call it before torch.distributed is initialized: a damaged
+    checkpoint stays where it is (never pruned in favour of older ones, see ``save_checkpoint``) and is
+    replaced when training reaches its step again."""
     for _, path in reversed(list_checkpoints(root)):
         problem = verify_checkpoint(path)
         if problem is None:
-            found = path
-            break
+            return path
         if _rank() == 0:
-            aside = path.with_name(path.name + ".corrupt")
-            shutil.rmtree(aside, ignore_errors=True)
-            path.rename(aside)
-            logger.warning(f"Checkpoint {path} is damaged: {problem}. Moved it to {aside} and resuming from the "
-                           "previous complete checkpoint instead.")
-        if dist.is_initialized():
-            dist.barrier()
-    return found
+            logger.warning(f"Checkpoint {path} is damaged: {problem}. Resuming from the previous complete checkpoint "
+                           "instead; the damaged one is replaced when training reaches its step.")
+    return None
 
 
 def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -5,7 +5,7 @@ Decided before any heavy work (conversion, engine), the same way on every rank:
 * ``training.resume_from_checkpoint: PATH``: that checkpoint, which must be complete (else an error
   naming what is wrong with it).
 * ``training.try_resume_from_last_checkpoint: true``: the newest complete checkpoint in
-  ``output_dir/checkpoints``; damaged newer ones are set aside with a warning; none: step 0.
+  ``output_dir/checkpoints``; damaged newer ones are named in a warning and skipped; none: step 0.
 * neither, while ``output_dir`` already holds a run (checkpoints, ``hf_model/`` or metrics): an error.
   A previous run is never overwritten without an explicit choice: resume it, or pick another
   output_dir (or delete the old run's folders). The converted model (``megatron_checkpoint/``) is a
@@ -64,7 +64,8 @@ def _step_of(checkpoint: Path) -> int:
 
 
 def plan_start(training: Any) -> StartPoint:
-    """Collective (it may set damaged checkpoints aside). ``training`` is Oumi's ``training:`` section."""
+    """Read-only, the same answer on every rank (called before torch.distributed starts). ``training`` is
+    Oumi's ``training:`` section."""
     output_dir = Path(training.output_dir)
     if training.resume_from_checkpoint:
         checkpoint = Path(training.resume_from_checkpoint)
