@@ -35,7 +35,7 @@ def test_warmup_and_decay_follow_grpo_steps(updates_per_step: int) -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # decayed fully at the last update
 
 
-def test_resolved_max_steps_overrides_the_training_field() -> None:
-    settings = OptimSettings.from_training_params(_training(max_steps=-1, warmup_steps=0, warmup_ratio=0.1),
-                                                  updates_per_step=2, max_steps=50)
+def test_warmup_ratio_is_a_share_of_all_optimizer_steps() -> None:
+    settings = OptimSettings.from_training_params(_training(max_steps=50, warmup_steps=0, warmup_ratio=0.1),
+                                                  updates_per_step=2)
     assert (settings.total_steps, settings.warmup_steps) == (100, 10)

@@ -131,7 +131,7 @@ def _check_trainer_and_incompatible(cfg: MegatronTrainingConfig, r: ValidationRe
 
 def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     t = cfg.training
-    if t.max_steps is not None and t.max_steps == 0:
+    if t.max_steps == 0:
         r.add("training.max_steps", "is 0: nothing would be trained. Set it to the number of GRPO steps to run, "
                                     "or to -1 to run training.num_train_epochs passes over the data.")
     elif (t.max_steps is None or t.max_steps < 0) and not (t.num_train_epochs or 0) > 0:
@@ -144,10 +144,8 @@ def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("training.learning_rate", f"must be a finite number >= 0, got {lr!r}. Typical for GRPO: 1e-7 to 1e-5.")
     elif lr == 0:
         r.warn("training.learning_rate is 0: the policy will not change.")
-    for name in ("warmup_steps",):
-        value = getattr(t, name)
-        if value is not None and value < 0:
-            r.add(f"training.{name}", f"must be >= 0, got {value!r}.")
+    if t.warmup_steps is not None and t.warmup_steps < 0:
+        r.add("training.warmup_steps", f"must be >= 0, got {t.warmup_steps!r}.")
     if t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
         r.add("training.warmup_ratio", f"must be in [0, 1], got {t.warmup_ratio!r}.")
     _check_output_dir(t.output_dir, r)

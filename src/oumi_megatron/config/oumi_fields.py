@@ -82,20 +82,23 @@ class Adoption:
     problems: list[tuple[str, str]] = field(default_factory=list)
 
 
+def _flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{"a.b.c": leaf}`` (lists are leaves; empty dicts have none)."""
+    flat: dict[str, Any] = {}
+    for k, v in node.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            flat.update(_flatten(v, path))
+        else:
+            flat[path] = v
+    return flat
+
+
 def explicit_keys(raw_yaml: dict[str, Any], overrides: list[str]) -> set[str]:
     """Dotted paths written in the YAML or given as ``a.b=v`` overrides, with all their prefixes."""
+    paths = [*_flatten(raw_yaml), *(arg.lstrip("-").split("=", 1)[0] for arg in overrides)]
     keys: set[str] = set()
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                path = f"{prefix}.{k}" if prefix else str(k)
-                keys.add(path)
-                walk(v, path)
-
-    walk(raw_yaml, "")
-    for arg in overrides:
-        path = arg.lstrip("-").split("=", 1)[0]
+    for path in paths:
         parts = path.split(".")
         keys.update(".".join(parts[: i + 1]) for i in range(len(parts)))
     return keys
@@ -218,17 +221,7 @@ class _Adopter:
         overrides = self.config.training.verl_config_overrides or {}
         if not overrides:
             return
-        flat: dict[str, Any] = {}
-
-        def walk(node: Any, prefix: str) -> None:
-            for k, v in node.items():
-                path = f"{prefix}.{k}" if prefix else str(k)
-                if isinstance(v, dict):
-                    walk(v, path)
-                else:
-                    flat[path] = v
-
-        walk(overrides, "")
+        flat = _flatten(overrides)
         used: set[str] = set()
         source = "training.verl_config_overrides."
         for key, target in VERL_KEYS.items():

@@ -52,13 +52,13 @@ STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 _HASH_BELOW = 16 * 2**20  # files smaller than this are hashed as well as sized
 logger = logging.getLogger("oumi")
+# Megatron-Core's default distributed-optimizer sharding cannot be saved without TE/apex
+# ("ShardedTensor.flattened_range is not supported"); fully_reshardable works everywhere.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, incomplete or damaged); the message names it."""
-# Megatron-Core's default distributed-optimizer sharding cannot be saved without TE/apex
-# ("ShardedTensor.flattened_range is not supported"); fully_reshardable works everywhere.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _rank() -> int:
@@ -174,6 +174,8 @@ def verify_checkpoint(checkpoint: str | Path) -> str | None:
     """None if ``checkpoint`` is complete and matches its manifest, else what is wrong (naming the file).
     Checkpoints written before manifests existed are accepted as complete."""
     checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        return f"{checkpoint} does not exist"
     if not (checkpoint / STATE_FILE).is_file():
         return f"{checkpoint / STATE_FILE} is missing (an incomplete checkpoint)"
     try:
@@ -365,7 +367,7 @@ def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
     """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state. A missing,
     incomplete or damaged checkpoint raises ``CheckpointError`` naming it (checked before any load)."""
     checkpoint = Path(checkpoint)
-    problem = verify_checkpoint(checkpoint) if checkpoint.is_dir() else f"{checkpoint} does not exist"
+    problem = verify_checkpoint(checkpoint)
     if problem is not None:
         raise CheckpointError(f"cannot resume from {checkpoint}: {problem}.")
     local = _read_rank_state(checkpoint, _rank())

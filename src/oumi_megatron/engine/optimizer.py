@@ -24,13 +24,11 @@ class OptimSettings:
     lr_decay_style: str = "constant"  # constant | linear | cosine
 
     @classmethod
-    def from_training_params(cls, training: Any, updates_per_step: int = 1, max_steps: int | None = None) -> OptimSettings:
+    def from_training_params(cls, training: Any, updates_per_step: int = 1) -> OptimSettings:
         """``training.max_steps`` and ``warmup_steps`` count GRPO steps; the schedule advances once per
         optimizer step, and each GRPO step makes ``updates_per_step`` of them (ppo_epochs x
-        num_mini_batches), so both are scaled by it. ``max_steps`` overrides the training field (a
-        step count resolved from num_train_epochs)."""
-        grpo_steps = max(1, int(max_steps if max_steps is not None else training.max_steps))
-        total = grpo_steps * updates_per_step
+        num_mini_batches), so both are scaled by it."""
+        total = max(1, int(training.max_steps)) * updates_per_step
         warmup = int(training.warmup_steps or 0) * updates_per_step or int(round((training.warmup_ratio or 0.0) * total))
         scheduler = str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type) or "constant")
         style = {"linear": "linear", "cosine": "cosine", "cosine_with_restarts": "cosine"}.get(scheduler, "constant")

@@ -100,11 +100,12 @@ def _without_training_rewards(config_path: Any, arg_list: list[str]) -> Iterator
     rest = []
     for arg in arg_list or []:
         key, sep, value = arg.lstrip("-").partition("=")
-        if sep and key in tuple(f"training.{k}" for k in _REWARD_KEYS):
-            taken[key.split(".", 1)[1]] = yaml.safe_load(value)
+        section, _, name = key.partition(".")
+        if sep and section == "training" and name in _REWARD_KEYS:
+            taken[name] = yaml.safe_load(value)
         else:
             rest.append(arg)
-    if not taken or ("reward_functions" in taken and not taken["reward_functions"] and len(taken) == 1):
+    if not taken:
         yield config_path, list(arg_list or []), taken
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,19 +14,13 @@ Decided before any heavy work (conversion, engine), the same way on every rank:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oumi_megatron.engine.checkpointing import (
-    CheckpointError,
-    list_checkpoints,
-    newest_valid_checkpoint,
-    verify_checkpoint,
-)
+from oumi_megatron.engine.checkpointing import STATE_FILE, CheckpointError, newest_valid_checkpoint, verify_checkpoint
 from oumi_megatron.errors import UserInputError
-
-RUN_ARTIFACTS = ("checkpoints", "hf_model", "metrics.jsonl")
 
 
 class OutputDirInUseError(UserInputError):
@@ -47,7 +41,7 @@ class StartPoint:
 
 def _previous_run(output_dir: Path) -> list[str]:
     found = []
-    if list_checkpoints(output_dir / "checkpoints") or any((output_dir / "checkpoints").glob("step_*")):
+    if any((output_dir / "checkpoints").glob("step_*")):  # complete or not: either is the old run's
         found.append("checkpoints/")
     if (output_dir / "hf_model").exists():
         found.append("hf_model/")
@@ -58,9 +52,7 @@ def _previous_run(output_dir: Path) -> list[str]:
 
 
 def _step_of(checkpoint: Path) -> int:
-    import json
-
-    return int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
+    return int(json.loads((checkpoint / STATE_FILE).read_text())["step"])
 
 
 def plan_start(training: Any) -> StartPoint:
@@ -69,7 +61,7 @@ def plan_start(training: Any) -> StartPoint:
     output_dir = Path(training.output_dir)
     if training.resume_from_checkpoint:
         checkpoint = Path(training.resume_from_checkpoint)
-        problem = verify_checkpoint(checkpoint) if checkpoint.is_dir() else f"{checkpoint} does not exist"
+        problem = verify_checkpoint(checkpoint)
         if problem is not None:
             raise ResumeCheckpointError(
                 f"training.resume_from_checkpoint: cannot resume from {checkpoint}: {problem}. Point it at a complete "
