@@ -200,3 +200,11 @@ def test_two_reward_lists_are_a_conflict(tmp_path: Path, tiny_model_dir: Path) -
 def test_shipped_quick_start_config_is_the_seed_yaml() -> None:
     shipped = yaml.safe_load((REPO / "configs" / "quickstart_70b_grpo.yaml").read_text())
     assert shipped == yaml.safe_load(QUICK_START)
+
+
+def test_one_reward_name_on_the_command_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`--training.reward_functions=gsm8k` (a string, not a list) is one function, not five letters."""
+    cfg = base_config_dict(tiny_model_dir)
+    cfg["grpo"]["reward_functions"] = []
+    config = _load(write_yaml(tmp_path / "x.yaml", cfg), ["training.reward_functions=gsm8k"])
+    assert [r.name for r in config.grpo.reward_functions] == ["gsm8k"]

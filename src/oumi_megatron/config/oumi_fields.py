@@ -169,9 +169,8 @@ class _Adopter:
         # Oumi rejects training.reward_functions for this trainer type while building the config, so the
         # loader takes them out of the YAML first (integration/oumi_patches.py) and leaves them here
         taken = self.config.__dict__.get("_training_rewards") or {}
-        names = [n for n in (taken.get("reward_functions") or t.reward_functions or []) if n]
-        if isinstance(names, str):
-            names = [names]
+        given = taken.get("reward_functions") or t.reward_functions or []
+        names = [n for n in ([given] if isinstance(given, str) else given) if n]  # one name may come as a string
         if names:
             kwargs = dict(taken.get("reward_function_kwargs") or t.reward_function_kwargs or {})
             wanted = [RewardFunctionParams(name=n, kwargs=dict(kwargs)) for n in names]
