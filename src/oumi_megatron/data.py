@@ -1,4 +1,4 @@
-"""The training prompts: loaded from Oumi's dataset registry and checked before any heavy work.
+"""The training and evaluation prompts: loaded from Oumi's dataset registry and checked before any heavy work.
 
 A bad data file must be reported before the model is converted (minutes, hours at 70B), in one
 message naming the file, the row and the fix: a missing or empty file, a line that is not JSON or
@@ -64,7 +64,7 @@ def _scan_jsonl(path: Path, where: str) -> list[int]:
                                 "with the dataset's columns.")
             rows.append(number)
     if not rows:
-        raise DataError(f"{where}: {path} has no rows. Point dataset_path at a file with training prompts.")
+        raise DataError(f"{where}: {path} has no rows. Point dataset_path at a file with prompts.")
     return rows
 
 
@@ -85,16 +85,17 @@ def _check_prompt(row: Any) -> str | None:
     return "has a 'prompt' that is neither text nor a list of chat messages ({'role': ..., 'content': ...})"
 
 
-def load_prompts(config: Any, log: Any = None) -> PromptDataset:
-    """``data.train`` through Oumi's dataset registry, every row transformed and checked once."""
+def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDataset:
+    """``data.train`` (or ``data.validation``, the eval prompts) through Oumi's dataset registry, every
+    row transformed and checked once."""
     from oumi.core.registry import REGISTRY
 
     import oumi_megatron.demo_task  # noqa: F401 - registers the demo dataset
 
     started = time.perf_counter()
     parts = []
-    for i, d in enumerate(config.data.train.datasets):
-        where = f"data.train.datasets[{i}] ({d.dataset_name})"
+    for i, d in enumerate(getattr(config.data, split).datasets):
+        where = f"data.{split}.datasets[{i}] ({d.dataset_name})"
         cls = REGISTRY.get_dataset(d.dataset_name, subset=d.subset)
         if cls is None:
             raise DataError(
@@ -115,7 +116,7 @@ def load_prompts(config: Any, log: Any = None) -> PromptDataset:
         except Exception as e:  # noqa: BLE001 - pandas / datasets errors do not name the file
             raise DataError(f"{where}: cannot load {source}: {type(e).__name__}: {e}") from e
         if len(dataset) == 0:
-            raise DataError(f"{where}: {source} has no rows. Point it at data with training prompts.")
+            raise DataError(f"{where}: {source} has no rows. Point it at data with prompts.")
         for index in range(len(dataset)):
             row_name = f"row {index}" + (f" (line {lines[index]})" if lines and index < len(lines) else "")
             try:
@@ -130,7 +131,8 @@ def load_prompts(config: Any, log: Any = None) -> PromptDataset:
         parts.append(dataset)
     prompts = PromptDataset(parts)
     if log is not None:
-        log.info(f"Training data: {len(prompts)} prompts checked in {time.perf_counter() - started:.1f} s.")
+        what = "Training" if split == "train" else "Evaluation"
+        log.info(f"{what} data: {len(prompts)} prompts checked in {time.perf_counter() - started:.1f} s.")
     return prompts
 
 
@@ -138,3 +140,12 @@ def steps_for_epochs(epochs: float, rows: int, prompts_per_step: int) -> int:
     """GRPO steps for ``epochs`` passes over ``rows`` prompts, ``prompts_per_step`` each (the last partial
     step included)."""
     return max(1, math.ceil(epochs * rows / prompts_per_step))
+
+
+def prompt_token_ids(tokenizer: Any, prompt: Any, limit: int) -> tuple[list[int], int]:
+    """A row's ``prompt`` (text or chat messages) rendered with the tokenizer's chat template and the
+    generation prompt, left-truncated to ``limit`` tokens (as TRL does), and its full length."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return ids[-limit:], len(ids)

@@ -47,6 +47,8 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
 
     # The data before the model: a bad file is reported now, not after minutes of conversion.
     dataset = load_prompts(config, log=logger if rank == 0 else None)
+    evaluating = str(getattr(config.training.eval_strategy, "value", config.training.eval_strategy)) != "no"
+    eval_dataset = load_prompts(config, log=logger if rank == 0 else None, split="validation") if evaluating else None
     if config.training.max_steps <= 0:
         config.training.max_steps = steps_for_epochs(config.training.num_train_epochs, len(dataset),
                                                      layout.prompts_per_rollout)
@@ -88,6 +90,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
                                      trust_remote_code=bool(config.model.trust_remote_code))
     trainer = OumiMegatronGrpoTrainer(
         config, engine, bridge, checkpoint, layout, build_tokenizer(config.model), dataset, backend=backend,
+        eval_dataset=eval_dataset,
     )
     trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
     return trainer

@@ -148,6 +148,13 @@ def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("training.warmup_steps", f"must be >= 0, got {t.warmup_steps!r}.")
     if t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
         r.add("training.warmup_ratio", f"must be in [0, 1], got {t.warmup_ratio!r}.")
+    strategy = str(getattr(t.eval_strategy, "value", t.eval_strategy) or "no")
+    if strategy == "steps" and not (isinstance(t.eval_steps, (int, float)) and t.eval_steps > 0):
+        r.add("training.eval_steps", f"must be > 0 with eval_strategy 'steps' (GRPO steps between evaluations, or a "
+                                     f"fraction of max_steps below 1), got {t.eval_steps!r}.")
+    if strategy != "no" and t.per_device_eval_batch_size < 1:
+        r.add("training.per_device_eval_batch_size", f"must be >= 1 (eval prompts per generate call), got "
+                                                     f"{t.per_device_eval_batch_size!r}.")
     _check_output_dir(t.output_dir, r)
 
 

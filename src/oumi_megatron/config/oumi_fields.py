@@ -20,7 +20,7 @@ Which wins: a field written in the ``megatron:`` / ``grpo:`` sections wins. An O
 MEGATRON_GRPO field only where those sections leave it unset; where both are set to different values
 the config is rejected, naming both fields. Among Oumi's fields, ``verl_config_overrides`` win over
 ``training.grpo`` (as they do for VERL_GRPO). Oumi fields that have no meaning here and are set
-(evaluation, verl keys without an equivalent) are named in a warning; those that would change the
+(verl keys without an equivalent) are named in a warning; those that would change the
 result and cannot be honoured (PEFT, a non-Adam optimizer, repetition_penalty) are rejected.
 
 "Set" means written in the YAML or on the command line (``explicit_keys``); for configs built in
@@ -317,11 +317,13 @@ class _Adopter:
                                       "Adam (decoupled weight decay, i.e. AdamW). Use adamw_torch."))
         eval_set = bool(getattr(data, "validation", None) and data.validation.datasets)
         eval_strategy = str(getattr(t.eval_strategy, "value", t.eval_strategy) or "no")
-        if eval_set or eval_strategy != "no":
-            self.out.warnings.append(
-                "data.validation / training.eval_strategy / eval_steps: MEGATRON_GRPO does not evaluate during "
-                "training yet; they are ignored. Evaluate the exported output_dir/hf_model instead."
-            )
+        if eval_strategy != "no" and not eval_set:
+            self.out.problems.append(("training.eval_strategy", f"{eval_strategy!r} evaluates on data.validation, which "
+                                      "has no datasets. Add the held-out prompts under data.validation.datasets, or "
+                                      "set training.eval_strategy: no."))
+        elif eval_set and eval_strategy == "no":
+            self.out.notes.append("data.validation is not evaluated during training (training.eval_strategy is 'no'; "
+                                  "set it to steps with training.eval_steps: N); `oumi-megatron eval` uses it.")
         for name in ("compile", "enable_mlflow"):
             if getattr(t, name, False):
                 self.out.warnings.append(f"training.{name} is not used by MEGATRON_GRPO and is ignored.")

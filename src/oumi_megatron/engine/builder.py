@@ -10,7 +10,7 @@ import torch
 from oumi_megatron.engine.conversion import build_from_checkpoint
 from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.engine import MegatronEngine
-from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype
+from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
 
 
@@ -44,6 +44,24 @@ def build_engine(
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
     return bridge, MegatronEngine(chunks, optimizer, scheduler, params)
+
+
+def build_inference_engine(
+    hf_path: str | Path,
+    params: Any,
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, MegatronEngine]:
+    """(bridge, engine) with an HF folder's weights loaded in memory by Megatron-Bridge, for generation
+    only (``oumi-megatron eval``): no conversion on disk, no DDP, no optimizer."""
+    dtype = dtype or default_dtype()
+    init_model_parallel(ParallelSizes.from_params(params))
+    bridge = load_bridge(hf_path, trust_remote_code=trust_remote_code)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
+    chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
+    for chunk in chunks:
+        chunk.eval()
+    return bridge, MegatronEngine(chunks, None, None, params)
 
 
 def build_engine_from_hf_config(

