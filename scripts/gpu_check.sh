@@ -35,8 +35,27 @@ export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 NGPU=$(nvidia-smi -L | wc -l)
 
-python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"} 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
-TEST_RC=${PIPESTATUS[0]}
+TEST_RC=0
+if [ "${GPU_CHECK_TESTS:-}" != "none" ]; then
+  python3 -m pytest -p no:cacheprovider -q tests/test_gpu.py -rs ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"} 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+  TEST_RC=${PIPESTATUS[0]}
+fi
+
+# The real-model run (configs/smollm2_arithmetic_gpu.yaml) when GPU_CHECK_REAL_MODEL names the GGUF file:
+# rows and Oumi's gsm8k reward from .gpu_real/rows (scripts/prepare_gpu_real_model.py), GGUF -> HF here.
+# GPU_CHECK_REAL_STEPS caps the steps (a run resumes from output/ on a machine still warm);
+# GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back.
+if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
+  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -1
+  timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml output/real_gpu \
+      --rows .gpu_real/rows ${GPU_CHECK_REAL_STEPS:+--max-steps "$GPU_CHECK_REAL_STEPS"} ${GPU_CHECK_REAL_BASE:+--eval-base} \
+      > "$RESULTS/real_model.log" 2>&1
+  echo "real-model run exit $? ($(grep -c . output/real_gpu/run/metrics.jsonl 2>/dev/null) metrics rows)"
+  grep -E "eval at step|eval accuracy|Error|error" "$RESULTS/real_model.log" | tail -15
+  cp output/real_gpu/run/metrics.jsonl "$RESULTS/real_metrics.jsonl" 2>/dev/null
+  cp output/real_gpu/result.json "$RESULTS/real_result.json" 2>/dev/null
+  tail -c 3000 "$RESULTS/real_model.log" > "$RESULTS/real_model_tail.log"; rm -f "$RESULTS/real_model.log"
+fi
 
 BENCH=${GPU_CHECK_BENCH:-1}
 if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi

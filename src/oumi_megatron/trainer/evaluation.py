@@ -37,12 +37,10 @@ GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 """The answer format Oumi's (verl's) strict gsm8k reward extracts."""
 
 
-def _gsm8k_correct(completion: str, row: dict[str, Any]) -> bool:
-    """Oumi's gsm8k reward with its defaults (strict format, 1 for the right answer) says right."""
-    from oumi.datasets.grpo.rewards.gsm8k_reward import gsm8k_reward
-
+def _gsm8k_correct(gsm8k: Any, completion: str, row: dict[str, Any]) -> bool:
+    """Oumi's gsm8k reward ``gsm8k`` with its defaults (strict format, 1 for the right answer) says right."""
     truth = (row.get("reward_model") or {}).get("ground_truth")
-    return truth is not None and gsm8k_reward("gsm8k", completion, str(truth), row.get("extra_info")) == 1.0
+    return truth is not None and gsm8k("gsm8k", completion, str(truth), row.get("extra_info")) == 1.0
 
 
 def _dp() -> tuple[int, int, Any]:
@@ -65,7 +63,9 @@ class Evaluator:
         self.max_prompt_length = grpo.max_prompt_length
         self.batch_size = max(1, int(batch_size))
         self.device = device
-        self.check_format = any(name == "gsm8k" for name, *_ in rewards.specs)
+        # the gsm8k reward function itself (Oumi's, or the one the trainer was given under that name)
+        self.gsm8k = next((fn for name, _, _, fn in rewards.specs if name == "gsm8k"), None)
+        self.check_format = self.gsm8k is not None
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # greedy: the model's best answer, the number a user compares; same length limit as training
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=grpo.max_completion_length,
@@ -99,7 +99,7 @@ class Evaluator:
             sums[4] += sum(not r.finished for r in rollouts)
             sums[5] += len(rows)
             if self.check_format:
-                sums[6] += sum(_gsm8k_correct(c, r) for c, r in zip(completions, rows))
+                sums[6] += sum(_gsm8k_correct(self.gsm8k, c, r) for c, r in zip(completions, rows))
             for j, name in enumerate(names):
                 sums[7 + j] += float(scored.per_function[name][valid].sum())
         if dp > 1:

@@ -1,0 +1,142 @@
+"""`oumi train -c configs/smollm2_arithmetic_gpu.yaml` and `oumi-megatron eval` of its hf_model, without Oumi.
+
+    python tests/workers/real_model_worker.py CONFIG.yaml WORK --rows DIR [--max-steps N] [--eval-base]
+
+The lent GPU image has no Oumi (its dependencies do not fit a call), so what Oumi provides is replaced
+by what it produced on a machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's
+``openai/gsm8k`` dataset class transformed them (DIR/{train,eval}.rows.jsonl) and the source of Oumi's
+``gsm8k`` reward (DIR/oumi_gsm8k_reward.py, executed here with its two registry imports stubbed). The
+YAML's megatron:/grpo: sections are read into the same dataclasses; the training section's fields are
+read as they are. Same trainer, engine, rollout backend and evaluator as ``oumi train``. Writes
+WORK/result.json (rank 0): the eval curve, the base model's and the exported model's held-out numbers.
+"""
+
+import argparse
+import json
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import yaml
+
+
+def oumi_gsm8k_reward(source: Path):  # noqa: ANN201
+    """Oumi's gsm8k reward function, from its source file (the registry decorator made a no-op)."""
+    registry = types.ModuleType("oumi.core.registry")
+    registry.RegistryType = SimpleNamespace(REWARD_FUNCTION="reward_function")
+    registry.register = lambda name, kind: (lambda fn: fn)
+    for name in ("oumi", "oumi.core"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["oumi.core.registry"] = registry
+    namespace: dict = {"__name__": "oumi_gsm8k_reward"}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)  # noqa: S102 - Oumi's own file
+    for name in ("oumi.core.registry", "oumi.core", "oumi"):
+        sys.modules.pop(name, None)  # nothing else may mistake the stub for Oumi
+    return namespace["gsm8k_reward"]
+
+
+def load_sections(path: Path):  # noqa: ANN201
+    from omegaconf import OmegaConf
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.megatron_params import MegatronParams
+
+    raw = yaml.safe_load(path.read_text())
+    megatron = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronParams), raw.get("megatron", {})))
+    grpo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronGrpoParams), raw.get("grpo", {})))
+    return raw, megatron, grpo
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("work")
+    p.add_argument("--rows", required=True)
+    p.add_argument("--model", default=None, help="HF folder (default: model.model_name)")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--eval-base", action="store_true", help="also evaluate the base model with `eval`'s path")
+    args = p.parse_args()
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from oumi_megatron.engine.builder import build_engine, build_inference_engine
+    from oumi_megatron.engine.conversion import ensure_converted
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.trainer.evaluation import Evaluator
+    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
+
+    raw, params, grpo = load_sections(Path(args.config))
+    t = raw["training"]
+    work, rows_dir = Path(args.work), Path(args.rows)
+    hf = Path(args.model or raw["model"]["model_name"])
+    dtype = getattr(torch, raw["model"].get("torch_dtype_str", "bfloat16"))
+    reward = {"gsm8k": oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")}
+    train_rows = [json.loads(line) for line in (rows_dir / "train.rows.jsonl").read_text().splitlines()]
+    eval_rows = [json.loads(line) for line in (rows_dir / "eval.rows.jsonl").read_text().splitlines()]
+    max_steps = args.max_steps or t["max_steps"]
+    out = work / "run"
+    training = SimpleNamespace(
+        output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=t["save_steps"],
+        enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=True,
+        eval_strategy=t["eval_strategy"], eval_steps=t["eval_steps"],
+        per_device_eval_batch_size=t["per_device_eval_batch_size"],
+        include_performance_metrics=t.get("include_performance_metrics", False),
+    )
+    config = SimpleNamespace(training=training, megatron=params, grpo=grpo)
+    completions = params.global_batch_size * grpo.num_mini_batches
+    layout = ParallelLayout(world_size=1, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
+                            expert_parallel=1, data_parallel=1, virtual_pipeline=None, sequence_parallel=False,
+                            micro_batch_size=params.micro_batch_size, global_batch_size=params.global_batch_size,
+                            pipeline_schedule="none", num_generations=grpo.num_generations,
+                            num_mini_batches=grpo.num_mini_batches)
+    assert layout.completions_per_rollout == completions
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def held_out(model_dir: Path) -> dict:
+        """`oumi-megatron eval`'s path: the HF folder's weights in memory, greedy, the same evaluator."""
+        _, engine = build_inference_engine(model_dir, params, dtype)
+        backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=t["seed"])
+        rewards = RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward)
+        return Evaluator(eval_rows, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device).run()
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result: dict = {"card": card, "config": args.config, "max_steps": max_steps}
+    if args.eval_base:
+        result["base_eval"] = held_out(hf)
+
+    t0 = time.perf_counter()
+    checkpoint = ensure_converted(hf, out / "megatron_checkpoint", params, dtype)
+    updates = grpo.ppo_epochs * grpo.num_mini_batches
+    settings = OptimSettings(lr=t["learning_rate"], total_steps=max_steps * updates)
+    bridge, engine = build_engine(checkpoint, params, settings, dtype)
+    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, train_rows,
+                                      reward_functions=reward, eval_dataset=eval_rows)
+    trainer.train()
+    result["train_seconds"] = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.startswith("eval/")}
+                                for m in metrics if "eval/reward_mean" in m]
+        result["train"] = [{k: m.get(k) for k in ("step", "reward/mean", "completion_length/mean", "time/rollout_s",
+                                                   "time/train_s", "time/logprob_s", "tokens_per_s",
+                                                   "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
+                                                   "mismatch/mean_abs_diff", "mismatch/max_abs_diff")}
+                           for m in metrics if "reward/mean" in m]
+    result["hf_model_eval"] = held_out(out / "hf_model")
+    if dist.get_rank() == 0:
+        (work / "result.json").write_text(json.dumps(result, indent=1))
+        curve = result["eval_curve"]
+        print(f"eval accuracy: step {curve[0]['step']} {curve[0]['eval/accuracy']:.3f} -> step {curve[-1]['step']} "
+              f"{curve[-1]['eval/accuracy']:.3f}; exported hf_model {result['hf_model_eval']['eval/accuracy']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
