@@ -46,7 +46,7 @@ fi
 # GPU_CHECK_REAL_STEPS caps the steps (a run resumes from output/ on a machine still warm);
 # GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back.
 if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
-  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -1
+  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -4
   timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml output/real_gpu \
       --rows .gpu_real/rows ${GPU_CHECK_REAL_STEPS:+--max-steps "$GPU_CHECK_REAL_STEPS"} ${GPU_CHECK_REAL_BASE:+--eval-base} \
       > "$RESULTS/real_model.log" 2>&1

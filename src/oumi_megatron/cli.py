@@ -241,9 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra)
     except Exception as e:
-        from oumi.exceptions import OumiConfigError
+        from oumi_megatron.errors import UserInputError
 
-        if isinstance(e, OumiConfigError):
+        try:
+            from oumi.exceptions import OumiConfigError
+        except ImportError:  # engine-only machines (the lent GPU image has no Oumi)
+            OumiConfigError = UserInputError  # noqa: N806
+        if isinstance(e, (OumiConfigError, UserInputError)):
             err_console.print(f"[red]error:[/red] {e}")
             return 2
         raise

@@ -57,8 +57,14 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
                              "or `pip install --no-deps gguf==0.19.0`.")
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = model.config
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # Newer transformers (5.17) mark a GGUF-loaded model as quantized and refuse to save it, although its
+    # weights are already dequantized: copy them into a plain model of the same config.
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
     eos_id = config.eos_token_id if isinstance(config.eos_token_id, int) else None
     if eos_id is not None and tokenizer.eos_token_id != eos_id:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)

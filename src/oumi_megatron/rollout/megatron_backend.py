@@ -54,7 +54,9 @@ class MegatronRolloutBackend:
     def __init__(self, engine, vocab_size: int, seed: int = 0, kv_cache: bool = True) -> None:  # noqa: ANN001 - MegatronEngine
         self.engine = engine
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
+        # on the model's device: sampling reads the logits where they are (a [rows, vocab] copy to the
+        # host per token, and a host multinomial over it, cost 2/3 of the rollout time on an H200)
+        self.generator = torch.Generator(device=engine._device()).manual_seed(seed)
         self.kv_cache = kv_cache
 
     @torch.no_grad()
@@ -74,11 +76,13 @@ class MegatronRolloutBackend:
                 ids_in, positions, mask = ids[:, -1:], (real.long().sum(-1, keepdim=True) - 1).clamp(min=0), (~real)[:, None, None, :]
             else:
                 ids_in, (positions, mask) = ids, _positions_and_mask(real)
-            full = self.engine.last_token_logits(ids_in, positions, mask, cache).cpu()
+            full = self.engine.last_token_logits(ids_in, positions, mask, cache)
             nxt = sample(full[:, : self.vocab_size], params, self.generator)
+            logprob = torch.log_softmax(full.float() / params.temperature, dim=-1).gather(1, nxt[:, None])[:, 0]
+            nxt, logprob = nxt.cpu(), logprob.cpu()
             nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
             new_tokens.append(nxt)
-            new_logprobs.append(torch.log_softmax(full / params.temperature, dim=-1).gather(1, nxt[:, None])[:, 0])
+            new_logprobs.append(logprob)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             real = torch.cat([real, ~finished[:, None]], dim=1)
             if params.eos_token_id is not None:

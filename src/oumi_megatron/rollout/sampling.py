@@ -29,4 +29,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    # on the logits' device, with a generator of that device (the same seed draws the same on every rank)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
