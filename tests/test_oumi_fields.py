@@ -137,7 +137,7 @@ def test_migrated_verl_example_is_taken_over_as_meant(tmp_path: Path) -> None:
     assert report.ok, report.format_problems()
     assert report.layout.prompts_per_rollout == 256
     warnings = " ".join(report.warnings)
-    assert "does not evaluate during training yet" in warnings
+    assert "eval" not in warnings  # data.validation + eval_strategy steps / eval_steps 10: evaluated, as written
     for ignored in ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "algorithm.kl_ctrl.kl_coef",
                     "trainer.n_gpus_per_node"):
         assert ignored in warnings
@@ -208,3 +208,19 @@ def test_one_reward_name_on_the_command_line(tmp_path: Path, tiny_model_dir: Pat
     cfg["grpo"]["reward_functions"] = []
     config = _load(write_yaml(tmp_path / "x.yaml", cfg), ["training.reward_functions=gsm8k"])
     assert [r.name for r in config.grpo.reward_functions] == ["gsm8k"]
+
+
+def test_evaluation_fields_need_their_data(make_config) -> None:  # noqa: ANN001
+    from oumi_megatron.validation import validate_config
+
+    report = validate_config(make_config(training={"eval_strategy": "steps", "eval_steps": 5}), world_size=1,
+                             check_bridge=False)
+    assert not report.ok
+    assert "training.eval_strategy" in report.format_problems() and "data.validation" in report.format_problems()
+    validation = {"datasets": [{"dataset_name": "oumi-megatron/char-class",
+                                "dataset_path": str(REPO / "data/char_class_eval.jsonl")}]}
+    report = validate_config(make_config(data={"validation": validation}), world_size=1, check_bridge=False)
+    assert report.ok and any("not evaluated during training" in n for n in report.notes)
+    bad = make_config(data={"validation": validation}, training={"eval_strategy": "steps", "eval_steps": 0})
+    report = validate_config(bad, world_size=1, check_bridge=False)
+    assert not report.ok and "training.eval_steps" in report.format_problems()
