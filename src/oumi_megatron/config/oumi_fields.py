@@ -15,6 +15,7 @@ are taken over once, right after the config is loaded (and again, idempotently, 
 | training.verl_config_overrides (keys with an equivalent)| grpo: / megatron: (see ``VERL_KEYS``)         |
 | data.train dataset_name ``gsm8k`` / ``countdown``       | ``openai/gsm8k`` (subset main) / ``d1shs0ap/countdown`` |
 | no reward function at all                               | the dataset's own reward (gsm8k -> gsm8k, ...) |
+| data.validation + training.eval_strategy / eval_steps   | held-out eval during training (trainer/evaluation.py) |
 
 Which wins: a field written in the ``megatron:`` / ``grpo:`` sections wins. An Oumi field fills the
 MEGATRON_GRPO field only where those sections leave it unset; where both are set to different values

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import socket
 from dataclasses import dataclass
@@ -70,6 +72,15 @@ def init_model_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
         expert_model_parallel_size=sizes.expert,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def data_parallel() -> tuple[int, int, Any]:
+    """(size, rank, group) of this rank's data-parallel group; (1, 0, None) before model parallelism."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0, None
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
 
 
 def destroy() -> None:

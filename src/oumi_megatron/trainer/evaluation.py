@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.data import prompt_token_ids
+from oumi_megatron.engine.distributed import data_parallel
 from oumi_megatron.grpo.rewards import RewardComputer
 from oumi_megatron.rollout.base import RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -41,14 +42,6 @@ def _gsm8k_correct(gsm8k: Any, completion: str, row: dict[str, Any]) -> bool:
     """Oumi's gsm8k reward ``gsm8k`` with its defaults (strict format, 1 for the right answer) says right."""
     truth = (row.get("reward_model") or {}).get("ground_truth")
     return truth is not None and gsm8k("gsm8k", completion, str(truth), row.get("extra_info")) == 1.0
-
-
-def _dp() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 1, 0, None
-    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
 
 
 class Evaluator:
@@ -78,7 +71,7 @@ class Evaluator:
     def run(self) -> dict[str, float]:
         """Collective over all ranks. Returns the ``eval/`` metrics (the same on every rank)."""
         started = time.perf_counter()
-        dp, dp_rank, group = _dp()
+        dp, dp_rank, group = data_parallel()
         mine = list(range(dp_rank, len(self.rows), dp))
         # every DP replica runs the same number of generate calls (an empty share generates nothing)
         names = [name for name, *_ in self.rewards.specs]

@@ -38,6 +38,7 @@ from oumi_megatron.engine.checkpointing import (
     save_checkpoint,
 )
 from oumi_megatron.data import prompt_token_ids
+from oumi_megatron.engine.distributed import data_parallel
 from oumi_megatron.engine.conversion import save_hf
 from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -157,9 +158,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     # -- data-parallel helpers ----------------------------------------------------------------------
     @staticmethod
     def _dp() -> tuple[int, int, Any]:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        return data_parallel()
 
     def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
         """Concatenate every DP rank's ``local`` [n, ...] in rank order (float64, on the CPU)."""
