@@ -168,7 +168,7 @@ def test_migrated_verl_gsm8k_example_runs_as_meant(finished: Path, tiny_model_di
     """Oumi's VERL_GRPO gsm8k example after the Migration Guide's steps, shrunk to the CPU (tiny model, 8 local
     gsm8k-format problems, 1 epoch, small verl batch sizes): rewards from training.reward_functions, vLLM
     rollouts from training.grpo.use_vllm, epochs -> steps, KL from verl's use_kl_loss, full recompute from
-    enable_gradient_checkpointing, W&B (offline) beside TensorBoard."""
+    enable_gradient_checkpointing, W&B (offline) beside TensorBoard, held-out eval from data.validation + eval_steps."""
     from test_oumi_fields import verl_gsm8k_migrated
 
     problems = [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (3, 3), (4, 4), (9, 1)]
@@ -196,11 +196,15 @@ def test_migrated_verl_gsm8k_example_runs_as_meant(finished: Path, tiny_model_di
                  "megatron.inference_backend = 'vllm' (from training.grpo.use_vllm)",
                  "grpo.beta = 0.001", "megatron.transformer_config.recompute_granularity = 'full'",
                  "training.max_steps = 2: 1 epoch(s) of 8 prompts at 4 prompts per GRPO step",
-                 "does not evaluate during training yet", "algorithm.kl_ctrl.kl_coef",
+                 "algorithm.kl_ctrl.kl_coef",
                  "longer than grpo.max_prompt_length (128 tokens"):
         assert note in text, note
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    # data.validation + eval_steps 10: evaluated (greedy, by vLLM) at step 0 and at the end (max_steps 2)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2] and rows[0]["eval/samples"] == 8
+    assert "eval at step 2" in text
+    rows = rows[1:]
     assert all("reward/gsm8k" in r for r in rows)
     assert rows[-1]["weight_sync/bytes"] > 0  # the vLLM engine got the weights of step 1 before step 2
     assert all(r["prompt/truncated_fraction"] == 1.0 for r in rows)
