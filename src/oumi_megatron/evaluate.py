@@ -20,8 +20,6 @@ from oumi_megatron.validation import validate_config
 
 def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None) -> dict[str, float]:
     """Collective: greedy eval of ``model_dir`` (default: ``model.model_name``) on ``data.validation``."""
-    import torch
-
     if model_dir is not None:
         config.model.model_name = str(model_dir)
     if not (config.data.validation and config.data.validation.datasets):
@@ -54,9 +52,8 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     else:
         backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
     rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     evaluator = Evaluator(prompts, tokenizer, rewards, backend, config.grpo,
-                          batch_size=config.training.per_device_eval_batch_size, device=device)
+                          batch_size=config.training.per_device_eval_batch_size, device=engine._device())
     try:
         metrics = evaluator.run()
     finally:

@@ -146,7 +146,6 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.data_position += 1
         return rows
 
-
     def _note_truncation(self, lengths: list[int], cut: int) -> None:
         """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
         if cut and not self.warned_truncation and _rank() == 0:
