@@ -9,10 +9,20 @@ random init (no weights read). Batch: micro batch 2 x 8 microbatches x seq 2048 
 FLOPs/token = 6 x (matmul parameters, output layer included) + 6 x layers x seq x hidden (causal
 attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU / peak dense bf16
 (989 TFLOP/s for H100 SXM and H200). scripts/gpu_check.sh runs all three and writes docs/benchmarks.md.
+
+    python scripts/bench_train_step.py --hf-reference --attention local   # + plain transformers, same call
+
+``--hf-reference`` first times transformers' LlamaForCausalLM on the same shape and batches (SDPA
+attention, bf16 weights, fused AdamW, gradient accumulation over the same microbatches) and reports
+the engine's tokens/s as a ratio of it. Memory for both: peak, state (allocated right after the
+optimizer step: weights, gradients, optimizer state; Megatron keeps fp32 main grads and master
+weights, HF's bf16 AdamW does not) and activations = peak - state.
 """
 
 import argparse
+import gc
 import json
+import os
 import time
 
 import torch
@@ -38,6 +48,42 @@ def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
     return 6.0 * matmul_params + 6.0 * layers * seq * h
 
 
+def hf_reference(cfg, batches: list[dict], args, peak_tflops: float) -> dict:  # noqa: ANN001
+    """transformers' LlamaForCausalLM on the same shape and microbatches: SDPA attention, bf16 weights,
+    fused AdamW, the microbatches' gradients accumulated into one optimizer step (median step time)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialized on the GPU (a CPU init of 0.8B parameters takes a while)
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    inputs = [b["input_ids"].cuda() for b in batches]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, state = [], 0.0
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        for ids in inputs:
+            (model(input_ids=ids, labels=ids).loss / len(inputs)).backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        state = torch.cuda.memory_allocated() / 2**30  # weights, gradients, optimizer state
+        optimizer.zero_grad(set_to_none=True)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = sum(ids.numel() for ids in inputs)
+    tflops = flops_per_token(cfg, args.seq) * tokens / step_s / 1e12
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    result = {"path": "transformers LlamaForCausalLM (sdpa, fused AdamW)", "step_s": round(step_s, 4),
+              "tokens_per_s": round(tokens / step_s, 1), "tflops": round(tflops, 1), "mfu": round(tflops / peak_tflops, 4),
+              "peak_mem_gib": round(peak, 2), "state_mem_gib": round(state, 2), "activation_mem_gib": round(peak - state, 2)}
+    del model, optimizer, inputs
+    gc.collect()
+    torch.cuda.empty_cache()  # the engine's peak is measured on its own
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
@@ -48,8 +94,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "local"],
+                   help="megatron.transformer_config.attention_backend")
+    p.add_argument("--hf-reference", action="store_true", help="also time plain transformers (1 GPU)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.hf_reference and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--hf-reference times one GPU: run it without torchrun")
 
     import torch.distributed as dist
 
@@ -59,14 +110,20 @@ def main() -> None:
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
+    params.transformer_config.attention_backend = args.attention
     cfg = model_config(args.seq)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
+    tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    hf = hf_reference(cfg, batches, args, peak) if args.hf_reference else None
+
     _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
 
     def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
 
-    g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -79,21 +136,27 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     world = dist.get_world_size()
-    tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
     step_s = sorted(times)[len(times) // 2]
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
     tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
-    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    # state = what stays allocated after the step (weights, fp32 main grads, master weights, Adam moments)
+    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.memory_allocated() / 2**30], device="cuda")
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    from oumi_megatron.engine.model import unwrap
+
+    core = type(unwrap(engine.model[0]).decoder.layers[0].self_attention.core_attention).__name__
     result = {
         "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
-        "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "attention": core, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
-        "peak_mem_gib": round(mem.item(), 2), "recompute": args.recompute, "final_loss": round(r.loss, 4),
+        "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),
+        "activation_mem_gib": round(mem[0].item() - mem[1].item(), 2),
+        "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }
+    if hf is not None:
+        result["hf_reference"] = hf
+        result["speedup_vs_hf"] = round(result["tokens_per_s"] / hf["tokens_per_s"], 3)
     if dist.get_rank() == 0:
         print("BENCH " + json.dumps(result), flush=True)
         if args.out:

@@ -6,7 +6,8 @@
 # vLLM engine on GPU when its wheels were carried: scripts/gpu_vllm_install.sh) and
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
-# GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs);
+# GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
+# one-GPU training benchmark (HF reference, local and SDPA attention in the same call);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,8 +60,12 @@ fi
 
 BENCH=${GPU_CHECK_BENCH:-1}
 if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
+if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
+  # the HF reference and the attention backends in the same call, on the same card
+  python3 scripts/bench_train_step.py --hf-reference --attention local --out "$RESULTS/bench_1gpu_local.json" 2>&1 | tail -3
+  python3 scripts/bench_train_step.py --attention sdpa --out "$RESULTS/bench_1gpu_sdpa.json" 2>&1 | tail -3
+fi
 if [ "$BENCH" = "1" ]; then
-  python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu.json" 2>&1 | tail -3
   if [ "$NGPU" -ge 2 ]; then
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
@@ -73,10 +78,13 @@ fi
 python3 - "$RESULTS" <<'PY'
 import json, pathlib, sys
 rows = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"))]
-print("\n| layout | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("\n| layout | attention | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | activations GiB |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in rows:
-    print(f"| {r['layout']} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} |")
+    hf = r.get("hf_reference")
+    if hf:
+        print(f"| HF transformers | sdpa | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
+    print(f"| {r['layout']} | {r.get('attention', '?')} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
 loops = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("grpo_loop_*.json"))]
 if loops:
     print("\n| GRPO loop (tiny demo) | GPUs | card | steps | reward first 10 -> last 10 | wall s | rollout s | train s |")

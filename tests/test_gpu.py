@@ -40,6 +40,25 @@ def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: 
     assert r["reloaded_logits_max_abs_diff"] <= BF16_TOL, r
 
 
+def test_sdpa_attention_matches_local_attention_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The fast path (torch SDPA: cuDNN/flash kernels, native GQA) against Megatron-Core's local attention,
+    bf16 on the GPU: logprobs (padded, packed), entropy and greedy-generation logprobs within BF16_TOL,
+    gradients within 5% of their largest entry (bf16 accumulation order differs)."""
+    work = tmp_path_factory.mktemp("gpu_sdpa")
+    out = work / "attention.json"
+    _check(run_cli([PY, str(WORKERS / "attention_worker.py"), str(work), str(out), "bfloat16"]))
+    r = json.loads(out.read_text())
+    if os.environ.get("GPU_RESULTS"):
+        (Path(os.environ["GPU_RESULTS"]) / "sdpa_vs_local.json").write_text(json.dumps(r))
+    assert r["core_attention"] == {"local": "DotProductAttention", "sdpa": "SdpaCoreAttention"}, r
+    assert r["finite"], r
+    for key in ("padded_logprobs_max_abs_diff", "packed_logprobs_max_abs_diff", "packed_entropy_max_abs_diff"):
+        assert r[key] <= BF16_TOL, (key, r)
+    if r["generated_tokens_equal"]:  # greedy ties may break differently in bf16
+        assert r["generated_logprobs_max_abs_diff"] <= BF16_TOL, r
+    assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 0.05 * r["grad_max_abs"], r
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
 def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:

@@ -19,6 +19,7 @@ from oumi.exceptions import OumiConfigError
 
 from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, ON_REWARD_ERROR
 from oumi_megatron.config.megatron_params import (
+    ATTENTION_BACKENDS,
     INFERENCE_BACKENDS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
@@ -284,6 +285,11 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add(
             "megatron.transformer_config.recompute_method",
             "full recompute needs a method. Set recompute_method: uniform (or block).",
+        )
+    if t.attention_backend not in ATTENTION_BACKENDS:
+        r.add(
+            "megatron.transformer_config.attention_backend",
+            f"unknown value {t.attention_backend!r}. Choose from {_fmt_choices(ATTENTION_BACKENDS)}.",
         )
     bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
     if bad_modules:

@@ -22,6 +22,8 @@ ROLLOUT_PLACEMENTS = ("colocated", "separate")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("auto", "sdpa", "local")
+"""Core attention of the local layer spec (engine/attention.py)."""
 # Megatron-Core 0.19's allowed selective-recompute modules (TransformerConfig.__post_init__).
 RECOMPUTE_MODULES = (
     "core_attn",
@@ -93,6 +95,11 @@ class MegatronTransformerConfig(BaseParams):
 
     account_for_loss_in_pipeline_split: bool = False
     """Count the output layer + loss as one layer when splitting layers over pipeline stages."""
+
+    attention_backend: str = "auto"
+    """Core attention of the local (non-TransformerEngine) layer spec: ``sdpa`` (PyTorch
+    scaled_dot_product_attention: cuDNN/flash kernels on CUDA, native GQA, no score matrix), ``local``
+    (Megatron-Core's DotProductAttention) or ``auto`` (sdpa on CUDA, local on the CPU)."""
 
 
 @dataclass

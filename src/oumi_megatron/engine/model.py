@@ -4,12 +4,15 @@ The bridge maps an HF config (Llama, Qwen2, Qwen3, ... ) to a ``GPTModelProvider
 TransformerConfig that can build models) and knows how to move weights between the two formats.
 We set the parallel layout, precision and recompute settings from ``MegatronParams`` on it, pick the
 layer spec (TransformerEngine when installed, else Megatron-Core's local spec with fusions off, which
-need TE/apex/torch.compile) and build one model chunk per virtual pipeline stage.
+need TE/apex/torch.compile, and its core attention on torch SDPA where ``attention_backend`` says so:
+engine/attention.py) and build one model chunk per virtual pipeline stage.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ import torch
 
 from oumi_megatron.bridge_utils import import_megatron_bridge
 from oumi_megatron.errors import UserInputError
+
+logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
 # Fusions that need TransformerEngine, apex or torch.compile; off with the local spec.
 _LOCAL_SPEC_FUSIONS_OFF = (
@@ -119,12 +124,14 @@ def configure_provider(
         # The unbatched path orders them per rank parity and uses two communicators for a pair.
         provider.batch_p2p_comm = False
     if not have_transformer_engine():
-        from megatron.bridge.models.gpt_provider import local_layer_spec
+        from oumi_megatron.engine.attention import local_layer_spec_with_attention, resolve_attention_backend
 
-        provider.transformer_layer_spec = local_layer_spec
+        backend, why = resolve_attention_backend(t.attention_backend, provider, torch.cuda.is_available())
+        provider.transformer_layer_spec = partial(local_layer_spec_with_attention, backend=backend)
         for name in _LOCAL_SPEC_FUSIONS_OFF:
             if hasattr(provider, name):
                 setattr(provider, name, False)
+        logger.info("core attention: %s (%s)", backend, why)
     provider.finalize()
     return provider
 

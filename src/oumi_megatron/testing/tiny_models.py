@@ -45,17 +45,20 @@ def build_byte_tokenizer():  # noqa: ANN201 - transformers type imported lazily
     return hf_tok
 
 
-def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32):  # noqa: ANN201
+def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32,  # noqa: ANN201
+                gqa: bool = False):
     """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm).
-    Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32)."""
+    Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32); with ``gqa``
+    four query heads sharing two key/value heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    heads = 4 if gqa else 2
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=2 * head_dim,
+        hidden_size=heads * head_dim,
         intermediate_size=4 * head_dim,
         num_hidden_layers=num_layers,
-        num_attention_heads=2,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
@@ -73,18 +76,19 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
 
 
 def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4,
-                     head_dim: int = 32) -> Path:
+                     head_dim: int = 32, gqa: bool = False) -> Path:
     """Writes a random tiny causal LM + tokenizer to ``out_dir`` (idempotent for the same arguments)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     stamp = out / "tiny_model.json"
-    spec = {"arch": arch, "seed": seed, "num_layers": num_layers, **({"head_dim": head_dim} if head_dim != 32 else {})}
+    spec = {"arch": arch, "seed": seed, "num_layers": num_layers, **({"head_dim": head_dim} if head_dim != 32 else {}),
+            **({"gqa": True} if gqa else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return out
     tokenizer = build_byte_tokenizer()
-    config = tiny_config(arch, num_layers=num_layers, head_dim=head_dim)
+    config = tiny_config(arch, num_layers=num_layers, head_dim=head_dim, gqa=gqa)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config.eos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,139 @@
+"""Core attention for Megatron-Core's local (non-TransformerEngine) layer spec, through PyTorch SDPA.
+
+Megatron-Core's local ``DotProductAttention`` materializes the [b, heads, s, s] score matrix (baddbmm,
+masked softmax, bmm), after ``repeat_interleave`` of the K/V heads for GQA. Without TransformerEngine
+(which cannot be installed on our GPU machines) that is the attention every layer runs.
+``SdpaCoreAttention`` is a drop-in for it (same constructor, same [s, b, heads, head_dim] inputs and
+[s, b, hidden] output) that calls ``torch.nn.functional.scaled_dot_product_attention``: on H100/H200
+with torch 2.11 a fused kernel (cuDNN or flash), causal without a mask tensor, GQA native
+(``enable_gqa``), no score matrix in memory.
+
+Mask semantics are Megatron's (``FusedScaleMaskSoftmax``): a given boolean mask (True = may not attend)
+is used as it is, e.g. the left-padding masks of generation and the block-diagonal masks of packed rows;
+no mask with the causal type and more than one query is the square causal mask; no mask with a single
+query (KV-cached decode) attends to every cached key.
+
+``attention_backend`` (``megatron.transformer_config``) picks the module: ``auto`` is SDPA on CUDA and
+Megatron-Core's own ``DotProductAttention`` on the CPU (so CPU runs are bit-for-bit today's), ``sdpa``
+and ``local`` force one. Configurations SDPA does not cover (sliding window, softmax offsets,
+query-key layer scaling) fall back to ``local`` and the engine log says so.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS
+
+
+def sdpa_unsupported_reason(config: Any) -> str | None:  # TransformerConfig
+    """Why SDPA cannot replace Megatron's local attention for this model, or None."""
+    if getattr(config, "window_size", None) is not None:
+        return "sliding-window attention"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        return f"softmax_type={config.softmax_type}"
+    if getattr(config, "apply_query_key_layer_scaling", False):
+        return "apply_query_key_layer_scaling"
+    if getattr(config, "context_parallel_size", 1) != 1:
+        return "context parallelism"
+    return None
+
+
+def resolve_attention_backend(requested: str, config: Any, cuda: bool) -> tuple[str, str]:
+    """(backend that runs: 'sdpa' or 'local', why) for ``transformer_config.attention_backend``."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "local":
+        return "local", "attention_backend: local"
+    if requested == "auto" and not cuda:
+        return "local", "auto on CPU: Megatron-Core's DotProductAttention"
+    reason = sdpa_unsupported_reason(config)
+    if reason is not None:
+        return "local", f"SDPA does not cover {reason}"
+    return "sdpa", "torch SDPA" + (" (cuDNN/flash on CUDA)" if cuda else " (CPU kernel)")
+
+
+class SdpaCoreAttention(torch.nn.Module):
+    """``DotProductAttention``'s interface on ``scaled_dot_product_attention``."""
+
+    def __init__(
+        self,
+        config: Any,  # TransformerConfig
+        layer_number: int,
+        attn_mask_type: Any,  # AttnMaskType
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import divide
+
+        reason = sdpa_unsupported_reason(config)
+        if reason is not None:  # the spec builder checks first; a direct use must not change the maths
+            raise ValueError(f"SdpaCoreAttention does not support {reason}")
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [sq, b, heads, d]
+        key: torch.Tensor,  # [sk, b, groups, d]
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,  # bool [b or 1, 1, sq, sk], True = masked out
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if packed_seq_params is not None:
+            raise ValueError("SdpaCoreAttention: packed rows come with a block-diagonal attention_mask, not PackedSeqParams")
+        if attention_bias is not None:
+            raise ValueError("SdpaCoreAttention: attention_bias is not supported")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, sk = query.shape[0], key.shape[0]
+        # [s, b, h, d] -> [b, h, s, d]: views; SDPA's kernels take strided inputs with a unit last stride
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = attention_mask is None and mask_type == AttnMaskType.causal and sq > 1
+        if causal and sq != sk:
+            raise ValueError("SdpaCoreAttention: a causal mask needs as many queries as keys")
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = takes part
+        dropout = self.dropout_p if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
+            )
+        # [b, h, sq, d] -> [sq, b, h * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * out.shape[-1])
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        return {}  # no parameters (vanilla softmax only)
+
+
+def local_layer_spec_with_attention(provider: Any, backend: str) -> Any:
+    """Megatron-Bridge's local layer spec for ``provider``, its core attention replaced by SDPA when
+    ``backend == 'sdpa'``."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    spec = local_layer_spec(provider)
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec

@@ -1,0 +1,86 @@
+"""The SDPA core attention against Megatron-Core's local DotProductAttention (run as a subprocess).
+
+    python tests/workers/attention_worker.py WORKDIR OUT_JSON [float32|bfloat16]
+
+One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built twice from the same
+checkpoint: ``attention_backend: local`` and ``sdpa``. Records, for each path the engine has, the
+largest difference between the two: logprobs of right-padded rows (causal, no mask tensor), logprobs and
+entropy of a packed row (block-diagonal mask), greedy KV-cached generation (tokens and their logprobs;
+left-padded prompts), and the gradient of one training step (fp32 main_grad of every parameter).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
+    dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.trainer.batches import block_causal_mask
+
+    src = build_tiny_model(workdir / "hf_gqa", arch="llama", gqa=True)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (4, 24), generator=g)
+    # one packed row: sequences of 10, 8 and 6 tokens, positions restarting at 0 in each
+    lengths = [10, 8, 6]
+    segment_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    packed = {"input_ids": torch.randint(0, 300, (1, 24), generator=g),
+              "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+              "attention_mask": block_causal_mask(segment_ids)}
+    prompts = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
+
+    runs = {}
+    for backend in ("local", "sdpa"):
+        params = MegatronParams(micro_batch_size=2)
+        params.transformer_config.recompute_granularity = None
+        params.transformer_config.attention_backend = backend
+        ckpt = workdir / "mc_gqa"
+        if not (ckpt / "oumi_megatron.json").is_file():
+            convert_hf_to_megatron(src, ckpt, params, dtype=dtype)
+        _, engine = build_engine(ckpt, params, OptimSettings(lr=1e-4), dtype=dtype)
+        core = type(unwrap(engine.model[0]).decoder.layers[0].self_attention.core_attention).__name__
+        padded = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))
+        packed_lp, packed_entropy = engine.compute_logprobs_and_entropy([packed])
+        rollouts = MegatronRolloutBackend(engine, vocab_size=320).generate(
+            prompts, SamplingParams(greedy=True, max_new_tokens=8, pad_token_id=256))
+
+        def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
+            return -logprobs[:, :-1].sum(), torch.tensor(logprobs[:, :-1].numel()), {}
+
+        engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], loss_fn)
+        grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in unwrap(engine.model[0]).named_parameters()}
+        runs[backend] = {"core": core, "padded": padded, "packed": packed_lp[0], "entropy": packed_entropy[0],
+                         "tokens": [r.completion_ids for r in rollouts],
+                         "gen_logprobs": torch.tensor([lp for r in rollouts for lp in r.logprobs]), "grads": grads}
+
+    a, b = runs["local"], runs["sdpa"]
+    grad_diff = max((a["grads"][n] - b["grads"][n]).abs().max().item() for n in a["grads"])
+    grad_scale = max(a["grads"][n].abs().max().item() for n in a["grads"])
+    same_tokens = a["tokens"] == b["tokens"]
+    result = {
+        "core_attention": {"local": a["core"], "sdpa": b["core"]},
+        "padded_logprobs_max_abs_diff": (a["padded"][:, :-1] - b["padded"][:, :-1]).abs().max().item(),
+        "packed_logprobs_max_abs_diff": (a["packed"][:23] - b["packed"][:23]).abs().max().item(),
+        "packed_entropy_max_abs_diff": (a["entropy"] - b["entropy"]).abs().max().item(),
+        "generated_tokens_equal": same_tokens,
+        "generated_logprobs_max_abs_diff": (a["gen_logprobs"] - b["gen_logprobs"]).abs().max().item() if same_tokens else None,
+        "grad_max_abs_diff": grad_diff,
+        "grad_max_abs": grad_scale,
+        "finite": all(torch.isfinite(r[k]).all().item() for r in (a, b) for k in ("padded", "packed", "entropy")),
+    }
+    out_json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
