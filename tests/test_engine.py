@@ -91,6 +91,8 @@ def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None
         assert r[key] is not None and r[key] <= 1e-5, (key, r)
     assert r["generated_tokens_equal"], r
     assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 1e-5 * r["grad_max_abs"], r
+    # selective recompute re-runs the same SDPA call in backward: the same numbers
+    assert r["recompute_padded_logprobs_max_abs_diff"] == 0.0 and r["recompute_grad_max_abs_diff"] <= 1e-7, r
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
     python tests/workers/attention_worker.py WORKDIR OUT_JSON [float32|bfloat16]
 
-One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built twice from the same
-checkpoint: ``attention_backend: local`` and ``sdpa``. Records, for each path the engine has, the
-largest difference between the two: logprobs of right-padded rows (causal, no mask tensor), logprobs and
+One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built three times from the same
+checkpoint: ``attention_backend: local``, ``sdpa``, and ``sdpa`` under Megatron's selective recompute of
+core attention (the default recompute setting; recompute must not change a number). Records, for each
+path the engine has, the largest difference between local and sdpa: logprobs of right-padded rows (causal, no mask tensor), logprobs and
 entropy of a packed row (block-diagonal mask), greedy KV-cached generation (tokens and their logprobs;
 left-padded prompts), and the gradient of one training step (fp32 main_grad of every parameter).
 """
@@ -41,9 +42,10 @@ def main() -> None:
     prompts = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
 
     runs = {}
-    for backend in ("local", "sdpa"):
+    # the third run: SDPA under Megatron's selective recompute of core attention (the default setting)
+    for name, backend, recompute in (("local", "local", None), ("sdpa", "sdpa", None), ("sdpa_recompute", "sdpa", "selective")):
         params = MegatronParams(micro_batch_size=2)
-        params.transformer_config.recompute_granularity = None
+        params.transformer_config.recompute_granularity = recompute
         params.transformer_config.attention_backend = backend
         ckpt = workdir / "mc_gqa"
         if not (ckpt / "oumi_megatron.json").is_file():
@@ -60,7 +62,7 @@ def main() -> None:
 
         engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], loss_fn)
         grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in unwrap(engine.model[0]).named_parameters()}
-        runs[backend] = {"core": core, "padded": padded, "packed": packed_lp[0], "entropy": packed_entropy[0],
+        runs[name] = {"core": core, "padded": padded, "packed": packed_lp[0], "entropy": packed_entropy[0],
                          "tokens": [r.completion_ids for r in rollouts],
                          "gen_logprobs": torch.tensor([lp for r in rollouts for lp in r.logprobs]), "grads": grads}
 
@@ -77,6 +79,8 @@ def main() -> None:
         "generated_logprobs_max_abs_diff": (a["gen_logprobs"] - b["gen_logprobs"]).abs().max().item() if same_tokens else None,
         "grad_max_abs_diff": grad_diff,
         "grad_max_abs": grad_scale,
+        "recompute_grad_max_abs_diff": max((b["grads"][n] - runs["sdpa_recompute"]["grads"][n]).abs().max().item() for n in b["grads"]),
+        "recompute_padded_logprobs_max_abs_diff": (b["padded"] - runs["sdpa_recompute"]["padded"]).abs().max().item(),
         "finite": all(torch.isfinite(r[k]).all().item() for r in (a, b) for k in ("padded", "packed", "entropy")),
     }
     out_json.write_text(json.dumps(result, indent=2))
