@@ -100,6 +100,15 @@ if vl:
 for name, r in vl:
     s = r["sync"]
     print(f"| {name} | {s['method']} | {s['tensors']} | {s['bytes']/1e6:.1f} | {s['seconds']:.3f} | {r['stale_engine_mean']:.3f} / {r['stale_engine']:.3f} | {r['after_sync_mean']:.4f} / {r['after_sync']:.4f} |")
+real = pathlib.Path(sys.argv[1]) / "real_result.json"
+if real.is_file():
+    r = json.loads(real.read_text())
+    c, t = r["eval_curve"], r["train"]
+    print("\n| real model (SmolLM2-135M, arithmetic) | card | steps | held-out accuracy first -> last eval | exported hf_model | format | rollout s / train s (last step) | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| configs/smollm2_arithmetic_gpu.yaml | {r['card']} | {c[-1]['step']} | {c[0]['eval/accuracy']:.3f} -> {c[-1]['eval/accuracy']:.3f} "
+          f"| {r['hf_model_eval']['eval/accuracy']:.3f} | {c[-1]['eval/format_rate']:.2f} | {t[-1]['time/rollout_s']:.1f} / {t[-1]['time/train_s']:.2f} "
+          f"| {max(x['perf/peak_gpu_memory_gib'] or 0 for x in t):.1f} |")
 sync = pathlib.Path(sys.argv[1]) / "sync.json"
 if sync.is_file():
     r = json.loads(sync.read_text())
