@@ -141,9 +141,9 @@ def main() -> None:
     # state = what stays allocated after the step (weights, fp32 main grads, master weights, Adam moments)
     mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.memory_allocated() / 2**30], device="cuda")
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.attention import core_attention_name
 
-    core = type(unwrap(engine.model[0]).decoder.layers[0].self_attention.core_attention).__name__
+    core = core_attention_name(engine.model[0])
     result = {
         "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
         "attention": core, "tokens_per_step": tokens, "step_s": round(step_s, 4),

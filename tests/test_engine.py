@@ -1,7 +1,8 @@
 """Engine proofs on CPU (gloo, fp32, tiny random models built locally).
 
 - Megatron logits / engine logprobs vs HF, and convert -> export bit-identical, for 3 architectures.
-- TP=2, PP=2 (1F1B), PP=2 x VPP=2 (interleaved), DP=2 (distributed and plain optimizer): the loss of
+- TP=2, PP=2 (1F1B), PP=2 x VPP=2 (interleaved), DP=2 (distributed and plain optimizer), TP=2 with the
+  SDPA attention against the single-rank run's local attention: the loss of
   2 optimizer steps, the logprobs after them, and the exported weights equal the single-rank run.
 - Save at step 2, resume in a new process: step 3 equals the uninterrupted run exactly.
 - Killing the process while it writes a checkpoint leaves the previous one as the latest.
@@ -45,6 +46,7 @@ LAYOUTS = {
     "pp2_vpp2": ["--pp", "2", "--vpp", "2"],
     "dp2": [],
     "dp2_plain_optimizer": ["--distributed-optimizer", "0"],
+    "tp2_sdpa": ["--tp", "2", "--attention", "sdpa"],  # the CUDA default attention, heads split over TP
 }
 
 
@@ -151,6 +153,8 @@ def test_convert_cli_records_the_source(converted: Path, workdir: Path) -> None:
 def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path, reference: dict) -> None:
     out = workdir / f"layout_{layout}"
     got = _engine_run(converted, out, LAYOUTS[layout], nproc=2)
+    assert reference["core_attention"] == "DotProductAttention"  # auto on the CPU
+    assert got["core_attention"] == ("SdpaCoreAttention" if "sdpa" in layout else "DotProductAttention")
     for a, b in zip(got["loss"], reference["loss"]):
         assert abs(a - b) <= LOSS_RTOL * abs(b)
     assert got["count"] == reference["count"]

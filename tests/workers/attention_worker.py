@@ -21,6 +21,7 @@ def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.model import unwrap
@@ -51,7 +52,7 @@ def main() -> None:
         if not (ckpt / "oumi_megatron.json").is_file():
             convert_hf_to_megatron(src, ckpt, params, dtype=dtype)
         _, engine = build_engine(ckpt, params, OptimSettings(lr=1e-4), dtype=dtype)
-        core = type(unwrap(engine.model[0]).decoder.layers[0].self_attention.core_attention).__name__
+        core = core_attention_name(engine.model[0])
         padded = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))
         packed_lp, packed_entropy = engine.compute_logprobs_and_entropy([packed])
         rollouts = MegatronRolloutBackend(engine, vocab_size=320).generate(

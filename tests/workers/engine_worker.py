@@ -39,12 +39,14 @@ def main() -> None:
     p.add_argument("--resume", default="", help="checkpoint to resume from before training")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (GPU)")
+    p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
     args = p.parse_args()
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import save_hf
     from oumi_megatron.engine.optimizer import OptimSettings
@@ -56,6 +58,7 @@ def main() -> None:
     )
     params.ddp_config.use_distributed_optimizer = bool(args.distributed_optimizer)
     params.transformer_config.recompute_granularity = None
+    params.transformer_config.attention_backend = args.attention
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
@@ -88,6 +91,7 @@ def main() -> None:
     probe = global_batch(99)[:4]
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
+    results["core_attention"] = core_attention_name(engine.model[0])
     if not args.no_export:
         save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
     if dist.get_rank() == 0:

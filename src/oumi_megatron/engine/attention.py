@@ -137,3 +137,10 @@ def local_layer_spec_with_attention(provider: Any, backend: str) -> Any:
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     return spec
+
+
+def core_attention_name(chunk: torch.nn.Module) -> str:
+    """Class name of the core attention a model chunk runs (its first layer's), for logs, benchmarks and tests."""
+    from oumi_megatron.engine.model import unwrap
+
+    return type(unwrap(chunk).decoder.layers[0].self_attention.core_attention).__name__
