@@ -79,7 +79,6 @@ class SdpaCoreAttention(torch.nn.Module):
         if reason is not None:  # the spec builder checks first; a direct use must not change the maths
             raise ValueError(f"SdpaCoreAttention does not support {reason}")
         self.config = config
-        self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
