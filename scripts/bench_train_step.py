@@ -84,6 +84,19 @@ def hf_reference(cfg, batches: list[dict], args, peak_tflops: float) -> dict:  #
     return result
 
 
+def profile_step(step, path: str) -> None:  # noqa: ANN001
+    """One step under torch.profiler: the CUDA kernels by total time, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
@@ -96,6 +109,11 @@ def main() -> None:
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "local"],
                    help="megatron.transformer_config.attention_backend")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a megatron.transformer_config field, e.g. gradient_accumulation_fusion=false (repeatable)")
+    p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (0 = full logits)")
+    p.add_argument("--compile-layers", action="store_true", help="experiment: torch.compile each transformer layer")
+    p.add_argument("--profile", default="", help="write the top CUDA kernels of one step to this file")
     p.add_argument("--hf-reference", action="store_true", help="also time plain transformers (1 GPU)")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -106,11 +124,17 @@ def main() -> None:
 
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.fusions import FUSIONS
     from oumi_megatron.engine.optimizer import OptimSettings
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
     params.transformer_config.attention_backend = args.attention
+    params.logprob_chunk_tokens = args.logprob_chunk
+    for item in args.set:
+        key, value = item.split("=", 1)
+        parsed = {"true": True, "false": False, "null": None}.get(value.lower(), int(value) if value.isdigit() else value)
+        setattr(params.transformer_config, key, parsed)
     cfg = model_config(args.seq)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
@@ -124,6 +148,13 @@ def main() -> None:
     def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
 
+    if args.compile_layers:
+        from oumi_megatron.engine.model import unwrap
+
+        for chunk in engine.model:
+            for layer in unwrap(chunk).decoder.layers:
+                layer.compile()
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -135,6 +166,8 @@ def main() -> None:
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if args.profile:
+        profile_step(lambda: engine.train_step(batches, loss_fn), args.profile)
     world = dist.get_world_size()
     step_s = sorted(times)[len(times) // 2]
     tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
@@ -143,10 +176,15 @@ def main() -> None:
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     from oumi_megatron.engine.attention import core_attention_name
 
+    from oumi_megatron.engine.model import unwrap
+
     core = core_attention_name(engine.model[0])
+    config = unwrap(engine.model[0]).config
+    fusions = [name for name in FUSIONS if getattr(config, name, False)]
     result = {
         "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
-        "attention": core, "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "attention": core, "fusions": "+".join(fusions) or "none",
+        "logprob_chunk_tokens": args.logprob_chunk, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),

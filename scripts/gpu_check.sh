@@ -7,7 +7,8 @@
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
-# one-GPU training benchmark (HF reference, local and SDPA attention in the same call);
+# one-GPU training benchmark (HF reference, the engine with unfused ops and the fast path in the same call),
+# =bisect the fast path with each fusion off in turn, =logprobs the 152k-vocabulary logprob benchmark;
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,10 +61,20 @@ fi
 
 BENCH=${GPU_CHECK_BENCH:-1}
 if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
+NOFUSE="--set gradient_accumulation_fusion=false --set apply_rope_fusion=false --set bias_activation_fusion=false"
 if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
-  # the HF reference and the attention backends in the same call, on the same card
-  python3 scripts/bench_train_step.py --hf-reference --attention local --out "$RESULTS/bench_1gpu_local.json" 2>&1 | tail -3
-  python3 scripts/bench_train_step.py --attention sdpa --out "$RESULTS/bench_1gpu_sdpa.json" 2>&1 | tail -3
+  # the HF reference, the engine before (SDPA, unfused ops) and the fast path, same call, same card
+  python3 scripts/bench_train_step.py --hf-reference $NOFUSE --logprob-chunk 0 --out "$RESULTS/bench_1gpu_a_unfused.json" 2>&1 | tail -3
+  python3 scripts/bench_train_step.py --logprob-chunk 0 --out "$RESULTS/bench_1gpu_b_fused.json" 2>&1 | tail -3
+  python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_c_fused_chunked.json" 2>&1 | tail -3
+fi
+if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096: full logits vs chunked
+  python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
+fi
+if [ "$BENCH" = "bisect" ]; then  # the fast path with one fusion off at a time
+  for f in gradient_accumulation_fusion apply_rope_fusion bias_activation_fusion; do
+    python3 scripts/bench_train_step.py --set $f=false --out "$RESULTS/bench_1gpu_no_$f.json" 2>&1 | tail -3
+  done
 fi
 if [ "$BENCH" = "1" ]; then
   if [ "$NGPU" -ge 2 ]; then
@@ -78,13 +89,25 @@ fi
 python3 - "$RESULTS" <<'PY'
 import json, pathlib, sys
 rows = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json"))]
-print("\n| layout | attention | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | activations GiB |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("\n| layout | attention | fusions | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | activations GiB |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in rows:
     hf = r.get("hf_reference")
     if hf:
-        print(f"| HF transformers | sdpa | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
-    print(f"| {r['layout']} | {r.get('attention', '?')} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+        print(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
+    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprob_chunk_tokens') is None else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
+if hf:
+    print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "
+                                                    f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" for r in rows if r["gpus"] == 1))
+lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
+if lp.is_file():
+    r = json.loads(lp.read_text())
+    print(f"\n| logprobs, vocab {r['vocab']}, {r['tokens_per_microbatch']} tokens/microbatch | card | forward s | forward peak above state GiB | train step s | train peak above state GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in ("full_logits", "chunked"):
+        x = r[name]
+        print(f"| {name} | {r['card']} | {x['forward_s']} | {x['forward_peak_above_state_gib']} | {x['train_step_s']} | {x['train_peak_above_state_gib']} |")
 loops = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("grpo_loop_*.json"))]
 if loops:
     print("\n| GRPO loop (tiny demo) | GPUs | card | steps | reward first 10 -> last 10 | wall s | rollout s | train s |")

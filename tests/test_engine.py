@@ -47,6 +47,8 @@ LAYOUTS = {
     "dp2": [],
     "dp2_plain_optimizer": ["--distributed-optimizer", "0"],
     "tp2_sdpa": ["--tp", "2", "--attention", "sdpa"],  # the CUDA default attention, heads split over TP
+    # logprobs from the hidden states in chunks of 5 tokens, the vocabulary split over TP (the CUDA default)
+    "tp2_chunked_logprobs": ["--tp", "2", "--logprob-chunk", "5"],
 }
 
 
@@ -82,9 +84,11 @@ def test_megatron_matches_hf(hf_parity: dict, arch: str) -> None:
 def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None:
     """The fast path's core attention (torch SDPA, native GQA) against Megatron-Core's DotProductAttention
     on a GQA model, fp32: every path the engine runs (padded, packed with a block-diagonal mask, KV-cached
-    generation of left-padded prompts, gradients). Tolerance 1e-5 (summation order differs)."""
+    generation of left-padded prompts, gradients). Tolerance 1e-5 (summation order differs). Also the
+    fused kernels of engine/fusions.py against the unfused ops, the same way."""
     out = workdir / "attention.json"
-    _check(run_cli([PY, str(WORKERS / "attention_worker.py"), str(workdir / "attention"), str(out)]))
+    # TRITON_INTERPRET: the fused run's Triton kernels (engine/rope.py, engine/swiglu.py) run on the CPU
+    _check(run_cli([PY, str(WORKERS / "attention_worker.py"), str(workdir / "attention"), str(out)], env={"TRITON_INTERPRET": "1"}))
     r = json.loads(out.read_text())
     assert r["core_attention"] == {"local": "DotProductAttention", "sdpa": "SdpaCoreAttention"}, r
     assert r["finite"], r
@@ -95,6 +99,13 @@ def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None
     assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 1e-5 * r["grad_max_abs"], r
     # selective recompute re-runs the same SDPA call in backward: the same numbers
     assert r["recompute_padded_logprobs_max_abs_diff"] == 0.0 and r["recompute_grad_max_abs_diff"] <= 1e-7, r
+    # the fused kernels compute in fp32 registers, in another order than the unfused ops: 1e-5 again
+    assert r["fused_padded_logprobs_max_abs_diff"] <= 1e-5 and r["fused_packed_logprobs_max_abs_diff"] <= 1e-5, r
+    assert r["fused_generated_tokens_equal"] and r["fused_grad_max_rel_diff"] <= 1e-5, r
+    # chunked logprobs/entropy (no full logits, backward recomputes each chunk) against the logits path
+    for key in ("chunked_padded_logprobs_max_abs_diff", "chunked_packed_logprobs_max_abs_diff", "chunked_packed_entropy_max_abs_diff"):
+        assert r[key] <= 1e-5, (key, r)
+    assert r["chunked_grad_max_rel_diff"] <= 1e-5, r
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,13 @@ def test_sdpa_attention_matches_local_attention_on_gpu(tmp_path_factory: pytest.
     if r["generated_tokens_equal"]:  # greedy ties may break differently in bf16
         assert r["generated_logprobs_max_abs_diff"] <= BF16_TOL, r
     assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 0.05 * r["grad_max_abs"], r
+    # the fused kernels (Triton RoPE/SwiGLU, wgrad accumulated into fp32 main_grad) against the unfused ops
+    for key in ("fused_padded_logprobs_max_abs_diff", "fused_packed_logprobs_max_abs_diff"):
+        assert r[key] <= BF16_TOL, (key, r)
+    assert r["fused_grad_max_rel_diff"] <= 0.05, r
+    for key in ("chunked_padded_logprobs_max_abs_diff", "chunked_packed_logprobs_max_abs_diff", "chunked_packed_entropy_max_abs_diff"):
+        assert r[key] <= BF16_TOL, (key, r)
+    assert r["chunked_grad_max_rel_diff"] <= 0.05, r
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

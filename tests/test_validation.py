@@ -84,6 +84,7 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"optimizer_config": {"optimizer_offload_fraction": -0.1}}, DENSE, 1, "megatron.optimizer_config.optimizer_offload_fraction", "[0, 1]"),
         ({"transformer_config": {"recompute_granularity": "some"}}, DENSE, 1, "megatron.transformer_config.recompute_granularity", "'full', 'selective'"),
         ({"transformer_config": {"attention_backend": "flash"}}, DENSE, 1, "megatron.transformer_config.attention_backend", "'auto', 'sdpa', 'local'"),
+        ({"logprob_chunk_tokens": -1}, DENSE, 1, "megatron.logprob_chunk_tokens", "0 (off: full logits)"),
         ({"transformer_config": {"recompute_modules": ["attn"]}}, DENSE, 1, "megatron.transformer_config.recompute_modules", "'core_attn'"),
         ({"tensor_model_parallel_size": 0}, DENSE, 1, "megatron.tensor_model_parallel_size", "positive integer"),
         ({"checkpoint_config": {"keep_last_n_checkpoints": -1}}, DENSE, 1, "megatron.checkpoint_config.keep_last_n_checkpoints", ">= 0"),

@@ -291,6 +291,9 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "megatron.transformer_config.attention_backend",
             f"unknown value {t.attention_backend!r}. Choose from {_fmt_choices(ATTENTION_BACKENDS)}.",
         )
+    if m.logprob_chunk_tokens is not None and m.logprob_chunk_tokens < 0:
+        r.add("megatron.logprob_chunk_tokens",
+              f"must be null (auto), 0 (off: full logits) or a positive token count, got {m.logprob_chunk_tokens}.")
     bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
     if bad_modules:
         r.add(

@@ -2,9 +2,13 @@
 
     python tests/workers/attention_worker.py WORKDIR OUT_JSON [float32|bfloat16]
 
-One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built three times from the same
-checkpoint: ``attention_backend: local``, ``sdpa``, and ``sdpa`` under Megatron's selective recompute of
-core attention (the default recompute setting; recompute must not change a number). Records, for each
+One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built four times from the same
+checkpoint: ``attention_backend: local``, ``sdpa``, ``sdpa`` under Megatron's selective recompute of
+core attention (the default recompute setting; recompute must not change a number), all three with the
+fusions off, and that third one with every fusion of engine/fusions.py on (Triton RoPE and SwiGLU,
+weight gradients accumulated into main_grad; on the CPU the Triton kernels run in Triton's interpreter
+when TRITON_INTERPRET=1), and that one again with logprobs taken in chunks of 7 tokens from the hidden
+states (engine/chunked_logprobs.py). Records, for each
 path the engine has, the largest difference between local and sdpa: logprobs of right-padded rows (causal, no mask tensor), logprobs and
 entropy of a packed row (block-diagonal mask), greedy KV-cached generation (tokens and their logprobs;
 left-padded prompts), and the gradient of one training step (fp32 main_grad of every parameter).
@@ -17,6 +21,17 @@ from pathlib import Path
 import torch
 
 
+def fused_vs_unfused(a: dict, b: dict) -> dict:
+    """Largest differences between the unfused run ``a`` and the fused-kernel run ``b``."""
+    return {
+        "fused_padded_logprobs_max_abs_diff": (a["padded"][:, :-1] - b["padded"][:, :-1]).abs().max().item(),
+        "fused_packed_logprobs_max_abs_diff": (a["packed"][:23] - b["packed"][:23]).abs().max().item(),
+        "fused_generated_tokens_equal": a["tokens"] == b["tokens"],
+        "fused_grad_max_rel_diff": max(((a["grads"][n] - b["grads"][n]).abs().max() / a["grads"][n].abs().max().clamp_min(1e-30)).item()
+                                       for n in a["grads"]),
+    }
+
+
 def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
@@ -24,6 +39,7 @@ def main() -> None:
     from oumi_megatron.engine.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.fusions import FUSIONS
     from oumi_megatron.engine.model import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
@@ -44,10 +60,17 @@ def main() -> None:
 
     runs = {}
     # the third run: SDPA under Megatron's selective recompute of core attention (the default setting)
-    for name, backend, recompute in (("local", "local", None), ("sdpa", "sdpa", None), ("sdpa_recompute", "sdpa", "selective")):
+    # the fourth: SDPA with the fused kernels (engine/fusions.py) against the third's unfused ops
+    for name, backend, recompute, fused in (("local", "local", None, False), ("sdpa", "sdpa", None, False),
+                                            ("sdpa_recompute", "sdpa", "selective", False), ("fused", "sdpa", "selective", True),
+                                            ("chunked", "sdpa", "selective", True)):
         params = MegatronParams(micro_batch_size=2)
+        # the fifth: logprobs and entropy from the hidden states in chunks of 7 tokens, no full logits
+        params.logprob_chunk_tokens = 7 if name == "chunked" else 0
         params.transformer_config.recompute_granularity = recompute
         params.transformer_config.attention_backend = backend
+        for fusion in FUSIONS:
+            setattr(params.transformer_config, fusion, fused)
         ckpt = workdir / "mc_gqa"
         if not (ckpt / "oumi_megatron.json").is_file():
             convert_hf_to_megatron(src, ckpt, params, dtype=dtype)
@@ -82,6 +105,12 @@ def main() -> None:
         "grad_max_abs": grad_scale,
         "recompute_grad_max_abs_diff": max((b["grads"][n] - runs["sdpa_recompute"]["grads"][n]).abs().max().item() for n in b["grads"]),
         "recompute_padded_logprobs_max_abs_diff": (b["padded"] - runs["sdpa_recompute"]["padded"]).abs().max().item(),
+        **fused_vs_unfused(runs["sdpa_recompute"], runs["fused"]),
+        "chunked_padded_logprobs_max_abs_diff": (runs["fused"]["padded"] - runs["chunked"]["padded"]).abs().max().item(),
+        "chunked_packed_logprobs_max_abs_diff": (runs["fused"]["packed"] - runs["chunked"]["packed"]).abs().max().item(),
+        "chunked_packed_entropy_max_abs_diff": (runs["fused"]["entropy"] - runs["chunked"]["entropy"]).abs().max().item(),
+        "chunked_grad_max_rel_diff": max(((runs["fused"]["grads"][n] - runs["chunked"]["grads"][n]).abs().max()
+                                          / runs["fused"]["grads"][n].abs().max().clamp_min(1e-30)).item() for n in runs["fused"]["grads"]),
         "finite": all(torch.isfinite(r[k]).all().item() for r in (a, b) for k in ("padded", "packed", "entropy")),
     }
     out_json.write_text(json.dumps(result, indent=2))

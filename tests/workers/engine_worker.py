@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (GPU)")
     p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
+    p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -59,6 +60,7 @@ def main() -> None:
     params.ddp_config.use_distributed_optimizer = bool(args.distributed_optimizer)
     params.transformer_config.recompute_granularity = None
     params.transformer_config.attention_backend = args.attention
+    params.logprob_chunk_tokens = args.logprob_chunk
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 

@@ -101,6 +101,16 @@ class MegatronTransformerConfig(BaseParams):
     scaled_dot_product_attention: cuDNN/flash kernels on CUDA, native GQA, no score matrix), ``local``
     (Megatron-Core's DotProductAttention) or ``auto`` (sdpa on CUDA, local on the CPU)."""
 
+    gradient_accumulation_fusion: bool | None = None
+    """Weight gradients accumulated into the fp32 ``main_grad`` inside the GEMM (torch.addmm; apex's
+    kernel is not needed). null = on with CUDA, off on the CPU."""
+
+    apply_rope_fusion: bool | None = None
+    """Rotary embedding of query and key in one Triton kernel each way. null = on with CUDA, off on the CPU."""
+
+    bias_activation_fusion: bool | None = None
+    """SwiGLU in one Triton kernel each way. null = on with CUDA for SwiGLU MLPs, off on the CPU."""
+
 
 @dataclass
 class MegatronCheckpointConfig(BaseParams):
@@ -153,6 +163,11 @@ class MegatronParams(BaseParams):
     """
 
     # Features.
+    logprob_chunk_tokens: int | None = None
+    """Token logprobs and entropy from the last hidden states in chunks of this many tokens, without the
+    full [tokens x vocab] fp32 logits (engine/chunked_logprobs.py). null = on with CUDA, chunks sized to
+    ~512 MiB of fp32 logits, off on the CPU; 0 = off (full logits)."""
+
     enable_sequence_packing: bool = False
     """Pack variable-length sequences into microbatches (no padding)."""
 

@@ -78,6 +78,20 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return (sums[..., 0].log() + z_max[..., 0] - sums[..., 1] / sums[..., 0])
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> GPU without blocking the host: a pageable copy waits for the GPU to drain its queue."""
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)  # contiguous: expanded position ids
+
+
+def _on_device(value: Any, device: torch.device) -> torch.Tensor:
+    """A loss function's count as a tensor on ``device``; a host value becomes a fill, not a blocking copy."""
+    if torch.is_tensor(value) and value.device == device:
+        return value
+    return torch.full((), int(value), dtype=torch.int64, device=device)
+
+
 class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
@@ -117,6 +131,13 @@ class MegatronEngine:
             out.append(padded)
         return out, seq_len, mbs
 
+    def logprob_chunk_tokens(self) -> int | None:
+        """Tokens per chunk of the chunked logprob path (0 = auto-sized), or None for full logits."""
+        value = getattr(self.params, "logprob_chunk_tokens", None)
+        if value is None:
+            return 0 if torch.cuda.is_available() else None
+        return int(value) or None
+
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -137,31 +158,46 @@ class MegatronEngine:
 
         batches, seq_len, mbs = self._prepare(microbatches)
         device = self._device()
-        batches = [{**{k: v.to(device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
+        batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
+
+        # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
+        # wanted (generation keeps the last position's) or a KV cache is in use.
+        chunk = self.logprob_chunk_tokens()
+        chunked = chunk is not None and keep_logits is None and inference_context is None
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
             index = int(batch["_index"])
-            cache: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
             if inference_context is not None:
                 inference_context.batch_size_offset = index * mbs  # the cache rows of this microbatch
-                cache["inference_context"] = inference_context
+                extra["inference_context"] = inference_context
+            if chunked:
+                from oumi_megatron.engine.chunked_logprobs import logprob_output_processor
+
+                extra["output_processor"] = logprob_output_processor
+                extra["output_processor_context"] = processed = {
+                    "targets": batch["target_ids"], "temperature": temperature, "chunk_tokens": chunk, "with_entropy": with_entropy}
             output = model(
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 attention_mask=batch.get("attention_mask"),
-                **cache,
+                **extra,
             )
 
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                if keep_logits is not None:
-                    # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
-                    keep_logits[index] = logits[:, -1, :].detach().float().clone()
-                # before the cross entropy, which overwrites ``logits``
-                entropy = {"entropy": token_entropy(logits.detach(), temperature)} if with_entropy else {}
-                logprobs = token_logprobs(logits, batch["target_ids"], temperature)
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                if chunked:  # the last stage returned logprobs [b, s]
+                    logprobs = output
+                    entropy = {"entropy": processed["entropy"]} if with_entropy else {}
+                else:  # logits [b, s, V/tp]
+                    if keep_logits is not None:
+                        # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
+                        keep_logits[index] = output[:, -1, :].detach().float().clone()
+                    # before the cross entropy, which overwrites ``logits``
+                    entropy = {"entropy": token_entropy(output.detach(), temperature)} if with_entropy else {}
+                    logprobs = token_logprobs(output, batch["target_ids"], temperature)
                 loss_sum, count, metrics = loss_fn(logprobs, {**batch, **entropy})
-                count = torch.as_tensor(count, device=logits.device).to(torch.int)
+                count = _on_device(count, logprobs.device).to(torch.int)
                 return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
 
             return output, loss_func

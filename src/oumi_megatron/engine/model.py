@@ -23,7 +23,8 @@ from oumi_megatron.errors import UserInputError
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
-# Fusions that need TransformerEngine, apex or torch.compile; off with the local spec.
+# Fusions that need TransformerEngine or apex; off with the local spec, then engine/fusions.py turns
+# on the ones PyTorch supplies.
 _LOCAL_SPEC_FUSIONS_OFF = (
     "apply_rope_fusion",
     "bias_activation_fusion",
@@ -125,13 +126,15 @@ def configure_provider(
         provider.batch_p2p_comm = False
     if not have_transformer_engine():
         from oumi_megatron.engine.attention import local_layer_spec_with_attention, resolve_attention_backend
+        from oumi_megatron.engine.fusions import apply_fusions
 
         backend, why = resolve_attention_backend(t.attention_backend, provider, torch.cuda.is_available())
         provider.transformer_layer_spec = partial(local_layer_spec_with_attention, backend=backend)
         for name in _LOCAL_SPEC_FUSIONS_OFF:
             if hasattr(provider, name):
                 setattr(provider, name, False)
-        logger.info("core attention: %s (%s)", backend, why)
+        fusions = apply_fusions(provider, t, torch.cuda.is_available())  # the ones PyTorch can supply
+        logger.info("core attention: %s (%s); fusions: %s", backend, why, fusions)
     provider.finalize()
     return provider
 
