@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--packing", action="store_true")
+    p.add_argument("--unfused", action="store_true", help="fusions and chunked logprobs off (the engine before issue 12)")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     args = p.parse_args()
 
@@ -58,6 +59,12 @@ def main() -> None:
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             micro_batch_size=8, global_batch_size=32, enable_sequence_packing=args.packing)
     params.transformer_config.recompute_granularity = None
+    if args.unfused:
+        from oumi_megatron.engine.fusions import FUSIONS
+
+        for name in FUSIONS:
+            setattr(params.transformer_config, name, False)
+        params.logprob_chunk_tokens = 0
     grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
                               reward_functions=[RewardFunctionParams(name="char_class")])
     out = work / "run"

@@ -27,7 +27,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
 if triton is not None:
 
-    @triton.jit
+    # Sizes and strides are not specialized on: rollouts call this with many batch sizes and sequence
+    # lengths, and each specialization is a compilation of its own (seconds each).
+    @triton.jit(do_not_specialize=["heads", "batch", "t_s", "t_b", "t_h", "o_s", "o_b", "o_h", "f_s"])
     def _rope_kernel(
         t_ptr, f_ptr, o_ptr,
         heads, batch,

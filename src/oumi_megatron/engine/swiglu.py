@@ -20,7 +20,7 @@ from oumi_megatron.engine.rope import _interpreting, triton
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["cols", "x_row", "y_row"])  # one compilation per dtype (see rope.py)
     def _swiglu_fwd_kernel(x_ptr, y_ptr, cols, x_row, y_row, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -30,7 +30,7 @@ if triton is not None:
         y = a * tl.sigmoid(a) * b
         tl.store(y_ptr + row * y_row + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["cols", "g_row", "x_row", "dx_row"])
     def _swiglu_bwd_kernel(g_ptr, x_ptr, dx_ptr, cols, g_row, x_row, dx_row, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
