@@ -8,7 +8,8 @@
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
 # one-GPU training benchmark (HF reference, the engine with unfused ops and the fast path in the same call),
-# =bisect the fast path with each fusion off in turn, =logprobs the 152k-vocabulary logprob benchmark;
+# =bisect the fast path with each fusion off in turn, =logprobs the 152k-vocabulary logprob benchmark
+# (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,11 @@ if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
   # the HF reference, the engine before (SDPA, unfused ops) and the fast path, same call, same card
   python3 scripts/bench_train_step.py --hf-reference $NOFUSE --logprob-chunk 0 --out "$RESULTS/bench_1gpu_a_unfused.json" 2>&1 | tail -3
   python3 scripts/bench_train_step.py --logprob-chunk 0 --out "$RESULTS/bench_1gpu_b_fused.json" 2>&1 | tail -3
-  python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_c_fused_chunked.json" 2>&1 | tail -3
+  # the engine's step is host-bound, so its tokens/s vary between processes: GPU_CHECK_REPEAT runs the
+  # fast path that many times (a row each)
+  for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
+    python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_c_fused_chunked_$k.json" 2>&1 | tail -3
+  done
 fi
 if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096: full logits vs chunked
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
