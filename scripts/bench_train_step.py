@@ -12,6 +12,9 @@ attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU 
 
     python scripts/bench_train_step.py --hf-reference --attention local   # + plain transformers, same call
 
+``--set FIELD=VALUE`` sets a ``megatron.transformer_config`` field (e.g. ``apply_rope_fusion=false``),
+``--logprob-chunk 0`` takes the full-logits path, ``--profile FILE`` writes one step's top CUDA kernels.
+
 ``--hf-reference`` first times transformers' LlamaForCausalLM on the same shape and batches (SDPA
 attention, bf16 weights, fused AdamW, gradient accumulation over the same microbatches) and reports
 the engine's tokens/s as a ratio of it. Memory for both: peak, state (allocated right after the
