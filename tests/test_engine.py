@@ -81,6 +81,30 @@ def test_megatron_matches_hf(hf_parity: dict, arch: str) -> None:
     assert r["export_extra_keys"] == [] and r["export_missing_keys"] == [], r
 
 
+def test_fusions_resolve_by_device_and_model() -> None:
+    """null = on with CUDA, off on the CPU; an explicit value wins; a fusion the model cannot use is
+    dropped when automatic and an error naming the field when forced."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from oumi_megatron.engine.fusions import FUSIONS, apply_fusions, resolve_fusions, unsupported_reason
+
+    auto = SimpleNamespace(**{name: None for name in FUSIONS})
+    assert all(on for on, _ in resolve_fusions(auto, cuda=True).values())
+    assert not any(on for on, _ in resolve_fusions(auto, cuda=False).values())
+    assert resolve_fusions(SimpleNamespace(**{**vars(auto), "apply_rope_fusion": False}), cuda=True)["apply_rope_fusion"][0] is False
+    swiglu = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, position_embedding_type="rope")
+    assert all(unsupported_reason(name, swiglu) is None for name in FUSIONS)
+    gelu = SimpleNamespace(gated_linear_unit=False, activation_func=F.gelu, position_embedding_type="learned_absolute")
+    assert "SwiGLU" in unsupported_reason("bias_activation_fusion", gelu)
+    assert "learned_absolute" in unsupported_reason("apply_rope_fusion", gelu)
+    provider = SimpleNamespace(**vars(gelu))
+    assert "apply_rope_fusion=off" in apply_fusions(provider, auto, cuda=False)  # nothing installed on the CPU
+    with pytest.raises(ValueError, match="bias_activation_fusion"):
+        apply_fusions(provider, SimpleNamespace(**{**vars(auto), "bias_activation_fusion": True}), cuda=True)
+
+
 def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None:
     """The fast path's core attention (torch SDPA, native GQA) against Megatron-Core's DotProductAttention
     on a GQA model, fp32: every path the engine runs (padded, packed with a block-diagonal mask, KV-cached
