@@ -49,6 +49,7 @@ LAYOUTS = {
     "tp2_sdpa": ["--tp", "2", "--attention", "sdpa"],  # the CUDA default attention, heads split over TP
     # logprobs from the hidden states in chunks of 5 tokens, the vocabulary split over TP (the CUDA default)
     "tp2_chunked_logprobs": ["--tp", "2", "--logprob-chunk", "5"],
+    "pp2_chunked_logprobs": ["--pp", "2", "--logprob-chunk", "5"],  # the last stage returns logprobs
 }
 
 
