@@ -15,6 +15,7 @@ path (``calculate_per_token_loss``) divides the reduced gradients by the global 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -109,6 +112,9 @@ class MegatronEngine:
         if optimizer is not None:
             config.grad_scale_func = optimizer.scale_loss
         self.config = config
+        chunk = self.logprob_chunk_tokens()
+        logger.info("token logprobs: %s", "full logits" if chunk is None else
+                    f"chunked from the hidden states ({chunk or 'auto-sized'} tokens per chunk)")
 
     # ----------------------------------------------------------------------------------------------
     # Running the schedule
