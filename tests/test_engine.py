@@ -92,9 +92,9 @@ def test_fusions_resolve_by_device_and_model() -> None:
     from oumi_megatron.engine.fusions import FUSIONS, apply_fusions, resolve_fusions, unsupported_reason
 
     auto = SimpleNamespace(**{name: None for name in FUSIONS})
-    assert all(on for on, _ in resolve_fusions(auto, cuda=True).values())
-    assert not any(on for on, _ in resolve_fusions(auto, cuda=False).values())
-    assert resolve_fusions(SimpleNamespace(**{**vars(auto), "apply_rope_fusion": False}), cuda=True)["apply_rope_fusion"][0] is False
+    assert all(resolve_fusions(auto, cuda=True).values())
+    assert not any(resolve_fusions(auto, cuda=False).values())
+    assert resolve_fusions(SimpleNamespace(**{**vars(auto), "apply_rope_fusion": False}), cuda=True)["apply_rope_fusion"] is False
     swiglu = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, position_embedding_type="rope")
     assert all(unsupported_reason(name, swiglu) is None for name in FUSIONS)
     gelu = SimpleNamespace(gated_linear_unit=False, activation_func=F.gelu, position_embedding_type="learned_absolute")

@@ -27,9 +27,16 @@ def auto_chunk_tokens(vocab_shard: int) -> int:
     return max(256, (1 << 27) // max(1, vocab_shard))
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of one chunk (the GEMM's output is in the model dtype, as on the full-logits path)."""
-    return (h @ weight.t()).float()
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T of one chunk (the GEMM's output is in the model dtype, as on the full-logits path)."""
+    z = (h @ weight.t()).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _local_targets(targets: torch.Tensor, start: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index into this rank's vocabulary shard, clamped; whether the shard holds the target)."""
+    local = targets - start
+    return local.clamp(0, vocab - 1), (local >= 0) & (local < vocab)
 
 
 def _tp() -> tuple[Any, int, int]:
@@ -57,12 +64,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, chunk):
-            z = _logits(hidden[i : i + chunk], weight)
-            if temperature != 1.0:
-                z.div_(temperature)
-            local = targets[i : i + chunk] - start
-            mine = (local >= 0) & (local < vocab)  # this rank's vocabulary shard holds the target
-            target = torch.where(mine, z.gather(1, local.clamp(0, vocab - 1)[:, None])[:, 0], 0.0)
+            z = _scaled_logits(hidden[i : i + chunk], weight, temperature)
+            index, mine = _local_targets(targets[i : i + chunk], start, vocab)
+            target = torch.where(mine, z.gather(1, index[:, None])[:, 0], 0.0)
             m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group, world)
             z.sub_(m[:, None])
             e = z.exp()
@@ -92,16 +96,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[i : i + ctx.chunk]
-            z = _logits(h, weight)
-            if t != 1.0:
-                z.div_(t)
+            z = _scaled_logits(h, weight, t)
             # d logprob / d z = onehot(target) - softmax(z); times the incoming gradient, / T for the scaling
             g = grad[i : i + ctx.chunk].float()
             p = z.sub_(lse[i : i + ctx.chunk, None]).exp_()
             dz = p.mul_(-g[:, None])
-            local = targets[i : i + ctx.chunk] - start
-            mine = (local >= 0) & (local < vocab)
-            dz.scatter_add_(1, local.clamp(0, vocab - 1)[:, None], torch.where(mine, g, 0.0)[:, None])  # no host sync
+            index, mine = _local_targets(targets[i : i + ctx.chunk], start, vocab)
+            dz.scatter_add_(1, index[:, None], torch.where(mine, g, 0.0)[:, None])  # no host sync
             if t != 1.0:
                 dz.div_(t)
             dz = dz.to(hidden.dtype)

@@ -62,16 +62,9 @@ def install_torch_wgrad_accumulation() -> None:
         layers._grad_accum_fusion_available = True
 
 
-def resolve_fusions(t: Any, cuda: bool) -> dict[str, tuple[bool, str]]:
-    """{fusion: (on, why)} for ``megatron.transformer_config`` ``t`` (null = on with CUDA)."""
-    out = {}
-    for name in FUSIONS:
-        value = getattr(t, name, None)
-        if value is None:
-            out[name] = (cuda, "auto: on with CUDA" if cuda else "auto: off on the CPU")
-        else:
-            out[name] = (bool(value), f"{name}: {str(bool(value)).lower()}")
-    return out
+def resolve_fusions(t: Any, cuda: bool) -> dict[str, bool]:
+    """{fusion: on} for ``megatron.transformer_config`` ``t`` (null = on with CUDA)."""
+    return {name: cuda if getattr(t, name, None) is None else bool(getattr(t, name)) for name in FUSIONS}
 
 
 def unsupported_reason(name: str, config: Any) -> str | None:  # TransformerConfig / GPTModelProvider
@@ -98,17 +91,16 @@ def apply_fusions(provider: Any, t: Any, cuda: bool) -> str:
     from oumi_megatron.engine.rope import install_fused_rope
     from oumi_megatron.engine.swiglu import install_fused_swiglu
 
-    resolved = resolve_fusions(t, cuda)
-    for name, (on, _) in list(resolved.items()):
-        reason = unsupported_reason(name, provider)
-        if on and reason is not None:
-            if getattr(t, name, None):
-                raise ValueError(f"megatron.transformer_config.{name}: not available for {reason}; set it to null or false")
-            resolved[name] = (False, reason)
     install = {"gradient_accumulation_fusion": install_torch_wgrad_accumulation,
                "apply_rope_fusion": install_fused_rope, "bias_activation_fusion": install_fused_swiglu}
-    for name, (on, _) in resolved.items():
+    resolved = resolve_fusions(t, cuda)
+    for name, on in resolved.items():
+        reason = unsupported_reason(name, provider) if on else None
+        if reason is not None:
+            if getattr(t, name, None):
+                raise ValueError(f"megatron.transformer_config.{name}: not available for {reason}; set it to null or false")
+            resolved[name] = on = False  # automatic: left off for this model
         if on:
             install[name]()
         setattr(provider, name, on)
-    return ", ".join(f"{name}={'on' if on else 'off'}" for name, (on, _) in resolved.items())
+    return ", ".join(f"{name}={'on' if on else 'off'}" for name, on in resolved.items())

@@ -103,10 +103,9 @@ class _FusedRope(torch.autograd.Function):
 def fused_rope_covers(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> bool:
     """Whether :func:`fused_rope` computes this call itself (else Megatron-Core's unfused function does)."""
     return (
-        triton is not None
-        and not interleaved
+        not interleaved
         and t.dim() == 4
-        and (t.is_cuda or _interpreting())
+        and triton_runs_on(t)
         and freqs.dim() == 4
         and freqs.shape[0] == t.shape[0]
         and freqs.shape[1] == 1
@@ -117,10 +116,12 @@ def fused_rope_covers(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -
     )
 
 
-def _interpreting() -> bool:
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether this module's (and engine/swiglu.py's) Triton kernels can take ``t``: a CUDA tensor, or any
+    tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the CPU tests use)."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the CPU tests use it)
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

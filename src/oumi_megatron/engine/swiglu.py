@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.engine.rope import _interpreting, triton
+from oumi_megatron.engine.rope import triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl
@@ -74,7 +74,7 @@ def fused_swiglu(x: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bo
     """``megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl``'s contract: x [..., 2f] -> [..., f]."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
-    if triton is None or bias is not None or fp8_input_store or cpu_offload_input or not (x.is_cuda or _interpreting()):
+    if bias is not None or fp8_input_store or cpu_offload_input or not triton_runs_on(x):
         return bias_swiglu_impl(x, bias, fp8_input_store, cpu_offload_input)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
