@@ -187,7 +187,7 @@ def main() -> None:
     result = {
         "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",
-        "logprob_chunk_tokens": args.logprob_chunk, "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "logprob_chunk_tokens": args.logprob_chunk, "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),

@@ -72,6 +72,8 @@ if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
   for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
     python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_c_fused_chunked_$k.json" 2>&1 | tail -3
   done
+  python3 scripts/bench_train_step.py --set cuda_graph_impl=local --set cuda_graph_seq_length=2048 \
+      --out "$RESULTS/bench_1gpu_d_fast_graphs.json" 2>&1 | tail -3
 fi
 if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096: full logits vs chunked
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
@@ -100,7 +102,7 @@ for r in rows:
     hf = r.get("hf_reference")
     if hf:
         print(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
-    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprob_chunk_tokens') is None else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprob_chunk_tokens') is None else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
 hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
 if hf:
     print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "

@@ -20,6 +20,7 @@ from oumi.exceptions import OumiConfigError
 from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, ON_REWARD_ERROR
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
+    CUDA_GRAPH_IMPLS,
     INFERENCE_BACKENDS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
@@ -291,6 +292,20 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "megatron.transformer_config.attention_backend",
             f"unknown value {t.attention_backend!r}. Choose from {_fmt_choices(ATTENTION_BACKENDS)}.",
         )
+    if t.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
+        r.add("megatron.transformer_config.cuda_graph_impl",
+              f"unknown value {t.cuda_graph_impl!r}. Choose from {_fmt_choices(CUDA_GRAPH_IMPLS)}.")
+    elif t.cuda_graph_impl == "local":
+        if not t.cuda_graph_seq_length or t.cuda_graph_seq_length <= 0:
+            r.add("megatron.transformer_config.cuda_graph_seq_length",
+                  "CUDA graphs have fixed shapes: set it to the longest prompt + completion (every microbatch is padded to it).")
+        if m.pipeline_model_parallel_size > 1:
+            r.add("megatron.transformer_config.cuda_graph_impl",
+                  "local CUDA graphs are tested with pipeline_model_parallel_size 1 only. Set cuda_graph_impl: none for PP > 1.")
+        if t.recompute_granularity is not None:
+            # Megatron-Core refuses full recompute under graphs and skips selective recompute while capturing
+            r.add("megatron.transformer_config.recompute_granularity",
+                  "activation recompute does not run inside CUDA graphs. Set recompute_granularity: null, or cuda_graph_impl: none.")
     if m.logprob_chunk_tokens is not None and m.logprob_chunk_tokens < 0:
         r.add("megatron.logprob_chunk_tokens",
               f"must be null (auto), 0 (off: full logits) or a positive token count, got {m.logprob_chunk_tokens}.")

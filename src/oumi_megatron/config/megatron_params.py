@@ -23,6 +23,7 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
+CUDA_GRAPH_IMPLS = ("none", "local")
 """Core attention of the local layer spec (engine/attention.py)."""
 # Megatron-Core 0.19's allowed selective-recompute modules (TransformerConfig.__post_init__).
 RECOMPUTE_MODULES = (
@@ -104,6 +105,16 @@ class MegatronTransformerConfig(BaseParams):
     gradient_accumulation_fusion: bool | None = None
     """Weight gradients accumulated into the fp32 ``main_grad`` inside the GEMM (torch.addmm; apex's
     kernel is not needed). null = on with CUDA, off on the CPU."""
+
+    cuda_graph_impl: str = "none"
+    """``local``: each transformer layer's forward and backward replayed as CUDA graphs (Megatron-Core's
+    own implementation, no TransformerEngine), so the host no longer launches every kernel; ``none``:
+    eager. Graphs have fixed shapes: every microbatch is right-padded to ``cuda_graph_seq_length``.
+    CUDA only; PP = 1; not with full recompute."""
+
+    cuda_graph_seq_length: int | None = None
+    """Sequence length every microbatch is padded to when ``cuda_graph_impl: local`` (prompt +
+    completion at most; a longer sequence is an error)."""
 
     apply_rope_fusion: bool | None = None
     """Rotary embedding of query and key in one Triton kernel each way. null = on with CUDA, off on the CPU."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.conversion import build_from_checkpoint
+from oumi_megatron.engine.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.engine import MegatronEngine
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
@@ -74,12 +75,15 @@ def build_engine_from_hf_config(
     from oumi_megatron.bridge_utils import import_megatron_bridge
 
     dtype = dtype or default_dtype()
-    init_model_parallel(ParallelSizes.from_params(params))
+    init_model_parallel(ParallelSizes.from_params(params), cuda_graphs=cuda_graphs_enabled(params))
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
-    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype,
+                                  cuda_graphs=cuda_graphs_enabled(params))
     chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)
+    if cuda_graphs_enabled(params):
+        attach_cuda_graphs(chunks)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params)

@@ -56,8 +56,9 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
-def init_model_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
-    """Megatron-Core's process groups and its model-parallel RNG, for the given layout."""
+def init_model_parallel(sizes: ParallelSizes, seed: int = 1234, cuda_graphs: bool = False) -> None:
+    """Megatron-Core's process groups and its model-parallel RNG, for the given layout (a CUDA-graph-safe
+    RNG when the layers will be captured: engine/cuda_graphs.py)."""
     from megatron.core import parallel_state, tensor_parallel
 
     init_distributed()
@@ -71,7 +72,10 @@ def init_model_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
         context_parallel_size=sizes.context,
         expert_model_parallel_size=sizes.expert,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if cuda_graphs:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def data_parallel() -> tuple[int, int, Any]:

@@ -15,6 +15,7 @@ path (``calculate_per_token_loss``) divides the reduced gradients by the global 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from oumi_megatron.engine.cuda_graphs import cuda_graphs_enabled
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -81,6 +84,31 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return (sums[..., 0].log() + z_max[..., 0] - sums[..., 1] / sums[..., 0])
 
 
+def _forward_only(fn: Callable) -> Callable:
+    """A forward-only pass without autograd. With CUDA graphs (engine/cuda_graphs.py) it runs under
+    ``torch.inference_mode``, which keeps Megatron-Core's layers eager (they would otherwise replay the
+    fixed-shape training graphs), and its tensors are copied out of inference mode for later autograd use."""
+
+    @functools.wraps(fn)
+    def wrapper(self: MegatronEngine, *args: Any, **kwargs: Any) -> Any:
+        if not cuda_graphs_enabled(self.params):
+            with torch.no_grad():
+                return fn(self, *args, **kwargs)
+        with torch.inference_mode():
+            out = fn(self, *args, **kwargs)
+        return _clone_tensors(out)
+
+    return wrapper
+
+
+def _clone_tensors(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_tensors(v) for v in value)
+    return value
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> GPU without blocking the host: a pageable copy waits for the GPU to drain its queue."""
     if device.type != "cuda" or t.is_cuda:
@@ -107,6 +135,7 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
+        self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         config = get_model_config(model[0])
         config.finalize_model_grads_func = finalize_model_grads
         if optimizer is not None:
@@ -120,9 +149,16 @@ class MegatronEngine:
     # Running the schedule
     # ----------------------------------------------------------------------------------------------
     @staticmethod
-    def _prepare(microbatches: list[dict[str, torch.Tensor]]) -> tuple[list[dict[str, torch.Tensor]], int, int]:
-        """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step)."""
+    def _prepare(microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+        """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
+        or ``pad_to`` (CUDA graphs' fixed length)."""
         seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+        if pad_to is not None:
+            if seq_len > pad_to:
+                raise ValueError(
+                    f"a microbatch has {seq_len} tokens, more than megatron.transformer_config.cuda_graph_seq_length="
+                    f"{pad_to} (CUDA graphs have fixed shapes): raise cuda_graph_seq_length to the longest prompt + completion")
+            seq_len = pad_to
         mbs = microbatches[0]["input_ids"].shape[0]
         out = []
         for mb in microbatches:
@@ -162,7 +198,13 @@ class MegatronEngine:
         from i * micro_batch_size."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches, seq_len, mbs = self._prepare(microbatches)
+        graphs = not forward_only and cuda_graphs_enabled(self.params)
+        batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
+        if graphs:
+            if self._graph_mbs is not None and mbs != self._graph_mbs:
+                raise ValueError(f"CUDA graphs were captured for micro batch size {self._graph_mbs}; this step has {mbs}. "
+                                 "Keep megatron.micro_batch_size fixed, or set cuda_graph_impl: none")
+            self._graph_mbs = mbs
         device = self._device()
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
 
@@ -246,13 +288,13 @@ class MegatronEngine:
             metrics=totals,
         )
 
-    @torch.no_grad()
+    @_forward_only
     def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-token logprobs of each microbatch's ``input_ids`` (targets = next tokens), on every rank
         of this DP replica; shape of each: [mbs, seq] (seq = the longest microbatch)."""
         return self._forward_only_per_token(microbatches, temperature, with_entropy=False)[0]
 
-    @torch.no_grad()
+    @_forward_only
     def compute_logprobs_and_entropy(
         self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -303,7 +345,7 @@ class MegatronEngine:
         return StaticInferenceContext(max_batch_size=self._generation_microbatches(rows)[1],
                                       max_sequence_length=max_sequence_length)
 
-    @torch.no_grad()
+    @_forward_only
     def last_token_logits(
         self,
         input_ids: torch.Tensor,

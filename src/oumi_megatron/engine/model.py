@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.bridge_utils import import_megatron_bridge
+from oumi_megatron.engine.cuda_graphs import check_cuda_graphs
 from oumi_megatron.errors import UserInputError
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -85,8 +86,11 @@ def configure_provider(
     params: Any,  # MegatronParams
     dtype: torch.dtype,
     seq_length: int | None = None,
+    cuda_graphs: bool = False,
 ) -> Any:
-    """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider."""
+    """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider
+    (``cuda_graphs``: the training engine's builders check that CUDA graphs can run; they are attached
+    after the build, engine/cuda_graphs.py)."""
     provider.tensor_model_parallel_size = params.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = params.pipeline_model_parallel_size
     provider.virtual_pipeline_model_parallel_size = params.virtual_pipeline_model_parallel_size
@@ -135,6 +139,8 @@ def configure_provider(
                 setattr(provider, name, False)
         fusions = apply_fusions(provider, t, torch.cuda.is_available())  # the ones PyTorch can supply
         logger.info("core attention: %s (%s); fusions: %s", backend, why, fusions)
+    if cuda_graphs:
+        check_cuda_graphs(params, torch.cuda.is_available())
     provider.finalize()
     return provider
 
