@@ -12,7 +12,8 @@ attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU 
 
     python scripts/bench_train_step.py --hf-reference --attention local   # + plain transformers, same call
 
-``--set FIELD=VALUE`` sets a ``megatron.transformer_config`` field (e.g. ``apply_rope_fusion=false``),
+``--set FIELD=VALUE`` sets a ``megatron.transformer_config`` field (e.g. ``apply_rope_fusion=false``)
+or, with a section, another ``megatron:`` field (``optimizer_config.fused_kernels=false``),
 ``--logprob-chunk 0`` takes the full-logits path, ``--profile FILE`` writes one step's top CUDA kernels.
 
 ``--hf-reference`` first times transformers' LlamaForCausalLM on the same shape and batches (SDPA
@@ -113,7 +114,8 @@ def main() -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "local"],
                    help="megatron.transformer_config.attention_backend")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a megatron.transformer_config field, e.g. gradient_accumulation_fusion=false (repeatable)")
+                   help="a megatron.transformer_config field, e.g. gradient_accumulation_fusion=false, or "
+                        "SECTION.FIELD=VALUE, e.g. optimizer_config.fused_kernels=false (repeatable)")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (0 = full logits)")
     p.add_argument("--compile-layers", action="store_true", help="experiment: torch.compile each transformer layer (measured slower on an H200: more host time per step)")
     p.add_argument("--profile", default="", help="write the top CUDA kernels of one step to this file")
@@ -128,7 +130,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.fusions import FUSIONS
-    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
@@ -137,7 +139,11 @@ def main() -> None:
     for item in args.set:
         key, value = item.split("=", 1)
         parsed = {"true": True, "false": False, "null": None}.get(value.lower(), int(value) if value.isdigit() else value)
-        setattr(params.transformer_config, key, parsed)
+        *path, field = key.split(".")  # "x" is transformer_config.x; "optimizer_config.x" names its section
+        target = params
+        for part in path or ["transformer_config"]:
+            target = getattr(target, part)
+        setattr(target, field, parsed)
     cfg = model_config(args.seq)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
@@ -184,6 +190,8 @@ def main() -> None:
     core = core_attention_name(engine.model[0])
     config = unwrap(engine.model[0]).config
     fusions = [name for name in FUSIONS if getattr(config, name, False)]
+    if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
+        fusions.append("fused_adamw")
     result = {
         "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",

@@ -8,7 +8,8 @@
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
 # one-GPU training benchmark (HF reference, the engine with unfused ops and the fast path in the same call),
-# =bisect the fast path with each fusion off in turn, =logprobs the 152k-vocabulary logprob benchmark
+# =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
+# =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -62,25 +63,33 @@ fi
 
 BENCH=${GPU_CHECK_BENCH:-1}
 if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
-NOFUSE="--set gradient_accumulation_fusion=false --set apply_rope_fusion=false --set bias_activation_fusion=false"
+# the engine before issue 12: SDPA only (fusions, chunked logprobs and fused optimizer kernels off)
+NOFUSE="--set gradient_accumulation_fusion=false --set apply_rope_fusion=false --set bias_activation_fusion=false --set optimizer_config.fused_kernels=false --logprob-chunk 0"
+GRAPHS="--set cuda_graph_impl=local --set cuda_graph_seq_length=2048"
 if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
-  # the HF reference, the engine before (SDPA, unfused ops) and the fast path, same call, same card
-  python3 scripts/bench_train_step.py --hf-reference $NOFUSE --logprob-chunk 0 --out "$RESULTS/bench_1gpu_a_unfused.json" 2>&1 | tail -3
-  python3 scripts/bench_train_step.py --logprob-chunk 0 --out "$RESULTS/bench_1gpu_b_fused.json" 2>&1 | tail -3
-  # the engine's step is host-bound, so its tokens/s vary between processes: GPU_CHECK_REPEAT runs the
-  # fast path that many times (a row each)
+  # the HF reference, the engine before, the fast path and the fast path + CUDA graphs: same call, same card
+  python3 scripts/bench_train_step.py --hf-reference $NOFUSE --out "$RESULTS/bench_1gpu_a_unfused.json" 2>&1 | tail -3
+  # the step without graphs is host-bound, so its tokens/s vary between processes: GPU_CHECK_REPEAT runs
+  # the fast path that many times (a row each)
   for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
-    python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_c_fused_chunked_$k.json" 2>&1 | tail -3
+    python3 scripts/bench_train_step.py --out "$RESULTS/bench_1gpu_b_fast_$k.json" 2>&1 | tail -3
   done
-  python3 scripts/bench_train_step.py --set cuda_graph_impl=local --set cuda_graph_seq_length=2048 \
-      --out "$RESULTS/bench_1gpu_d_fast_graphs.json" 2>&1 | tail -3
+  python3 scripts/bench_train_step.py $GRAPHS --out "$RESULTS/bench_1gpu_c_fast_graphs.json" 2>&1 | tail -3
+fi
+if [ "$BENCH" = "bisect" ]; then  # the fast path + CUDA graphs with one piece off at a time
+  for f in gradient_accumulation_fusion apply_rope_fusion bias_activation_fusion optimizer_config.fused_kernels; do
+    python3 scripts/bench_train_step.py $GRAPHS --set $f=false --out "$RESULTS/bench_1gpu_no_$f.json" 2>&1 | tail -3
+  done
+  python3 scripts/bench_train_step.py $GRAPHS --logprob-chunk 4096 --out "$RESULTS/bench_1gpu_chunked_logprobs.json" 2>&1 | tail -3
 fi
 if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096: full logits vs chunked
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
 fi
-if [ "$BENCH" = "bisect" ]; then  # the fast path with one fusion off at a time
-  for f in gradient_accumulation_fusion apply_rope_fusion bias_activation_fusion; do
-    python3 scripts/bench_train_step.py --set $f=false --out "$RESULTS/bench_1gpu_no_$f.json" 2>&1 | tail -3
+if [ "$BENCH" = "loop" ]; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
+  for v in unfused fast graphs; do
+    flag=$([ "$v" = fast ] || echo "--$v")
+    python3 tests/workers/grpo_loop_worker.py "/tmp/loop_$v" --steps 80 $flag > "$RESULTS/loop_$v.log" 2>&1 || tail -20 "$RESULTS/loop_$v.log"
+    cp "/tmp/loop_$v/result.json" "$RESULTS/grpo_loop_1gpu_$v.json" 2>/dev/null
   done
 fi
 if [ "$BENCH" = "1" ]; then
@@ -120,7 +129,7 @@ if loops:
     print("\n| GRPO loop (tiny demo) | GPUs | card | steps | reward first 10 -> last 10 | wall s | rollout s | train s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in loops:
-    name = f"TP{r['tp']} PP{r['pp']}" + (" packed" if r["packing"] else "")
+    name = f"TP{r['tp']} PP{r['pp']}" + (" packed" if r["packing"] else "") + (f" {r['variant']}" if r.get("variant") else "")
     w = r["rewards"]
     print(f"| {name} | {r['world_size']} | {r['card']} | {r['steps']} | {sum(w[:10])/10:.3f} -> {sum(w[-10:])/10:.3f} | {r['seconds']:.0f} | {r['rollout_s']:.0f} | {r['train_s']:.0f} |")
 vl = [(p.stem.removeprefix("vllm_gpu_"), json.loads(p.read_text())) for p in sorted(pathlib.Path(sys.argv[1]).glob("vllm_gpu_*.json"))]

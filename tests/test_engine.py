@@ -324,3 +324,14 @@ def test_atomic_directory_never_exposes_partial_output(tmp_path: Path) -> None:
         raise RuntimeError("interrupted")
     assert (target / "config.json").read_text() == "{}"  # the old complete version stays
     assert partial_path(target).exists() and not (target / "new").exists()
+
+
+def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
+    """``logprob_chunk_tokens: null`` on a GPU: full logits up to one auto-sized chunk (512 MiB of fp32),
+    chunks beyond (the 152k-vocabulary case the chunked path exists for)."""
+    from oumi_megatron.engine.chunked_logprobs import AUTO_CHUNK_LOGITS, auto_chunk_tokens, worth_chunking
+
+    assert AUTO_CHUNK_LOGITS * 4 == 512 * 2**20
+    assert not worth_chunking(4096, 32000)  # the 0.8B benchmark's microbatch: 500 MiB
+    assert worth_chunking(4096, 152064) and worth_chunking(4096, 152064 // 2)  # Qwen's vocabulary, also split over TP=2
+    assert auto_chunk_tokens(152064) == 882 and auto_chunk_tokens(10**9) == 256

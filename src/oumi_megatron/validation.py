@@ -296,9 +296,17 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("megatron.transformer_config.cuda_graph_impl",
               f"unknown value {t.cuda_graph_impl!r}. Choose from {_fmt_choices(CUDA_GRAPH_IMPLS)}.")
     elif t.cuda_graph_impl == "local":
+        longest = cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length
         if not t.cuda_graph_seq_length or t.cuda_graph_seq_length <= 0:
             r.add("megatron.transformer_config.cuda_graph_seq_length",
-                  "CUDA graphs have fixed shapes: set it to the longest prompt + completion (every microbatch is padded to it).")
+                  f"CUDA graphs have fixed shapes: set it to the longest prompt + completion ({longest}); every microbatch is padded to it.")
+        elif t.cuda_graph_seq_length < longest:
+            r.add("megatron.transformer_config.cuda_graph_seq_length",
+                  f"{t.cuda_graph_seq_length} is shorter than grpo.max_prompt_length + grpo.max_completion_length = {longest}. "
+                  f"Set cuda_graph_seq_length: {longest}.")
+        if m.enable_sequence_packing:
+            r.add("megatron.enable_sequence_packing",
+                  "packed rows (block-diagonal masks) are not supported with CUDA graphs. Set enable_sequence_packing: False, or cuda_graph_impl: none.")
         if m.pipeline_model_parallel_size > 1:
             r.add("megatron.transformer_config.cuda_graph_impl",
                   "local CUDA graphs are tested with pipeline_model_parallel_size 1 only. Set cuda_graph_impl: none for PP > 1.")

@@ -26,7 +26,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--packing", action="store_true")
-    p.add_argument("--unfused", action="store_true", help="fusions and chunked logprobs off (the engine before issue 12)")
+    p.add_argument("--unfused", action="store_true", help="fusions, chunked logprobs and fused optimizer kernels off (the engine before issue 12)")
+    p.add_argument("--graphs", action="store_true", help="cuda_graph_impl: local, microbatches padded to prompt + completion")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     args = p.parse_args()
 
@@ -65,6 +66,10 @@ def main() -> None:
         for name in FUSIONS:
             setattr(params.transformer_config, name, False)
         params.logprob_chunk_tokens = 0
+        params.optimizer_config.fused_kernels = False
+    if args.graphs:
+        params.transformer_config.cuda_graph_impl = "local"
+        params.transformer_config.cuda_graph_seq_length = 64 + 16  # max_prompt_length + max_completion_length
     grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
                               reward_functions=[RewardFunctionParams(name="char_class")])
     out = work / "run"
@@ -92,6 +97,7 @@ def main() -> None:
         card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         result = {
             "card": card, "world_size": world, "tp": args.tp, "pp": args.pp, "packing": args.packing,
+            "variant": "unfused" if args.unfused else "fast + CUDA graphs" if args.graphs else "fast",
             "steps": len(metrics), "seconds": seconds, "rewards": rewards,
             "first5": sum(rewards[:5]) / 5, "last5": sum(rewards[-5:]) / 5,
             "rollout_s": sum(m["time/rollout_s"] for m in metrics), "train_s": sum(m["time/train_s"] for m in metrics),

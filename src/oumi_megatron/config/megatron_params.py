@@ -74,6 +74,12 @@ class MegatronOptimizerConfig(BaseParams):
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """Overlap device<->host copies of the offloaded optimizer with compute."""
 
+    fused_kernels: bool | None = None
+    """Without TransformerEngine or apex, Megatron-Core falls back to torch's multi-pass AdamW and to a
+    gradient norm that syncs with the host once per parameter. ``null`` (default): on a GPU, torch's
+    fused AdamW (one kernel per step) and foreach gradient norm / scale (no host sync) take their place;
+    on the CPU Megatron-Core's fallbacks stay. ``true`` / ``false`` force it (to bisect a regression)."""
+
 
 @dataclass
 class MegatronTransformerConfig(BaseParams):

@@ -45,6 +45,7 @@ from oumi_megatron.engine.checkpoint_io import (
     save_model,
     save_strategy,
 )
+from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.utils import atomic
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -216,22 +217,17 @@ def newest_valid_checkpoint(root: str | Path) -> Path | None:
     return None
 
 
-def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside Megatron's (possibly chained) optimizer."""
-    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [sub.optimizer for sub in subs if isinstance(getattr(sub, "optimizer", None), torch.optim.Optimizer)]
-
-
 def _materialize_adam_state(optimizer: Any) -> None:
     """Without TE/apex Megatron-Core falls back to torch Adam, whose ``DistributedOptimizer.state_dict``
     asserts that every parameter has a ``step`` (false before the first step, e.g. when building the
     template to load into). Give never-stepped parameters the state torch Adam would create."""
-    for adam in _torch_adams(optimizer):
+    for adam in torch_optimizers(optimizer):
         for group in adam.param_groups:
             for p in group["params"]:
                 state = adam.state[p]
                 if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    on_device = group.get("fused") or group.get("capturable")  # as torch Adam places it
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -259,11 +255,15 @@ def _skip_missing_step_on_load(optimizer: Any) -> Iterator[None]:
 
 def _unshare_adam_steps(optimizer: Any) -> None:
     """Megatron-Core's load gives every parameter the *same* ``step`` tensor; torch Adam increments it
-    in place once per parameter, which would corrupt bias correction after resume. Copy it per param."""
-    for adam in _torch_adams(optimizer):
-        for state in adam.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].detach().clone()
+    in place once per parameter, which would corrupt bias correction after resume. Copy it per param;
+    torch's fused Adam wants it as fp32 on the parameter's device, its other paths on the CPU."""
+    for adam in torch_optimizers(optimizer):
+        for group in adam.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                step = adam.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    adam.state[p]["step"] = step.detach().to(p.device if on_device else "cpu", torch.float32, copy=True)
 
 
 class AsyncCheckpointWriter:
@@ -393,6 +393,8 @@ def _load_tensors(engine: Any, checkpoint: Path) -> None:
     loaded = dist_checkpointing.load(
         {"optimizer": optim_sd}, str(checkpoint / "optimizer"), sharded_strategy=load_strategy(checkpoint / "optimizer", fully_parallel)
     )
+    kernels = kernel_choice(engine.optimizer)
     with _skip_missing_step_on_load(engine.optimizer):
         engine.optimizer.load_state_dict(loaded["optimizer"])
+    restore_kernel_choice(engine.optimizer, kernels)
     _unshare_adam_steps(engine.optimizer)

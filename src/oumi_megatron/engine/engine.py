@@ -143,7 +143,8 @@ class MegatronEngine:
         self.config = config
         chunk = self.logprob_chunk_tokens()
         logger.info("token logprobs: %s", "full logits" if chunk is None else
-                    f"chunked from the hidden states ({chunk or 'auto-sized'} tokens per chunk)")
+                    f"chunked from the hidden states ({chunk} tokens per chunk)" if chunk else
+                    "chunked from the hidden states where a microbatch's fp32 logits pass 512 MiB (auto), full logits below")
 
     # ----------------------------------------------------------------------------------------------
     # Running the schedule
@@ -212,6 +213,14 @@ class MegatronEngine:
         # wanted (generation keeps the last position's) or a KV cache is in use.
         chunk = self.logprob_chunk_tokens()
         chunked = chunk is not None and keep_logits is None and inference_context is None
+        if chunked and chunk == 0:  # auto: only where the full logits would be large
+            from megatron.core import parallel_state
+
+            from oumi_megatron.engine.chunked_logprobs import worth_chunking
+            from oumi_megatron.engine.model import unwrap
+
+            vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+            chunked = worth_chunking(mbs * seq_len, vocab_shard)
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("oumi")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,77 @@ def build_optimizer(model_chunks: list[torch.nn.Module], params: Any, settings: 
         optimizer_offload_fraction=opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0,
         overlap_cpu_optimizer_d2h_h2d=opt.overlap_cpu_optimizer_d2h_h2d,
     )
-    return get_megatron_optimizer(config, model_chunks)
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    if _fused_kernels_on(opt.fused_kernels):
+        use_fused_kernels(optimizer)
+        logger.info("optimizer kernels: torch fused AdamW, foreach gradient norm and scale")
+    else:
+        logger.info("optimizer kernels: Megatron-Core's torch fallbacks (foreach AdamW, per-tensor gradient norm)")
+    return optimizer
+
+
+def _fused_kernels_on(setting: bool | None) -> bool:
+    if setting is None:
+        return torch.cuda.is_available()
+    if setting and not torch.cuda.is_available():
+        raise ValueError("megatron.optimizer_config.fused_kernels: true needs a CUDA GPU; set it to null or false on the CPU")
+    return setting
+
+
+def use_fused_kernels(optimizer: Any) -> None:
+    """Replaces Megatron-Core's no-apex fallbacks on the GPU (see ``fused_kernels`` in MegatronOptimizerConfig).
+
+    - Its torch AdamW is built without ``fused`` (the foreach path: several passes over the fp32 state);
+      torch's fused kernel is the same update in one pass. Switched per param group, after the build,
+      because Megatron-Core passes the constructor no such flag. Groups on the CPU (optimizer offload) keep
+      their path.
+    - Its local ``multi_tensor_l2norm`` turns each parameter's norm into a Python float (a host sync per
+      parameter) and ``multi_tensor_scale`` loops over tensors; the foreach versions below implement
+      apex's amp_C interface on the device.
+    """
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+
+    for inner in torch_optimizers(optimizer):
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                if group["params"] and all(p.is_cuda for p in group["params"]):
+                    group["fused"], group["foreach"] = True, False
+    clip_grads.l2_norm_impl = foreach_l2norm
+    clip_grads.multi_tensor_scale_impl = foreach_scale
+    mcore_optimizer.multi_tensor_scale_impl = foreach_scale
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron-Core's (possibly chained) optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chained if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
+
+
+def kernel_choice(optimizer: Any) -> list[list[tuple[bool, bool]]]:
+    """Each param group's (fused, foreach) flags, to restore after a checkpoint load (torch's
+    ``load_state_dict`` takes them from the checkpoint, which may come from a run with other kernels)."""
+    return [[(g.get("fused") or False, g.get("foreach") or False) for g in o.param_groups] for o in torch_optimizers(optimizer)]
+
+
+def restore_kernel_choice(optimizer: Any, choice: list[list[tuple[bool, bool]]]) -> None:
+    for inner, flags in zip(torch_optimizers(optimizer), choice, strict=True):
+        for group, (fused, foreach) in zip(inner.param_groups, flags, strict=True):
+            group["fused"], group["foreach"] = fused, foreach
+
+
+def foreach_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                   per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+    """apex ``amp_C.multi_tensor_l2norm`` (as called through ``multi_tensor_applier``): the L2 norm of all
+    tensors of ``tensor_lists[0]`` together, as a one-element fp32 tensor on their device."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """apex ``amp_C.multi_tensor_scale``: ``dst = src * scale`` for each pair (any float dtypes)."""
+    src, dst = tensor_lists
+    torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
 
 
 def build_scheduler(optimizer: Any, settings: OptimSettings) -> Any:
