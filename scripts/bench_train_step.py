@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out r.json   # TP=2
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out r.json   # PP=2
 
-Model: Llama-style, 16 layers, hidden 2048, 16 heads (8 KV heads), SwiGLU 5632, vocab 32000, bf16,
-random init (no weights read). Batch: micro batch 2 x 8 microbatches x seq 2048 = 32,768 tokens/step.
+Model (``--shape 0.8b``, default): Llama-style, 16 layers, hidden 2048, 16 heads (8 KV heads), SwiGLU 5632, vocab 32000, bf16,
+random init (no weights read); ``--shape 8b`` has Llama-3-8B's dimensions (32 layers, hidden 4096,
+SwiGLU 14336, 32 heads / 8 KV heads, vocab 128256). Batch: micro batch 2 x 8 microbatches x seq 2048 = 32,768 tokens/step.
 FLOPs/token = 6 x (matmul parameters, output layer included) + 6 x layers x seq x hidden (causal
 attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU / peak dense bf16
 (989 TFLOP/s for H100 SXM and H200). scripts/gpu_check.sh runs all three and writes docs/benchmarks.md.
@@ -34,14 +35,19 @@ import torch
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
-def model_config(seq: int):  # noqa: ANN201
+SHAPES = {  # name -> LlamaConfig fields
+    "0.8b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 10000.0},
+    "8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,  # Llama-3-8B
+           "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
+}
+
+
+def model_config(seq: int, shape: str = "0.8b"):  # noqa: ANN201
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_theta=10000.0, architectures=["LlamaForCausalLM"],
-    )
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=seq, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
@@ -103,6 +109,7 @@ def profile_step(step, path: str) -> None:  # noqa: ANN001
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="0.8b", choices=sorted(SHAPES), help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
@@ -130,6 +137,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.fusions import FUSIONS
+    from oumi_megatron.engine.chunked_logprobs import worth_chunking
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
@@ -144,7 +152,7 @@ def main() -> None:
         for part in path or ["transformer_config"]:
             target = getattr(target, part)
         setattr(target, field, parsed)
-    cfg = model_config(args.seq)
+    cfg = model_config(args.seq, args.shape)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
     tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
@@ -190,12 +198,14 @@ def main() -> None:
     core = core_attention_name(engine.model[0])
     config = unwrap(engine.model[0]).config
     fusions = [name for name in FUSIONS if getattr(config, name, False)]
+    chunk = engine.logprob_chunk_tokens()  # None: full logits; 0: auto (chunked only where the logits are large)
+    chunked = chunk is not None and (chunk > 0 or worth_chunking(args.mbs * args.seq, cfg.vocab_size // args.tp))
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {
-        "layout": f"TP{args.tp} PP{args.pp}", "gpus": world, "card": name, "seq": args.seq,
+        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else ""), "gpus": world, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",
-        "logprob_chunk_tokens": args.logprob_chunk, "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "logprob_chunk_tokens": args.logprob_chunk, "logprobs": "chunked" if chunked else "full logits", "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),

@@ -9,7 +9,8 @@
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
 # one-GPU training benchmark (HF reference, the engine with unfused ops and the fast path in the same call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
-# =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs
+# =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
+# =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -92,11 +93,16 @@ if [ "$BENCH" = "loop" ]; then  # the tiny GRPO loop's step time on 1 GPU: befor
     cp "/tmp/loop_$v/result.json" "$RESULTS/grpo_loop_1gpu_$v.json" 2>/dev/null
   done
 fi
-if [ "$BENCH" = "1" ]; then
-  if [ "$NGPU" -ge 2 ]; then
-    torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 --out "$RESULTS/bench_tp2.json" 2>&1 | tail -3
-    torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --out "$RESULTS/bench_pp2.json" 2>&1 | tail -3
-  fi
+if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "train2" ]; }; then  # TP=2 and PP=2: before issue 12 and fast path
+  for layout in "--tp 2" "--pp 2"; do
+    name=$(echo $layout | tr -d ' -')
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py $layout $NOFUSE --out "$RESULTS/bench_2gpu_${name}_a_unfused.json" 2>&1 | tail -2
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py $layout --out "$RESULTS/bench_2gpu_${name}_b_fast.json" 2>&1 | tail -2
+  done
+fi
+if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "8b" ]; }; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200)
+  torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 --out "$RESULTS/bench_8b_tp2_a_fast.json" 2>&1 | tail -2
+  torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 $GRAPHS --out "$RESULTS/bench_8b_tp2_b_graphs.json" 2>&1 | tail -2
 fi
 if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "sync" ]; }; then
   python3 scripts/bench_weight_sync.py --out "$RESULTS/sync.json" 2>&1 | tail -20
@@ -111,7 +117,7 @@ for r in rows:
     hf = r.get("hf_reference")
     if hf:
         print(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
-    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprob_chunk_tokens') is None else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
 hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
 if hf:
     print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "

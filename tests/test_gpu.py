@@ -70,7 +70,7 @@ def test_cuda_graphs_match_eager_on_gpu(tmp_path_factory: pytest.TempPathFactory
     """``cuda_graph_impl: local`` (each layer's forward/backward replayed as a CUDA graph, microbatches
     padded to cuda_graph_seq_length) against the eager engine, bf16: 4 optimizer steps of different
     lengths give the same losses and grad norms within 2%, forward-only logprobs between steps (another
-    micro batch size, run eagerly) within BF16_TOL."""
+    micro batch size, run eagerly) within BF16_TOL; a resume from a step-2 checkpoint repeats steps 3-4."""
     work = tmp_path_factory.mktemp("gpu_graphs")
     out = work / "graphs.json"
     _check(run_cli([PY, str(WORKERS / "cuda_graph_worker.py"), str(work), str(out)]))
@@ -81,6 +81,7 @@ def test_cuda_graphs_match_eager_on_gpu(tmp_path_factory: pytest.TempPathFactory
     assert r["finite"], r
     assert r["loss_max_rel_diff"] <= 0.02 and r["grad_norm_max_rel_diff"] <= 0.02, r
     assert r["probe_logprobs_max_abs_diff"] <= BF16_TOL, r
+    assert r["resume_max_rel_diff"] <= 1e-3, r  # resumed from step 2 with graphs: steps 3-4 as the straight run
 
 
 def test_fused_optimizer_kernels_match_megatron_fallbacks_on_gpu() -> None:

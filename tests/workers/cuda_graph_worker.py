@@ -7,6 +7,8 @@ A tiny GQA Llama, converted once (bf16), built twice from the same checkpoint wi
 Each runs 4 optimizer steps whose microbatches have different lengths (all <= 40; the graph run pads
 them to 40) with a masked per-token loss, and between steps a forward-only logprob pass with another
 micro batch size (which must run eagerly). Records the losses, grad norms and logprobs of both runs.
+The graph run also saves a checkpoint after step 2; a third engine (graphs) resumes from it and runs
+steps 3-4 (RNG tracker with graph-safe generators saved and restored).
 """
 
 import json
@@ -20,6 +22,7 @@ def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.model import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
@@ -39,8 +42,7 @@ def main() -> None:
         m = batch["loss_mask"].to(logprobs.dtype)
         return -(logprobs * m).sum(), m.sum().round().to(torch.int64), {}
 
-    runs = {}
-    for impl in ("none", "local"):
+    def engine_for(impl: str):  # noqa: ANN202
         params = MegatronParams(micro_batch_size=2)
         params.transformer_config.recompute_granularity = None
         params.transformer_config.cuda_graph_impl = impl
@@ -48,19 +50,30 @@ def main() -> None:
         ckpt = workdir / "mc_gqa"
         if not (ckpt / "oumi_megatron.json").is_file():
             convert_hf_to_megatron(src, ckpt, params, dtype=torch.bfloat16)
-        _, engine = build_engine(ckpt, params, OptimSettings(lr=1e-3), dtype=torch.bfloat16)
+        return build_engine(ckpt, params, OptimSettings(lr=1e-3), dtype=torch.bfloat16)[1]
+
+    runs = {}
+    for impl in ("none", "local"):
+        engine = engine_for(impl)
         losses, norms, probes = [], [], []
-        for mbs in steps:
+        for i, mbs in enumerate(steps):
             r = engine.train_step(mbs, loss_fn)
             losses.append(r.loss)
             norms.append(r.grad_norm)
             probes.append(engine.compute_logprobs([{"input_ids": probe}])[0][:, :-1].float())
+            if impl == "local" and i == 1:
+                saved = save_checkpoint(engine, workdir / "checkpoints", 2, {"step": 2}, src)
         layer = unwrap(engine.model[0]).decoder.layers[0]
         runs[impl] = {"losses": losses, "norms": norms, "probes": probes,
                       "graphed": hasattr(layer, "cudagraph_manager")}
         del engine
+    engine = engine_for("local")
+    load_checkpoint(engine, saved)
+    resumed = [engine.train_step(mbs, loss_fn).loss for mbs in steps[2:]]
     a, b = runs["none"], runs["local"]
     result = {
+        "resumed_losses": resumed,
+        "resume_max_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(resumed, b["losses"][2:])),
         "graphed": {"none": a["graphed"], "local": b["graphed"]},
         "losses": {"none": a["losses"], "local": b["losses"]},
         "grad_norms": {"none": a["norms"], "local": b["norms"]},

@@ -111,7 +111,8 @@ def _rng_state() -> dict[str, Any]:
         "python": [version, list(words), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": _tensor_json(torch.get_rng_state()),
-        "megatron_tracker": {k: _tensor_json(v) for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+        "megatron_tracker": {k: _tensor_json(v.get_state() if isinstance(v, torch.Generator) else v)
+                             for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
     if torch.cuda.is_available():
         state["cuda"] = _tensor_json(torch.cuda.get_rng_state())
@@ -128,9 +129,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_tensor_from_json(state["torch"]))
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(_tensor_from_json(state["cuda"]))
-    tensor_parallel.get_cuda_rng_tracker().set_states(
-        {k: _tensor_from_json(v) for k, v in state["megatron_tracker"].items()}
-    )
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    states = {}
+    for name, value in state["megatron_tracker"].items():
+        saved = _tensor_from_json(value)
+        if isinstance(current.get(name), torch.Generator):
+            # the graph-safe tracker (CUDA graphs) holds generators that captured graphs refer to: set in place
+            current[name].set_state(saved)
+            states[name] = current[name]
+        else:
+            states[name] = saved
+    tracker.set_states(states)
 
 
 def _rank_file(checkpoint: Path, rank: int) -> Path:
