@@ -87,7 +87,7 @@ if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
 fi
 if [ "$BENCH" = "loop" ]; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
-  for v in unfused fast graphs; do
+  for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do
     flag=$([ "$v" = fast ] || echo "--$v")
     python3 tests/workers/grpo_loop_worker.py "/tmp/loop_$v" --steps 80 $flag > "$RESULTS/loop_$v.log" 2>&1 || tail -20 "$RESULTS/loop_$v.log"
     cp "/tmp/loop_$v/result.json" "$RESULTS/grpo_loop_1gpu_$v.json" 2>/dev/null
