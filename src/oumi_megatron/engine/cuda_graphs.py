@@ -42,9 +42,15 @@ def attach_cuda_graphs(chunks: list[Any]) -> None:
     while Megatron-Core supports it (probed on an H200). So the model is built eager and the managers are
     attached here, exactly as ``TransformerLayer.create_mcore_cudagraph_manager`` does at construction.
     """
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from oumi_megatron.engine.model import unwrap
+
+    # Megatron-Core records and captures graphs process-wide (one global record of runners, one flag
+    # "graphs created"); a model built after another one's capture would find the flag set and no runners
+    # of its own. Start each graphed model from an empty record.
+    delete_cuda_graphs()
 
     config = unwrap(chunks[0]).config  # one TransformerConfig object, shared by every module
     config.cuda_graph_impl = "local"
