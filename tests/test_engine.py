@@ -122,6 +122,9 @@ def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None
         assert r[key] is not None and r[key] <= 1e-5, (key, r)
     assert r["generated_tokens_equal"], r
     assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 1e-5 * r["grad_max_abs"], r
+    # the varlen kernel is CUDA-only (flash, bf16/fp16): packed rows use the mask on the CPU, also under SDPA
+    assert r["packed_attention"] == {"local": "mask", "sdpa": "mask"}, r
+    assert r["packed_grad_max_rel_diff"] <= 1e-5, r
     # selective recompute re-runs the same SDPA call in backward: the same numbers
     assert r["recompute_padded_logprobs_max_abs_diff"] == 0.0 and r["recompute_grad_max_abs_diff"] <= 1e-7, r
     # the fused kernels compute in fp32 registers, in another order than the unfused ops: 1e-5 again
@@ -335,3 +338,22 @@ def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
     assert not worth_chunking(4096, 32000)  # the 0.8B benchmark's microbatch: 500 MiB
     assert worth_chunking(4096, 152064) and worth_chunking(4096, 152064 // 2)  # Qwen's vocabulary, also split over TP=2
     assert auto_chunk_tokens(152064) == 882 and auto_chunk_tokens(10**9) == 256
+
+
+def test_packed_rows_give_the_varlen_kernel_one_sequence_per_segment() -> None:
+    from oumi_megatron.engine.attention import cumulative_seqlens, resolve_packed_attention
+
+    # two rows of 8: [3 + 4 + 1 padding] and [8]
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1], [2, 2, 2, 2, 2, 2, 2, 2]])
+    cu, longest = cumulative_seqlens(segments)
+    assert cu.tolist() == [0, 3, 7, 8, 16] and cu.dtype == torch.int32 and longest == 8
+    # two rows whose segment ids continue across the row boundary still split there
+    cu, longest = cumulative_seqlens(torch.tensor([[0, 0], [0, 0]]))
+    assert cu.tolist() == [0, 2, 4] and longest == 2
+    assert resolve_packed_attention("auto", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "varlen"
+    for core, dtype, cuda in (("DotProductAttention", torch.bfloat16, True), ("SdpaCoreAttention", torch.float32, True),
+                              ("SdpaCoreAttention", torch.bfloat16, False)):
+        assert resolve_packed_attention("auto", core, dtype, cuda)[0] == "mask"
+        with pytest.raises(ValueError, match="megatron.transformer_config.packed_attention: varlen cannot run here"):
+            resolve_packed_attention("varlen", core, dtype, cuda)
+    assert resolve_packed_attention("mask", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "mask"

@@ -42,8 +42,9 @@ def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: 
 
 def test_sdpa_attention_matches_local_attention_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The fast path (torch SDPA: cuDNN/flash kernels, native GQA) against Megatron-Core's local attention,
-    bf16 on the GPU: logprobs (padded, packed), entropy and greedy-generation logprobs within BF16_TOL,
-    gradients within 5% of their largest entry (bf16 accumulation order differs)."""
+    bf16 on the GPU: logprobs (padded, packed: varlen kernel vs block-diagonal mask), entropy and
+    greedy-generation logprobs within BF16_TOL, gradients (padded and packed rows) within 5% of their
+    largest entry (bf16 accumulation order differs)."""
     work = tmp_path_factory.mktemp("gpu_sdpa")
     out = work / "attention.json"
     _check(run_cli([PY, str(WORKERS / "attention_worker.py"), str(work), str(out), "bfloat16"]))
@@ -57,6 +58,9 @@ def test_sdpa_attention_matches_local_attention_on_gpu(tmp_path_factory: pytest.
     if r["generated_tokens_equal"]:  # greedy ties may break differently in bf16
         assert r["generated_logprobs_max_abs_diff"] <= BF16_TOL, r
     assert r["grad_max_abs"] > 0 and r["grad_max_abs_diff"] <= 0.05 * r["grad_max_abs"], r
+    # packed rows: SDPA through torch's varlen flash kernel (no mask) against the local block-diagonal mask
+    assert r["packed_attention"] == {"local": "mask", "sdpa": "varlen"}, r
+    assert r["packed_grad_max_rel_diff"] <= 0.05, r
     # the fused kernels (Triton RoPE/SwiGLU, wgrad accumulated into fp32 main_grad) against the unfused ops
     for key in ("fused_padded_logprobs_max_abs_diff", "fused_packed_logprobs_max_abs_diff"):
         assert r[key] <= BF16_TOL, (key, r)

@@ -85,6 +85,7 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"transformer_config": {"recompute_granularity": "some"}}, DENSE, 1, "megatron.transformer_config.recompute_granularity", "'full', 'selective'"),
         ({"transformer_config": {"attention_backend": "flash"}}, DENSE, 1, "megatron.transformer_config.attention_backend", "'auto', 'sdpa', 'local'"),
         ({"logprob_chunk_tokens": -1}, DENSE, 1, "megatron.logprob_chunk_tokens", "0 (off: full logits)"),
+        ({"transformer_config": {"packed_attention": "dense"}}, DENSE, 1, "megatron.transformer_config.packed_attention", "'auto', 'varlen', 'mask'"),
         ({"transformer_config": {"cuda_graph_impl": "full"}}, DENSE, 1, "megatron.transformer_config.cuda_graph_impl", "'none', 'local'"),
         ({"transformer_config": {"cuda_graph_impl": "local", "recompute_granularity": None}}, DENSE, 1,
          "megatron.transformer_config.cuda_graph_seq_length", "CUDA graphs have fixed shapes"),

@@ -21,6 +21,7 @@ from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, O
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
     CUDA_GRAPH_IMPLS,
+    PACKED_ATTENTIONS,
     INFERENCE_BACKENDS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
@@ -292,6 +293,9 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "megatron.transformer_config.attention_backend",
             f"unknown value {t.attention_backend!r}. Choose from {_fmt_choices(ATTENTION_BACKENDS)}.",
         )
+    if t.packed_attention not in PACKED_ATTENTIONS:
+        r.add("megatron.transformer_config.packed_attention",
+              f"unknown value {t.packed_attention!r}. Choose from {_fmt_choices(PACKED_ATTENTIONS)}.")
     if t.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
         r.add("megatron.transformer_config.cuda_graph_impl",
               f"unknown value {t.cuda_graph_impl!r}. Choose from {_fmt_choices(CUDA_GRAPH_IMPLS)}.")

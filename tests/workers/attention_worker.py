@@ -11,7 +11,9 @@ when TRITON_INTERPRET=1), and that one again with logprobs taken in chunks of 7 
 states (engine/chunked_logprobs.py). Records, for each
 path the engine has, the largest difference between local and sdpa: logprobs of right-padded rows (causal, no mask tensor), logprobs and
 entropy of a packed row (block-diagonal mask), greedy KV-cached generation (tokens and their logprobs;
-left-padded prompts), and the gradient of one training step (fp32 main_grad of every parameter).
+left-padded prompts), and the gradients of one training step on padded rows and one on the packed row
+(fp32 main_grad of every parameter). The packed row carries its segment ids, so on a GPU in bf16 the SDPA
+runs attend through the varlen kernel (``packed_attention: auto``) while ``local`` uses the mask.
 """
 
 import json
@@ -55,7 +57,7 @@ def main() -> None:
     segment_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     packed = {"input_ids": torch.randint(0, 300, (1, 24), generator=g),
               "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-              "attention_mask": block_causal_mask(segment_ids)}
+              "attention_mask": block_causal_mask(segment_ids), "segment_ids": segment_ids}
     prompts = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
 
     runs = {}
@@ -86,7 +88,10 @@ def main() -> None:
 
         engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], loss_fn)
         grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in unwrap(engine.model[0]).named_parameters()}
+        engine.train_step([packed], loss_fn)  # packed rows: block-diagonal mask, or the varlen kernel (CUDA, bf16)
+        packed_grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in unwrap(engine.model[0]).named_parameters()}
         runs[name] = {"core": core, "padded": padded, "packed": packed_lp[0], "entropy": packed_entropy[0],
+                      "packed_attention": engine.packed_attention, "packed_grads": packed_grads,
                          "tokens": [r.completion_ids for r in rollouts],
                          "gen_logprobs": torch.tensor([lp for r in rollouts for lp in r.logprobs]), "grads": grads}
 
@@ -102,6 +107,9 @@ def main() -> None:
         "generated_tokens_equal": same_tokens,
         "generated_logprobs_max_abs_diff": (a["gen_logprobs"] - b["gen_logprobs"]).abs().max().item() if same_tokens else None,
         "grad_max_abs_diff": grad_diff,
+        "packed_attention": {"local": a["packed_attention"], "sdpa": b["packed_attention"]},
+        "packed_grad_max_rel_diff": max(((a["packed_grads"][n] - b["packed_grads"][n]).abs().max()
+                                         / a["packed_grads"][n].abs().max().clamp_min(1e-30)).item() for n in a["packed_grads"]),
         "grad_max_abs": grad_scale,
         "recompute_grad_max_abs_diff": max((b["grads"][n] - runs["sdpa_recompute"]["grads"][n]).abs().max().item() for n in b["grads"]),
         "recompute_padded_logprobs_max_abs_diff": (b["padded"] - runs["sdpa_recompute"]["padded"]).abs().max().item(),

@@ -23,6 +23,7 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
+PACKED_ATTENTIONS = ("auto", "varlen", "mask")
 CUDA_GRAPH_IMPLS = ("none", "local")
 """Core attention of the local layer spec (engine/attention.py)."""
 # Megatron-Core 0.19's allowed selective-recompute modules (TransformerConfig.__post_init__).
@@ -108,6 +109,12 @@ class MegatronTransformerConfig(BaseParams):
     scaled_dot_product_attention: cuDNN/flash kernels on CUDA, native GQA, no score matrix), ``local``
     (Megatron-Core's DotProductAttention) or ``auto`` (sdpa on CUDA, local on the CPU)."""
 
+    packed_attention: str = "auto"
+    """How SDPA attends within packed rows (``enable_sequence_packing``): ``varlen`` (torch's
+    variable-length flash kernel, sequence boundaries as cumulative lengths: no [T x T] mask; CUDA, bf16
+    or fp16), ``mask`` (a block-diagonal boolean mask per row) or ``auto`` (varlen where it can run, mask
+    elsewhere)."""
+
     gradient_accumulation_fusion: bool | None = None
     """Weight gradients accumulated into the fp32 ``main_grad`` inside the GEMM (torch.addmm; apex's
     kernel is not needed). null = on with CUDA, off on the CPU."""
@@ -182,8 +189,9 @@ class MegatronParams(BaseParams):
     # Features.
     logprob_chunk_tokens: int | None = None
     """Token logprobs and entropy from the last hidden states in chunks of this many tokens, without the
-    full [tokens x vocab] fp32 logits (engine/chunked_logprobs.py). null = on with CUDA, chunks sized to
-    ~512 MiB of fp32 logits, off on the CPU; 0 = off (full logits)."""
+    full [tokens x vocab] fp32 logits (engine/chunked_logprobs.py). null = auto: with CUDA, chunks of
+    ~512 MiB of fp32 logits where one microbatch's logits would pass that (full logits below); off on
+    the CPU; 0 = off (full logits)."""
 
     enable_sequence_packing: bool = False
     """Pack variable-length sequences into microbatches (no padding)."""

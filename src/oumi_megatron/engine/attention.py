@@ -13,6 +13,12 @@ is used as it is, e.g. the left-padding masks of generation and the block-diagon
 no mask with the causal type and more than one query is the square causal mask; no mask with a single
 query (KV-cached decode) attends to every cached key.
 
+Packed rows (``enable_sequence_packing``) can skip the mask: with ``packed_attention`` varlen (the CUDA
+default in bf16/fp16) the engine hands the layers a ``PackedSeqParams`` in Megatron's ``sbhd`` format
+(cumulative sequence lengths over the flattened [b x T] tokens; Megatron-Core's own ``thd`` branches
+stay off) and ``SdpaCoreAttention`` calls torch's variable-length flash kernel
+(``torch.nn.attention.varlen``): each sequence attends causally within itself, no [T x T] mask exists.
+
 ``attention_backend`` (``megatron.transformer_config``) picks the module: ``auto`` is SDPA on CUDA and
 Megatron-Core's own ``DotProductAttention`` on the CPU (so CPU runs are bit-for-bit today's), ``sdpa``
 and ``local`` force one. Configurations SDPA does not cover (sliding window, softmax offsets,
@@ -27,7 +33,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS
+from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS, PACKED_ATTENTIONS
 
 
 def sdpa_unsupported_reason(config: Any) -> str | None:  # TransformerConfig
@@ -102,10 +108,10 @@ class SdpaCoreAttention(torch.nn.Module):
         from megatron.core import tensor_parallel
         from megatron.core.transformer.enums import AttnMaskType
 
-        if packed_seq_params is not None:
-            raise ValueError("SdpaCoreAttention: packed rows come with a block-diagonal attention_mask, not PackedSeqParams")
         if attention_bias is not None:
             raise ValueError("SdpaCoreAttention: attention_bias is not supported")
+        if packed_seq_params is not None:
+            return self._varlen(query, key, value, packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, sk = query.shape[0], key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]: views; SDPA's kernels take strided inputs with a unit last stride
@@ -123,6 +129,18 @@ class SdpaCoreAttention(torch.nn.Module):
         # [b, h, sq, d] -> [sq, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * out.shape[-1])
 
+    def _varlen(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any) -> torch.Tensor:
+        """Packed rows: [s, b, heads, d] -> b x s tokens, causal within each sequence of ``packed.cu_seqlens_q``."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        if packed.qkv_format != "sbhd" or self.dropout_p > 0:
+            raise ValueError("SdpaCoreAttention: packed rows need PackedSeqParams(qkv_format='sbhd') and no attention dropout")
+        sq, b = query.shape[:2]
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
+        out = varlen_attn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q, packed.max_seqlen_kv,
+                          scale=self.softmax_scale, window_size=(-1, 0))  # (-1, 0): causal
+        return out.view(b, sq, self.heads * out.shape[-1]).transpose(0, 1).contiguous()
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         return {}  # no parameters (vanilla softmax only)
 
@@ -136,6 +154,35 @@ def local_layer_spec_with_attention(provider: Any, backend: str) -> Any:
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     return spec
+
+
+def resolve_packed_attention(requested: str, core_attention: str, dtype: torch.dtype, cuda: bool) -> tuple[str, str]:
+    """('varlen' or 'mask', why) for ``transformer_config.packed_attention``."""
+    if requested not in PACKED_ATTENTIONS:
+        raise ValueError(f"megatron.transformer_config.packed_attention must be one of {PACKED_ATTENTIONS}, got {requested!r}")
+    if requested == "mask":
+        return "mask", "packed_attention: mask"
+    missing = ("the core attention is " + core_attention if core_attention != "SdpaCoreAttention" else
+               "no GPU" if not cuda else
+               f"{dtype} (the flash kernel takes bf16/fp16)" if dtype not in (torch.bfloat16, torch.float16) else None)
+    if missing is None:
+        return "varlen", "torch.nn.attention.varlen (flash), no mask"
+    if requested == "varlen":
+        raise ValueError(f"megatron.transformer_config.packed_attention: varlen cannot run here: {missing}. "
+                         "Set packed_attention: auto or mask.")
+    return "mask", f"block-diagonal mask ({missing})"
+
+
+def cumulative_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [n + 1], longest run) of packed rows ``segment_ids`` [b, T] flattened to b x T
+    tokens: a new sequence starts at each row start and wherever the segment id changes (a row's padding,
+    id < 0, is one more sequence whose outputs nobody reads). Computed on the host, before the batch
+    travels, so the kernel's max length needs no device sync."""
+    b, length = segment_ids.shape
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * length])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def core_attention_name(chunk: torch.nn.Module) -> str:

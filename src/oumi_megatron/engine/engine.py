@@ -141,6 +141,12 @@ class MegatronEngine:
         if optimizer is not None:
             config.grad_scale_func = optimizer.scale_loss
         self.config = config
+        from oumi_megatron.engine.attention import core_attention_name, resolve_packed_attention
+
+        requested = getattr(getattr(params, "transformer_config", None), "packed_attention", "auto")
+        self.packed_attention, why = resolve_packed_attention(requested, core_attention_name(model[0]), config.params_dtype,
+                                                              torch.cuda.is_available())
+        logger.info("packed rows attend through: %s", why)
         chunk = self.logprob_chunk_tokens()
         logger.info("token logprobs: %s", "full logits" if chunk is None else
                     f"chunked from the hidden states ({chunk} tokens per chunk)" if chunk else
@@ -206,6 +212,21 @@ class MegatronEngine:
                 raise ValueError(f"CUDA graphs were captured for micro batch size {self._graph_mbs}; this step has {mbs}. "
                                  "Keep megatron.micro_batch_size fixed, or set cuda_graph_impl: none")
             self._graph_mbs = mbs
+        # Packed rows through the varlen kernel: sequence boundaries from the segment ids (on the host),
+        # and no [T x T] mask to move or read.
+        packing: dict[int, Any] = {}
+        if self.packed_attention == "varlen" and inference_context is None:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            from oumi_megatron.engine.attention import cumulative_seqlens
+
+            for i, b in enumerate(batches):
+                if "segment_ids" in b:
+                    cu, longest = cumulative_seqlens(b["segment_ids"])
+                    cu = _to_device(cu, self._device())
+                    packing[i] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+                    b.pop("attention_mask", None)
         device = self._device()
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
 
@@ -229,6 +250,8 @@ class MegatronEngine:
             if inference_context is not None:
                 inference_context.batch_size_offset = index * mbs  # the cache rows of this microbatch
                 extra["inference_context"] = inference_context
+            if index in packing:
+                extra["packed_seq_params"] = packing[index]
             if chunked:
                 from oumi_megatron.engine.chunked_logprobs import logprob_output_processor
 
