@@ -345,11 +345,10 @@ def test_packed_rows_give_the_varlen_kernel_one_sequence_per_segment() -> None:
 
     # two rows of 8: [3 + 4 + 1 padding] and [8]
     segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1], [2, 2, 2, 2, 2, 2, 2, 2]])
-    cu, longest = cumulative_seqlens(segments)
-    assert cu.tolist() == [0, 3, 7, 8, 16] and cu.dtype == torch.int32 and longest == 8
+    cu = cumulative_seqlens(segments)
+    assert cu.tolist() == [0, 3, 7, 8, 16] and cu.dtype == torch.int32
     # two rows whose segment ids continue across the row boundary still split there
-    cu, longest = cumulative_seqlens(torch.tensor([[0, 0], [0, 0]]))
-    assert cu.tolist() == [0, 2, 4] and longest == 2
+    assert cumulative_seqlens(torch.tensor([[0, 0], [0, 0]])).tolist() == [0, 2, 4]
     assert resolve_packed_attention("auto", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "varlen"
     for core, dtype, cuda in (("DotProductAttention", torch.bfloat16, True), ("SdpaCoreAttention", torch.float32, True),
                               ("SdpaCoreAttention", torch.bfloat16, False)):

@@ -173,16 +173,14 @@ def resolve_packed_attention(requested: str, core_attention: str, dtype: torch.d
     return "mask", f"block-diagonal mask ({missing})"
 
 
-def cumulative_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens int32 [n + 1], longest run) of packed rows ``segment_ids`` [b, T] flattened to b x T
-    tokens: a new sequence starts at each row start and wherever the segment id changes (a row's padding,
-    id < 0, is one more sequence whose outputs nobody reads). Computed on the host, before the batch
-    travels, so the kernel's max length needs no device sync."""
+def cumulative_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (int32 [n + 1]) of packed rows ``segment_ids`` [b, T] flattened to b x T tokens: a new
+    sequence starts at each row start and wherever the segment id changes (a row's padding, id < 0, is
+    one more sequence whose outputs nobody reads). Computed on the host, before the batch travels."""
     b, length = segment_ids.shape
     starts = torch.ones_like(segment_ids, dtype=torch.bool)
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * length])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    return torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * length])]).to(torch.int32)
 
 
 def core_attention_name(chunk: torch.nn.Module) -> str:

@@ -222,10 +222,12 @@ class MegatronEngine:
 
             for i, b in enumerate(batches):
                 if "segment_ids" in b:
-                    cu, longest = cumulative_seqlens(b["segment_ids"])
-                    cu = _to_device(cu, self._device())
+                    cu = _to_device(cumulative_seqlens(b["segment_ids"]), self._device())
+                    # max_seqlen = the row length: an upper bound is all the kernel needs (no device sync
+                    # for the true longest), and GPTModel sizes its rotary table by it (RoPE runs over the
+                    # row's positions, as on the mask path: relative, so a sequence's offset cancels)
                     packing[i] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+                                                 max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
                     b.pop("attention_mask", None)
         device = self._device()
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
