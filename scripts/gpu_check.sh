@@ -7,7 +7,8 @@
 # scripts/bench_train_step.py on 1 GPU and, with 2 GPUs, TP=2 and PP=2.
 # Prints a short table last; results also land in $OUT (or ./gpu_results) for docs/benchmarks.md.
 # GPU_CHECK_BENCH=0 runs the tests only, =sync only the weight-sync benchmark (2 GPUs), =train1 only the
-# one-GPU training benchmark (HF reference, the engine with unfused ops and the fast path in the same call),
+# one-GPU training benchmark (HF reference, the engine before issue 12, the fast path, the fast path + CUDA graphs,
+# in one call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200)
