@@ -73,7 +73,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     updates_per_step = config.grpo.ppo_epochs * config.grpo.num_mini_batches
     settings = OptimSettings.from_training_params(config.training, updates_per_step=updates_per_step)
     bridge, engine = build_engine(checkpoint, config.megatron, settings, dtype,
-                                  trust_remote_code=bool(config.model.trust_remote_code))
+                                  trust_remote_code=bool(config.model.trust_remote_code), layout=layout)
     if rank == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
 

@@ -8,7 +8,6 @@ prints the report; training runs the same function first, before any heavy work.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from oumi_megatron.config.megatron_params import (
     ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
+from oumi_megatron.engine.schedules import resolve_schedule
 from oumi_megatron.layout import ParallelLayout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
 
@@ -415,32 +415,20 @@ def _resolve_batches(
 
 def _resolve_schedule(cfg: MegatronTrainingConfig, r: ValidationReport) -> str:
     m = cfg.megatron
-    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
-    if m.pipeline_schedule == "interleaved" and not vpp:
+    if m.pipeline_schedule == "interleaved" and not m.virtual_pipeline_model_parallel_size:
         r.add(
             "megatron.pipeline_schedule",
             "'interleaved' needs megatron.virtual_pipeline_model_parallel_size (model chunks per "
             "pipeline rank, e.g. 2). Set it, or use pipeline_schedule: 1f1b.",
         )
-    if m.pipeline_schedule == "zb_h1":
-        # Seed 003, WeightGradStore.is_supported(): fall back to the schedule that would run anyway.
-        reason = None
-        if pp <= 1:
-            reason = "pipeline_model_parallel_size is 1 (no pipeline)"
-        elif vpp:
-            reason = "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
-        elif m.ddp_config.overlap_grad_reduce:
-            reason = "ddp_config.overlap_grad_reduce is on (its reduce hooks conflict with deferred weight gradients)"
-        elif importlib.util.find_spec("transformer_engine") is not None:
-            reason = "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
-        if reason is None:
-            return "zb_h1"
-        fallback = "none" if pp <= 1 else ("interleaved" if vpp else "1f1b")
-        r.warn(f"megatron.pipeline_schedule zb_h1 is not supported because {reason}; using {fallback}.")
-        return fallback
-    if pp <= 1:
-        return "none"
-    return "interleaved" if vpp else "1f1b"
+    schedule, why_not = resolve_schedule(m)  # the engine runs what this returns (engine/schedules.py)
+    if why_not is not None:
+        r.warn(f"megatron.pipeline_schedule {why_not}; using {schedule}.")
+    if schedule == "zb_h1" and m.transformer_config.gradient_accumulation_fusion is False:
+        r.add("megatron.transformer_config.gradient_accumulation_fusion",
+              "zb_h1 defers the weight-gradient GEMMs of the linear layers, which it takes from the gradient "
+              "accumulation fusion path. Set gradient_accumulation_fusion: null (zb_h1 turns it on), or pipeline_schedule: 1f1b.")
+    return schedule
 
 
 def _check_layout(

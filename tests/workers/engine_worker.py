@@ -41,6 +41,10 @@ def main() -> None:
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (GPU)")
     p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
+    p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
+    p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
+    p.add_argument("--dump-state", action="store_true",
+                   help="after each step, save every parameter's main_grad and value to OUT/state/rank{R}_step{S}.pt")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -61,6 +65,9 @@ def main() -> None:
     params.transformer_config.recompute_granularity = None
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
+    params.pipeline_schedule = args.schedule
+    if args.grad_accum_fusion:
+        params.transformer_config.gradient_accumulation_fusion = True
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
@@ -69,7 +76,7 @@ def main() -> None:
     writer = AsyncCheckpointWriter() if args.async_save else None
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    results = {"loss": [], "grad_norm": [], "count": []}
+    results = {"loss": [], "grad_norm": [], "count": [], "schedule": [], "deferred_wgrad_ops": []}
     first = 0
     if args.resume:
         first = load_checkpoint(engine, args.resume)["step"]
@@ -85,6 +92,15 @@ def main() -> None:
         results["loss"].append(r.loss)
         results["grad_norm"].append(r.grad_norm)
         results["count"].append(r.count)
+        results["schedule"].append(r.schedule)
+        results["deferred_wgrad_ops"].append(r.deferred_wgrad_ops)
+        if args.dump_state:
+            from oumi_megatron.engine.model import unwrap
+
+            named = [(n, p) for chunk in engine.model for n, p in unwrap(chunk).named_parameters()]
+            state = {n: {"grad": p.main_grad.detach().clone(), "value": p.detach().clone()} for n, p in named}
+            (Path(args.out) / "state").mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(args.out) / "state" / f"rank{dist.get_rank()}_step{step + 1}.pt")
         if step + 1 in args.save_at:
             save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1},
                             Path(args.ckpt) / "hf", async_writer=writer)

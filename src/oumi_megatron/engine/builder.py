@@ -13,6 +13,8 @@ from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.engine import MegatronEngine
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
+from oumi_megatron.engine.schedules import resolve_schedule
+from oumi_megatron.layout import ParallelLayout
 
 
 def ddp_config_from_params(params: Any) -> Any:
@@ -37,14 +39,17 @@ def build_engine(
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    layout: ParallelLayout | None = None,
 ) -> tuple[Any, MegatronEngine]:
-    """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule."""
+    """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule. The pipeline
+    schedule is the validated ``layout``'s (without one, resolved from ``params`` the same way)."""
     dtype = dtype or default_dtype()
+    schedule = layout.pipeline_schedule if layout is not None else resolve_schedule(params)[0]
     bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params),
-                                           trust_remote_code=trust_remote_code)
+                                           trust_remote_code=trust_remote_code, schedule=schedule)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
-    return bridge, MegatronEngine(chunks, optimizer, scheduler, params)
+    return bridge, MegatronEngine(chunks, optimizer, scheduler, params, schedule=schedule)
 
 
 def build_inference_engine(
@@ -80,10 +85,11 @@ def build_engine_from_hf_config(
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
+    schedule = resolve_schedule(params)[0]
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype,
-                                  cuda_graphs=cuda_graphs_enabled(params))
+                                  cuda_graphs=cuda_graphs_enabled(params), schedule=schedule)
     chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)
     if cuda_graphs_enabled(params):
         attach_cuda_graphs(chunks)
     optimizer = build_optimizer(chunks, params, settings, dtype)
-    return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params)
+    return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params, schedule=schedule)

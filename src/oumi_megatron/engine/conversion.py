@@ -149,13 +149,16 @@ def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bo
 
 
 def build_from_checkpoint(checkpoint_dir: str | Path, params: Any, dtype: torch.dtype | None = None,
-                          ddp_config: Any | None = None, trust_remote_code: bool = False) -> tuple[Any, list[torch.nn.Module]]:
-    """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``."""
+                          ddp_config: Any | None = None, trust_remote_code: bool = False,
+                          schedule: str = "none") -> tuple[Any, list[torch.nn.Module]]:
+    """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``
+    (``schedule``: the pipeline schedule the training engine runs)."""
     dtype = dtype or default_dtype()
     graphs = ddp_config is not None and cuda_graphs_enabled(params)  # training only (engine/cuda_graphs.py)
     init_model_parallel(ParallelSizes.from_params(params), cuda_graphs=graphs)
     bridge = load_bridge_for_checkpoint(checkpoint_dir, trust_remote_code)
-    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs)
+    provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs,
+                                  schedule=schedule)
     chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
     load_model(chunks, Path(checkpoint_dir) / "model")
     if graphs:

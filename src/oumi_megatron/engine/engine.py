@@ -1,8 +1,8 @@
 """``MegatronEngine``: one policy model on Megatron-Core, trained one optimizer step at a time.
 
 The caller hands the engine this data-parallel rank's microbatches (every rank of a DP replica gets
-the same ones) and a per-token loss function; the engine runs Megatron-Core's pipeline schedule
-(``get_forward_backward_func``: no pipeline, 1F1B or interleaved), the DP gradient reduce, gradient
+the same ones) and a per-token loss function; the engine runs the pipeline schedule by name
+(engine/schedules.py: no pipeline, 1F1B, interleaved or ZB-H1), the DP gradient reduce, gradient
 clipping and the optimizer step. It also computes per-token log-probabilities without gradients.
 
 Loss contract. ``loss_fn(logprobs, batch) -> (loss_sum, count, metrics)`` where ``logprobs[b, t]`` is
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.cuda_graphs import cuda_graphs_enabled
+from oumi_megatron.engine.schedules import resolve_schedule, schedule_function
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -43,6 +44,10 @@ class StepResult:
     update_successful: bool
     metrics: dict[str, float] = field(default_factory=dict)
     """Sums of the loss function's metrics over the global batch."""
+    schedule: str = "none"
+    """The pipeline schedule that ran (engine/schedules.py)."""
+    deferred_wgrad_ops: int = 0
+    """Weight-gradient GEMMs ZB-H1 deferred and ran in this step, summed over all ranks (0 for other schedules)."""
 
 
 def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
@@ -126,7 +131,8 @@ def _on_device(value: Any, device: torch.device) -> torch.Tensor:
 class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
-    def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: Any) -> None:
+    def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: Any,
+                 schedule: str | None = None) -> None:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
@@ -135,6 +141,8 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
+        # the pipeline schedule by name (engine/schedules.py): the validated layout's, or resolved from params
+        self.schedule = schedule or resolve_schedule(params)[0]
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         config = get_model_config(model[0])
         config.finalize_model_grads_func = finalize_model_grads
@@ -203,8 +211,6 @@ class MegatronEngine:
         """Run the schedule. ``keep_logits`` receives each microbatch's last-position logits;
         ``inference_context`` (a KV cache) is handed to the model, microbatch i using cache rows
         from i * micro_batch_size."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         graphs = not forward_only and cuda_graphs_enabled(self.params)
         batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
         if graphs:
@@ -287,7 +293,7 @@ class MegatronEngine:
         # One iterator per model chunk (interleaved schedules pull from each).
         n = len(batches)
         iterators = [iter(batches) for _ in self.model] if len(self.model) > 1 else iter(batches)
-        return get_forward_backward_func()(
+        return schedule_function(self.schedule)(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=self.model,
@@ -307,6 +313,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
+        deferred = self._deferred_wgrad_ops()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step_count += 1
@@ -320,7 +327,19 @@ class MegatronEngine:
             lr=float(self.optimizer.param_groups[0]["lr"]),
             update_successful=bool(update_successful),
             metrics=totals,
+            schedule=self.schedule,
+            deferred_wgrad_ops=deferred,
         )
+
+    def _deferred_wgrad_ops(self) -> int:
+        """ZB-H1's count of deferred weight-gradient GEMMs in the step just run, summed over all ranks."""
+        if self.schedule != "zb_h1":
+            return 0
+        from oumi_megatron.engine.zero_bubble import WeightGradStore
+
+        count = torch.tensor([WeightGradStore.executed], dtype=torch.int64, device=self._device())
+        dist.all_reduce(count)
+        return int(count.item())
 
     @_forward_only
     def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:

@@ -26,19 +26,22 @@ from typing import Any
 
 import torch
 
+from oumi_megatron.engine.zero_bubble import WeightGradStore
+
 FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion")
 
 
 class TorchWgradAccumulation:
-    """apex's ``fused_weight_gradient_mlp_cuda`` interface in PyTorch: ``main_grad += grad_output^T @ input``."""
+    """apex's ``fused_weight_gradient_mlp_cuda`` interface in PyTorch: ``main_grad += grad_output^T @ input``,
+    run at once or, inside a ZB-H1 backward pass, queued as deferred W work (engine/zero_bubble.py)."""
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-        accumulate_wgrad(total_input, grad_output, main_grad)
+        WeightGradStore.put(total_input, grad_output, main_grad, accumulate_wgrad)
 
     @staticmethod
     def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-        accumulate_wgrad(total_input, grad_output, main_grad)
+        WeightGradStore.put(total_input, grad_output, main_grad, accumulate_wgrad)
 
 
 def accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -62,9 +65,16 @@ def install_torch_wgrad_accumulation() -> None:
         layers._grad_accum_fusion_available = True
 
 
-def resolve_fusions(t: Any, cuda: bool) -> dict[str, bool]:
-    """{fusion: on} for ``megatron.transformer_config`` ``t`` (null = on with CUDA)."""
-    return {name: cuda if getattr(t, name, None) is None else bool(getattr(t, name)) for name in FUSIONS}
+def resolve_fusions(t: Any, cuda: bool, zero_bubble: bool = False) -> dict[str, bool]:
+    """{fusion: on} for ``megatron.transformer_config`` ``t`` (null = on with CUDA; gradient accumulation
+    fusion also on the CPU under the zb_h1 schedule, which defers the weight gradients it computes)."""
+    resolved = {name: cuda if getattr(t, name, None) is None else bool(getattr(t, name)) for name in FUSIONS}
+    if zero_bubble:
+        if getattr(t, "gradient_accumulation_fusion", None) is False:
+            raise ValueError("megatron.transformer_config.gradient_accumulation_fusion: false, but pipeline_schedule zb_h1 "
+                             "defers the weight gradients it computes; set it to null, or pipeline_schedule: 1f1b")
+        resolved["gradient_accumulation_fusion"] = True
+    return resolved
 
 
 def unsupported_reason(name: str, config: Any) -> str | None:  # TransformerConfig / GPTModelProvider
@@ -86,14 +96,14 @@ def unsupported_reason(name: str, config: Any) -> str | None:  # TransformerConf
     return None
 
 
-def apply_fusions(provider: Any, t: Any, cuda: bool) -> str:
+def apply_fusions(provider: Any, t: Any, cuda: bool, zero_bubble: bool = False) -> str:
     """Sets the fusions on a GPTModelProvider (installing their kernels); returns a description for the log."""
     from oumi_megatron.engine.rope import install_fused_rope
     from oumi_megatron.engine.swiglu import install_fused_swiglu
 
     install = {"gradient_accumulation_fusion": install_torch_wgrad_accumulation,
                "apply_rope_fusion": install_fused_rope, "bias_activation_fusion": install_fused_swiglu}
-    resolved = resolve_fusions(t, cuda)
+    resolved = resolve_fusions(t, cuda, zero_bubble)
     for name, on in resolved.items():
         reason = unsupported_reason(name, provider) if on else None
         if reason is not None:

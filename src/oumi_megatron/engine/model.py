@@ -87,10 +87,12 @@ def configure_provider(
     dtype: torch.dtype,
     seq_length: int | None = None,
     cuda_graphs: bool = False,
+    schedule: str = "none",
 ) -> Any:
     """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider
     (``cuda_graphs``: the training engine's builders check that CUDA graphs can run; they are attached
-    after the build, engine/cuda_graphs.py)."""
+    after the build, engine/cuda_graphs.py; ``schedule``: the pipeline schedule the engine will run, zb_h1
+    needs the gradient accumulation path)."""
     provider.tensor_model_parallel_size = params.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = params.pipeline_model_parallel_size
     provider.virtual_pipeline_model_parallel_size = params.virtual_pipeline_model_parallel_size
@@ -137,7 +139,7 @@ def configure_provider(
         for name in _LOCAL_SPEC_FUSIONS_OFF:
             if hasattr(provider, name):
                 setattr(provider, name, False)
-        fusions = apply_fusions(provider, t, torch.cuda.is_available())  # the ones PyTorch can supply
+        fusions = apply_fusions(provider, t, torch.cuda.is_available(), zero_bubble=schedule == "zb_h1")  # the ones PyTorch can supply
         logger.info("core attention: %s (%s); fusions: %s", backend, why, fusions)
     if cuda_graphs:
         check_cuda_graphs(params, torch.cuda.is_available())

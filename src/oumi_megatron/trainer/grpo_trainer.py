@@ -268,7 +268,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if not self._any_scored(valid, rewards.errors):
             self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
             self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
-                                 "time/rollout_s": t_rollout, "time/sync_s": t_sync}
+                                 "time/rollout_s": t_rollout, "time/sync_s": t_sync,
+                                 "pipeline/schedule": self.engine.schedule, "pipeline/deferred_wgrad_ops": 0}
             return self.last_metrics
 
         # this rank's share of every mini-batch (one optimizer step each)
@@ -346,6 +347,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             "mismatch/token_mult_prob_error": mm_exp / max(mm_tokens, 1.0),
             "grad_norm": last.grad_norm,
             "lr": last.lr,
+            # the schedule that ran, and the weight-gradient GEMMs ZB-H1 deferred and ran (all ranks, all updates)
+            "pipeline/schedule": last.schedule,
+            "pipeline/deferred_wgrad_ops": sum(r.deferred_wgrad_ops for r in results),
             "prompt/truncated_fraction": truncated / len(rows),
             "completion_length/mean": lengths.mean().item(),
             "completion_length/max": int(lengths.max()),

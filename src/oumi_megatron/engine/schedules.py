@@ -1,0 +1,80 @@
+"""Pipeline schedules by name: the one place that maps ``megatron.pipeline_schedule`` to the function that runs.
+
+Validation resolves the requested schedule against the layout once (``resolve_schedule``: ZB-H1 falls
+back where it cannot run, and says why) and the resolved name travels in ``ParallelLayout`` to the
+engine, which looks the function up here (``schedule_function``), the way torchtitan resolves its
+pipeline schedule class. Adding a schedule is one entry in ``SCHEDULES``.
+
+- ``none``: PP = 1, Megatron-Core's ``forward_backward_no_pipelining``;
+- ``1f1b``: Megatron-Core's ``forward_backward_pipelining_without_interleaving``;
+- ``interleaved``: Megatron-Core's ``forward_backward_pipelining_with_interleaving`` (virtual pipeline);
+- ``zb_h1``: engine/zero_bubble.py (1F1B with the weight-gradient GEMMs deferred into the bubbles).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+
+def _no_pipelining() -> Callable:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    return forward_backward_no_pipelining
+
+
+def _one_f_one_b() -> Callable:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    return forward_backward_pipelining_without_interleaving
+
+
+def _interleaved() -> Callable:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    return forward_backward_pipelining_with_interleaving
+
+
+def _zb_h1() -> Callable:
+    from oumi_megatron.engine.zero_bubble import forward_backward_zb_h1
+
+    return forward_backward_zb_h1
+
+
+SCHEDULES: dict[str, Callable[[], Callable]] = {
+    "none": _no_pipelining,
+    "1f1b": _one_f_one_b,
+    "interleaved": _interleaved,
+    "zb_h1": _zb_h1,
+}
+
+
+def schedule_function(name: str) -> Callable:
+    """The forward-backward function of a resolved schedule name."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; registered: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]()
+
+
+def zb_h1_unsupported_reason(params: Any) -> str | None:  # MegatronParams
+    """Why ZB-H1 cannot run with these settings (seed 003's ``WeightGradStore.is_supported``), or None."""
+    if params.pipeline_model_parallel_size <= 1:
+        return "pipeline_model_parallel_size is 1 (no pipeline)"
+    if params.virtual_pipeline_model_parallel_size:
+        return "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
+    if params.ddp_config.overlap_grad_reduce:
+        return "ddp_config.overlap_grad_reduce is on (its reduce hooks would fire before the deferred weight gradients)"
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
+    return None
+
+
+def resolve_schedule(params: Any) -> tuple[str, str | None]:  # MegatronParams
+    """(schedule that runs, why it is not the requested one or None) for ``megatron.pipeline_schedule``."""
+    pp, vpp = params.pipeline_model_parallel_size, params.virtual_pipeline_model_parallel_size
+    default = "none" if pp <= 1 else ("interleaved" if vpp else "1f1b")
+    if params.pipeline_schedule == "zb_h1":
+        reason = zb_h1_unsupported_reason(params)
+        return ("zb_h1", None) if reason is None else (default, f"zb_h1 is not supported because {reason}")
+    return default, None

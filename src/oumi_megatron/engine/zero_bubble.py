@@ -1,0 +1,204 @@
+"""ZB-H1, the zero-bubble pipeline schedule with 1F1B's memory (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024; seed 003).
+
+A linear layer's backward is two GEMMs: B, the input gradient the previous stage waits for, and W, the
+weight gradient nobody waits for within the step. 1F1B runs them together; ZB-H1 runs B at once and
+defers W, so input gradients travel upstream sooner, and the deferred W fill the bubbles that 1F1B
+leaves in its cool-down. Stage ``r`` (0 = first) keeps the W of its first ``r`` backward passes
+queued and from then on runs the oldest queued W after each backward pass; what is left runs before the
+gradient reduce and the optimizer step (``pop_all``). With F = B = W the step takes
+``m (F + B + W) + (p - 1)(F + B - W)`` against 1F1B's ``(m + p - 1)(F + B + W)``.
+
+How W is captured: Megatron-Core's linear layers, under ``gradient_accumulation_fusion``, hand their
+weight gradient to ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(input, grad_output,
+main_grad)``, which engine/fusions.py supplies (``TorchWgradAccumulation``). While a ZB-H1 backward pass
+runs, that call is queued in ``WeightGradStore`` instead (the input and output-gradient tensors stay
+alive until it runs), so zb_h1 turns gradient accumulation fusion on. Gradients of parameters outside
+linear layers (norms, embeddings) and the chunked-logprob output layer are not deferred. Each
+parameter's gradient is accumulated in the same microbatch order as under 1F1B, so the result is the
+same: tests/test_engine.py compares losses, gradients and weights with the 1F1B run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+WgradOp = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]]
+
+
+class WeightGradStore:
+    """Deferred weight-gradient GEMMs (seed 003's API): ``put`` queues one during a deferring backward
+    pass, ``flush`` closes the pass's group (one W), ``pop`` runs the oldest group, ``pop_all`` the rest.
+    ``executed`` counts the GEMMs run from the store (the ``pipeline/deferred_wgrad_ops`` metric)."""
+
+    _deferring = False
+    _cache: list[WgradOp] = []
+    _queue: deque[list[WgradOp]] = deque()
+    executed = 0
+
+    @classmethod
+    def is_supported(cls, params: Any) -> bool:  # MegatronParams
+        from oumi_megatron.engine.schedules import zb_h1_unsupported_reason
+
+        return zb_h1_unsupported_reason(params) is None
+
+    @classmethod
+    @contextlib.contextmanager
+    def deferring(cls) -> Iterator[None]:
+        """Weight-gradient GEMMs issued inside are queued instead of run."""
+        cls._deferring = True
+        try:
+            yield
+        finally:
+            cls._deferring = False
+
+    @classmethod
+    def put(cls, total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor,
+            func: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
+        if not cls._deferring:
+            func(total_input, grad_output, main_grad)
+            return
+        cls._cache.append((total_input, grad_output, main_grad, func))
+
+    @classmethod
+    def flush(cls) -> None:
+        cls._queue.append(cls._cache)
+        cls._cache = []
+
+    @classmethod
+    def pop(cls) -> None:
+        if not cls._queue:
+            raise RuntimeError("WeightGradStore.pop: no deferred weight gradients (the schedule popped more W than it deferred)")
+        with torch.no_grad():  # as inside autograd's backward, where the GEMM would have run
+            for total_input, grad_output, main_grad, func in cls._queue.popleft():
+                func(total_input, grad_output, main_grad)
+                cls.executed += 1
+
+    @classmethod
+    def pop_all(cls) -> None:
+        while cls._queue:
+            cls.pop()
+
+    @classmethod
+    def pending(cls) -> int:
+        """Deferred W groups not run yet."""
+        return len(cls._queue)
+
+    @classmethod
+    def reset(cls) -> None:
+        """Drops queued work (after a failed step) and zeroes the counter."""
+        cls._deferring, cls._cache, cls._queue, cls.executed = False, [], deque(), 0
+
+
+def forward_backward_zb_h1(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Megatron-Core's forward-backward interface (as ``forward_backward_pipelining_without_interleaving``),
+    running ZB-H1. Forward-only passes have no backward to split and run Megatron-Core's 1F1B."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel.schedules import (
+        _build_default_pg_collection,
+        backward_step,
+        deallocate_output_tensor,
+        forward_backward_pipelining_without_interleaving,
+        forward_step,
+        get_tensor_shapes,
+    )
+    from megatron.core.utils import get_model_config
+
+    if forward_only:
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=True, **kwargs)
+    model = model[0] if isinstance(model, list) else model
+    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    config = get_model_config(model)
+    if config.defer_embedding_wgrad_compute or config.overlap_p2p_comm:
+        raise ValueError("zb_h1 runs without defer_embedding_wgrad_compute and overlap_p2p_comm")
+    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+    groups = _build_default_pg_collection()
+    shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
+                               config=config, tp_group=groups.tp, cp_group=groups.cp)
+    first, last = comm.is_pp_first_stage, comm.is_pp_last_stage
+    rank = comm.current_stage
+    warmup = min(comm.total_stages - rank - 1, num_microbatches)
+    steady = num_microbatches - warmup
+    store = WeightGradStore
+    store.reset()
+
+    outputs: list[Any] = []  # the loss-function outputs of the last stage, as Megatron's schedules return them
+    total_tokens = torch.zeros([], dtype=torch.int, device="cuda")
+    in_flight: deque[tuple[Any, Any]] = deque()  # (input, output) of microbatches awaiting backward
+
+    def forward(microbatch: int, input_tensor: Any) -> Any:
+        nonlocal total_tokens
+        output, tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, outputs,
+                                      config, cp_group_size=groups.cp.size(), is_first_microbatch=microbatch == 0,
+                                      current_microbatch=microbatch, is_last_stage=last)
+        total_tokens += tokens
+        return output
+
+    def backward(output_grad: Any) -> Any:
+        """B now, this microbatch's W queued as one group."""
+        input_tensor, output = in_flight.popleft()
+        with store.deferring():
+            input_grad = backward_step(input_tensor, output, output_grad, config)
+        store.flush()
+        return input_grad
+
+    no_sync = (config.no_sync_func or contextlib.nullcontext)()
+    no_sync.__enter__()  # one gradient reduce per step, after every W (finalize_model_grads below)
+    try:
+        for i in range(warmup):
+            input_tensor = comm.recv_forward(shapes, first)
+            output = forward(i, input_tensor)
+            comm.send_forward(output, last)
+            in_flight.append((input_tensor, output))
+            deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+
+        input_tensor = comm.recv_forward(shapes, first) if steady > 0 else None
+        for i in range(steady):
+            output = forward(warmup + i, input_tensor)
+            output_grad = comm.send_forward_recv_backward(output, shapes, last)
+            in_flight.append((input_tensor, output))
+            deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+            input_grad = backward(output_grad)
+            if i == steady - 1:
+                comm.send_backward(input_grad, first)
+                input_tensor = None
+            else:
+                input_tensor = comm.send_backward_recv_forward(input_grad, shapes, first)
+            if i >= rank:  # stage r has deferred the W of its first r backward passes
+                store.pop()
+
+        for i in range(warmup):  # cool-down: the deferred W fill the wait for the next output gradient
+            output_grad = comm.recv_backward(shapes, last)
+            comm.send_backward(backward(output_grad), first)
+            if steady + i >= rank:
+                store.pop()
+        store.pop_all()
+    except BaseException:
+        store.reset()
+        raise
+    finally:
+        no_sync.__exit__(None, None, None)
+
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None,
+                                         pg_collection=groups)
+    return outputs
