@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb_h1"], help="megatron.pipeline_schedule (PP > 1)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "local"],
                    help="megatron.transformer_config.attention_backend")
@@ -144,6 +145,7 @@ def main() -> None:
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
+    params.pipeline_schedule = args.schedule
     for item in args.set:
         key, value = item.split("=", 1)
         parsed = {"true": True, "false": False, "null": None}.get(value.lower(), int(value) if value.isdigit() else value)
@@ -203,7 +205,8 @@ def main() -> None:
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {
-        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else ""), "gpus": world, "card": name, "seq": args.seq,
+        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else ""), "gpus": world,
+        "schedule": engine.schedule, "deferred_wgrad_ops": r.deferred_wgrad_ops, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",
         "logprob_chunk_tokens": args.logprob_chunk, "logprobs": "chunked" if chunked else "full logits", "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),

@@ -11,7 +11,8 @@
 # in one call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
-# =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200)
+# =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
+# =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -101,6 +102,16 @@ if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "train2" ]; }; then
     torchrun --nproc_per_node 2 scripts/bench_train_step.py $layout --out "$RESULTS/bench_2gpu_${name}_b_fast.json" 2>&1 | tail -2
   done
 fi
+if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (and PP=4 with 4 GPUs), same call
+  for pp in 2 4; do
+    [ "$NGPU" -ge "$pp" ] || continue
+    for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
+      for s in 1f1b zb_h1; do
+        torchrun --nproc_per_node "$pp" scripts/bench_train_step.py --pp "$pp" --schedule "$s" --out "$RESULTS/bench_pp${pp}_${s}_$k.json" 2>&1 | tail -2
+      done
+    done
+  done
+fi
 if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "8b" ]; }; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200)
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 --out "$RESULTS/bench_8b_tp2_a_fast.json" 2>&1 | tail -2
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 $GRAPHS --out "$RESULTS/bench_8b_tp2_b_graphs.json" 2>&1 | tail -2
@@ -118,7 +129,7 @@ for r in rows:
     hf = r.get("hf_reference")
     if hf:
         print(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
-    print(f"| {r['layout']} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+    print(f"| {r['layout']}{' ' + r['schedule'] if r.get('schedule') not in (None, 'none') else ''} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
 hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
 if hf:
     print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "

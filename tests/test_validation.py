@@ -249,6 +249,13 @@ def test_zb_h1_is_used_where_supported(make_config) -> None:  # noqa: ANN001
     assert r.ok and r.layout.pipeline_schedule == "zb_h1" and not r.warnings
 
 
+def test_zb_h1_needs_the_gradient_accumulation_path(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2,
+                                    "transformer_config": {"gradient_accumulation_fusion": False}}), world_size=2)
+    assert problem_fields(r) == ["megatron.transformer_config.gradient_accumulation_fusion"], r.format_problems()
+    assert "Set gradient_accumulation_fusion: null" in r.format_problems()
+
+
 def test_module_queue_warns_where_it_cannot_act(make_config) -> None:  # noqa: ANN001
     r = check(make_config(megatron={"enable_module_queue": True, "pipeline_model_parallel_size": 2}), world_size=2)
     assert r.ok
