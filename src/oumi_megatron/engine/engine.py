@@ -142,7 +142,9 @@ class MegatronEngine:
         self.params = params
         self.step_count = 0
         # the pipeline schedule by name (engine/schedules.py): the validated layout's, or resolved from params
-        self.schedule = schedule or resolve_schedule(params)[0]
+        resolved, why_not = resolve_schedule(params)
+        self.schedule = schedule or resolved
+        logger.info("pipeline schedule: %s%s", self.schedule, f" ({why_not})" if why_not and self.schedule == resolved else "")
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         config = get_model_config(model[0])
         config.finalize_model_grads_func = finalize_model_grads
