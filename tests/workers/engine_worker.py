@@ -43,8 +43,6 @@ def main() -> None:
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
     p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
-    p.add_argument("--dump-state", action="store_true",
-                   help="after each step, save every parameter's main_grad and value to OUT/state/rank{R}_step{S}.pt")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -94,13 +92,6 @@ def main() -> None:
         results["count"].append(r.count)
         results["schedule"].append(r.schedule)
         results["deferred_wgrad_ops"].append(r.deferred_wgrad_ops)
-        if args.dump_state:
-            from oumi_megatron.engine.model import unwrap
-
-            named = [(n, p) for chunk in engine.model for n, p in unwrap(chunk).named_parameters()]
-            state = {n: {"grad": p.main_grad.detach().clone(), "value": p.detach().clone()} for n, p in named}
-            (Path(args.out) / "state").mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(args.out) / "state" / f"rank{dist.get_rank()}_step{step + 1}.pt")
         if step + 1 in args.save_at:
             save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1},
                             Path(args.ckpt) / "hf", async_writer=writer)
