@@ -187,6 +187,15 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     if args.profile:
         profile_step(lambda: engine.train_step(batches, loss_fn), args.profile)
+    phase_ms = None
+    if engine.schedule == "zb_h1":  # one more (untimed) step with CUDA events around each F, B and W, per stage
+        from oumi_megatron.engine.zero_bubble import PhaseTimes
+
+        PhaseTimes.enabled = True
+        engine.train_step(batches, loss_fn)
+        PhaseTimes.enabled = False
+        phase_ms = [None] * dist.get_world_size()
+        dist.all_gather_object(phase_ms, {k: round(v, 2) for k, v in PhaseTimes.mean_ms().items()})
     world = dist.get_world_size()
     step_s = sorted(times)[len(times) // 2]
     tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
@@ -216,6 +225,8 @@ def main() -> None:
         "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }
+    if phase_ms is not None:
+        result["phase_ms_per_microbatch_by_rank"] = phase_ms  # F, B (input gradients), W (deferred weight gradients)
     if hf is not None:
         result["hf_reference"] = hf
         result["speedup_vs_hf"] = round(result["tokens_per_s"] / hf["tokens_per_s"], 3)

@@ -74,7 +74,7 @@ class WeightGradStore:
     def pop(cls) -> None:
         if not cls._queue:
             raise RuntimeError("WeightGradStore.pop: no deferred weight gradients (the schedule popped more W than it deferred)")
-        with torch.no_grad():  # as inside autograd's backward, where the GEMM would have run
+        with torch.no_grad(), PhaseTimes.measure("W"):  # no_grad: as inside autograd's backward
             for total_input, grad_output, main_grad, func in cls._queue.popleft():
                 func(total_input, grad_output, main_grad)
                 cls.executed += 1
@@ -93,6 +93,34 @@ class WeightGradStore:
     def reset(cls) -> None:
         """Drops queued work (after a failed step) and zeroes the counter."""
         cls._deferring, cls._cache, cls._queue, cls.executed = False, [], deque(), 0
+
+
+class PhaseTimes:
+    """Optional per-microbatch times of F, B and W on this rank (``PhaseTimes.enabled = True``, as
+    scripts/bench_train_step.py sets it): CUDA events, read once at the end of the step."""
+
+    enabled = False
+    _marks: dict[str, list[tuple[Any, Any]]] = {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def measure(cls, phase: str) -> Iterator[None]:
+        if not cls.enabled or not torch.cuda.is_available():
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        cls._marks.setdefault(phase, []).append((start, end))
+
+    @classmethod
+    def mean_ms(cls) -> dict[str, float]:
+        """Mean milliseconds per occurrence of each phase since the last call (synchronizes the device)."""
+        torch.cuda.synchronize()
+        out = {k: sum(s.elapsed_time(e) for s, e in v) / len(v) for k, v in cls._marks.items() if v}
+        cls._marks = {}
+        return out
 
 
 def forward_backward_zb_h1(
@@ -147,16 +175,17 @@ def forward_backward_zb_h1(
 
     def forward(microbatch: int, input_tensor: Any) -> Any:
         nonlocal total_tokens
-        output, tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, outputs,
-                                      config, cp_group_size=groups.cp.size(), is_first_microbatch=microbatch == 0,
-                                      current_microbatch=microbatch, is_last_stage=last)
+        with PhaseTimes.measure("F"):
+            output, tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, outputs,
+                                          config, cp_group_size=groups.cp.size(), is_first_microbatch=microbatch == 0,
+                                          current_microbatch=microbatch, is_last_stage=last)
         total_tokens += tokens
         return output
 
     def backward(output_grad: Any) -> Any:
         """B now, this microbatch's W queued as one group."""
         input_tensor, output = in_flight.popleft()
-        with store.deferring():
+        with store.deferring(), PhaseTimes.measure("B"):
             input_grad = backward_step(input_tensor, output, output_grad, config)
         store.flush()
         return input_grad
