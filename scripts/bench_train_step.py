@@ -138,7 +138,6 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.fusions import FUSIONS
-    from oumi_megatron.engine.chunked_logprobs import worth_chunking
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
@@ -209,8 +208,7 @@ def main() -> None:
     core = core_attention_name(engine.model[0])
     config = unwrap(engine.model[0]).config
     fusions = [name for name in FUSIONS if getattr(config, name, False)]
-    chunk = engine.logprob_chunk_tokens()  # None: full logits; 0: auto (chunked only where the logits are large)
-    chunked = chunk is not None and (chunk > 0 or worth_chunking(args.mbs * args.seq, cfg.vocab_size // args.tp))
+    chunked = engine.chunks_logprobs(args.mbs * args.seq)
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {

@@ -20,8 +20,8 @@ from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, O
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
     CUDA_GRAPH_IMPLS,
-    PACKED_ATTENTIONS,
     INFERENCE_BACKENDS,
+    PACKED_ATTENTIONS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,

@@ -227,6 +227,12 @@ def newest_valid_checkpoint(root: str | Path) -> Path | None:
     return None
 
 
+def _adam_step_device(group: dict[str, Any], param: torch.Tensor) -> torch.device | str:
+    """Where torch Adam keeps a parameter's ``step``: on its device for the fused / capturable kernels,
+    on the CPU otherwise."""
+    return param.device if group.get("fused") or group.get("capturable") else "cpu"
+
+
 def _materialize_adam_state(optimizer: Any) -> None:
     """Without TE/apex Megatron-Core falls back to torch Adam, whose ``DistributedOptimizer.state_dict``
     asserts that every parameter has a ``step`` (false before the first step, e.g. when building the
@@ -236,8 +242,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
             for p in group["params"]:
                 state = adam.state[p]
                 if "step" not in state:
-                    on_device = group.get("fused") or group.get("capturable")  # as torch Adam places it
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_adam_step_device(group, p))
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -269,11 +274,10 @@ def _unshare_adam_steps(optimizer: Any) -> None:
     torch's fused Adam wants it as fp32 on the parameter's device, its other paths on the CPU."""
     for adam in torch_optimizers(optimizer):
         for group in adam.param_groups:
-            on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
                 step = adam.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor):
-                    adam.state[p]["step"] = step.detach().to(p.device if on_device else "cpu", torch.float32, copy=True)
+                    adam.state[p]["step"] = step.detach().to(_adam_step_device(group, p), torch.float32, copy=True)
 
 
 class AsyncCheckpointWriter:

@@ -197,6 +197,20 @@ class MegatronEngine:
             return 0 if torch.cuda.is_available() else None
         return int(value) or None
 
+    def chunks_logprobs(self, tokens_per_microbatch: int) -> bool:
+        """Whether a training / logprob pass over microbatches of this many tokens takes the chunked logprob
+        path (auto: only where one microbatch's fp32 logits would pass one chunk, engine/chunked_logprobs.py)."""
+        chunk = self.logprob_chunk_tokens()
+        if chunk is None or chunk > 0:
+            return chunk is not None
+        from megatron.core import parallel_state
+
+        from oumi_megatron.engine.chunked_logprobs import worth_chunking
+        from oumi_megatron.engine.model import unwrap
+
+        vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+        return worth_chunking(tokens_per_microbatch, vocab_shard)
+
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -222,6 +236,7 @@ class MegatronEngine:
             self._graph_mbs = mbs
         # Packed rows through the varlen kernel: sequence boundaries from the segment ids (on the host),
         # and no [T x T] mask to move or read.
+        device = self._device()
         packing: dict[int, Any] = {}
         if self.packed_attention == "varlen" and inference_context is None:
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -230,28 +245,19 @@ class MegatronEngine:
 
             for i, b in enumerate(batches):
                 if "segment_ids" in b:
-                    cu = _to_device(cumulative_seqlens(b["segment_ids"]), self._device())
+                    cu = _to_device(cumulative_seqlens(b["segment_ids"]), device)
                     # max_seqlen = the row length: an upper bound is all the kernel needs (no device sync
                     # for the true longest), and GPTModel sizes its rotary table by it (RoPE runs over the
                     # row's positions, as on the mask path: relative, so a sequence's offset cancels)
                     packing[i] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                  max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
                     b.pop("attention_mask", None)
-        device = self._device()
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
 
         # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
         # wanted (generation keeps the last position's) or a KV cache is in use.
         chunk = self.logprob_chunk_tokens()
-        chunked = chunk is not None and keep_logits is None and inference_context is None
-        if chunked and chunk == 0:  # auto: only where the full logits would be large
-            from megatron.core import parallel_state
-
-            from oumi_megatron.engine.chunked_logprobs import worth_chunking
-            from oumi_megatron.engine.model import unwrap
-
-            vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
-            chunked = worth_chunking(mbs * seq_len, vocab_shard)
+        chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len)
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)

@@ -85,11 +85,6 @@ class WeightGradStore:
             cls.pop()
 
     @classmethod
-    def pending(cls) -> int:
-        """Deferred W groups not run yet."""
-        return len(cls._queue)
-
-    @classmethod
     def reset(cls) -> None:
         """Drops queued work (after a failed step) and zeroes the counter."""
         cls._deferring, cls._cache, cls._queue, cls.executed = False, [], deque(), 0
