@@ -123,7 +123,7 @@ class MegatronTransformerConfig(BaseParams):
     """``local``: each transformer layer's forward and backward replayed as CUDA graphs (Megatron-Core's
     own implementation, no TransformerEngine), so the host no longer launches every kernel; ``none``:
     eager. Graphs have fixed shapes: every microbatch is right-padded to ``cuda_graph_seq_length``.
-    CUDA only; PP = 1; not with full recompute."""
+    CUDA only; PP = 1; no activation recompute (recompute_granularity: null); no sequence packing."""
 
     cuda_graph_seq_length: int | None = None
     """Sequence length every microbatch is padded to when ``cuda_graph_impl: local`` (prompt +
