@@ -12,7 +12,8 @@
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
-# =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times
+# =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
+# GPU_CHECK_ZB_MICROBATCHES (default 8)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -106,8 +107,11 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (a
   for pp in 2 4; do
     [ "$NGPU" -ge "$pp" ] || continue
     for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
-      for s in 1f1b zb_h1; do
-        torchrun --nproc_per_node "$pp" scripts/bench_train_step.py --pp "$pp" --schedule "$s" --out "$RESULTS/bench_pp${pp}_${s}_$k.json" 2>&1 | tail -2
+      for m in ${GPU_CHECK_ZB_MICROBATCHES:-8}; do  # the 1F1B bubble is (pp - 1) / (m + pp - 1) of the step
+        for s in 1f1b zb_h1; do
+          torchrun --nproc_per_node "$pp" scripts/bench_train_step.py --pp "$pp" --microbatches "$m" --schedule "$s" \
+            --out "$RESULTS/bench_pp${pp}_m${m}_${s}_$k.json" 2>&1 | tail -2
+        done
       done
     done
   done
@@ -134,6 +138,20 @@ hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
 if hf:
     print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "
                                                     f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" for r in rows if r["gpus"] == 1))
+zb = [r for r in rows if r.get("schedule") in ("1f1b", "zb_h1")]
+if zb:  # ZB-H1 against 1F1B: the median of each (layout, microbatches, schedule), then the ratio
+    import statistics
+    groups = {}
+    for r in zb:
+        groups.setdefault((r["layout"], r["tokens_per_step"], r["schedule"]), []).append(r)
+    print("\n| layout | tokens/step | schedule | runs | tokens/s (median) | vs 1F1B | peak GiB (max rank) | deferred W/step | F / B / W ms per microbatch by stage |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (layout, tokens, sched), rs in sorted(groups.items()):
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        base = groups.get((layout, tokens, "1f1b"))
+        ratio = tps / statistics.median(r["tokens_per_s"] for r in base) if base else float("nan")
+        phases = "; ".join("/".join(str(p.get(k, "-")) for k in "FBW") for p in rs[-1].get("phase_ms_per_microbatch_by_rank") or [])
+        print(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {max(r['peak_mem_gib'] for r in rs)} | {rs[-1]['deferred_wgrad_ops']} | {phases or '-'} |")
 lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
 if lp.is_file():
     r = json.loads(lp.read_text())

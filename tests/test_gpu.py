@@ -122,7 +122,8 @@ def test_fused_optimizer_kernels_match_megatron_fallbacks_on_gpu() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--schedule", "zb_h1"]],
+                         ids=["tp2", "pp2", "pp2_zb_h1"])
 def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
     from oumi_megatron.testing.tiny_models import build_tiny_model
 
@@ -139,6 +140,8 @@ def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory,
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-3 * abs(ref["loss"][0])
     for a, b in zip(got["loss"], ref["loss"]):
         assert abs(a - b) <= 5e-3 * abs(b)
+    if "zb_h1" in layout:  # the schedule really ran on NCCL and deferred W (the CPU tests pin the exact count)
+        assert got["schedule"] == ["zb_h1"] * 3 and min(got["deferred_wgrad_ops"]) > 0
 
 
 def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
