@@ -200,7 +200,9 @@ def main() -> None:
     tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
     # state = what stays allocated after the step (weights, fp32 main grads, master weights, Adam moments)
     mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.memory_allocated() / 2**30], device="cuda")
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    mem_by_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
+    dist.all_gather(mem_by_rank, mem)  # pipeline stages differ: the first holds the most microbatches, the last the logits
+    mem = torch.stack(mem_by_rank).amax(0)
     from oumi_megatron.engine.attention import core_attention_name
 
     from oumi_megatron.engine.model import unwrap
@@ -220,6 +222,7 @@ def main() -> None:
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),
         "activation_mem_gib": round(mem[0].item() - mem[1].item(), 2),
+        "peak_mem_gib_by_rank": [round(m[0].item(), 2) for m in mem_by_rank],
         "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }

@@ -13,7 +13,7 @@
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
-# GPU_CHECK_ZB_MICROBATCHES (default 8)
+# GPU_CHECK_ZB_MICROBATCHES (default 8), GPU_CHECK_ZB_PP (default "2 4"), GPU_CHECK_ZB_ARGS (more bench arguments)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -104,12 +104,13 @@ if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "train2" ]; }; then
   done
 fi
 if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (and PP=4 with 4 GPUs), same call
-  for pp in 2 4; do
+  ZB_ARGS=${GPU_CHECK_ZB_ARGS:-}  # e.g. "--mbs 4": larger microbatches keep the GPU, not the host, the bottleneck
+  for pp in ${GPU_CHECK_ZB_PP:-2 4}; do
     [ "$NGPU" -ge "$pp" ] || continue
     for k in $(seq 1 "${GPU_CHECK_REPEAT:-1}"); do
       for m in ${GPU_CHECK_ZB_MICROBATCHES:-8}; do  # the 1F1B bubble is (pp - 1) / (m + pp - 1) of the step
         for s in 1f1b zb_h1; do
-          torchrun --nproc_per_node "$pp" scripts/bench_train_step.py --pp "$pp" --microbatches "$m" --schedule "$s" \
+          torchrun --nproc_per_node "$pp" scripts/bench_train_step.py --pp "$pp" --microbatches "$m" --schedule "$s" $ZB_ARGS \
             --out "$RESULTS/bench_pp${pp}_m${m}_${s}_$k.json" 2>&1 | tail -2
         done
       done
@@ -144,14 +145,14 @@ if zb:  # ZB-H1 against 1F1B: the median of each (layout, microbatches, schedule
     groups = {}
     for r in zb:
         groups.setdefault((r["layout"], r["tokens_per_step"], r["schedule"]), []).append(r)
-    print("\n| layout | tokens/step | schedule | runs | tokens/s (median) | vs 1F1B | peak GiB (max rank) | deferred W/step | F / B / W ms per microbatch by stage |")
+    print("\n| layout | tokens/step | schedule | runs | tokens/s (median) | vs 1F1B | peak GiB by stage | deferred W/step | F / B / W ms per microbatch by stage |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (layout, tokens, sched), rs in sorted(groups.items()):
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         base = groups.get((layout, tokens, "1f1b"))
         ratio = tps / statistics.median(r["tokens_per_s"] for r in base) if base else float("nan")
         phases = "; ".join("/".join(str(p.get(k, "-")) for k in "FBW") for p in rs[-1].get("phase_ms_per_microbatch_by_rank") or [])
-        print(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {max(r['peak_mem_gib'] for r in rs)} | {rs[-1]['deferred_wgrad_ops']} | {phases or '-'} |")
+        print(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {' / '.join(str(max(r.get('peak_mem_gib_by_rank', [r['peak_mem_gib']])[i] for r in rs)) for i in range(len(rs[0].get('peak_mem_gib_by_rank', [0]))))} | {rs[-1]['deferred_wgrad_ops']} | {phases or '-'} |")
 lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
 if lp.is_file():
     r = json.loads(lp.read_text())
