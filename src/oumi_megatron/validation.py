@@ -34,6 +34,7 @@ from oumi_megatron.layout import ParallelLayout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
 
 if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 
@@ -413,6 +414,32 @@ def _resolve_batches(
     return micro, global_batch
 
 
+def _check_module_queue(m: MegatronParams, r: ValidationReport) -> None:
+    """ModuleQueue's rules (engine/module_queue.py): what it cannot run with is an error, where it acts a warning."""
+    t = m.transformer_config
+    if m.ddp_config.use_distributed_optimizer:
+        r.add("megatron.enable_module_queue",
+              "needs megatron.ddp_config.use_distributed_optimizer: false. The distributed optimizer keeps every "
+              "parameter in one contiguous buffer, so a single layer's weights cannot be released from the GPU. "
+              "Set use_distributed_optimizer: false (optimizer state is then not sharded over DP), or "
+              "enable_module_queue: false.")
+    if t.recompute_granularity == "full":
+        r.add("megatron.enable_module_queue",
+              "does not run with transformer_config.recompute_granularity: full (the recomputed forward would need "
+              "the released layer weights inside the backward pass). Use recompute_granularity: selective or null, "
+              "or enable_module_queue: false.")
+    if t.cuda_graph_impl == "local":
+        r.add("megatron.enable_module_queue",
+              "does not run inside CUDA graphs (a graph replays fixed weight addresses; ModuleQueue frees and "
+              "reallocates them). Set cuda_graph_impl: none, or enable_module_queue: false.")
+    r.warn(
+        "megatron.enable_module_queue acts only where it can: on the last pipeline stage "
+        f"(post_process=True{'; the only stage here' if m.pipeline_model_parallel_size == 1 else ''}) "
+        "during training steps. Other stages build a plain GPTModel, and forward passes without gradients "
+        "(logprobs, rollout generation) run with every weight on the GPU."
+    )
+
+
 def _resolve_schedule(cfg: MegatronTrainingConfig, r: ValidationReport) -> str:
     m = cfg.megatron
     if m.pipeline_schedule == "interleaved" and not m.virtual_pipeline_model_parallel_size:
@@ -516,12 +543,7 @@ def _check_layout(
 
     schedule = _resolve_schedule(cfg, r)
     if m.enable_module_queue:
-        r.warn(
-            "megatron.enable_module_queue acts only where it can: on the last pipeline stage "
-            f"(post_process=True{'; the only stage here' if m.pipeline_model_parallel_size == 1 else ''}) "
-            "during training. Other stages build a plain GPTModel, and it is disabled during "
-            "inference (logprobs and rollout generation)."
-        )
+        _check_module_queue(m, r)
     return ParallelLayout(
         world_size=world_size,
         tensor_parallel=m.tensor_model_parallel_size,

@@ -48,6 +48,10 @@ class StepResult:
     """The pipeline schedule that ran (engine/schedules.py)."""
     deferred_wgrad_ops: int = 0
     """Weight-gradient GEMMs ZB-H1 deferred and ran in this step, summed over all ranks (0 for other schedules)."""
+    module_queue_active: bool = False
+    """Whether ModuleQueue streamed the last stage's weights in this step (engine/module_queue.py)."""
+    module_queue_offloaded_mib: float = 0.0
+    """MiB of weights ModuleQueue released from the GPU in this step (every microbatch), summed over all ranks."""
 
 
 def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
@@ -146,6 +150,9 @@ class MegatronEngine:
         self.schedule = schedule or resolved
         logger.info("pipeline schedule: %s%s", self.schedule, f" ({why_not})" if why_not and self.schedule == resolved else "")
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
+        from oumi_megatron.engine.module_queue import module_queues
+
+        self._module_queues = module_queues(model)  # the last stage's ModuleQueue, where enabled
         config = get_model_config(model[0])
         config.finalize_model_grads_func = finalize_model_grads
         if optimizer is not None:
@@ -320,8 +327,15 @@ class MegatronEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
+        for queue in self._module_queues:
+            queue.begin_step()
+        try:
+            outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
+        finally:  # every weight back on the GPU before the optimizer step (also after an error)
+            for queue in self._module_queues:
+                queue.end_step()
         deferred = self._deferred_wgrad_ops()
+        mq_active, mq_mib = self._module_queue_stats()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step_count += 1
@@ -337,7 +351,19 @@ class MegatronEngine:
             metrics=totals,
             schedule=self.schedule,
             deferred_wgrad_ops=deferred,
+            module_queue_active=mq_active,
+            module_queue_offloaded_mib=mq_mib,
         )
+
+    def _module_queue_stats(self) -> tuple[bool, float]:
+        """(ModuleQueue ran on some rank, MiB it released over all ranks) for the step just run."""
+        if not getattr(self.params, "enable_module_queue", False):
+            return False, 0.0
+        stats = torch.tensor([float(len(self._module_queues)),
+                              sum(q.module_queue_offloaded_bytes for q in self._module_queues) / 2**20],
+                             dtype=torch.float64, device=self._device())
+        dist.all_reduce(stats)
+        return bool(stats[0] > 0), float(stats[1])
 
     def _deferred_wgrad_ops(self) -> int:
         """ZB-H1's count of deferred weight-gradient GEMMs in the step just run, summed over all ranks."""

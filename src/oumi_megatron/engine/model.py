@@ -143,6 +143,14 @@ def configure_provider(
         logger.info("core attention: %s (%s); fusions: %s", backend, why, fusions)
     if cuda_graphs:
         check_cuda_graphs(params, torch.cuda.is_available())
+    # ModuleQueue (seed 000): read from the model's config, as in the seed; the stage with post_process
+    # gets the ModuleQueue class (engine/module_queue.py asks which class each stage gets)
+    provider.enable_module_queue = bool(getattr(params, "enable_module_queue", False))
+    provider.module_queue_num_chunks = int(getattr(params, "module_queue_num_chunks", 4))
+    if provider.enable_module_queue:
+        from oumi_megatron.engine.module_queue import module_queue_pre_wrap_hook
+
+        provider.register_pre_wrap_hook(module_queue_pre_wrap_hook)
     provider.finalize()
     return provider
 

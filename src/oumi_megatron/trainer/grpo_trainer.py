@@ -269,7 +269,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
             self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
                                  "time/rollout_s": t_rollout, "time/sync_s": t_sync,
-                                 "pipeline/schedule": self.engine.schedule, "pipeline/deferred_wgrad_ops": 0}
+                                 "pipeline/schedule": self.engine.schedule, "pipeline/deferred_wgrad_ops": 0,
+                                 "module_queue/active": False, "module_queue/offloaded_mib": 0.0}
             return self.last_metrics
 
         # this rank's share of every mini-batch (one optimizer step each)
@@ -350,6 +351,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             # the schedule that ran, and the weight-gradient GEMMs ZB-H1 deferred and ran (all ranks, all updates)
             "pipeline/schedule": last.schedule,
             "pipeline/deferred_wgrad_ops": sum(r.deferred_wgrad_ops for r in results),
+            # ModuleQueue on the last stage: whether it streamed weights, and the MiB it released (all updates)
+            "module_queue/active": any(r.module_queue_active for r in results),
+            "module_queue/offloaded_mib": sum(r.module_queue_offloaded_mib for r in results),
             "prompt/truncated_fraction": truncated / len(rows),
             "completion_length/mean": lengths.mean().item(),
             "completion_length/max": int(lengths.max()),

@@ -1,0 +1,328 @@
+"""ModuleQueue (seed 000): the last pipeline stage's GPTModel, streaming weights between GPU and host.
+
+The last stage holds its transformer layers and the output layer (vocabulary x hidden) at once, and in
+GRPO with 128k-152k vocabularies it is the memory peak. During a training forward pass ModuleQueue
+releases each transformer layer's weights as soon as the layer is done (they are next needed in that
+microbatch's backward pass) while the output layer, kept on the host between microbatches, streams
+back in ``num_chunks`` row chunks. In the backward pass the output layer is released once its backward
+is done, and the layers come back last-first, each one prefetched while the layer after it runs its
+backward.
+
+How storage is really released. Each offloaded parameter must own its storage: the tensor's
+``untyped_storage()`` is resized to 0 bytes (the memory goes back to the caching allocator) and later
+resized back and filled from the host copy, in place, so every reference (autograd's saved tensors,
+the optimizer, DDP's hooks) sees the same tensor again. That holds without the distributed optimizer
+(Megatron-Core's DDP then leaves parameters in their own storage; gradients live in its contiguous
+``main_grad`` buffer, which stays on the GPU). The distributed optimizer keeps all parameters in one
+contiguous buffer, so one layer cannot be released: validation rejects that combination.
+
+Invariants. Between training steps every weight is on the GPU (checkpoints, export, weight sync and
+inference passes see the model as it is); ``begin_step`` marks the host copies stale (the optimizer has
+changed the weights), so the first microbatch of a step copies to the host and later ones only release.
+Before any use a weight is resident: a forward pass first makes released layers resident (schedules
+other than 1F1B may run two forward passes before a backward), and the output layer's and each layer's
+backward wait for their loads. ``end_step`` (also on errors) makes everything resident again.
+
+Copies run on side streams (device -> host and host -> device separately, pinned host memory); the
+compute stream waits on an event before it reads a loaded weight, and a released weight's memory is
+not reused before its device -> host copy ends (``record_stream``). On the CPU (tests) the same
+release and restore happen with synchronous copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
+
+
+class StreamedWeights:
+    """The parameters of one module, releasable from the GPU and restorable in place from a host copy."""
+
+    def __init__(self, name: str, params: list[torch.nn.Parameter]):
+        for p in params:
+            storage = p.data.untyped_storage()
+            if p.data.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+                raise ValueError(
+                    f"ModuleQueue: parameter of {name} shares its storage with other tensors (the distributed "
+                    "optimizer's contiguous parameter buffer); set megatron.ddp_config.use_distributed_optimizer: false "
+                    "or megatron.enable_module_queue: false")
+        self.name = name
+        self.params = params
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        self.resident = True
+        self.host_current = False  # the host copies hold the current weights
+        self._host: list[torch.Tensor] | None = None
+        self._loaded: torch.cuda.Event | None = None  # the host -> device copy the compute stream must wait for
+        self._stored: torch.cuda.Event | None = None  # the device -> host copy a later load must wait for
+        self._loading_rows: tuple[int, int] | None = None  # (rows issued, total) while a chunked load is under way
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.params[0].is_cuda
+
+    def release(self, d2h: torch.cuda.Stream | None) -> int:
+        """Frees the GPU storage (copying to the host first when the host copy is stale); bytes released."""
+        if not self.resident:
+            return 0
+        self.wait()
+        if not self.host_current:
+            if self._host is None:
+                self._host = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=self.on_cuda) for p in self.params]
+            if d2h is not None:
+                d2h.wait_stream(torch.cuda.current_stream())  # the weights as the compute stream left them
+                with torch.cuda.stream(d2h):
+                    for h, p in zip(self._host, self.params):
+                        h.copy_(p.data, non_blocking=True)
+                    self._stored = torch.cuda.Event()
+                    self._stored.record(d2h)
+            else:
+                for h, p in zip(self._host, self.params):
+                    h.copy_(p.data)
+            self.host_current = True
+        for p in self.params:
+            if d2h is not None:
+                p.data.record_stream(d2h)  # the memory is reused only after the copy to the host ends
+            p.data.untyped_storage().resize_(0)
+        self.resident, self._loading_rows = False, None
+        return self.nbytes
+
+    def load(self, h2d: torch.cuda.Stream | None, chunk: int = 0, num_chunks: int = 1) -> None:
+        """Starts restoring the weights (or row chunk ``chunk`` of ``num_chunks`` of a single 2-D weight)."""
+        if self.resident and self._loading_rows is None:
+            return
+        if not self.resident:  # allocate in place, on the compute stream (its earlier work may still use the memory)
+            for p in self.params:
+                p.data.untyped_storage().resize_(p.numel() * p.element_size())
+            self.resident = True
+            self._loading_rows = (0, num_chunks)
+        done, total = self._loading_rows
+        if chunk < done:
+            return
+        if h2d is not None:
+            h2d.wait_stream(torch.cuda.current_stream())  # the memory was allocated on the compute stream
+            if self._stored is not None:
+                h2d.wait_event(self._stored)
+        with torch.cuda.stream(h2d) if h2d is not None else _nullcontext():
+            for c in range(done, chunk + 1):
+                for h, p in zip(self._host, self.params):
+                    if total == 1:
+                        p.data.copy_(h, non_blocking=h2d is not None)
+                    else:
+                        rows = _rows(p.shape[0], c, total)
+                        p.data[rows].copy_(h[rows], non_blocking=h2d is not None)
+            if h2d is not None:
+                self._loaded = torch.cuda.Event()
+                self._loaded.record(h2d)
+        self._loading_rows = None if chunk + 1 >= total else (chunk + 1, total)
+
+    def ensure(self, h2d: torch.cuda.Stream | None) -> None:
+        """Resident and readable by the compute stream (loads whatever is missing, then waits)."""
+        if not self.resident or self._loading_rows is not None:
+            total = self._loading_rows[1] if self._loading_rows else 1
+            self.load(h2d, total - 1, total)
+        self.wait()
+
+    def wait(self) -> None:
+        if self._loaded is not None:
+            torch.cuda.current_stream().wait_event(self._loaded)
+            self._loaded = None
+
+
+def _on_grad(tensor: Any, callback: Callable[[], None]) -> None:
+    """Runs ``callback`` when autograd reaches ``tensor``: after the backward of everything that used it,
+    before the backward of the module that produced it (a tensor hook; the gradient is left unchanged)."""
+    if torch.is_tensor(tensor) and tensor.requires_grad:
+        tensor.register_hook(lambda grad: callback())
+
+
+def _rows(n: int, chunk: int, num_chunks: int) -> slice:
+    return slice(n * chunk // num_chunks, n * (chunk + 1) // num_chunks)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _gpt_model_class() -> type:
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel
+
+
+def _module_queue_class() -> type:
+    """ModuleQueue as a subclass of Megatron-Core's GPTModel (built lazily: Megatron-Core imports are heavy)."""
+    global _MODULE_QUEUE
+    if _MODULE_QUEUE is not None:
+        return _MODULE_QUEUE
+
+    class ModuleQueue(_gpt_model_class()):  # type: ignore[misc]
+        """Drop-in GPTModel for the stage with ``post_process=True`` (seed 000). Configured by
+        ``config.enable_module_queue`` and ``config.module_queue_num_chunks``; inactive on other stages and in
+        forward passes without gradients. Debugging attributes: ``_module_queue_enabled``, ``num_chunks``,
+        ``num_layers``."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self._setup_module_queue()
+
+        @classmethod
+        def adopt(cls, model: Any) -> Any:
+            """Turns a built GPTModel (Megatron-Bridge's provider builds GPTModel) into a ModuleQueue, in place."""
+            model.__class__ = cls
+            model._setup_module_queue()
+            return model
+
+        def _setup_module_queue(self) -> None:
+            self.num_chunks = int(getattr(self.config, "module_queue_num_chunks", 4))
+            self.num_layers = len(self.decoder.layers)
+            self._module_queue_enabled = bool(getattr(self.config, "enable_module_queue", False)) and self.post_process
+            self._mq_in_step = False
+            self._mq_layers: list[StreamedWeights] | None = None  # built on first use: after .cuda() and DDP
+            self._mq_output: StreamedWeights | None = None
+            self._mq_streams: tuple[Any, Any] = (None, None)
+            self.module_queue_offloaded_bytes = 0  # released from the GPU since begin_step
+            if self._module_queue_enabled:
+                for i, layer in enumerate(self.decoder.layers):
+                    layer.register_forward_hook(self._make_layer_hook(i))
+                self.decoder.register_forward_hook(self._decoder_hook)
+
+        # -- step boundaries (the engine's train_step) ------------------------------------------------
+        def begin_step(self) -> None:
+            """A training step starts: the optimizer changed the weights, so the host copies are stale."""
+            if not self._module_queue_enabled:
+                return
+            self._build_streamed()
+            for w in self._all_streamed():
+                w.host_current = False
+            self.module_queue_offloaded_bytes = 0
+            self._mq_in_step = True
+
+        def end_step(self) -> None:
+            """Every weight back on the GPU (before the optimizer step, checkpoints, export, weight sync)."""
+            self._mq_in_step = False
+            if self._mq_layers is None:
+                return
+            for w in self._all_streamed():
+                w.ensure(self._mq_streams[1])
+
+        # -- forward ----------------------------------------------------------------------------------
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not self._mq_active():
+                return super().forward(*args, **kwargs)
+            _, h2d = self._mq_streams
+            for w in self._mq_layers:  # another forward since the last backward (non-1F1B schedules)
+                w.ensure(h2d)
+            if self._mq_output is not None:
+                self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
+            out = super().forward(*args, **kwargs)
+            _on_grad(out, self._before_output_backward)
+            return out
+
+        def _mq_active(self) -> bool:
+            return self._module_queue_enabled and self._mq_in_step and self.training and torch.is_grad_enabled()
+
+        def _make_layer_hook(self, i: int) -> Callable:
+            def hook(_module: Any, _inputs: Any, output: Any) -> Any:
+                if not self._mq_active():
+                    return output
+                d2h, h2d = self._mq_streams
+                self.module_queue_offloaded_bytes += self._mq_layers[i].release(d2h)
+                if self._mq_output is not None:  # the output layer's chunks due after layer i
+                    last_due = (i + 1) * self.num_chunks // self.num_layers - 1
+                    if last_due >= 0:
+                        self._mq_output.load(h2d, min(last_due, self.num_chunks - 1), self.num_chunks)
+                _on_grad(output[0] if isinstance(output, tuple) else output, lambda: self._before_layer_backward(i))
+                return output
+
+            return hook
+
+        def _decoder_hook(self, _module: Any, _inputs: Any, output: Any) -> Any:
+            if not self._mq_active() or not torch.is_tensor(output):
+                return output
+            if self._mq_output is not None:
+                self._mq_output.ensure(self._mq_streams[1])  # all chunks issued and arrived
+            _on_grad(output, self._after_output_backward)
+            return output
+
+        # -- backward ---------------------------------------------------------------------------------
+        def _before_output_backward(self) -> None:
+            h2d = self._mq_streams[1]
+            if self._mq_output is not None:
+                self._mq_output.ensure(h2d)
+            self._mq_layers[-1].load(h2d)  # arrives while the output layer runs its backward
+
+        def _after_output_backward(self) -> None:
+            if self._mq_output is not None:
+                self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
+
+        def _before_layer_backward(self, i: int) -> None:
+            h2d = self._mq_streams[1]
+            self._mq_layers[i].ensure(h2d)
+            if i > 0:
+                self._mq_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
+
+        # -- bookkeeping ------------------------------------------------------------------------------
+        def _build_streamed(self) -> None:
+            if self._mq_layers is not None:
+                return
+            self._mq_layers = [StreamedWeights(f"decoder.layers.{i}", list(layer.parameters()))
+                               for i, layer in enumerate(self.decoder.layers)]
+            # With tied embeddings on a single stage the output weight is the input embedding, needed at the
+            # start of the forward pass: it stays resident.
+            tied = self.pre_process and self.share_embeddings_and_output_weights
+            weight = None if tied else getattr(self.output_layer, "weight", None)
+            self._mq_output = StreamedWeights("output_layer", [weight]) if weight is not None else None
+            if self._mq_layers and self._mq_layers[0].on_cuda:
+                self._mq_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+            logger.info("ModuleQueue on the last pipeline stage: %d layers streamed (%.1f MiB), output layer %s in %d chunks",
+                        self.num_layers, sum(w.nbytes for w in self._mq_layers) / 2**20,
+                        f"{self._mq_output.nbytes / 2**20:.1f} MiB" if self._mq_output else "tied to the embedding (resident)",
+                        self.num_chunks)
+
+        def _all_streamed(self) -> list[StreamedWeights]:
+            return [*(self._mq_layers or []), *([self._mq_output] if self._mq_output is not None else [])]
+
+    _MODULE_QUEUE = ModuleQueue
+    return ModuleQueue
+
+
+_MODULE_QUEUE: type | None = None
+
+
+def __getattr__(name: str) -> Any:  # ``from oumi_megatron.engine.module_queue import ModuleQueue``
+    if name == "ModuleQueue":
+        return _module_queue_class()
+    raise AttributeError(name)
+
+
+def stage_model_class(config: Any, post_process: bool) -> type:
+    """The model class a pipeline stage gets (the model-variant hook of the builder): ModuleQueue on the
+    stage with ``post_process`` when ``config.enable_module_queue``, GPTModel elsewhere."""
+    if post_process and getattr(config, "enable_module_queue", False):
+        return _module_queue_class()
+    return _gpt_model_class()
+
+
+def module_queue_pre_wrap_hook(models: list[Any]) -> list[Any]:
+    """Megatron-Bridge pre-wrap hook: each model chunk becomes the class its stage gets."""
+    out = []
+    for model in models:
+        cls = stage_model_class(model.config, model.post_process)
+        out.append(cls.adopt(model) if cls is not type(model) and hasattr(cls, "adopt") else model)
+    return out
+
+
+def module_queues(chunks: list[torch.nn.Module]) -> list[Any]:
+    """The active ModuleQueue models among an engine's (wrapped) model chunks."""
+    from oumi_megatron.engine.model import unwrap
+
+    return [m for m in (unwrap(c) for c in chunks) if getattr(m, "_module_queue_enabled", False)]

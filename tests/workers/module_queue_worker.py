@@ -1,0 +1,124 @@
+"""ModuleQueue against the plain last stage in one torchrun (gloo, PP = world size), fp32 on the CPU:
+
+    torchrun --nproc_per_node 2 tests/workers/module_queue_worker.py CKPT OUT --chunks 3
+
+Builds the engine from CKPT without the distributed optimizer (ModuleQueue needs each parameter in its own
+storage): plain, then with ModuleQueue (saving a checkpoint after step 2), then with ModuleQueue resumed
+from that checkpoint. Each trains 3 optimizer steps on 4 microbatches (the engine worker's data and loss)
+and, after every step, compares on every rank each parameter's main_grad and value with the plain run's.
+During the ModuleQueue run a probe before the final norm records how many bytes of the last stage's layer
+weights are still on the device (0 when ModuleQueue released them all). Exports both trained models to
+HF (OUT/hf_plain, OUT/hf_mq) and writes OUT/result.json (rank 0).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine_worker import global_batch, token_mean_nll
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (the chunked output path)")
+    args = p.parse_args()
+    ckpt, out = Path(args.ckpt), Path(args.out)
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.conversion import save_hf
+    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.optimizer import OptimSettings
+
+    def engine_for(module_queue: bool):  # noqa: ANN202
+        params = MegatronParams(pipeline_model_parallel_size=int(os.environ["WORLD_SIZE"]),
+                                enable_module_queue=module_queue, module_queue_num_chunks=args.chunks)
+        params.ddp_config.use_distributed_optimizer = False
+        params.transformer_config.recompute_granularity = None
+        params.logprob_chunk_tokens = args.logprob_chunk
+        settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=3)
+        return build_engine(ckpt, params, settings, dtype=torch.float32)
+
+    def microbatches(step: int) -> list[dict]:
+        ids = global_batch(step)
+        mask = torch.ones_like(ids)
+        mask[:, :4] = 0
+        mask[:, -1] = 0
+        return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(2), mask.split(2))]  # 4 microbatches
+
+    def state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+        return {n: (p.main_grad.detach().clone(), p.detach().clone())
+                for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
+
+    def max_diff(now: dict, ref: dict) -> torch.Tensor:
+        assert set(now) == set(ref)
+        d = torch.tensor([max((now[n][0] - ref[n][0]).abs().max().item() for n in ref),
+                          max((now[n][1] - ref[n][1]).abs().max().item() for n in ref)])
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        return d
+
+    def gather(value):  # noqa: ANN001, ANN202
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+
+    runs: dict[str, dict] = {}
+    reference = []
+    for name in ("plain", "module_queue"):
+        bridge, engine = engine_for(name == "module_queue")
+        model = unwrap(engine.model[-1])
+        run = runs[name] = {"loss": [], "grad_norm": [], "active": [], "offloaded_mib": [], "grad_max_abs_diff": [],
+                            "value_max_abs_diff": []}
+        run["class_by_rank"] = gather(type(model).__name__)
+        run["attributes_by_rank"] = gather({k: getattr(model, k, None) for k in ("_module_queue_enabled", "num_chunks", "num_layers")})
+        probe: list[int] = []
+        if model.post_process:  # bytes of layer weights on the device when the final norm runs (training passes)
+            def count(*_: object) -> None:
+                if torch.is_grad_enabled():
+                    probe.append(sum(p.untyped_storage().nbytes() for p in model.decoder.layers.parameters()))
+            model.decoder.final_layernorm.register_forward_pre_hook(count)
+        for step in range(3):
+            r = engine.train_step(microbatches(step), token_mean_nll)
+            run["loss"].append(r.loss)
+            run["grad_norm"].append(r.grad_norm)
+            run["active"].append(r.module_queue_active)
+            run["offloaded_mib"].append(r.module_queue_offloaded_mib)
+            now = state(engine)
+            if name == "plain":
+                reference.append(now)
+            else:
+                d = max_diff(now, reference[step])
+                run["grad_max_abs_diff"].append(d[0].item())
+                run["value_max_abs_diff"].append(d[1].item())
+            if name == "module_queue" and step == 1:
+                saved = save_checkpoint(engine, out / "checkpoints", 2, {"step": 2}, ckpt / "hf")
+        run["layer_bytes_on_device_at_final_norm_by_rank"] = gather(sorted(set(probe)))
+        run["layer_bytes_by_rank"] = gather(sum(p.numel() * p.element_size() for p in model.decoder.layers.parameters()))
+        run["output_bytes_by_rank"] = gather(model.output_layer.weight.numel() * model.output_layer.weight.element_size()
+                                             if model.post_process else 0)
+        run["all_resident_after_step"] = all(gather(all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
+                                                         for p in model.parameters())))
+        probe_ids = global_batch(99)[:4]
+        lp = engine.compute_logprobs([{"input_ids": probe_ids[:2]}, {"input_ids": probe_ids[2:]}])
+        run["logprobs"] = torch.cat(lp).tolist()
+        save_hf(bridge, engine.model, ckpt / "hf", out / f"hf_{'mq' if name == 'module_queue' else 'plain'}")
+        del engine, bridge
+    _, engine = engine_for(True)
+    load_checkpoint(engine, saved)
+    resumed = engine.train_step(microbatches(2), token_mean_nll)
+    runs["module_queue_resumed"] = {"loss": [resumed.loss], "active": [resumed.module_queue_active]}
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(runs, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
