@@ -82,19 +82,24 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
     assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in bad.stdout + bad.stderr
 
 
-def test_oumi_distributed_torchrun_forms_and_zb_h1(good_yaml: Path, tmp_path: Path) -> None:
-    """Both launch forms train on 2 ranks with PP=2: the seed's form with 1F1B, the stock form with ZB-H1
-    (``--megatron.pipeline_schedule zb_h1``). The metrics name the schedule that ran (and ZB-H1's deferred
-    weight-gradient GEMMs), and ZB-H1 learns exactly like 1F1B: it changes when weight gradients are
-    computed, not what they are (rewards equal, losses and grad norms within 1e-6)."""
+def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path, tmp_path: Path) -> None:
+    """Both launch forms train on 2 ranks with PP=2 (without the distributed optimizer): the seed's form with
+    1F1B, the stock form with ZB-H1 (``--megatron.pipeline_schedule zb_h1``) and ModuleQueue on the last
+    stage. The metrics name the schedule that ran (and ZB-H1's deferred weight-gradient GEMMs) and whether
+    ModuleQueue streamed weights; the second run learns exactly like the first: ZB-H1 changes when weight
+    gradients are computed and ModuleQueue where weights wait, not what they are (rewards equal, losses
+    and grad norms within 1e-6)."""
     runs = {}
     for form, schedule in (("seed", "1f1b"), ("stock", "zb_h1")):
+        module_queue = schedule == "zb_h1"
         # a new output_dir per run (a used one is refused), with the conversion of the torchrun test copied in
         out_dir = tmp_path / form
         shutil.copytree(good_yaml.parent / "out" / "megatron_checkpoint", out_dir / "megatron_checkpoint")
         target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
         out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
                        "--megatron.pipeline_model_parallel_size", "2", "--megatron.pipeline_schedule", schedule,
+                       "--megatron.ddp_config.use_distributed_optimizer", "false",
+                       "--megatron.enable_module_queue", str(module_queue).lower(),
                        "--training.output_dir", str(out_dir)],
                       env={"MASTER_PORT": str(free_port())})
         text = out.stdout + out.stderr
@@ -104,6 +109,8 @@ def test_oumi_distributed_torchrun_forms_and_zb_h1(good_yaml: Path, tmp_path: Pa
         records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
         assert records and all(r["pipeline/schedule"] == schedule for r in records), records
         assert all((r["pipeline/deferred_wgrad_ops"] > 0) == (schedule == "zb_h1") for r in records), records
+        assert all(r["module_queue/active"] == module_queue and (r["module_queue/offloaded_mib"] > 0) == module_queue
+                   for r in records), records
         runs[schedule] = records
     ref, zb = runs["1f1b"], runs["zb_h1"]
     assert len(zb) == len(ref) and [r["reward/mean"] for r in zb] == [r["reward/mean"] for r in ref]
