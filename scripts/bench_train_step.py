@@ -40,13 +40,16 @@ SHAPES = {  # name -> LlamaConfig fields
              "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 10000.0},
     "8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,  # Llama-3-8B
            "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
+    "qwen7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,  # Qwen2.5-7B
+               "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0},
 }
 
 
-def model_config(seq: int, shape: str = "0.8b"):  # noqa: ANN201
+def model_config(seq: int, shape: str = "0.8b", layers: int | None = None):  # noqa: ANN201
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=seq, rms_norm_eps=1e-5,
+    fields = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    return LlamaConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-5,
                        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
@@ -110,6 +113,10 @@ def profile_step(step, path: str) -> None:  # noqa: ANN001
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="0.8b", choices=sorted(SHAPES), help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
+    p.add_argument("--module-queue", type=int, default=0, metavar="CHUNKS",
+                   help="megatron.enable_module_queue with this many output-layer chunks (0: off); needs "
+                        "--set ddp_config.use_distributed_optimizer=false")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
@@ -145,6 +152,8 @@ def main() -> None:
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
     params.pipeline_schedule = args.schedule
+    params.enable_module_queue = args.module_queue > 0
+    params.module_queue_num_chunks = max(args.module_queue, 1)
     for item in args.set:
         key, value = item.split("=", 1)
         parsed = {"true": True, "false": False, "null": None}.get(value.lower(), int(value) if value.isdigit() else value)
@@ -153,7 +162,7 @@ def main() -> None:
         for part in path or ["transformer_config"]:
             target = getattr(target, part)
         setattr(target, field, parsed)
-    cfg = model_config(args.seq, args.shape)
+    cfg = model_config(args.seq, args.shape, args.layers)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
     tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
@@ -214,7 +223,8 @@ def main() -> None:
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {
-        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else ""), "gpus": world,
+        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else "")
+                  + (f" ({cfg.num_hidden_layers} layers)" if args.layers else ""), "gpus": world,
         "schedule": engine.schedule, "deferred_wgrad_ops": r.deferred_wgrad_ops, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",
         "logprob_chunk_tokens": args.logprob_chunk, "logprobs": "chunked" if chunked else "full logits", "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
@@ -226,6 +236,17 @@ def main() -> None:
         "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }
+    if args.module_queue or args.set:
+        result["settings"] = args.set
+    if params.enable_module_queue or any("use_distributed_optimizer=false" in x for x in args.set):
+        # seed 000's estimate of ModuleQueue's saving on the last stage: N x layer_size - V x H / num_chunks (bf16)
+        h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+        layer_bytes = 2 * (h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h)
+        n = cfg.num_hidden_layers // args.pp
+        result["module_queue_chunks"] = args.module_queue
+        result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
+        result["seed_formula_saving_gib"] = round((n * layer_bytes - 2 * v * h / max(args.module_queue, 1)) / 2**30, 2)
     if phase_ms is not None:
         result["phase_ms_per_microbatch_by_rank"] = phase_ms  # F, B (input gradients), W (deferred weight gradients)
     if hf is not None:
