@@ -384,23 +384,25 @@ def test_zb_h1_equals_1f1b(pp: int, converted: Path, workdir: Path) -> None:
     assert r["zb_h1_resumed"]["deferred_wgrad_ops"] == zb["deferred_wgrad_ops"][2:]
 
 
-@pytest.mark.parametrize(("pp", "chunks", "logprob_chunk"), [(1, 5, 7), (2, 3, None)],
-                         ids=["pp1_chunked_logprobs", "pp2_full_logits"])
-def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_chunk: int | None, converted: Path,
-                                                  workdir: Path) -> None:
+@pytest.mark.parametrize(("pp", "chunks", "logprob_chunk", "distributed_optimizer"), [(1, 5, 7, False), (2, 3, None, True)],
+                         ids=["pp1_chunked_logprobs", "pp2_full_logits_distributed_optimizer"])
+def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_chunk: int | None,
+                                                  distributed_optimizer: bool, converted: Path, workdir: Path) -> None:
     """ModuleQueue (engine/module_queue.py) against the plain GPTModel, PP=1 and PP=2 gloo ranks, 4 microbatches,
-    3 optimizer steps, without the distributed optimizer: losses, every parameter's gradient and updated value,
-    logprobs and the HF export are bit-identical (ModuleQueue only moves weights between storages; every
-    kernel sees the same numbers in the same order), the layer weights of the last stage are really released
-    when its final norm runs and all back after the step, the seed's debugging attributes, the
-    ``module_queue/offloaded_mib`` count, and a resume from the step-2 checkpoint repeats step 3. Both output
-    paths: chunked logprobs (PP=1) and full logits (PP=2). One torchrun (tests/workers/module_queue_worker.py)."""
+    3 optimizer steps: losses, every parameter's gradient and updated value, logprobs and the HF export are
+    bit-identical (ModuleQueue only moves weights between storages; every kernel sees the same numbers in
+    the same order), the layer weights of the last stage are really released when its final norm runs and
+    all back after the step, the seed's debugging attributes, the ``module_queue/offloaded_mib`` count, and a
+    resume from the step-2 checkpoint repeats step 3. Both output paths (chunked logprobs at PP=1, full
+    logits at PP=2) and both parameter layouts (own storage; the distributed optimizer's contiguous buffer,
+    detached for each step). One torchrun (tests/workers/module_queue_worker.py)."""
     from safetensors.torch import load_file
 
     out = workdir / f"module_queue_pp{pp}"
     _check(run_cli([TORCHRUN, "--nproc_per_node", str(pp), "--master-port", str(free_port()),
                     str(WORKERS / "module_queue_worker.py"), str(converted), str(out), "--chunks", str(chunks),
-                    *(["--logprob-chunk", str(logprob_chunk)] if logprob_chunk else [])]))
+                    *(["--logprob-chunk", str(logprob_chunk)] if logprob_chunk else []),
+                    *(["--distributed-optimizer"] if distributed_optimizer else [])]))
     r = json.loads((out / "result.json").read_text())
     plain, mq = r["plain"], r["module_queue"]
     assert plain["class_by_rank"] == ["GPTModel"] * pp
@@ -415,8 +417,9 @@ def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_
     assert plain["layer_bytes_on_device_at_final_norm_by_rank"][-1] == [layers]
     assert mq["layer_bytes_on_device_at_final_norm_by_rank"][-1] == [0]  # every layer released before the output layer runs
     assert mq["all_resident_after_step"]
-    # per microbatch the layers and the output layer; the output layer once more at the step's first forward
-    assert mq["offloaded_mib"] == [pytest.approx((4 * (layers + output) + output) / 2**20)] * 3
+    # per microbatch the layers and the output layer; with own storage the output layer once more at the step's
+    # first forward (a detached step starts with it released)
+    assert mq["offloaded_mib"] == [pytest.approx((4 * (layers + output) + (0 if distributed_optimizer else output)) / 2**20)] * 3
     assert r["module_queue_resumed"]["loss"] == mq["loss"][2:]
     exported = [{k: v for f in sorted((out / name).glob("*.safetensors")) for k, v in load_file(f).items()}
                 for name in ("hf_plain", "hf_mq")]

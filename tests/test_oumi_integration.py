@@ -83,7 +83,7 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
 
 
 def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path, tmp_path: Path) -> None:
-    """Both launch forms train on 2 ranks with PP=2 (without the distributed optimizer): the seed's form with
+    """Both launch forms train on 2 ranks with PP=2: the seed's form with
     1F1B, the stock form with ZB-H1 (``--megatron.pipeline_schedule zb_h1``) and ModuleQueue on the last
     stage. The metrics name the schedule that ran (and ZB-H1's deferred weight-gradient GEMMs) and whether
     ModuleQueue streamed weights; the second run learns exactly like the first: ZB-H1 changes when weight
@@ -98,7 +98,6 @@ def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path,
         target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
         out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
                        "--megatron.pipeline_model_parallel_size", "2", "--megatron.pipeline_schedule", schedule,
-                       "--megatron.ddp_config.use_distributed_optimizer", "false",
                        "--megatron.enable_module_queue", str(module_queue).lower(),
                        "--training.output_dir", str(out_dir)],
                       env={"MASTER_PORT": str(free_port())})

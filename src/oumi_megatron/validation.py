@@ -417,12 +417,11 @@ def _resolve_batches(
 def _check_module_queue(m: MegatronParams, r: ValidationReport) -> None:
     """ModuleQueue's rules (engine/module_queue.py): what it cannot run with is an error, where it acts a warning."""
     t = m.transformer_config
-    if m.ddp_config.use_distributed_optimizer:
+    if m.ddp_config.overlap_param_gather:
         r.add("megatron.enable_module_queue",
-              "needs megatron.ddp_config.use_distributed_optimizer: false. The distributed optimizer keeps every "
-              "parameter in one contiguous buffer, so a single layer's weights cannot be released from the GPU. "
-              "Set use_distributed_optimizer: false (optimizer state is then not sharded over DP), or "
-              "enable_module_queue: false.")
+              "does not run with ddp_config.overlap_param_gather: true (the parameter all-gather would write into the "
+              "contiguous parameter buffer ModuleQueue detaches during the forward pass). Set overlap_param_gather: "
+              "false, or enable_module_queue: false.")
     if t.recompute_granularity == "full":
         r.add("megatron.enable_module_queue",
               "does not run with transformer_config.recompute_granularity: full (the recomputed forward would need "

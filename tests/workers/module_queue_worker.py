@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/workers/module_queue_worker.py CKPT OUT --chunks 3
 
-Builds the engine from CKPT without the distributed optimizer (ModuleQueue needs each parameter in its own
-storage): plain, then with ModuleQueue (saving a checkpoint after step 2), then with ModuleQueue resumed
+Builds the engine from CKPT (with the distributed optimizer if asked: ModuleQueue then detaches the
+parameters from DDP's contiguous buffer for each step): plain, then with ModuleQueue (saving a checkpoint after step 2), then with ModuleQueue resumed
 from that checkpoint. Each trains 3 optimizer steps on 4 microbatches (the engine worker's data and loss)
 and, after every step, compares on every rank each parameter's main_grad and value with the plain run's.
 During the ModuleQueue run a probe before the final norm records how many bytes of the last stage's layer
@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--distributed-optimizer", action="store_true", help="megatron.ddp_config.use_distributed_optimizer")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (the chunked output path)")
     args = p.parse_args()
     ckpt, out = Path(args.ckpt), Path(args.out)
@@ -40,7 +41,7 @@ def main() -> None:
     def engine_for(module_queue: bool):  # noqa: ANN202
         params = MegatronParams(pipeline_model_parallel_size=int(os.environ["WORLD_SIZE"]),
                                 enable_module_queue=module_queue, module_queue_num_chunks=args.chunks)
-        params.ddp_config.use_distributed_optimizer = False
+        params.ddp_config.use_distributed_optimizer = args.distributed_optimizer
         params.transformer_config.recompute_granularity = None
         params.logprob_chunk_tokens = args.logprob_chunk
         settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=3)
@@ -78,11 +79,15 @@ def main() -> None:
                             "value_max_abs_diff": []}
         run["class_by_rank"] = gather(type(model).__name__)
         run["attributes_by_rank"] = gather({k: getattr(model, k, None) for k in ("_module_queue_enabled", "num_chunks", "num_layers")})
+        def resident_bytes(params) -> int:  # noqa: ANN001  (a view counts where its storage still holds it)
+            return sum(p.numel() * p.element_size() for p in params
+                       if p.untyped_storage().nbytes() >= (p.storage_offset() + p.numel()) * p.element_size())
+
         probe: list[int] = []
         if model.post_process:  # bytes of layer weights on the device when the final norm runs (training passes)
             def count(*_: object) -> None:
                 if torch.is_grad_enabled():
-                    probe.append(sum(p.untyped_storage().nbytes() for p in model.decoder.layers.parameters()))
+                    probe.append(resident_bytes(model.decoder.layers.parameters()))
             model.decoder.final_layernorm.register_forward_pre_hook(count)
         for step in range(3):
             r = engine.train_step(microbatches(step), token_mean_nll)
@@ -103,8 +108,8 @@ def main() -> None:
         run["layer_bytes_by_rank"] = gather(sum(p.numel() * p.element_size() for p in model.decoder.layers.parameters()))
         run["output_bytes_by_rank"] = gather(model.output_layer.weight.numel() * model.output_layer.weight.element_size()
                                              if model.post_process else 0)
-        run["all_resident_after_step"] = all(gather(all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
-                                                         for p in model.parameters())))
+        run["all_resident_after_step"] = all(gather(resident_bytes(model.parameters()) ==
+                                                    sum(p.numel() * p.element_size() for p in model.parameters())))
         probe_ids = global_batch(99)[:4]
         lp = engine.compute_logprobs([{"input_ids": probe_ids[:2]}, {"input_ids": probe_ids[2:]}])
         run["logprobs"] = torch.cat(lp).tolist()

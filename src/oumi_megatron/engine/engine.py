@@ -327,12 +327,12 @@ class MegatronEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for queue in self._module_queues:
-            queue.begin_step()
+        for queue, param_buffers in self._module_queues:
+            queue.begin_step(param_buffers)
         try:
             outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
         finally:  # every weight back on the GPU before the optimizer step (also after an error)
-            for queue in self._module_queues:
+            for queue, _ in self._module_queues:
                 queue.end_step()
         deferred = self._deferred_wgrad_ops()
         mq_active, mq_mib = self._module_queue_stats()
@@ -360,7 +360,7 @@ class MegatronEngine:
         if not getattr(self.params, "enable_module_queue", False):
             return False, 0.0
         stats = torch.tensor([float(len(self._module_queues)),
-                              sum(q.module_queue_offloaded_bytes for q in self._module_queues) / 2**20],
+                              sum(q.module_queue_offloaded_bytes for q, _ in self._module_queues) / 2**20],
                              dtype=torch.float64, device=self._device())
         dist.all_reduce(stats)
         return bool(stats[0] > 0), float(stats[1])

@@ -11,10 +11,12 @@ backward.
 How storage is really released. Each offloaded parameter must own its storage: the tensor's
 ``untyped_storage()`` is resized to 0 bytes (the memory goes back to the caching allocator) and later
 resized back and filled from the host copy, in place, so every reference (autograd's saved tensors,
-the optimizer, DDP's hooks) sees the same tensor again. That holds without the distributed optimizer
-(Megatron-Core's DDP then leaves parameters in their own storage; gradients live in its contiguous
-``main_grad`` buffer, which stays on the GPU). The distributed optimizer keeps all parameters in one
-contiguous buffer, so one layer cannot be released: validation rejects that combination.
+the optimizer, DDP's hooks) sees the same tensor again. Without the distributed optimizer Megatron-Core's DDP
+leaves parameters in their own storage. The distributed optimizer keeps them as views into one contiguous
+buffer: for the forward and backward passes of a step the buffer is copied to the host and freed and each
+parameter gets its own storage; before the optimizer step the buffer comes back from the host copy and
+the parameters point into it again. Gradients (DDP's contiguous fp32 ``main_grad`` buffer) and the
+optimizer state stay where they are.
 
 Invariants. Between training steps every weight is on the GPU (checkpoints, export, weight sync and
 inference passes see the model as it is); ``begin_step`` marks the host copies stale (the optimizer has
@@ -43,14 +45,13 @@ logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 class StreamedWeights:
     """The parameters of one module, releasable from the GPU and restorable in place from a host copy."""
 
-    def __init__(self, name: str, params: list[torch.nn.Parameter]):
-        for p in params:
+    def __init__(self, name: str, params: list[torch.nn.Parameter], check_owned: bool = True):
+        for p in params if check_owned else ():
             storage = p.data.untyped_storage()
             if p.data.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
                 raise ValueError(
-                    f"ModuleQueue: parameter of {name} shares its storage with other tensors (the distributed "
-                    "optimizer's contiguous parameter buffer); set megatron.ddp_config.use_distributed_optimizer: false "
-                    "or megatron.enable_module_queue: false")
+                    f"ModuleQueue: a parameter of {name} shares its storage with other tensors and no DDP parameter "
+                    "buffer holds it; ModuleQueue cannot release it alone. Set megatron.enable_module_queue: false.")
         self.name = name
         self.params = params
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -127,6 +128,11 @@ class StreamedWeights:
             self.load(h2d, total - 1, total)
         self.wait()
 
+    def adopt_host(self, host: list[torch.Tensor], stored: torch.cuda.Event | None) -> None:
+        """Released state with the given host copies (current; ``stored``: the copy still in flight)."""
+        self._host, self._stored = host, stored
+        self.resident, self.host_current, self._loading_rows, self._loaded = False, True, None, None
+
     def wait(self) -> None:
         if self._loaded is not None:
             torch.cuda.current_stream().wait_event(self._loaded)
@@ -190,19 +196,28 @@ def _module_queue_class() -> type:
             self._mq_output: StreamedWeights | None = None
             self._mq_streams: tuple[Any, Any] = (None, None)
             self.module_queue_offloaded_bytes = 0  # released from the GPU since begin_step
+            self._mq_buffers: list[Any] = []  # DDP parameter buffers detached for the step (distributed optimizer)
+            self._mq_buffer_host: dict[int, torch.Tensor] = {}
             if self._module_queue_enabled:
                 for i, layer in enumerate(self.decoder.layers):
+                    layer.register_forward_pre_hook(self._make_layer_pre_hook(i))
                     layer.register_forward_hook(self._make_layer_hook(i))
                 self.decoder.register_forward_hook(self._decoder_hook)
 
         # -- step boundaries (the engine's train_step) ------------------------------------------------
-        def begin_step(self) -> None:
-            """A training step starts: the optimizer changed the weights, so the host copies are stale."""
+        def begin_step(self, param_buffers: list[Any] = ()) -> None:
+            """A training step starts: the optimizer changed the weights, so the host copies are stale.
+            ``param_buffers``: DDP's parameter buffers of this model chunk; under the distributed optimizer
+            the parameters are views into them and are detached for the step (``_detach_from_buffers``)."""
             if not self._module_queue_enabled:
                 return
-            self._build_streamed()
-            for w in self._all_streamed():
-                w.host_current = False
+            self._mq_buffers = [b for b in param_buffers if getattr(b, "param_data", None) is not None]
+            if self._mq_buffers:
+                self._detach_from_buffers()
+            else:
+                self._build_streamed()
+                for w in self._all_streamed():
+                    w.host_current = False
             self.module_queue_offloaded_bytes = 0
             self._mq_in_step = True
 
@@ -213,14 +228,68 @@ def _module_queue_class() -> type:
                 return
             for w in self._all_streamed():
                 w.ensure(self._mq_streams[1])
+            if self._mq_buffers:
+                self._attach_to_buffers()
+
+        # -- the distributed optimizer's contiguous parameter buffer ------------------------------------
+        # Its parameters are views into one buffer per dtype, so a layer cannot be released alone. For the
+        # forward/backward passes the buffer is copied to the host once and freed, each parameter gets its
+        # own storage (released for the streamed ones, filled at once for the rest), and ``end_step``
+        # restores the buffer from the host copy (the weights do not change within the passes) and points
+        # the parameters back into it before the optimizer step, which reads and writes the buffer.
+        def _detach_from_buffers(self) -> None:
+            d2h = self._mq_streams[0] if self._mq_streams[0] is not None else self._make_streams()[0]
+            streamed = {p: (w, i) for w in self._streamed_groups() for i, p in enumerate(w.params)}
+            hosts: dict[Any, list] = {w: [None] * len(w.params) for w, _ in streamed.values()}
+            stored = None
+            for buf in self._mq_buffers:
+                data = buf.param_data
+                host = self._mq_buffer_host.get(id(buf))
+                if host is None:
+                    host = self._mq_buffer_host[id(buf)] = torch.empty(data.shape, dtype=data.dtype, device="cpu",
+                                                                       pin_memory=data.is_cuda)
+                if d2h is not None:
+                    d2h.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(d2h):
+                        host.copy_(data, non_blocking=True)
+                        stored = torch.cuda.Event()
+                        stored.record(d2h)
+                else:
+                    host.copy_(data)
+                for p, (start, end, _) in buf.param_index_map.items():
+                    if p in streamed:
+                        own = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        own.untyped_storage().resize_(0)
+                        w, i = streamed[p]
+                        hosts[w][i] = host[start:end].view(p.shape)
+                    else:  # not streamed (norms, embedding): its own copy, resident
+                        own = p.data.clone()
+                    p.data = own
+                if d2h is not None:
+                    data.record_stream(d2h)
+                data.untyped_storage().resize_(0)
+            self._build_streamed()
+            for w, host_views in hosts.items():
+                w.adopt_host(host_views, stored)
+
+        def _attach_to_buffers(self) -> None:
+            h2d = self._mq_streams[1]
+            for w in self._all_streamed():  # the host copy is current: release without copying
+                w.release(None)
+            for buf in self._mq_buffers:
+                data, host = buf.param_data, self._mq_buffer_host[id(buf)]
+                data.untyped_storage().resize_(data.numel() * data.element_size())
+                data.copy_(host, non_blocking=h2d is not None)  # on the compute stream: the optimizer reads it next
+                for p, (start, end, _) in buf.param_index_map.items():
+                    p.data = data[start:end].view(p.shape)
+            self._mq_buffers = []
 
         # -- forward ----------------------------------------------------------------------------------
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             if not self._mq_active():
                 return super().forward(*args, **kwargs)
-            _, h2d = self._mq_streams
-            for w in self._mq_layers:  # another forward since the last backward (non-1F1B schedules)
-                w.ensure(h2d)
+            # Layers released by another forward since the last backward (schedules other than 1F1B) come
+            # back through the layer pre-hooks, one ahead, as they do at the start of a detached step.
             if self._mq_output is not None:
                 self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
             out = super().forward(*args, **kwargs)
@@ -229,6 +298,17 @@ def _module_queue_class() -> type:
 
         def _mq_active(self) -> bool:
             return self._module_queue_enabled and self._mq_in_step and self.training and torch.is_grad_enabled()
+
+        def _make_layer_pre_hook(self, i: int) -> Callable:
+            def hook(_module: Any, _inputs: Any) -> None:
+                if not self._mq_active():
+                    return
+                h2d = self._mq_streams[1]
+                self._mq_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
+                if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
+                    self._mq_layers[i + 1].load(h2d)
+
+            return hook
 
         def _make_layer_hook(self, i: int) -> Callable:
             def hook(_module: Any, _inputs: Any, output: Any) -> Any:
@@ -271,22 +351,31 @@ def _module_queue_class() -> type:
                 self._mq_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
 
         # -- bookkeeping ------------------------------------------------------------------------------
-        def _build_streamed(self) -> None:
+        def _build_streamed(self, check_owned: bool = True) -> None:
             if self._mq_layers is not None:
                 return
-            self._mq_layers = [StreamedWeights(f"decoder.layers.{i}", list(layer.parameters()))
+            self._mq_layers = [StreamedWeights(f"decoder.layers.{i}", list(layer.parameters()), check_owned)
                                for i, layer in enumerate(self.decoder.layers)]
             # With tied embeddings on a single stage the output weight is the input embedding, needed at the
             # start of the forward pass: it stays resident.
             tied = self.pre_process and self.share_embeddings_and_output_weights
             weight = None if tied else getattr(self.output_layer, "weight", None)
-            self._mq_output = StreamedWeights("output_layer", [weight]) if weight is not None else None
-            if self._mq_layers and self._mq_layers[0].on_cuda:
-                self._mq_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+            self._mq_output = StreamedWeights("output_layer", [weight], check_owned) if weight is not None else None
+            self._make_streams()
             logger.info("ModuleQueue on the last pipeline stage: %d layers streamed (%.1f MiB), output layer %s in %d chunks",
                         self.num_layers, sum(w.nbytes for w in self._mq_layers) / 2**20,
                         f"{self._mq_output.nbytes / 2**20:.1f} MiB" if self._mq_output else "tied to the embedding (resident)",
                         self.num_chunks)
+
+        def _make_streams(self) -> tuple[Any, Any]:
+            if self._mq_streams[0] is None and next(self.parameters()).is_cuda:
+                self._mq_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+            return self._mq_streams
+
+        def _streamed_groups(self) -> list[StreamedWeights]:
+            """The streamed groups, built once (the caller gives each parameter its own storage)."""
+            self._build_streamed(check_owned=False)
+            return self._all_streamed()
 
         def _all_streamed(self) -> list[StreamedWeights]:
             return [*(self._mq_layers or []), *([self._mq_output] if self._mq_output is not None else [])]
@@ -321,8 +410,10 @@ def module_queue_pre_wrap_hook(models: list[Any]) -> list[Any]:
     return out
 
 
-def module_queues(chunks: list[torch.nn.Module]) -> list[Any]:
-    """The active ModuleQueue models among an engine's (wrapped) model chunks."""
+def module_queues(chunks: list[torch.nn.Module]) -> list[tuple[Any, list[Any]]]:
+    """(ModuleQueue, its chunk's DDP parameter buffers) for the active ModuleQueue models among an engine's
+    (DDP-wrapped) model chunks."""
     from oumi_megatron.engine.model import unwrap
 
-    return [m for m in (unwrap(c) for c in chunks) if getattr(m, "_module_queue_enabled", False)]
+    return [(unwrap(c), list(getattr(c, "buffers", []))) for c in chunks
+            if getattr(unwrap(c), "_module_queue_enabled", False)]
