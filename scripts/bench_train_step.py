@@ -115,8 +115,7 @@ def main() -> None:
     p.add_argument("--shape", default="0.8b", choices=sorted(SHAPES), help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
     p.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     p.add_argument("--module-queue", type=int, default=0, metavar="CHUNKS",
-                   help="megatron.enable_module_queue with this many output-layer chunks (0: off); needs "
-                        "--set ddp_config.use_distributed_optimizer=false")
+                   help="megatron.enable_module_queue with this many output-layer chunks (0: off)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
@@ -238,15 +237,15 @@ def main() -> None:
     }
     if args.module_queue or args.set:
         result["settings"] = args.set
-    if params.enable_module_queue or any("use_distributed_optimizer=false" in x for x in args.set):
-        # seed 000's estimate of ModuleQueue's saving on the last stage: N x layer_size - V x H / num_chunks (bf16)
-        h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
-        layer_bytes = 2 * (h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h)
-        n = cfg.num_hidden_layers // args.pp
-        result["module_queue_chunks"] = args.module_queue
-        result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
-        result["seed_formula_saving_gib"] = round((n * layer_bytes - 2 * v * h / max(args.module_queue, 1)) / 2**30, 2)
+    # ModuleQueue: chunks (0 = off), MiB released per step, and seed 000's estimate of its saving on the last
+    # stage, N x layer_size - V x H / num_chunks (bf16)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    layer_bytes = 2 * (h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size + 2 * h)
+    result["module_queue_chunks"] = args.module_queue
+    result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
+    result["seed_formula_saving_gib"] = round((cfg.num_hidden_layers // args.pp * layer_bytes
+                                               - 2 * v * h / max(args.module_queue, 1)) / 2**30, 2)
     if phase_ms is not None:
         result["phase_ms_per_microbatch_by_rank"] = phase_ms  # F, B (input gradients), W (deferred weight gradients)
     if hf is not None:

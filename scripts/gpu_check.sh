@@ -119,11 +119,12 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (a
   done
 fi
 if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "mq" ]; then  # ModuleQueue off / on with 2, 4, 8 chunks, PP=2, Qwen2.5-7B shape
-  # GPU_CHECK_MQ_ARGS adds bench arguments (default: Qwen2.5-7B dimensions, seq 4096, no distributed optimizer:
-  # needs 2 x H200; "--layers 14" fits 2 x H100; the distributed optimizer: --set ddp_config.use_distributed_optimizer=true)
+  # GPU_CHECK_MQ_ARGS adds bench arguments (default: Qwen2.5-7B dimensions, seq 4096, the distributed optimizer
+  # (DP = 1: nothing sharded): needs 2 x H200; "--layers 14" fits 2 x H100; own parameter storage:
+  # --set ddp_config.use_distributed_optimizer=false)
   for k in ${GPU_CHECK_MQ_CHUNKS:-0 2 4 8}; do
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --shape qwen7b --seq 4096 --mbs 1 --microbatches 4 --steps 3 \
-      --set ddp_config.use_distributed_optimizer=false --module-queue "$k" ${GPU_CHECK_MQ_ARGS:-} \
+      --module-queue "$k" ${GPU_CHECK_MQ_ARGS:-} \
       --out "$RESULTS/mq_k$k.json" 2>&1 | tail -2
   done
 fi

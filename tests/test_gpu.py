@@ -144,6 +144,31 @@ def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory,
         assert got["schedule"] == ["zb_h1"] * 3 and min(got["deferred_wgrad_ops"]) > 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """ModuleQueue on CUDA (side streams, pinned host copies, the distributed optimizer's buffer detached for
+    each step), PP=2 over NCCL, fp32, 3 steps against the plain last stage (tests/workers/module_queue_worker.py):
+    losses within 1e-6 relative, gradients and weights within 1e-5 absolute (GPU attention kernels need not be
+    bit-reproducible between two runs), layers released when the final norm runs, all back after the step."""
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp("gpu_module_queue")
+    src = build_tiny_model(work / "hf", arch="llama")
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "float32"]))
+    _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
+                    str(WORKERS / "module_queue_worker.py"), str(ckpt), str(work / "out"), "--chunks", "3",
+                    "--distributed-optimizer"]))
+    r = json.loads((work / "out" / "result.json").read_text())
+    plain, mq = r["plain"], r["module_queue"]
+    assert mq["class_by_rank"] == ["GPTModel", "ModuleQueue"] and mq["active"] == [True] * 3
+    for a, b in zip(mq["loss"], plain["loss"]):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    assert max(mq["grad_max_abs_diff"]) <= 1e-5 and max(mq["value_max_abs_diff"]) <= 1e-5, mq
+    assert mq["layer_bytes_on_device_at_final_norm_by_rank"][-1] == [0] and mq["all_resident_after_step"]
+    assert r["module_queue_resumed"]["loss"][0] == pytest.approx(mq["loss"][2], rel=1e-6)
+
+
 def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     from oumi_megatron.testing.tiny_models import build_tiny_model
 
