@@ -25,6 +25,24 @@ def token_mean_nll(logprobs: torch.Tensor, batch: dict) -> tuple:
     return loss_sum, mask.sum().to(torch.int), {"logprob_sum": (logprobs * mask).sum().detach()}
 
 
+def masked_microbatches(step: int, per_microbatch: int) -> list[dict]:
+    """The step's global batch with a 4-token "prompt" and the last position out of the loss, split into
+    microbatches of ``per_microbatch`` rows (the schedule and ModuleQueue workers)."""
+    ids = global_batch(step)
+    mask = torch.ones_like(ids)
+    mask[:, :4] = 0
+    mask[:, -1] = 0
+    return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(per_microbatch), mask.split(per_microbatch))]
+
+
+def parameter_state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """name -> (main_grad, value) of every parameter of this rank, copied."""
+    from oumi_megatron.engine.model import unwrap
+
+    return {n: (p.main_grad.detach().clone(), p.detach().clone())
+            for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine_worker import global_batch, token_mean_nll
+from engine_worker import global_batch, masked_microbatches, parameter_state, token_mean_nll
 
 
 def main() -> None:
@@ -48,15 +48,7 @@ def main() -> None:
         return build_engine(ckpt, params, settings, dtype=torch.float32)
 
     def microbatches(step: int) -> list[dict]:
-        ids = global_batch(step)
-        mask = torch.ones_like(ids)
-        mask[:, :4] = 0
-        mask[:, -1] = 0
-        return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(2), mask.split(2))]  # 4 microbatches
-
-    def state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
-        return {n: (p.main_grad.detach().clone(), p.detach().clone())
-                for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
+        return masked_microbatches(step, 2)  # 4 microbatches
 
     def max_diff(now: dict, ref: dict) -> torch.Tensor:
         assert set(now) == set(ref)
@@ -95,7 +87,7 @@ def main() -> None:
             run["grad_norm"].append(r.grad_norm)
             run["active"].append(r.module_queue_active)
             run["offloaded_mib"].append(r.module_queue_offloaded_mib)
-            now = state(engine)
+            now = parameter_state(engine)
             if name == "plain":
                 reference.append(now)
             else:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine_worker import global_batch, token_mean_nll
+from engine_worker import masked_microbatches, parameter_state, token_mean_nll
 
 
 def main() -> None:
@@ -25,7 +25,6 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
-    from oumi_megatron.engine.model import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
 
     def engine_for(schedule: str):  # noqa: ANN202
@@ -36,15 +35,7 @@ def main() -> None:
         return build_engine(ckpt, params, settings, dtype=torch.float32)[1]
 
     def microbatches(step: int) -> list[dict]:
-        ids = global_batch(step)
-        mask = torch.ones_like(ids)
-        mask[:, :4] = 0
-        mask[:, -1] = 0
-        return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(1), mask.split(1))]  # 8 microbatches
-
-    def state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
-        return {n: (p.main_grad.detach().clone(), p.detach().clone())
-                for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
+        return masked_microbatches(step, 1)  # 8 microbatches
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -60,7 +51,7 @@ def main() -> None:
             run["loss"].append(r.loss)
             run["schedule"].append(r.schedule)
             run["deferred_wgrad_ops"].append(r.deferred_wgrad_ops)
-            now = state(engine)
+            now = parameter_state(engine)
             if name == "1f1b":
                 reference_states.append(now)
             else:

@@ -33,11 +33,13 @@ release and restore happen with synchronous copies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel  # importers load this module lazily: Megatron-Core imports are heavy
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -108,7 +110,7 @@ class StreamedWeights:
             h2d.wait_stream(torch.cuda.current_stream())  # the memory was allocated on the compute stream
             if self._stored is not None:
                 h2d.wait_event(self._stored)
-        with torch.cuda.stream(h2d) if h2d is not None else _nullcontext():
+        with torch.cuda.stream(h2d) if h2d is not None else contextlib.nullcontext():
             for c in range(done, chunk + 1):
                 for h, p in zip(self._host, self.params):
                     if total == 1:
@@ -150,255 +152,221 @@ def _rows(n: int, chunk: int, num_chunks: int) -> slice:
     return slice(n * chunk // num_chunks, n * (chunk + 1) // num_chunks)
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
+class ModuleQueue(GPTModel):
+    """Drop-in GPTModel for the stage with ``post_process=True`` (seed 000). Configured by
+    ``config.enable_module_queue`` and ``config.module_queue_num_chunks``; inactive on other stages and in
+    forward passes without gradients. Debugging attributes: ``_module_queue_enabled``, ``num_chunks``,
+    ``num_layers``."""
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._setup_module_queue()
 
+    @classmethod
+    def adopt(cls, model: Any) -> Any:
+        """Turns a built GPTModel (Megatron-Bridge's provider builds GPTModel) into a ModuleQueue, in place."""
+        model.__class__ = cls
+        model._setup_module_queue()
+        return model
 
-def _gpt_model_class() -> type:
-    from megatron.core.models.gpt import GPTModel
+    def _setup_module_queue(self) -> None:
+        self.num_chunks = int(getattr(self.config, "module_queue_num_chunks", 4))
+        self.num_layers = len(self.decoder.layers)
+        self._module_queue_enabled = bool(getattr(self.config, "enable_module_queue", False)) and self.post_process
+        self._mq_in_step = False
+        self._mq_layers: list[StreamedWeights] | None = None  # built on first use: after .cuda() and DDP
+        self._mq_output: StreamedWeights | None = None
+        self._mq_streams: tuple[Any, Any] = (None, None)
+        self.module_queue_offloaded_bytes = 0  # released from the GPU since begin_step
+        self._mq_buffers: list[Any] = []  # DDP parameter buffers detached for the step (distributed optimizer)
+        self._mq_buffer_host: dict[int, torch.Tensor] = {}
+        if self._module_queue_enabled:
+            for i, layer in enumerate(self.decoder.layers):
+                layer.register_forward_pre_hook(self._make_layer_pre_hook(i))
+                layer.register_forward_hook(self._make_layer_hook(i))
+            self.decoder.register_forward_hook(self._decoder_hook)
 
-    return GPTModel
-
-
-def _module_queue_class() -> type:
-    """ModuleQueue as a subclass of Megatron-Core's GPTModel (built lazily: Megatron-Core imports are heavy)."""
-    global _MODULE_QUEUE
-    if _MODULE_QUEUE is not None:
-        return _MODULE_QUEUE
-
-    class ModuleQueue(_gpt_model_class()):  # type: ignore[misc]
-        """Drop-in GPTModel for the stage with ``post_process=True`` (seed 000). Configured by
-        ``config.enable_module_queue`` and ``config.module_queue_num_chunks``; inactive on other stages and in
-        forward passes without gradients. Debugging attributes: ``_module_queue_enabled``, ``num_chunks``,
-        ``num_layers``."""
-
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self._setup_module_queue()
-
-        @classmethod
-        def adopt(cls, model: Any) -> Any:
-            """Turns a built GPTModel (Megatron-Bridge's provider builds GPTModel) into a ModuleQueue, in place."""
-            model.__class__ = cls
-            model._setup_module_queue()
-            return model
-
-        def _setup_module_queue(self) -> None:
-            self.num_chunks = int(getattr(self.config, "module_queue_num_chunks", 4))
-            self.num_layers = len(self.decoder.layers)
-            self._module_queue_enabled = bool(getattr(self.config, "enable_module_queue", False)) and self.post_process
-            self._mq_in_step = False
-            self._mq_layers: list[StreamedWeights] | None = None  # built on first use: after .cuda() and DDP
-            self._mq_output: StreamedWeights | None = None
-            self._mq_streams: tuple[Any, Any] = (None, None)
-            self.module_queue_offloaded_bytes = 0  # released from the GPU since begin_step
-            self._mq_buffers: list[Any] = []  # DDP parameter buffers detached for the step (distributed optimizer)
-            self._mq_buffer_host: dict[int, torch.Tensor] = {}
-            if self._module_queue_enabled:
-                for i, layer in enumerate(self.decoder.layers):
-                    layer.register_forward_pre_hook(self._make_layer_pre_hook(i))
-                    layer.register_forward_hook(self._make_layer_hook(i))
-                self.decoder.register_forward_hook(self._decoder_hook)
-
-        # -- step boundaries (the engine's train_step) ------------------------------------------------
-        def begin_step(self, param_buffers: list[Any] = ()) -> None:
-            """A training step starts: the optimizer changed the weights, so the host copies are stale.
-            ``param_buffers``: DDP's parameter buffers of this model chunk; under the distributed optimizer
-            the parameters are views into them and are detached for the step (``_detach_from_buffers``)."""
-            if not self._module_queue_enabled:
-                return
-            self._mq_buffers = [b for b in param_buffers if getattr(b, "param_data", None) is not None]
-            if self._mq_buffers:
-                self._detach_from_buffers()
-            else:
-                self._build_streamed()
-                for w in self._all_streamed():
-                    w.host_current = False
-            self.module_queue_offloaded_bytes = 0
-            self._mq_in_step = True
-
-        def end_step(self) -> None:
-            """Every weight back on the GPU (before the optimizer step, checkpoints, export, weight sync)."""
-            self._mq_in_step = False
-            if self._mq_layers is None:
-                return
-            for w in self._all_streamed():
-                w.ensure(self._mq_streams[1])
-            if self._mq_buffers:
-                self._attach_to_buffers()
-
-        # -- the distributed optimizer's contiguous parameter buffer ------------------------------------
-        # Its parameters are views into one buffer per dtype, so a layer cannot be released alone. For the
-        # forward/backward passes the buffer is copied to the host once and freed, each parameter gets its
-        # own storage (released for the streamed ones, filled at once for the rest), and ``end_step``
-        # restores the buffer from the host copy (the weights do not change within the passes) and points
-        # the parameters back into it before the optimizer step, which reads and writes the buffer.
-        def _detach_from_buffers(self) -> None:
-            d2h = self._mq_streams[0] if self._mq_streams[0] is not None else self._make_streams()[0]
-            streamed = {p: (w, i) for w in self._streamed_groups() for i, p in enumerate(w.params)}
-            hosts: dict[Any, list] = {w: [None] * len(w.params) for w, _ in streamed.values()}
-            stored = None
-            for buf in self._mq_buffers:
-                data = buf.param_data
-                host = self._mq_buffer_host.get(id(buf))
-                if host is None:
-                    host = self._mq_buffer_host[id(buf)] = torch.empty(data.shape, dtype=data.dtype, device="cpu",
-                                                                       pin_memory=data.is_cuda)
-                if d2h is not None:
-                    d2h.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(d2h):
-                        host.copy_(data, non_blocking=True)
-                        stored = torch.cuda.Event()
-                        stored.record(d2h)
-                else:
-                    host.copy_(data)
-                for p, (start, end, _) in buf.param_index_map.items():
-                    if p in streamed:
-                        own = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                        own.untyped_storage().resize_(0)
-                        w, i = streamed[p]
-                        hosts[w][i] = host[start:end].view(p.shape)
-                    else:  # not streamed (norms, embedding): its own copy, resident
-                        own = p.data.clone()
-                    p.data = own
-                if d2h is not None:
-                    data.record_stream(d2h)
-                data.untyped_storage().resize_(0)
+    # -- step boundaries (the engine's train_step) ------------------------------------------------
+    def begin_step(self, param_buffers: list[Any] = ()) -> None:
+        """A training step starts: the optimizer changed the weights, so the host copies are stale.
+        ``param_buffers``: DDP's parameter buffers of this model chunk; under the distributed optimizer
+        the parameters are views into them and are detached for the step (``_detach_from_buffers``)."""
+        if not self._module_queue_enabled:
+            return
+        self._mq_buffers = [b for b in param_buffers if getattr(b, "param_data", None) is not None]
+        if self._mq_buffers:
+            self._detach_from_buffers()
+        else:
             self._build_streamed()
-            for w, host_views in hosts.items():
-                w.adopt_host(host_views, stored)
+            for w in self._all_streamed():
+                w.host_current = False
+        self.module_queue_offloaded_bytes = 0
+        self._mq_in_step = True
 
-        def _attach_to_buffers(self) -> None:
-            h2d = self._mq_streams[1]
-            for w in self._all_streamed():  # the host copy is current: release without copying
-                w.release(None)
-            for buf in self._mq_buffers:
-                data, host = buf.param_data, self._mq_buffer_host[id(buf)]
-                data.untyped_storage().resize_(data.numel() * data.element_size())
-                data.copy_(host, non_blocking=h2d is not None)  # on the compute stream: the optimizer reads it next
-                for p, (start, end, _) in buf.param_index_map.items():
-                    p.data = data[start:end].view(p.shape)
-            self._mq_buffers = []
+    def end_step(self) -> None:
+        """Every weight back on the GPU (before the optimizer step, checkpoints, export, weight sync)."""
+        self._mq_in_step = False
+        if self._mq_layers is None:
+            return
+        for w in self._all_streamed():
+            w.ensure(self._mq_streams[1])
+        if self._mq_buffers:
+            self._attach_to_buffers()
 
-        # -- forward ----------------------------------------------------------------------------------
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+    # -- the distributed optimizer's contiguous parameter buffer ------------------------------------
+    # Its parameters are views into one buffer per dtype, so a layer cannot be released alone. For the
+    # forward/backward passes the buffer is copied to the host once and freed, each parameter gets its
+    # own storage (released for the streamed ones, filled at once for the rest), and ``end_step``
+    # restores the buffer from the host copy (the weights do not change within the passes) and points
+    # the parameters back into it before the optimizer step, which reads and writes the buffer.
+    def _detach_from_buffers(self) -> None:
+        d2h = self._mq_streams[0] if self._mq_streams[0] is not None else self._make_streams()[0]
+        streamed = {p: (w, i) for w in self._streamed_groups() for i, p in enumerate(w.params)}
+        hosts: dict[Any, list] = {w: [None] * len(w.params) for w, _ in streamed.values()}
+        stored = None
+        for buf in self._mq_buffers:
+            data = buf.param_data
+            host = self._mq_buffer_host.get(id(buf))
+            if host is None:
+                host = self._mq_buffer_host[id(buf)] = torch.empty(data.shape, dtype=data.dtype, device="cpu",
+                                                                   pin_memory=data.is_cuda)
+            if d2h is not None:
+                d2h.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(d2h):
+                    host.copy_(data, non_blocking=True)
+                    stored = torch.cuda.Event()
+                    stored.record(d2h)
+            else:
+                host.copy_(data)
+            for p, (start, end, _) in buf.param_index_map.items():
+                if p in streamed:
+                    own = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                    own.untyped_storage().resize_(0)
+                    w, i = streamed[p]
+                    hosts[w][i] = host[start:end].view(p.shape)
+                else:  # not streamed (norms, embedding): its own copy, resident
+                    own = p.data.clone()
+                p.data = own
+            if d2h is not None:
+                data.record_stream(d2h)
+            data.untyped_storage().resize_(0)
+        self._build_streamed()
+        for w, host_views in hosts.items():
+            w.adopt_host(host_views, stored)
+
+    def _attach_to_buffers(self) -> None:
+        h2d = self._mq_streams[1]
+        for w in self._all_streamed():  # the host copy is current: release without copying
+            w.release(None)
+        for buf in self._mq_buffers:
+            data, host = buf.param_data, self._mq_buffer_host[id(buf)]
+            data.untyped_storage().resize_(data.numel() * data.element_size())
+            data.copy_(host, non_blocking=h2d is not None)  # on the compute stream: the optimizer reads it next
+            for p, (start, end, _) in buf.param_index_map.items():
+                p.data = data[start:end].view(p.shape)
+        self._mq_buffers = []
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._mq_active():
+            return super().forward(*args, **kwargs)
+        # Layers released by another forward since the last backward (schedules other than 1F1B) come
+        # back through the layer pre-hooks, one ahead, as they do at the start of a detached step.
+        if self._mq_output is not None:
+            self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
+        out = super().forward(*args, **kwargs)
+        _on_grad(out, self._before_output_backward)
+        return out
+
+    def _mq_active(self) -> bool:
+        return self._module_queue_enabled and self._mq_in_step and self.training and torch.is_grad_enabled()
+
+    def _make_layer_pre_hook(self, i: int) -> Callable:
+        def hook(_module: Any, _inputs: Any) -> None:
             if not self._mq_active():
-                return super().forward(*args, **kwargs)
-            # Layers released by another forward since the last backward (schedules other than 1F1B) come
-            # back through the layer pre-hooks, one ahead, as they do at the start of a detached step.
-            if self._mq_output is not None:
-                self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
-            out = super().forward(*args, **kwargs)
-            _on_grad(out, self._before_output_backward)
-            return out
+                return
+            h2d = self._mq_streams[1]
+            self._mq_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
+            if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
+                self._mq_layers[i + 1].load(h2d)
 
-        def _mq_active(self) -> bool:
-            return self._module_queue_enabled and self._mq_in_step and self.training and torch.is_grad_enabled()
+        return hook
 
-        def _make_layer_pre_hook(self, i: int) -> Callable:
-            def hook(_module: Any, _inputs: Any) -> None:
-                if not self._mq_active():
-                    return
-                h2d = self._mq_streams[1]
-                self._mq_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
-                if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
-                    self._mq_layers[i + 1].load(h2d)
-
-            return hook
-
-        def _make_layer_hook(self, i: int) -> Callable:
-            def hook(_module: Any, _inputs: Any, output: Any) -> Any:
-                if not self._mq_active():
-                    return output
-                d2h, h2d = self._mq_streams
-                self.module_queue_offloaded_bytes += self._mq_layers[i].release(d2h)
-                if self._mq_output is not None:  # the output layer's chunks due after layer i
-                    last_due = (i + 1) * self.num_chunks // self.num_layers - 1
-                    if last_due >= 0:
-                        self._mq_output.load(h2d, min(last_due, self.num_chunks - 1), self.num_chunks)
-                _on_grad(output[0] if isinstance(output, tuple) else output, lambda: self._before_layer_backward(i))
+    def _make_layer_hook(self, i: int) -> Callable:
+        def hook(_module: Any, _inputs: Any, output: Any) -> Any:
+            if not self._mq_active():
                 return output
-
-            return hook
-
-        def _decoder_hook(self, _module: Any, _inputs: Any, output: Any) -> Any:
-            if not self._mq_active() or not torch.is_tensor(output):
-                return output
-            if self._mq_output is not None:
-                self._mq_output.ensure(self._mq_streams[1])  # all chunks issued and arrived
-            _on_grad(output, self._after_output_backward)
+            d2h, h2d = self._mq_streams
+            self.module_queue_offloaded_bytes += self._mq_layers[i].release(d2h)
+            if self._mq_output is not None:  # the output layer's chunks due after layer i
+                last_due = (i + 1) * self.num_chunks // self.num_layers - 1
+                if last_due >= 0:
+                    self._mq_output.load(h2d, min(last_due, self.num_chunks - 1), self.num_chunks)
+            _on_grad(output[0] if isinstance(output, tuple) else output, lambda: self._before_layer_backward(i))
             return output
 
-        # -- backward ---------------------------------------------------------------------------------
-        def _before_output_backward(self) -> None:
-            h2d = self._mq_streams[1]
-            if self._mq_output is not None:
-                self._mq_output.ensure(h2d)
-            self._mq_layers[-1].load(h2d)  # arrives while the output layer runs its backward
+        return hook
 
-        def _after_output_backward(self) -> None:
-            if self._mq_output is not None:
-                self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
+    def _decoder_hook(self, _module: Any, _inputs: Any, output: Any) -> Any:
+        if not self._mq_active() or not torch.is_tensor(output):
+            return output
+        if self._mq_output is not None:
+            self._mq_output.ensure(self._mq_streams[1])  # all chunks issued and arrived
+        _on_grad(output, self._after_output_backward)
+        return output
 
-        def _before_layer_backward(self, i: int) -> None:
-            h2d = self._mq_streams[1]
-            self._mq_layers[i].ensure(h2d)
-            if i > 0:
-                self._mq_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
+    # -- backward ---------------------------------------------------------------------------------
+    def _before_output_backward(self) -> None:
+        h2d = self._mq_streams[1]
+        if self._mq_output is not None:
+            self._mq_output.ensure(h2d)
+        self._mq_layers[-1].load(h2d)  # arrives while the output layer runs its backward
 
-        # -- bookkeeping ------------------------------------------------------------------------------
-        def _build_streamed(self, check_owned: bool = True) -> None:
-            if self._mq_layers is not None:
-                return
-            self._mq_layers = [StreamedWeights(f"decoder.layers.{i}", list(layer.parameters()), check_owned)
-                               for i, layer in enumerate(self.decoder.layers)]
-            # With tied embeddings on a single stage the output weight is the input embedding, needed at the
-            # start of the forward pass: it stays resident.
-            tied = self.pre_process and self.share_embeddings_and_output_weights
-            weight = None if tied else getattr(self.output_layer, "weight", None)
-            self._mq_output = StreamedWeights("output_layer", [weight], check_owned) if weight is not None else None
-            self._make_streams()
-            logger.info("ModuleQueue on the last pipeline stage: %d layers streamed (%.1f MiB), output layer %s in %d chunks",
-                        self.num_layers, sum(w.nbytes for w in self._mq_layers) / 2**20,
-                        f"{self._mq_output.nbytes / 2**20:.1f} MiB" if self._mq_output else "tied to the embedding (resident)",
-                        self.num_chunks)
+    def _after_output_backward(self) -> None:
+        if self._mq_output is not None:
+            self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
 
-        def _make_streams(self) -> tuple[Any, Any]:
-            if self._mq_streams[0] is None and next(self.parameters()).is_cuda:
-                self._mq_streams = (torch.cuda.Stream(), torch.cuda.Stream())
-            return self._mq_streams
+    def _before_layer_backward(self, i: int) -> None:
+        h2d = self._mq_streams[1]
+        self._mq_layers[i].ensure(h2d)
+        if i > 0:
+            self._mq_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
 
-        def _streamed_groups(self) -> list[StreamedWeights]:
-            """The streamed groups, built once (the caller gives each parameter its own storage)."""
-            self._build_streamed(check_owned=False)
-            return self._all_streamed()
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _build_streamed(self, check_owned: bool = True) -> None:
+        if self._mq_layers is not None:
+            return
+        self._mq_layers = [StreamedWeights(f"decoder.layers.{i}", list(layer.parameters()), check_owned)
+                           for i, layer in enumerate(self.decoder.layers)]
+        # With tied embeddings on a single stage the output weight is the input embedding, needed at the
+        # start of the forward pass: it stays resident.
+        tied = self.pre_process and self.share_embeddings_and_output_weights
+        weight = None if tied else getattr(self.output_layer, "weight", None)
+        self._mq_output = StreamedWeights("output_layer", [weight], check_owned) if weight is not None else None
+        self._make_streams()
+        logger.info("ModuleQueue on the last pipeline stage: %d layers streamed (%.1f MiB), output layer %s in %d chunks",
+                    self.num_layers, sum(w.nbytes for w in self._mq_layers) / 2**20,
+                    f"{self._mq_output.nbytes / 2**20:.1f} MiB" if self._mq_output else "tied to the embedding (resident)",
+                    self.num_chunks)
 
-        def _all_streamed(self) -> list[StreamedWeights]:
-            return [*(self._mq_layers or []), *([self._mq_output] if self._mq_output is not None else [])]
+    def _make_streams(self) -> tuple[Any, Any]:
+        if self._mq_streams[0] is None and next(self.parameters()).is_cuda:
+            self._mq_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._mq_streams
 
-    _MODULE_QUEUE = ModuleQueue
-    return ModuleQueue
+    def _streamed_groups(self) -> list[StreamedWeights]:
+        """The streamed groups, built once (the caller gives each parameter its own storage)."""
+        self._build_streamed(check_owned=False)
+        return self._all_streamed()
 
-
-_MODULE_QUEUE: type | None = None
-
-
-def __getattr__(name: str) -> Any:  # ``from oumi_megatron.engine.module_queue import ModuleQueue``
-    if name == "ModuleQueue":
-        return _module_queue_class()
-    raise AttributeError(name)
+    def _all_streamed(self) -> list[StreamedWeights]:
+        return [*(self._mq_layers or []), *([self._mq_output] if self._mq_output is not None else [])]
 
 
 def stage_model_class(config: Any, post_process: bool) -> type:
     """The model class a pipeline stage gets (the model-variant hook of the builder): ModuleQueue on the
     stage with ``post_process`` when ``config.enable_module_queue``, GPTModel elsewhere."""
-    if post_process and getattr(config, "enable_module_queue", False):
-        return _module_queue_class()
-    return _gpt_model_class()
+    return ModuleQueue if post_process and getattr(config, "enable_module_queue", False) else GPTModel
 
 
 def module_queue_pre_wrap_hook(models: list[Any]) -> list[Any]:
@@ -406,7 +374,7 @@ def module_queue_pre_wrap_hook(models: list[Any]) -> list[Any]:
     out = []
     for model in models:
         cls = stage_model_class(model.config, model.post_process)
-        out.append(cls.adopt(model) if cls is not type(model) and hasattr(cls, "adopt") else model)
+        out.append(cls.adopt(model) if cls is ModuleQueue and type(model) is not ModuleQueue else model)
     return out
 
 
