@@ -110,6 +110,15 @@ def profile_step(step, path: str) -> None:  # noqa: ANN001
         f.write(table)
 
 
+def _number_or_text(value: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="0.8b", choices=sorted(SHAPES), help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
@@ -155,7 +164,7 @@ def main() -> None:
     params.module_queue_num_chunks = max(args.module_queue, 1)
     for item in args.set:
         key, value = item.split("=", 1)
-        parsed = {"true": True, "false": False, "null": None}.get(value.lower(), int(value) if value.isdigit() else value)
+        parsed = {"true": True, "false": False, "null": None}.get(value.lower(), _number_or_text(value))
         *path, field = key.split(".")  # "x" is transformer_config.x; "optimizer_config.x" names its section
         target = params
         for part in path or ["transformer_config"]:
@@ -235,8 +244,7 @@ def main() -> None:
         "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }
-    if args.module_queue or args.set:
-        result["settings"] = args.set
+    result["settings"] = args.set
     # ModuleQueue: chunks (0 = off), MiB released per step, and seed 000's estimate of its saving on the last
     # stage, N x layer_size - V x H / num_chunks (bf16)
     h, v = cfg.hidden_size, cfg.vocab_size

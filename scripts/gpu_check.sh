@@ -14,7 +14,8 @@
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
 # GPU_CHECK_ZB_MICROBATCHES (default 8), GPU_CHECK_ZB_PP (default "2 4"), GPU_CHECK_ZB_ARGS (more bench arguments),
-# =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS)
+# =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS more
+# bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
 set -uo pipefail
@@ -125,7 +126,7 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "mq" ]; then  # ModuleQueue off / on with 2
   for k in ${GPU_CHECK_MQ_CHUNKS:-0 2 4 8}; do
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --shape qwen7b --seq 4096 --mbs 1 --microbatches 4 --steps 3 \
       --module-queue "$k" ${GPU_CHECK_MQ_ARGS:-} \
-      --out "$RESULTS/mq_k$k.json" 2>&1 | tail -2
+      --out "$RESULTS/mq_${GPU_CHECK_MQ_TAG:-default}_k$k.json" 2>&1 | tail -2
   done
 fi
 if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "8b" ]; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200: not in the default run)
@@ -164,16 +165,18 @@ if zb:  # ZB-H1 against 1F1B: the median of each (layout, microbatches, schedule
         ratio = tps / statistics.median(r["tokens_per_s"] for r in base) if base else float("nan")
         phases = "; ".join("/".join(str(p.get(k, "-")) for k in "FBW") for p in rs[-1].get("phase_ms_per_microbatch_by_rank") or [])
         print(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {' / '.join(str(max(r.get('peak_mem_gib_by_rank', [r['peak_mem_gib']])[i] for r in rs)) for i in range(len(rs[0].get('peak_mem_gib_by_rank', [0]))))} | {rs[-1]['deferred_wgrad_ops']} | {phases or '-'} |")
-mq = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("mq_k*.json"))]
-if mq:  # ModuleQueue: the last stage's peak and the step time against the run without it (same call)
-    base = next((r for r in mq if not r["module_queue_chunks"]), None)
-    print("\n| layout | card | ModuleQueue chunks | step s | vs off | last-stage peak GiB | vs off | saving GiB | seed formula GiB | released MiB/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in sorted(mq, key=lambda r: r["module_queue_chunks"]):
+mq = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("mq_*.json"))]
+if mq:  # ModuleQueue: the last stage's peak and the step time against the run without it (same call, same settings)
+    print("\n| layout | settings | card | ModuleQueue chunks | step s | vs off | last-stage peak GiB | vs off | saving GiB | seed formula GiB | released MiB/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(mq, key=lambda r: (r["layout"], r.get("settings", []), r["module_queue_chunks"])):
+        base = next((b for b in mq if not b["module_queue_chunks"] and b["layout"] == r["layout"]
+                     and b.get("settings") == r.get("settings")), None)
         last = r["peak_mem_gib_by_rank"][-1]
         b_last = base["peak_mem_gib_by_rank"][-1] if base else float("nan")
-        print(f"| {r['layout']} | {r['card']} | {r['module_queue_chunks'] or 'off'} | {r['step_s']} | {r['step_s'] / base['step_s'] if base else float('nan'):.3f} "
-              f"| {last} | {last / b_last:.3f} | {b_last - last:.2f} | {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} |")
+        print(f"| {r['layout']} | {' '.join(r.get('settings') or []) or '-'} | {r['card']} | {r['module_queue_chunks'] or 'off'} | {r['step_s']} "
+              f"| {r['step_s'] / base['step_s'] if base else float('nan'):.3f} | {last} | {last / b_last:.3f} | {b_last - last:.2f} "
+              f"| {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} |")
 lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
 if lp.is_file():
     r = json.loads(lp.read_text())
