@@ -408,6 +408,7 @@ def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_
     assert plain["class_by_rank"] == ["GPTModel"] * pp
     assert mq["class_by_rank"] == ["GPTModel"] * (pp - 1) + ["ModuleQueue"]  # the builder's per-stage class
     assert mq["attributes_by_rank"][-1] == {"_module_queue_enabled": True, "num_chunks": chunks, "num_layers": 4 // pp}
+    assert mq["constructed"] == {"is_gpt_model": True, "_module_queue_enabled": True, "num_chunks": chunks, "num_layers": 4 // pp}
     assert mq["loss"] == plain["loss"] and mq["grad_norm"] == plain["grad_norm"]
     assert mq["grad_max_abs_diff"] == [0.0] * 3 and mq["value_max_abs_diff"] == [0.0] * 3
     assert mq["logprobs"] == plain["logprobs"]

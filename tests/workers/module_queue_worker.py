@@ -70,6 +70,20 @@ def main() -> None:
         run = runs[name] = {"loss": [], "grad_norm": [], "active": [], "offloaded_mib": [], "grad_max_abs_diff": [],
                             "value_max_abs_diff": []}
         run["class_by_rank"] = gather(type(model).__name__)
+        constructed = None
+        if name == "module_queue" and model.post_process:  # the seed's constructor: GPTModel's, config-driven
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            from oumi_megatron.engine.module_queue import ModuleQueue
+
+            built = ModuleQueue(config=model.config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                                vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
+                                pre_process=model.pre_process, post_process=True)
+            constructed = {"is_gpt_model": isinstance(built, GPTModel), "_module_queue_enabled": built._module_queue_enabled,
+                           "num_chunks": built.num_chunks, "num_layers": built.num_layers}
+            del built
+        run["constructed"] = gather(constructed)[-1]
         run["attributes_by_rank"] = gather({k: getattr(model, k, None) for k in ("_module_queue_enabled", "num_chunks", "num_layers")})
         def resident_bytes(params) -> int:  # noqa: ANN001  (a view counts where its storage still holds it)
             return sum(p.numel() * p.element_size() for p in params
