@@ -50,6 +50,9 @@ LAYOUTS = {
     # logprobs from the hidden states in chunks of 5 tokens, the vocabulary split over TP (the CUDA default)
     "tp2_chunked_logprobs": ["--tp", "2", "--logprob-chunk", "5"],
     "pp2_chunked_logprobs": ["--pp", "2", "--logprob-chunk", "5"],  # the last stage returns logprobs
+    # sequence parallelism: each TP rank holds half of each sequence between the attention/MLP blocks
+    "tp2_sp": ["--tp", "2", "--sequence-parallel"],
+    "tp2_sp_chunked_logprobs": ["--tp", "2", "--sequence-parallel", "--logprob-chunk", "5"],
 }
 
 

@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
     p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel: true (TP > 1)")
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
     args = p.parse_args()
 
@@ -82,6 +83,7 @@ def main() -> None:
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
     params.pipeline_schedule = args.schedule
+    params.sequence_parallel = args.sequence_parallel
     if args.grad_accum_fusion:
         params.transformer_config.gradient_accumulation_fusion = True
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
