@@ -243,11 +243,18 @@ def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted:
 PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradients
 
 
-def test_packed_microbatches_match_padded(converted: Path, workdir: Path) -> None:
+@pytest.mark.parametrize("layout", ["single_rank", "tp2_sp"])
+def test_packed_microbatches_match_padded(layout: str, converted: Path, workdir: Path) -> None:
     """Sequence packing: same logprobs, entropy, loss and gradients as one-sequence-per-row padding
-    for every loss aggregation, with fewer tokens processed."""
-    out = workdir / "packing.json"
-    _check(run_cli([PY, str(WORKERS / "packing_worker.py"), str(converted), str(out)]))
+    for every loss aggregation, with fewer tokens processed; on one rank and with TP=2 + sequence
+    parallelism (each rank holds half of every packed row between the attention/MLP blocks)."""
+    out = workdir / f"packing_{layout}.json"
+    worker = [str(WORKERS / "packing_worker.py"), str(converted), str(out)]
+    if layout == "single_rank":
+        _check(run_cli([PY, *worker]))
+    else:
+        _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker,
+                        "--tp", "2", "--sequence-parallel"]))
     r = json.loads(out.read_text())
     assert r["logprobs_max_abs_diff"] <= PACKED_ATOL and r["entropy_max_abs_diff"] <= PACKED_ATOL
     assert 0.5 < r["entropy_mean"] < 6.0  # ~log(320) = 5.77 for a random tiny model at T = 0.9
