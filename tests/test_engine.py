@@ -50,8 +50,8 @@ LAYOUTS = {
     # logprobs from the hidden states in chunks of 5 tokens, the vocabulary split over TP (the CUDA default)
     "tp2_chunked_logprobs": ["--tp", "2", "--logprob-chunk", "5"],
     "pp2_chunked_logprobs": ["--pp", "2", "--logprob-chunk", "5"],  # the last stage returns logprobs
-    # sequence parallelism: each TP rank holds half of each sequence between the attention/MLP blocks
-    "tp2_sp": ["--tp", "2", "--sequence-parallel"],
+    # sequence parallelism: each TP rank holds half of each sequence between the attention/MLP blocks (with full
+    # logits: test_packed_microbatches_match_padded[tp2_sp])
     "tp2_sp_chunked_logprobs": ["--tp", "2", "--sequence-parallel", "--logprob-chunk", "5"],
 }
 
@@ -200,6 +200,12 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     for a, b in zip(got["loss"], reference["loss"]):
         assert abs(a - b) <= LOSS_RTOL * abs(b)
     assert got["count"] == reference["count"]
+    seq = 24  # the engine worker's rows
+    if "sp" in layout.split("_"):  # sequence parallelism ran in training, not in forward-only passes
+        assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq]}, got["norm_rows"]
+        assert got["sequence_parallel_norm_weights"] == 4 * 2 + 1  # two norms in each of the 4 layers, and the final norm
+    else:
+        assert got["norm_rows"]["train"] == [seq] and got["sequence_parallel_norm_weights"] == 0
     lp, ref_lp = torch.tensor(got["logprobs"]), torch.tensor(reference["logprobs"])
     assert (lp - ref_lp).abs().max().item() <= WEIGHT_ATOL * 10
     w, ref_w = _weights(out / "hf"), _weights(workdir / "ref" / "hf")

@@ -95,6 +95,12 @@ def main() -> None:
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = {"loss": [], "grad_norm": [], "count": [], "schedule": [], "deferred_wgrad_ops": []}
+    # the sequence length the first norm sees, in training and in forward-only passes (1/TP under sequence parallelism)
+    from oumi_megatron.engine.model import unwrap
+
+    norm_rows: dict[str, set] = {"train": set(), "forward_only": set()}
+    unwrap(engine.model[0]).decoder.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda _m, inputs: norm_rows["train" if torch.is_grad_enabled() else "forward_only"].add(inputs[0].shape[0]))
     first = 0
     if args.resume:
         first = load_checkpoint(engine, args.resume)["step"]
@@ -121,6 +127,9 @@ def main() -> None:
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
+    results["norm_rows"] = {k: sorted(v) for k, v in norm_rows.items()}
+    results["sequence_parallel_norm_weights"] = sum(bool(getattr(p, "sequence_parallel", False))
+                                                    for c in engine.model for p in c.parameters())
     if not args.no_export:
         save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
     if dist.get_rank() == 0:
