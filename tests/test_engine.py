@@ -50,6 +50,9 @@ LAYOUTS = {
     # logprobs from the hidden states in chunks of 5 tokens, the vocabulary split over TP (the CUDA default)
     "tp2_chunked_logprobs": ["--tp", "2", "--logprob-chunk", "5"],
     "pp2_chunked_logprobs": ["--pp", "2", "--logprob-chunk", "5"],  # the last stage returns logprobs
+    # sequence parallelism: each TP rank holds half of each sequence between the attention/MLP blocks (with full
+    # logits: test_packed_microbatches_match_padded[tp2_sp])
+    "tp2_sp_chunked_logprobs": ["--tp", "2", "--sequence-parallel", "--logprob-chunk", "5"],
 }
 
 
@@ -197,6 +200,12 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     for a, b in zip(got["loss"], reference["loss"]):
         assert abs(a - b) <= LOSS_RTOL * abs(b)
     assert got["count"] == reference["count"]
+    seq = 24  # the engine worker's rows
+    if "sp" in layout.split("_"):  # sequence parallelism ran in training, not in forward-only passes
+        assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq]}, got["norm_rows"]
+        assert got["sequence_parallel_norm_weights"] == 4 * 2 + 1  # two norms in each of the 4 layers, and the final norm
+    else:
+        assert got["norm_rows"]["train"] == [seq] and got["sequence_parallel_norm_weights"] == 0
     lp, ref_lp = torch.tensor(got["logprobs"]), torch.tensor(reference["logprobs"])
     assert (lp - ref_lp).abs().max().item() <= WEIGHT_ATOL * 10
     w, ref_w = _weights(out / "hf"), _weights(workdir / "ref" / "hf")
@@ -240,11 +249,18 @@ def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted:
 PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradients
 
 
-def test_packed_microbatches_match_padded(converted: Path, workdir: Path) -> None:
+@pytest.mark.parametrize("layout", ["single_rank", "tp2_sp"])
+def test_packed_microbatches_match_padded(layout: str, converted: Path, workdir: Path) -> None:
     """Sequence packing: same logprobs, entropy, loss and gradients as one-sequence-per-row padding
-    for every loss aggregation, with fewer tokens processed."""
-    out = workdir / "packing.json"
-    _check(run_cli([PY, str(WORKERS / "packing_worker.py"), str(converted), str(out)]))
+    for every loss aggregation, with fewer tokens processed; on one rank and with TP=2 + sequence
+    parallelism (each rank holds half of every packed row between the attention/MLP blocks)."""
+    out = workdir / f"packing_{layout}.json"
+    worker = [str(WORKERS / "packing_worker.py"), str(converted), str(out)]
+    if layout == "single_rank":
+        _check(run_cli([PY, *worker]))
+    else:
+        _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker,
+                        "--tp", "2", "--sequence-parallel"]))
     r = json.loads(out.read_text())
     assert r["logprobs_max_abs_diff"] <= PACKED_ATOL and r["entropy_max_abs_diff"] <= PACKED_ATOL
     assert 0.5 < r["entropy_mean"] < 6.0  # ~log(320) = 5.77 for a random tiny model at T = 0.9

@@ -124,8 +124,6 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
     ("megatron", "world", "field", "text"),
     [
         ({"context_parallel_size": 2}, 2, "megatron.context_parallel_size", "Set context_parallel_size: 1"),
-        ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, 2, "megatron.sequence_parallel",
-         "Set sequence_parallel: False"),
         ({"expert_model_parallel_size": 2}, 2, "megatron.expert_model_parallel_size", "Set expert_model_parallel_size: 1"),
     ],
 )
@@ -133,6 +131,11 @@ def test_parallelism_that_does_not_run_yet_is_rejected(make_config, megatron, wo
     r = check(make_config(megatron=megatron), world_size=world, shape=MOE)
     assert field in problem_fields(r) and text in r.format_problems(), r.format_problems()
     assert "not supported yet" in r.format_problems()
+
+
+def test_sequence_parallel_with_tensor_parallelism_is_accepted(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"sequence_parallel": True, "tensor_model_parallel_size": 2}), world_size=2)
+    assert "megatron.sequence_parallel" not in problem_fields(r), r.format_problems()
 
 
 def test_average_in_collective_is_warned_not_silently_dropped(make_config) -> None:  # noqa: ANN001

@@ -211,12 +211,6 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "nothing splits sequences over CP ranks. Set context_parallel_size: 1; for long sequences use "
             "recompute (transformer_config.recompute_granularity: full) or more pipeline stages.",
         )
-    if m.sequence_parallel:
-        r.add(
-            "megatron.sequence_parallel",
-            "is not supported yet: Megatron-Core's local spec norms (torch LayerNorm/RMSNorm) refuse sequence "
-            "parallelism without TransformerEngine. Set sequence_parallel: False.",
-        )
     if isinstance(m.expert_model_parallel_size, int) and m.expert_model_parallel_size > 1:
         r.add(
             "megatron.expert_model_parallel_size",

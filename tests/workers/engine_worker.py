@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
     p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel: true (TP > 1)")
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
     args = p.parse_args()
 
@@ -82,6 +83,7 @@ def main() -> None:
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
     params.pipeline_schedule = args.schedule
+    params.sequence_parallel = args.sequence_parallel
     if args.grad_accum_fusion:
         params.transformer_config.gradient_accumulation_fusion = True
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
@@ -93,6 +95,12 @@ def main() -> None:
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = {"loss": [], "grad_norm": [], "count": [], "schedule": [], "deferred_wgrad_ops": []}
+    # the sequence length the first norm sees, in training and in forward-only passes (1/TP under sequence parallelism)
+    from oumi_megatron.engine.model import unwrap
+
+    norm_rows: dict[str, set] = {"train": set(), "forward_only": set()}
+    unwrap(engine.model[0]).decoder.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda _m, inputs: norm_rows["train" if torch.is_grad_enabled() else "forward_only"].add(inputs[0].shape[0]))
     first = 0
     if args.resume:
         first = load_checkpoint(engine, args.resume)["step"]
@@ -119,6 +127,9 @@ def main() -> None:
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
+    results["norm_rows"] = {k: sorted(v) for k, v in norm_rows.items()}
+    results["sequence_parallel_norm_weights"] = sum(bool(getattr(p, "sequence_parallel", False))
+                                                    for c in engine.model for p in c.parameters())
     if not args.no_export:
         save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
     if dist.get_rank() == 0:

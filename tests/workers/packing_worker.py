@@ -1,6 +1,6 @@
 """Packed vs padded microbatches on one engine: logprobs, entropy, loss, gradients.
 
-    python tests/workers/packing_worker.py CKPT OUT.json [--pp 2 under torchrun]
+    python tests/workers/packing_worker.py CKPT OUT.json [--pp 2 | --tp 2 --sequence-parallel, under torchrun]
 
 For variable-length sequences (different prompt and completion lengths) it builds both layouts of
 trainer/batches.py, compares per-sequence logprobs and entropies, and for each loss aggregation runs
@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--mbs", type=int, default=2)
     args = p.parse_args()
 
@@ -41,7 +43,8 @@ def main() -> None:
     from oumi_megatron.grpo.loss import make_grpo_loss_fn
     from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
 
-    params = MegatronParams(pipeline_model_parallel_size=args.pp)
+    params = MegatronParams(pipeline_model_parallel_size=args.pp, tensor_model_parallel_size=args.tp,
+                            sequence_parallel=args.sequence_parallel)
     params.transformer_config.recompute_granularity = None
     # lr = 0: train_step computes the real gradients but leaves the weights as they are
     _, engine = build_engine(args.ckpt, params, OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=10),
@@ -86,13 +89,14 @@ def main() -> None:
             grads = [p.main_grad.detach().clone() for c in engine.model for p in c.parameters()]
             runs[name] = (step, grads)
         (a, ga), (b, gb) = runs["padded"], runs["packed"]
-        scale = max(g.abs().max().item() for g in ga)
+        worst = torch.tensor([max((x - y).abs().max().item() for x, y in zip(ga, gb)), max(g.abs().max().item() for g in ga)])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank's parameters (TP shards, PP stages)
         result["aggregations"][mode] = {
             "loss": [a.loss, b.loss],
             "count": [a.count, b.count],
             "clipped_tokens": [a.metrics["clipped_tokens"], b.metrics["clipped_tokens"]],
-            "grad_max_abs_diff": max((x - y).abs().max().item() for x, y in zip(ga, gb)),
-            "grad_max_abs": scale,
+            "grad_max_abs_diff": worst[0].item(),
+            "grad_max_abs": worst[1].item(),
         }
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -152,9 +152,14 @@ def logprob_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, 
                              context: dict[str, Any], config: Any, **_: Any) -> torch.Tensor:
     """``GPTModel.forward(output_processor=...)``: the last stage returns token logprobs [b, s] instead of
     logits; the entropy (no gradient) goes to ``context['entropy']``."""
-    if getattr(output_layer, "sequence_parallel", False) or getattr(output_layer, "bias", None) is not None or getattr(config, "use_mup", False):
-        raise ValueError("chunked logprobs cover an unbiased, unscaled output layer without sequence parallelism; "
-                         "set megatron.logprob_chunk_tokens: 0")
+    if getattr(output_layer, "bias", None) is not None or getattr(config, "use_mup", False):
+        raise ValueError("chunked logprobs cover an unbiased, unscaled output layer; set megatron.logprob_chunk_tokens: 0")
+    if getattr(output_layer, "sequence_parallel", False):
+        # this rank holds a slice of the sequence: gather it; the backward's input gradient is already summed
+        # over TP (_ChunkedLogprobs), so the gather's backward only keeps this rank's slice
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
     weight = output_layer.weight if output_weight is None else output_weight
     chunk = context["chunk_tokens"] or auto_chunk_tokens(weight.shape[0])
     logprobs, entropy = chunked_token_logprobs(

@@ -15,9 +15,10 @@ path (``calculate_per_token_loss``) divides the reduced gradients by the global 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -100,14 +101,25 @@ def _forward_only(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(self: MegatronEngine, *args: Any, **kwargs: Any) -> Any:
-        if not cuda_graphs_enabled(self.params):
-            with torch.no_grad():
-                return fn(self, *args, **kwargs)
-        with torch.inference_mode():
-            out = fn(self, *args, **kwargs)
+        with self._sequence_parallel_off():
+            if not cuda_graphs_enabled(self.params):
+                with torch.no_grad():
+                    return fn(self, *args, **kwargs)
+            with torch.inference_mode():
+                out = fn(self, *args, **kwargs)
         return _clone_tensors(out)
 
     return wrapper
+
+
+def _pad_sequence(v: torch.Tensor, pad: int) -> torch.Tensor:
+    """A microbatch tensor padded by ``pad`` positions: [b, s] per-token values with zeros (out of the loss),
+    a [b, 1, s, s] attention mask (True = not allowed) with masked rows and columns."""
+    if not pad or v.dim() not in (2, 4):
+        return v
+    if v.dim() == 4:
+        return torch.nn.functional.pad(v, (0, pad, 0, pad), value=True)
+    return torch.nn.functional.pad(v, (0, pad))
 
 
 def _clone_tensors(value: Any) -> Any:
@@ -172,11 +184,33 @@ class MegatronEngine:
     # ----------------------------------------------------------------------------------------------
     # Running the schedule
     # ----------------------------------------------------------------------------------------------
-    @staticmethod
-    def _prepare(microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+    @contextlib.contextmanager
+    def _sequence_parallel_off(self) -> Iterator[None]:
+        """Forward-only passes (logprobs, generation: one token at a time) run without sequence parallelism,
+        as Megatron-Core's own inference does (``set_model_to_sequence_parallel``); training turns it back on."""
+        if not self.config.sequence_parallel:
+            yield
+            return
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        from oumi_megatron.engine.model import unwrap
+
+        for chunk in self.model:
+            set_model_to_sequence_parallel(unwrap(chunk), set_to=False)
+        try:
+            yield
+        finally:
+            for chunk in self.model:
+                set_model_to_sequence_parallel(unwrap(chunk), set_to=True)
+
+    def _prepare(self, microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
-        or ``pad_to`` (CUDA graphs' fixed length)."""
+        or ``pad_to`` (CUDA graphs' fixed length); under sequence parallelism a multiple of TP (each rank
+        holds an equal slice; the padding is out of the loss)."""
         seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+        if self.config.sequence_parallel:
+            tp = self.config.tensor_model_parallel_size
+            seq_len = -(-seq_len // tp) * tp
         if pad_to is not None:
             if seq_len > pad_to:
                 raise ValueError(
@@ -189,7 +223,7 @@ class MegatronEngine:
             if mb["input_ids"].shape[0] != mbs:
                 raise ValueError("all microbatches of a step must have the same micro batch size")
             pad = seq_len - mb["input_ids"].shape[1]
-            padded = {k: (torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 and pad else v) for k, v in mb.items() if v is not None}
+            padded = {k: _pad_sequence(v, pad) for k, v in mb.items() if v is not None}
             ids = padded["input_ids"]
             padded.setdefault("target_ids", shift_targets(ids))
             if "position_ids" not in mb:

@@ -131,11 +131,11 @@ def configure_provider(
         # The unbatched path orders them per rank parity and uses two communicators for a pair.
         provider.batch_p2p_comm = False
     if not have_transformer_engine():
-        from oumi_megatron.engine.attention import local_layer_spec_with_attention, resolve_attention_backend
+        from oumi_megatron.engine.attention import resolve_attention_backend
         from oumi_megatron.engine.fusions import apply_fusions
 
         backend, why = resolve_attention_backend(t.attention_backend, provider, torch.cuda.is_available())
-        provider.transformer_layer_spec = partial(local_layer_spec_with_attention, backend=backend)
+        provider.transformer_layer_spec = partial(_local_spec, backend=backend)
         for name in _LOCAL_SPEC_FUSIONS_OFF:
             if hasattr(provider, name):
                 setattr(provider, name, False)
@@ -153,6 +153,16 @@ def configure_provider(
         provider.register_pre_wrap_hook(module_queue_pre_wrap_hook)
     provider.finalize()
     return provider
+
+
+def _local_spec(provider: Any, vp_stage: int | None = None, *, backend: str) -> Any:
+    """Megatron-Bridge's local layer spec with our core attention; under sequence parallelism a block spec
+    whose norms run with it (engine/norms.py)."""
+    from oumi_megatron.engine.attention import local_layer_spec_with_attention
+    from oumi_megatron.engine.norms import sequence_parallel_block_spec
+
+    spec = local_layer_spec_with_attention(provider, backend=backend)
+    return sequence_parallel_block_spec(spec, provider, vp_stage) if provider.sequence_parallel else spec
 
 
 def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: bool) -> list[torch.nn.Module]:

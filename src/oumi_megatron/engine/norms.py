@@ -1,0 +1,61 @@
+"""Norms for Megatron-Core's local (non-TransformerEngine) spec that also run under sequence parallelism.
+
+Megatron-Core's ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``. Under sequence parallelism
+the layer norms (and the final norm) see this rank's slice of the sequence, so their weights get a partial
+gradient on each tensor-parallel rank: Megatron-Core sums the gradients of parameters marked
+``sequence_parallel = True`` over the TP group in ``finalize_model_grads``. ``SequenceParallelTorchNorm``
+is torch's norm with that mark. The q/k norms of Qwen3-style attention run after the column-parallel QKV
+projection (the whole sequence, this rank's heads): ``TorchNorm`` leaves them unmarked, and Megatron-Core
+sums their gradients over TP by name, with or without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+def _torch_norm(config: Any, hidden_size: int, eps: float) -> torch.nn.Module:
+    for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+        if getattr(config, flag, False):
+            raise ValueError(f"{flag} is not supported by torch's norms (Megatron-Core's local spec)")
+    if config.normalization not in _NORMS:
+        raise ValueError(f"normalization {config.normalization!r}: the local spec supports {sorted(_NORMS)}")
+    return _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
+
+
+class TorchNorm:
+    """torch's LayerNorm / RMSNorm for ``config.normalization``, built like Megatron-Core's norms (no mark)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        return _torch_norm(config, hidden_size, eps)
+
+
+class SequenceParallelTorchNorm:
+    """torch's norm whose parameters Megatron-Core treats as sequence-parallel (gradients summed over TP)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm = _torch_norm(config, hidden_size, eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def sequence_parallel_block_spec(layer_spec: Any, config: Any, vp_stage: int | None = None) -> Any:
+    """The block spec of a local-spec model under sequence parallelism: the layer's norms replaced by
+    ``SequenceParallelTorchNorm`` (q/k norms by ``TorchNorm``) and the final norm too (a block spec names it;
+    a layer spec would get Megatron-Core's ``WrappedTorchNorm``), with this stage's number of layers."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = layer_spec.submodules
+    layer.input_layernorm = SequenceParallelTorchNorm
+    layer.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, None) is not None and getattr(getattr(attention, name), "__name__", "") == "WrappedTorchNorm":
+            setattr(attention, name, TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
