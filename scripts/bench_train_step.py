@@ -53,11 +53,16 @@ def model_config(seq: int, shape: str = "0.8b", layers: int | None = None):  # n
                        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
-def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
-    h, f, layers, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+def layer_matmul_params(cfg) -> int:  # noqa: ANN001
+    """Parameters of one transformer layer's linear layers (q, o, k, v and the SwiGLU MLP)."""
+    h = cfg.hidden_size
     kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f
-    matmul_params = layers * per_layer + h * v
+    return h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
+
+
+def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    matmul_params = layers * layer_matmul_params(cfg) + h * cfg.vocab_size
     return 6.0 * matmul_params + 6.0 * layers * seq * h
 
 
@@ -248,8 +253,7 @@ def main() -> None:
     # ModuleQueue: chunks (0 = off), MiB released per step, and seed 000's estimate of its saving on the last
     # stage, N x layer_size - V x H / num_chunks (bf16)
     h, v = cfg.hidden_size, cfg.vocab_size
-    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
-    layer_bytes = 2 * (h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size + 2 * h)
+    layer_bytes = 2 * (layer_matmul_params(cfg) + 2 * h)  # bf16, the linear layers and the two norms
     result["module_queue_chunks"] = args.module_queue
     result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
     result["seed_formula_saving_gib"] = round((cfg.num_hidden_layers // args.pp * layer_bytes
