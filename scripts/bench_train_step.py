@@ -195,6 +195,19 @@ def main() -> None:
             for layer in unwrap(chunk).decoder.layers:
                 layer.compile()
 
+    # The peak of the passes (forward/backward, ModuleQueue's step bracket) and of the optimizer step apart
+    peaks = {"passes": 0.0, "optimizer": 0.0}
+    optimizer_step = engine.optimizer.step
+
+    def step_with_peaks():  # noqa: ANN202
+        peaks["passes"] = max(peaks["passes"], torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+        out = optimizer_step()
+        peaks["optimizer"] = max(peaks["optimizer"], torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
+    engine.optimizer.step = step_with_peaks
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -221,7 +234,8 @@ def main() -> None:
     step_s = sorted(times)[len(times) // 2]
     tflops_per_gpu = flops_per_token(cfg, args.seq) * tokens / step_s / world / 1e12
     # state = what stays allocated after the step (weights, fp32 main grads, master weights, Adam moments)
-    mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.memory_allocated() / 2**30], device="cuda")
+    mem = torch.tensor([max(peaks.values(), default=0.0), torch.cuda.memory_allocated() / 2**30,
+                        peaks["passes"], peaks["optimizer"]], device="cuda")
     mem_by_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(mem_by_rank, mem)  # pipeline stages differ: the first holds the most microbatches, the last the logits
     mem = torch.stack(mem_by_rank).amax(0)
@@ -246,6 +260,8 @@ def main() -> None:
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),
         "activation_mem_gib": round(mem[0].item() - mem[1].item(), 2),
         "peak_mem_gib_by_rank": [round(m[0].item(), 2) for m in mem_by_rank],
+        "passes_peak_gib_by_rank": [round(m[2].item(), 2) for m in mem_by_rank],
+        "optimizer_peak_gib_by_rank": [round(m[3].item(), 2) for m in mem_by_rank],
         "recompute": args.recompute, "final_loss": round(r.loss, 4),
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }

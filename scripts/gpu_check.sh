@@ -167,16 +167,17 @@ if zb:  # ZB-H1 against 1F1B: the median of each (layout, microbatches, schedule
         print(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {' / '.join(str(max(r.get('peak_mem_gib_by_rank', [r['peak_mem_gib']])[i] for r in rs)) for i in range(len(rs[0].get('peak_mem_gib_by_rank', [0]))))} | {rs[-1]['deferred_wgrad_ops']} | {phases or '-'} |")
 mq = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("mq_*.json"))]
 if mq:  # ModuleQueue: the last stage's peak and the step time against the run without it (same call, same settings)
-    print("\n| layout | settings | card | ModuleQueue chunks | step s | vs off | last-stage peak GiB | vs off | saving GiB | seed formula GiB | released MiB/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in sorted(mq, key=lambda r: (r["layout"], r.get("settings", []), r["module_queue_chunks"])):
-        base = next((b for b in mq if not b["module_queue_chunks"] and b["layout"] == r["layout"]
-                     and b.get("settings") == r.get("settings")), None)
+    print("\n| layout | settings | card | ModuleQueue chunks | step s | vs off | last-stage peak GiB | vs off | saving GiB | seed formula GiB | released MiB/step | last stage: passes / optimizer peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    setting = lambda r: (r["layout"], r["tokens_per_step"], r.get("recompute"), r.get("settings", []))  # noqa: E731
+    for r in sorted(mq, key=lambda r: (setting(r), r["module_queue_chunks"])):
+        base = next((b for b in mq if not b["module_queue_chunks"] and setting(b) == setting(r)), None)
         last = r["peak_mem_gib_by_rank"][-1]
         b_last = base["peak_mem_gib_by_rank"][-1] if base else float("nan")
-        print(f"| {r['layout']} | {' '.join(r.get('settings') or []) or '-'} | {r['card']} | {r['module_queue_chunks'] or 'off'} | {r['step_s']} "
+        print(f"| {r['layout']} | {r['tokens_per_step'] // r['seq']} x {r['seq']} tokens, recompute {r.get('recompute')} {' '.join(r.get('settings') or [])} | {r['card']} | {r['module_queue_chunks'] or 'off'} | {r['step_s']} "
               f"| {r['step_s'] / base['step_s'] if base else float('nan'):.3f} | {last} | {last / b_last:.3f} | {b_last - last:.2f} "
-              f"| {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} |")
+              f"| {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} "
+              f"| {r.get('passes_peak_gib_by_rank', ['-'])[-1]} / {r.get('optimizer_peak_gib_by_rank', ['-'])[-1]} |")
 lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
 if lp.is_file():
     r = json.loads(lp.read_text())

@@ -33,6 +33,32 @@ def test_foreach_scale_writes_scaled_copies(scale: float) -> None:
         assert torch.equal(d, (s * scale).to(torch.bfloat16))
 
 
+def test_foreach_scale_scales_in_place_when_source_is_destination() -> None:
+    """Gradient clipping calls it with the gradients as both lists: they are scaled in place (no copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewTensors(TorchDispatchMode):  # every tensor an op returns that is not one of the gradients
+        def __init__(self, grads: list[torch.Tensor]):
+            super().__init__()
+            self.owned, self.new = {t.untyped_storage().data_ptr() for t in grads}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, list | tuple) else [out]:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.owned:
+                    self.new.append((str(func), tuple(t.shape)))
+            return out
+
+    grads = _tensors(torch.float32)
+    expected = [t * 0.37 for t in grads]
+    flag = torch.zeros(1, dtype=torch.int)
+    with NewTensors(grads) as mode:
+        foreach_scale(2048, flag, [grads, grads], 0.37)
+    assert mode.new == []
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_fused_kernels_default_follows_the_device_and_forcing_needs_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")

@@ -53,7 +53,8 @@ def main() -> None:
     def max_diff(now: dict, ref: dict) -> torch.Tensor:
         assert set(now) == set(ref)
         d = torch.tensor([max((now[n][0] - ref[n][0]).abs().max().item() for n in ref),
-                          max((now[n][1] - ref[n][1]).abs().max().item() for n in ref)])
+                          max((now[n][1] - ref[n][1]).abs().max().item() for n in ref)],
+                         device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         return d
 

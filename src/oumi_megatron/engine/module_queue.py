@@ -208,10 +208,11 @@ class ModuleQueue(GPTModel):
         self._mq_in_step = False
         if self._mq_layers is None:
             return
+        if self._mq_buffers:  # the buffer comes back whole from its host copy: no per-layer loads
+            self._attach_to_buffers()
+            return
         for w in self._all_streamed():
             w.ensure(self._mq_streams[1])
-        if self._mq_buffers:
-            self._attach_to_buffers()
 
     # -- the distributed optimizer's contiguous parameter buffer ------------------------------------
     # Its parameters are views into one buffer per dtype, so a layer cannot be released alone. For the
@@ -256,7 +257,7 @@ class ModuleQueue(GPTModel):
 
     def _attach_to_buffers(self) -> None:
         h2d = self._mq_streams[1]
-        for w in self._all_streamed():  # the host copy is current: release without copying
+        for w in self._all_streamed():  # the host copy is current: release without copying (after any load in flight)
             w.release(None)
         for buf in self._mq_buffers:
             data, host = buf.param_data, self._mq_buffer_host[id(buf)]
