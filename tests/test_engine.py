@@ -400,10 +400,11 @@ def test_zb_h1_equals_1f1b(pp: int, converted: Path, workdir: Path) -> None:
     assert r["zb_h1_resumed"]["deferred_wgrad_ops"] == zb["deferred_wgrad_ops"][2:]
 
 
-@pytest.mark.parametrize(("pp", "chunks", "logprob_chunk", "distributed_optimizer"), [(1, 5, 7, False), (2, 3, None, True)],
-                         ids=["pp1_chunked_logprobs", "pp2_full_logits_distributed_optimizer"])
-def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_chunk: int | None,
-                                                  distributed_optimizer: bool, converted: Path, workdir: Path) -> None:
+@pytest.mark.parametrize(("pp", "chunks", "logprob_chunk", "distributed_optimizer", "recompute"),
+                         [(1, 5, 7, False, "block:2"), (2, 3, None, True, None)],
+                         ids=["pp1_chunked_logprobs_recompute_two_of_four_layers", "pp2_full_logits_distributed_optimizer"])
+def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_chunk: int | None, distributed_optimizer: bool,
+                                                  recompute: str | None, converted: Path, workdir: Path) -> None:
     """ModuleQueue (engine/module_queue.py) against the plain GPTModel, PP=1 and PP=2 gloo ranks, 4 microbatches,
     3 optimizer steps: losses, every parameter's gradient and updated value, logprobs and the HF export are
     bit-identical (ModuleQueue only moves weights between storages; every kernel sees the same numbers in
@@ -411,14 +412,17 @@ def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_
     all back after the step, the seed's debugging attributes, the ``module_queue/offloaded_mib`` count, and a
     resume from the step-2 checkpoint repeats step 3. Both output paths (chunked logprobs at PP=1, full
     logits at PP=2) and both parameter layouts (own storage; the distributed optimizer's contiguous buffer,
-    detached for each step). One torchrun (tests/workers/module_queue_worker.py)."""
+    detached for each step). At PP=1 full recompute of the first two of four layers (Megatron's checkpoint:
+    their forward without gradients, again inside the backward pass) next to two plain layers.
+    One torchrun (tests/workers/module_queue_worker.py)."""
     from safetensors.torch import load_file
 
     out = workdir / f"module_queue_pp{pp}"
     _check(run_cli([TORCHRUN, "--nproc_per_node", str(pp), "--master-port", str(free_port()),
                     str(WORKERS / "module_queue_worker.py"), str(converted), str(out), "--chunks", str(chunks),
                     *(["--logprob-chunk", str(logprob_chunk)] if logprob_chunk else []),
-                    *(["--distributed-optimizer"] if distributed_optimizer else [])]))
+                    *(["--distributed-optimizer"] if distributed_optimizer else []),
+                    *(["--recompute", recompute] if recompute else [])]))
     r = json.loads((out / "result.json").read_text())
     plain, mq = r["plain"], r["module_queue"]
     assert plain["class_by_rank"] == ["GPTModel"] * pp

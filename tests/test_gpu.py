@@ -145,11 +145,13 @@ def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("recompute", [None, "uniform:1"], ids=["no_recompute", "full_recompute"])
+def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pytest.TempPathFactory, recompute: str | None) -> None:
     """ModuleQueue on CUDA (side streams, pinned host copies, the distributed optimizer's buffer detached for
     each step), PP=2 over NCCL, fp32, 3 steps against the plain last stage (tests/workers/module_queue_worker.py):
     losses within 1e-6 relative, gradients and weights within 1e-5 absolute (GPU attention kernels need not be
-    bit-reproducible between two runs), layers released when the final norm runs, all back after the step."""
+    bit-reproducible between two runs), layers released when the final norm runs, all back after the step;
+    without recompute and with full recompute of every layer (prefetch inside the backward pass)."""
     from oumi_megatron.testing.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_module_queue")
@@ -158,7 +160,7 @@ def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pyte
     _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "float32"]))
     _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
                     str(WORKERS / "module_queue_worker.py"), str(ckpt), str(work / "out"), "--chunks", "3",
-                    "--distributed-optimizer"]))
+                    "--distributed-optimizer", *(["--recompute", recompute] if recompute else [])]))
     r = json.loads((work / "out" / "result.json").read_text())
     plain, mq = r["plain"], r["module_queue"]
     assert mq["class_by_rank"] == ["GPTModel", "ModuleQueue"] and mq["active"] == [True] * 3

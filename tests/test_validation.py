@@ -259,8 +259,10 @@ def test_zb_h1_needs_the_gradient_accumulation_path(make_config) -> None:  # noq
     assert "Set gradient_accumulation_fusion: null" in r.format_problems()
 
 
-def test_module_queue_warns_where_it_acts(make_config) -> None:  # noqa: ANN001
-    r = check(make_config(megatron={"enable_module_queue": True, "pipeline_model_parallel_size": 2}), world_size=2)
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_module_queue_warns_where_it_acts(make_config, recompute: str | None) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"enable_module_queue": True, "pipeline_model_parallel_size": 2,
+                                    "transformer_config": {"recompute_granularity": recompute}}), world_size=2)
     assert r.ok, r.format_problems()
     mq = [w for w in r.warnings if "enable_module_queue" in w]
     assert len(mq) == 1 and "last pipeline stage" in mq[0] and "logprobs" in mq[0]
@@ -268,9 +270,8 @@ def test_module_queue_warns_where_it_acts(make_config) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize(("megatron", "fix"), [
     ({"ddp_config": {"overlap_param_gather": True, "overlap_grad_reduce": True}}, "Set overlap_param_gather: false"),
-    ({"transformer_config": {"recompute_granularity": "full", "recompute_method": "uniform"}}, "Use recompute_granularity: selective or null"),
     ({"transformer_config": {"cuda_graph_impl": "local", "recompute_granularity": None}}, "Set cuda_graph_impl: none"),
-], ids=["overlap_param_gather", "full_recompute", "cuda_graphs"])
+], ids=["overlap_param_gather", "cuda_graphs"])
 def test_module_queue_rejects_what_it_cannot_run_with(make_config, megatron: dict, fix: str) -> None:  # noqa: ANN001
     r = check(make_config(megatron={"enable_module_queue": True, **megatron}), world_size=1)
     assert "megatron.enable_module_queue" in problem_fields(r), r.format_problems()

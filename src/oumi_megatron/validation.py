@@ -416,11 +416,6 @@ def _check_module_queue(m: MegatronParams, r: ValidationReport) -> None:
               "does not run with ddp_config.overlap_param_gather: true (the parameter all-gather would write into the "
               "contiguous parameter buffer ModuleQueue detaches during the forward pass). Set overlap_param_gather: "
               "false, or enable_module_queue: false.")
-    if t.recompute_granularity == "full":
-        r.add("megatron.enable_module_queue",
-              "does not run with transformer_config.recompute_granularity: full (the recomputed forward would need "
-              "the released layer weights inside the backward pass). Use recompute_granularity: selective or null, "
-              "or enable_module_queue: false.")
     if t.cuda_graph_impl == "local":
         r.add("megatron.enable_module_queue",
               "does not run inside CUDA graphs (a graph replays fixed weight addresses; ModuleQueue frees and "

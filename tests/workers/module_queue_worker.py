@@ -28,6 +28,8 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--distributed-optimizer", action="store_true", help="megatron.ddp_config.use_distributed_optimizer")
+    p.add_argument("--recompute", default=None, metavar="METHOD:LAYERS",
+                   help="full recompute, e.g. uniform:1 or block:2 (recompute_method:recompute_num_layers)")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (the chunked output path)")
     args = p.parse_args()
     ckpt, out = Path(args.ckpt), Path(args.out)
@@ -43,6 +45,10 @@ def main() -> None:
                                 enable_module_queue=module_queue, module_queue_num_chunks=args.chunks)
         params.ddp_config.use_distributed_optimizer = args.distributed_optimizer
         params.transformer_config.recompute_granularity = None
+        if args.recompute:
+            method, layers = args.recompute.split(":")
+            params.transformer_config.recompute_granularity = "full"
+            params.transformer_config.recompute_method, params.transformer_config.recompute_num_layers = method, int(layers)
         params.logprob_chunk_tokens = args.logprob_chunk
         settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=3)
         return build_engine(ckpt, params, settings, dtype=torch.float32)

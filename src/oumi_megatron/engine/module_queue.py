@@ -24,6 +24,9 @@ changed the weights), so the first microbatch of a step copies to the host and l
 Before any use a weight is resident: a forward pass first makes released layers resident (schedules
 other than 1F1B may run two forward passes before a backward), and the output layer's and each layer's
 backward wait for their loads. ``end_step`` (also on errors) makes everything resident again.
+Under full recompute the step's forward runs without gradients inside Megatron's checkpoint and each
+layer's forward runs again in the backward pass: there the layer is not released (its backward follows)
+and its pre-hook prefetches the layer the backward pass needs next.
 
 Copies run on side streams (device -> host and host -> device separately, pinned host memory); the
 compute stream waits on an event before it reads a loaded weight, and a released weight's memory is
@@ -174,6 +177,7 @@ class ModuleQueue(GPTModel):
         self.num_layers = len(self.decoder.layers)
         self._module_queue_enabled = bool(getattr(self.config, "enable_module_queue", False)) and self.post_process
         self._mq_in_step = False
+        self._mq_backward = False  # between the output layer's backward and the next forward (recompute runs here)
         self._mq_layers: list[StreamedWeights] | None = None  # built on first use: after .cuda() and DDP
         self._mq_output: StreamedWeights | None = None
         self._mq_streams: tuple[Any, Any] = (None, None)
@@ -201,7 +205,7 @@ class ModuleQueue(GPTModel):
             for w in self._all_streamed():
                 w.host_current = False
         self.module_queue_offloaded_bytes = 0
-        self._mq_in_step = True
+        self._mq_in_step, self._mq_backward = True, False
 
     def end_step(self) -> None:
         """Every weight back on the GPU (before the optimizer step, checkpoints, export, weight sync)."""
@@ -273,6 +277,7 @@ class ModuleQueue(GPTModel):
             return super().forward(*args, **kwargs)
         # Layers released by another forward since the last backward (schedules other than 1F1B) come
         # back through the layer pre-hooks, one ahead, as they do at the start of a detached step.
+        self._mq_backward = False
         if self._mq_output is not None:
             self.module_queue_offloaded_bytes += self._mq_output.release(self._mq_streams[0])
         out = super().forward(*args, **kwargs)
@@ -280,7 +285,9 @@ class ModuleQueue(GPTModel):
         return out
 
     def _mq_active(self) -> bool:
-        return self._module_queue_enabled and self._mq_in_step and self.training and torch.is_grad_enabled()
+        # Only the training step's passes (begin_step .. end_step): its forward runs without gradients
+        # under full recompute (Megatron's checkpoint), and logprob/generation passes are outside a step.
+        return self._module_queue_enabled and self._mq_in_step and self.training
 
     def _make_layer_pre_hook(self, i: int) -> Callable:
         def hook(_module: Any, _inputs: Any) -> None:
@@ -288,14 +295,25 @@ class ModuleQueue(GPTModel):
                 return
             h2d = self._mq_streams[1]
             self._mq_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
-            if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
+            if self._mq_backward:  # full recompute re-runs this forward inside the backward pass
+                nxt = self._next_released_for_backward(i)
+                if nxt is not None:
+                    self._mq_layers[nxt].load(h2d)
+            elif i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
                 self._mq_layers[i + 1].load(h2d)
 
         return hook
 
+    def _next_released_for_backward(self, i: int) -> int | None:
+        """The layer the backward pass needs after layer ``i``'s recomputed forward: the next one of the same
+        recompute block (re-run upward) or else the top of the block below (the layers above are resident)."""
+        if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
+            return i + 1
+        return next((j for j in range(i - 1, -1, -1) if not self._mq_layers[j].resident), None)
+
     def _make_layer_hook(self, i: int) -> Callable:
         def hook(_module: Any, _inputs: Any, output: Any) -> Any:
-            if not self._mq_active():
+            if not self._mq_active() or self._mq_backward:  # a recomputed layer stays for its backward
                 return output
             d2h, h2d = self._mq_streams
             self.module_queue_offloaded_bytes += self._mq_layers[i].release(d2h)
@@ -318,6 +336,7 @@ class ModuleQueue(GPTModel):
 
     # -- backward ---------------------------------------------------------------------------------
     def _before_output_backward(self) -> None:
+        self._mq_backward = True
         h2d = self._mq_streams[1]
         if self._mq_output is not None:
             self._mq_output.ensure(h2d)
