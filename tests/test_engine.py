@@ -53,6 +53,8 @@ LAYOUTS = {
     # sequence parallelism: each TP rank holds half of each sequence between the attention/MLP blocks (with full
     # logits: test_packed_microbatches_match_padded[tp2_sp])
     "tp2_sp_chunked_logprobs": ["--tp", "2", "--sequence-parallel", "--logprob-chunk", "5"],
+    # context parallelism: each rank holds 2 of 4 chunks of every sequence, K/V all-gathered (SDPA core attention)
+    "cp2": ["--cp", "2"],
 }
 
 
@@ -196,7 +198,7 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     out = workdir / f"layout_{layout}"
     got = _engine_run(converted, out, LAYOUTS[layout], nproc=2)
     assert reference["core_attention"] == "DotProductAttention"  # auto on the CPU
-    assert got["core_attention"] == ("SdpaCoreAttention" if "sdpa" in layout else "DotProductAttention")
+    assert got["core_attention"] == ("SdpaCoreAttention" if "sdpa" in layout or "cp2" in layout else "DotProductAttention")
     for a, b in zip(got["loss"], reference["loss"]):
         assert abs(a - b) <= LOSS_RTOL * abs(b)
     assert got["count"] == reference["count"]
@@ -204,6 +206,8 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     if "sp" in layout.split("_"):  # sequence parallelism ran in training, not in forward-only passes
         assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq]}, got["norm_rows"]
         assert got["sequence_parallel_norm_weights"] == 4 * 2 + 1  # two norms in each of the 4 layers, and the final norm
+    elif "cp2" in layout:  # each CP rank holds half of every sequence, in training and in logprob passes
+        assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq // 2]}, got["norm_rows"]
     else:
         assert got["norm_rows"]["train"] == [seq] and got["sequence_parallel_norm_weights"] == 0
     lp, ref_lp = torch.tensor(got["logprobs"]), torch.tensor(reference["logprobs"])

@@ -67,10 +67,18 @@ def test_oumi_train_reaches_the_plugin_with_a_bad_config(bad_yaml: Path) -> None
     assert "grpo.temperature" in text and "megatron.tensor_model_parallel_size" in text
 
 
-def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
+@pytest.fixture(scope="module")
+def pp2_run(good_yaml: Path) -> str:
+    """``torchrun -m oumi train`` with PP=2 and the default 1F1B schedule into good_yaml's output_dir: the
+    conversion and the reference metrics the launch-form test compares against (a fixture, so a test
+    that needs it runs it on whichever xdist worker it lands)."""
     out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
                    "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
-    text = out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path, pp2_run: str) -> None:
+    text = pp2_run
     assert LAYOUT_PP2 in text, text[-3000:]
     # the trainer converted the model once with Megatron-Bridge and built the engine on both ranks
     checkpoint = good_yaml.parent / "out" / "megatron_checkpoint"
@@ -82,30 +90,34 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path) -> None:
     assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in bad.stdout + bad.stderr
 
 
-def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path, tmp_path: Path) -> None:
-    """Both launch forms train on 2 ranks with PP=2: the seed's form with
-    1F1B, the stock form with ZB-H1 (``--megatron.pipeline_schedule zb_h1``) and ModuleQueue on the last
-    stage. The metrics name the schedule that ran (and ZB-H1's deferred weight-gradient GEMMs) and whether
-    ModuleQueue streamed weights; the second run learns exactly like the first: ZB-H1 changes when weight
-    gradients are computed and ModuleQueue where weights wait, not what they are (rewards equal, losses
-    and grad norms within 1e-6)."""
+def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path, bad_yaml: Path, pp2_run: str,
+                                                               tmp_path: Path) -> None:
+    """Both ``oumi distributed torchrun`` forms reach the plugin on 2 ranks: the stock form
+    (``-m oumi train -c``) stops at validation on a bad config; the seed's form (``-c``) trains with PP=2,
+    ZB-H1 (``--megatron.pipeline_schedule zb_h1``) and ModuleQueue on the last stage. The metrics name the
+    schedule that ran (and ZB-H1's deferred weight-gradient GEMMs) and whether ModuleQueue streamed
+    weights, and the run learns exactly like the 1F1B run of ``pp2_run`` (same config, plain torchrun):
+    ZB-H1 changes when weight gradients are computed and ModuleQueue where weights wait, not what they
+    are (rewards equal, losses and grad norms within 1e-6)."""
+    stock = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", "-m", "oumi", "train", "-c", str(bad_yaml)],
+                    env={"MASTER_PORT": str(free_port())})
+    assert stock.returncode != 0
+    assert "MEGATRON_GRPO config has" in stock.stdout + stock.stderr and "megatron.tensor_model_parallel_size" in stock.stdout + stock.stderr
+    # a new output_dir (a used one is refused), with the conversion of the pp2 run copied in
+    out_dir = tmp_path / "seed"
+    shutil.copytree(good_yaml.parent / "out" / "megatron_checkpoint", out_dir / "megatron_checkpoint")
+    out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", "-c", str(good_yaml),
+                   "--megatron.pipeline_model_parallel_size", "2", "--megatron.pipeline_schedule", "zb_h1",
+                   "--megatron.enable_module_queue", "true", "--training.output_dir", str(out_dir)],
+                  env={"MASTER_PORT": str(free_port())})
+    text = out.stdout + out.stderr
+    assert "unrecognized arguments" not in text
+    assert LAYOUT_PP2 in text and "pipeline schedule: zb_h1" in text, text[-3000:]
+    assert "Reusing the converted checkpoint" in text, text[-3000:]
     runs = {}
-    for form, schedule in (("seed", "1f1b"), ("stock", "zb_h1")):
+    for schedule, folder in (("1f1b", good_yaml.parent / "out"), ("zb_h1", out_dir)):
         module_queue = schedule == "zb_h1"
-        # a new output_dir per run (a used one is refused), with the conversion of the torchrun test copied in
-        out_dir = tmp_path / form
-        shutil.copytree(good_yaml.parent / "out" / "megatron_checkpoint", out_dir / "megatron_checkpoint")
-        target = ["-c", str(good_yaml)] if form == "seed" else ["-m", "oumi", "train", "-c", str(good_yaml)]
-        out = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", *target,
-                       "--megatron.pipeline_model_parallel_size", "2", "--megatron.pipeline_schedule", schedule,
-                       "--megatron.enable_module_queue", str(module_queue).lower(),
-                       "--training.output_dir", str(out_dir)],
-                      env={"MASTER_PORT": str(free_port())})
-        text = out.stdout + out.stderr
-        assert "unrecognized arguments" not in text
-        assert LAYOUT_PP2 in text and f"pipeline schedule: {schedule}" in text, text[-3000:]
-        assert "Reusing the converted checkpoint" in text, text[-3000:]  # converted by the torchrun test
-        records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert records and all(r["pipeline/schedule"] == schedule for r in records), records
         assert all((r["pipeline/deferred_wgrad_ops"] > 0) == (schedule == "zb_h1") for r in records), records
         assert all(r["module_queue/active"] == module_queue and (r["module_queue/offloaded_mib"] > 0) == module_queue

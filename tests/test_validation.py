@@ -109,28 +109,33 @@ def test_layout_rules_name_the_field(make_config, megatron, shape, world, field,
 
 
 def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None:  # noqa: ANN001
-    cfg = make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 30, "max_completion_length": 15})
+    vllm = {"context_parallel_size": 2, "inference_backend": "vllm"}
+    cfg = make_config(megatron=vllm, grpo={"max_prompt_length": 30, "max_completion_length": 15})
     r = check(cfg, world_size=2)
     assert "grpo.max_completion_length" in problem_fields(r)
     assert "Set grpo.max_completion_length to 18 (total 48)" in r.format_problems()
-    # a divisible length leaves only the rule that CP does not run yet (issue 10: accepted must mean it runs)
-    r = check(make_config(megatron={"context_parallel_size": 2}, grpo={"max_prompt_length": 32, "max_completion_length": 16}),
-              world_size=2)
-    assert problem_fields(r) == ["megatron.context_parallel_size"], r.format_problems()
-    assert "context parallelism is not supported yet" in r.format_problems()
+    # a divisible length runs (engine/context_parallel.py)
+    r = check(make_config(megatron=vllm, grpo={"max_prompt_length": 32, "max_completion_length": 16}), world_size=2)
+    assert r.ok, r.format_problems()
+    assert r.layout.context_parallel == 2 and r.layout.data_parallel == 1
 
 
-@pytest.mark.parametrize(
-    ("megatron", "world", "field", "text"),
-    [
-        ({"context_parallel_size": 2}, 2, "megatron.context_parallel_size", "Set context_parallel_size: 1"),
-        ({"expert_model_parallel_size": 2}, 2, "megatron.expert_model_parallel_size", "Set expert_model_parallel_size: 1"),
-    ],
-)
-def test_parallelism_that_does_not_run_yet_is_rejected(make_config, megatron, world, field, text) -> None:  # noqa: ANN001
-    r = check(make_config(megatron=megatron), world_size=world, shape=MOE)
-    assert field in problem_fields(r) and text in r.format_problems(), r.format_problems()
-    assert "not supported yet" in r.format_problems()
+@pytest.mark.parametrize(("megatron", "field", "fix"), [
+    ({"inference_backend": "megatron"}, "megatron.inference_backend", "Use inference_backend: vllm"),
+    ({"enable_sequence_packing": True}, "megatron.enable_sequence_packing", "Set enable_sequence_packing: false"),
+    ({"transformer_config": {"attention_backend": "local"}}, "megatron.transformer_config.attention_backend",
+     "Set attention_backend: auto or sdpa"),
+], ids=["embedded_generation", "packing", "local_attention"])
+def test_context_parallel_rejects_what_it_does_not_cover(make_config, megatron, field, fix) -> None:  # noqa: ANN001
+    base = {"context_parallel_size": 2, "inference_backend": "vllm"}
+    r = check(make_config(megatron={**base, **megatron}), world_size=2)
+    assert problem_fields(r) == [field] and fix in r.format_problems(), r.format_problems()
+
+
+def test_expert_parallelism_that_does_not_run_yet_is_rejected(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"expert_model_parallel_size": 2}), world_size=2, shape=MOE)
+    assert "megatron.expert_model_parallel_size" in problem_fields(r)
+    assert "Set expert_model_parallel_size: 1" in r.format_problems() and "not supported yet" in r.format_problems()
 
 
 def test_sequence_parallel_with_tensor_parallelism_is_accepted(make_config) -> None:  # noqa: ANN001

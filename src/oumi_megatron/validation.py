@@ -201,16 +201,22 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
         _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
 
-    # Accepted fields must run. These do not yet on Megatron-Core's local (non-TransformerEngine)
-    # spec, the only one installable here.
+    # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/context_parallel.py)
+    # for causal training and logprob passes over unpacked rows; what it does not cover yet is refused.
     if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1:
-        r.add(
-            "megatron.context_parallel_size",
-            f"is {m.context_parallel_size}, but context parallelism is not supported yet: Megatron-Core's local "
-            "attention asserts CP = 1 (CP lives in TransformerEngine's attention, which is not installed), and "
-            "nothing splits sequences over CP ranks. Set context_parallel_size: 1; for long sequences use "
-            "recompute (transformer_config.recompute_granularity: full) or more pipeline stages.",
-        )
+        cp = m.context_parallel_size
+        if m.transformer_config.attention_backend == "local":
+            r.add("megatron.transformer_config.attention_backend",
+                  f"local cannot run context_parallel_size {cp} (Megatron-Core's DotProductAttention asserts CP = 1). "
+                  "Set attention_backend: auto or sdpa.")
+        if m.enable_sequence_packing:
+            r.add("megatron.enable_sequence_packing",
+                  f"packed rows do not run with context_parallel_size {cp} yet (each packed sequence would need its own "
+                  "2 x CP split). Set enable_sequence_packing: false, or context_parallel_size: 1.")
+        if m.inference_backend == "megatron":
+            r.add("megatron.inference_backend",
+                  f"the embedded megatron rollout backend generates with a KV cache, which does not run with "
+                  f"context_parallel_size {cp}. Use inference_backend: vllm, or context_parallel_size: 1.")
     if isinstance(m.expert_model_parallel_size, int) and m.expert_model_parallel_size > 1:
         r.add(
             "megatron.expert_model_parallel_size",

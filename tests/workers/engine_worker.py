@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=0)
+    p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--distributed-optimizer", type=int, default=1)
@@ -77,6 +78,7 @@ def main() -> None:
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp or None,
+        context_parallel_size=args.cp,
     )
     params.ddp_config.use_distributed_optimizer = bool(args.distributed_optimizer)
     params.transformer_config.recompute_granularity = None

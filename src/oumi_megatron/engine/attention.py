@@ -44,8 +44,6 @@ def sdpa_unsupported_reason(config: Any) -> str | None:  # TransformerConfig
         return f"softmax_type={config.softmax_type}"
     if getattr(config, "apply_query_key_layer_scaling", False):
         return "apply_query_key_layer_scaling"
-    if getattr(config, "context_parallel_size", 1) != 1:
-        return "context parallelism"
     return None
 
 
@@ -53,13 +51,22 @@ def resolve_attention_backend(requested: str, config: Any, cuda: bool) -> tuple[
     """(backend that runs: 'sdpa' or 'local', why) for ``transformer_config.attention_backend``."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    cp = getattr(config, "context_parallel_size", 1) > 1
+    if requested == "local" and cp:
+        raise ValueError("megatron.transformer_config.attention_backend: local cannot run context parallelism "
+                         "(Megatron-Core's DotProductAttention asserts CP = 1). Set attention_backend: auto or sdpa.")
     if requested == "local":
         return "local", "attention_backend: local"
-    if requested == "auto" and not cuda:
-        return "local", "auto on CPU: Megatron-Core's DotProductAttention"
     reason = sdpa_unsupported_reason(config)
+    if reason is not None and cp:
+        raise ValueError(f"context parallelism runs on the SDPA core attention, which does not cover {reason}. "
+                         "Set megatron.context_parallel_size: 1.")
+    if requested == "auto" and not cuda and not cp:
+        return "local", "auto on CPU: Megatron-Core's DotProductAttention"
     if reason is not None:
         return "local", f"SDPA does not cover {reason}"
+    if cp:
+        return "sdpa", "torch SDPA with context parallelism (K/V all-gathered over the CP group)"
     return "sdpa", "torch SDPA" + (" (cuDNN/flash on CUDA)" if cuda else " (CPU kernel)")
 
 
@@ -87,8 +94,10 @@ class SdpaCoreAttention(torch.nn.Module):
         self.config = config
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
         head_dim = config.kv_channels
@@ -112,6 +121,8 @@ class SdpaCoreAttention(torch.nn.Module):
             raise ValueError("SdpaCoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:
             return self._varlen(query, key, value, packed_seq_params)
+        if self.cp_size > 1:
+            return self._context_parallel(query, key, value, attention_mask)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, sk = query.shape[0], key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]: views; SDPA's kernels take strided inputs with a unit last stride
@@ -128,6 +139,32 @@ class SdpaCoreAttention(torch.nn.Module):
             )
         # [b, h, sq, d] -> [sq, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], self.heads * out.shape[-1])
+
+    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """CP > 1 (engine/context_parallel.py): this rank holds two chunks of the sequence; K/V are gathered
+        over the CP group and each query chunk attends causally to the keys up to its own end."""
+        from megatron.core import tensor_parallel
+
+        from oumi_megatron.engine.context_parallel import chunk_attention_bounds, gather_keys_values
+
+        if attention_mask is not None:
+            raise ValueError("SdpaCoreAttention: context parallelism runs causal attention without a mask tensor")
+        sq, b = query.shape[:2]
+        key, value = gather_keys_values(key, value, self.cp_group)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.dropout_p if self.training else 0.0
+        outs = []
+        for rows, keys, first in chunk_attention_bounds(sq, self.cp_size, self.cp_group.rank()):
+            n = rows.stop - rows.start
+            # query at position first + i sees keys 0 .. first + i (True = takes part)
+            allowed = torch.arange(keys, device=q.device)[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
+            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
+                outs.append(torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, rows], k[:, :, :keys], v[:, :, :keys], attn_mask=allowed, dropout_p=dropout,
+                    scale=self.softmax_scale, enable_gqa=self.groups != self.heads))
+        out = torch.cat(outs, dim=2)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * out.shape[-1])
 
     def _varlen(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any) -> torch.Tensor:
         """Packed rows: [s, b, heads, d] -> b x s tokens, causal within each sequence of ``packed.cu_seqlens_q``."""

@@ -39,6 +39,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # page-locked memory needs a CUDA driver (e.g. the CP rotary slice's index)
+            kwargs = {**kwargs, "pin_memory": False}
         name = getattr(func, "__name__", "")
         if name == "cuda":  # Tensor.cuda(...) / Module.cuda goes through here per tensor
             return args[0]

@@ -208,9 +208,11 @@ class MegatronEngine:
         or ``pad_to`` (CUDA graphs' fixed length); under sequence parallelism a multiple of TP (each rank
         holds an equal slice; the padding is out of the loss)."""
         seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+        # each CP rank holds 2 chunks of the sequence, and under SP each TP rank an equal slice of those
+        multiple = 2 * self.config.context_parallel_size if self.config.context_parallel_size > 1 else 1
         if self.config.sequence_parallel:
-            tp = self.config.tensor_model_parallel_size
-            seq_len = -(-seq_len // tp) * tp
+            multiple *= self.config.tensor_model_parallel_size
+        seq_len = -(-seq_len // multiple) * multiple
         if pad_to is not None:
             if seq_len > pad_to:
                 raise ValueError(
@@ -298,7 +300,13 @@ class MegatronEngine:
         # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
         # wanted (generation keeps the last position's) or a KV cache is in use.
         chunk = self.logprob_chunk_tokens()
-        chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len)
+        cp = self.config.context_parallel_size
+        chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
+        if cp > 1 and (keep_logits is not None or inference_context is not None or packing
+                       or any(b.get("attention_mask") is not None for b in batches)):
+            raise ValueError("context parallelism runs causal training and logprob passes over unpacked rows; "
+                             "generation and packed rows need megatron.context_parallel_size: 1")
+        from oumi_megatron.engine.context_parallel import cp_group, gather_sequence, split_sequence
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
@@ -309,15 +317,19 @@ class MegatronEngine:
                 extra["inference_context"] = inference_context
             if index in packing:
                 extra["packed_seq_params"] = packing[index]
+            # the model's inputs: this CP rank's two chunks of each sequence (engine/context_parallel.py)
+            inputs = {k: batch[k] for k in ("input_ids", "position_ids", "target_ids")}
+            if cp > 1:
+                inputs = {k: split_sequence(v, 1, cp, cp_group().rank()) for k, v in inputs.items()}
             if chunked:
                 from oumi_megatron.engine.chunked_logprobs import logprob_output_processor
 
                 extra["output_processor"] = logprob_output_processor
                 extra["output_processor_context"] = processed = {
-                    "targets": batch["target_ids"], "temperature": temperature, "chunk_tokens": chunk, "with_entropy": with_entropy}
+                    "targets": inputs["target_ids"], "temperature": temperature, "chunk_tokens": chunk, "with_entropy": with_entropy}
             output = model(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
+                input_ids=inputs["input_ids"],
+                position_ids=inputs["position_ids"],
                 attention_mask=batch.get("attention_mask"),
                 **extra,
             )
@@ -332,10 +344,16 @@ class MegatronEngine:
                         keep_logits[index] = output[:, -1, :].detach().float().clone()
                     # before the cross entropy, which overwrites ``logits``
                     entropy = {"entropy": token_entropy(output.detach(), temperature)} if with_entropy else {}
-                    logprobs = token_logprobs(output, batch["target_ids"], temperature)
+                    logprobs = token_logprobs(output, inputs["target_ids"], temperature)
+                if cp > 1:  # the full sequence on every CP rank: the loss sees what CP = 1 sees
+                    logprobs = gather_sequence(logprobs, 1, cp_group())
+                    entropy = {k: gather_sequence(v, 1, cp_group(), differentiable=False) for k, v in entropy.items()}
                 loss_sum, count, metrics = loss_fn(logprobs, {**batch, **entropy})
                 count = _on_device(count, logprobs.device).to(torch.int)
-                return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
+                # Megatron-Core sums this count over DP x CP to divide the gradients: one CP rank reports it
+                # (each CP rank's backward carries only its own tokens' share of the same loss)
+                grad_count = count if cp == 1 or cp_group().rank() == 0 else torch.zeros_like(count)
+                return loss_sum, grad_count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
 
             return output, loss_func
 
