@@ -382,9 +382,11 @@ ZB_RTOL = 1e-6  # ZB-H1 vs 1F1B: the same GEMMs, each parameter's gradient accum
 LINEARS_PER_MICROBATCH = 4 * 4 + 1  # qkv, proj, fc1, fc2 in each of the 4 layers, and the output layer
 
 
-@pytest.mark.parametrize("pp", [2, 4])
+# PP=2 only: CI's multi-rank tests use 2 gloo ranks (a PP=4 run on 4 ranks took 90-130 s of a 2-core machine);
+# PP=4 ran on 4 GPUs in the ZB-H1 benchmark (docs/benchmarks.md, equal final losses).
+@pytest.mark.parametrize("pp", [2])
 def test_zb_h1_equals_1f1b(pp: int, converted: Path, workdir: Path) -> None:
-    """ZB-H1 (engine/zero_bubble.py) against Megatron-Core's 1F1B on PP=2 and PP=4 gloo ranks, 8 microbatches,
+    """ZB-H1 (engine/zero_bubble.py) against Megatron-Core's 1F1B on PP=2 gloo ranks, 8 microbatches,
     3 optimizer steps, both with gradient accumulation fusion (zb_h1 defers the GEMMs that path runs): losses,
     every parameter's gradient and updated value within 1e-6 relative; the deferred-W counter is every linear
     layer's weight-gradient GEMM of every microbatch; a resume from the step-2 checkpoint repeats step 3.
