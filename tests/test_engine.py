@@ -206,12 +206,15 @@ def test_layout_matches_single_rank(layout: str, converted: Path, workdir: Path,
     if "sp" in layout.split("_"):  # sequence parallelism ran in training, not in forward-only passes
         assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq]}, got["norm_rows"]
         assert got["sequence_parallel_norm_weights"] == 4 * 2 + 1  # two norms in each of the 4 layers, and the final norm
-    elif "cp2" in layout:  # each CP rank holds half of every sequence, in training and in logprob passes
-        assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq // 2]}, got["norm_rows"]
+    elif "cp2" in layout:  # each CP rank holds half of every sequence in training and logprob passes, whole ones in generation
+        assert got["norm_rows"] == {"train": [seq // 2], "forward_only": [seq // 2, seq]}, got["norm_rows"]
     else:
         assert got["norm_rows"]["train"] == [seq] and got["sequence_parallel_norm_weights"] == 0
     lp, ref_lp = torch.tensor(got["logprobs"]), torch.tensor(reference["logprobs"])
     assert (lp - ref_lp).abs().max().item() <= WEIGHT_ATOL * 10
+    # the generation path (under CP: whole sequences on each rank, engine._context_parallel_off)
+    logits, ref_logits = (torch.tensor(r["last_token_logits"])[:, :320] for r in (got, reference))  # the real vocabulary
+    assert logits.shape == ref_logits.shape == (4, 320) and (logits - ref_logits).abs().max().item() <= WEIGHT_ATOL * 10
     w, ref_w = _weights(out / "hf"), _weights(workdir / "ref" / "hf")
     assert set(w) == set(ref_w)
     worst = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
@@ -253,18 +256,19 @@ def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted:
 PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradients
 
 
-@pytest.mark.parametrize("layout", ["single_rank", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["single_rank", "tp2_sp", "cp2"])
 def test_packed_microbatches_match_padded(layout: str, converted: Path, workdir: Path) -> None:
     """Sequence packing: same logprobs, entropy, loss and gradients as one-sequence-per-row padding
-    for every loss aggregation, with fewer tokens processed; on one rank and with TP=2 + sequence
-    parallelism (each rank holds half of every packed row between the attention/MLP blocks)."""
+    for every loss aggregation, with fewer tokens processed; on one rank, with TP=2 + sequence
+    parallelism (each rank holds half of every packed row between the attention/MLP blocks) and with
+    CP=2 (each rank holds 2 of 4 chunks of every row; packed rows attend through their mask)."""
     out = workdir / f"packing_{layout}.json"
     worker = [str(WORKERS / "packing_worker.py"), str(converted), str(out)]
     if layout == "single_rank":
         _check(run_cli([PY, *worker]))
     else:
         _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker,
-                        "--tp", "2", "--sequence-parallel"]))
+                        *(["--cp", "2"] if layout == "cp2" else ["--tp", "2", "--sequence-parallel"])]))
     r = json.loads(out.read_text())
     assert r["logprobs_max_abs_diff"] <= PACKED_ATOL and r["entropy_max_abs_diff"] <= PACKED_ATOL
     assert 0.5 < r["entropy_mean"] < 6.0  # ~log(320) = 5.77 for a random tiny model at T = 0.9
@@ -370,11 +374,11 @@ def test_packed_rows_give_the_varlen_kernel_one_sequence_per_segment() -> None:
     # two rows whose segment ids continue across the row boundary still split there
     assert cumulative_seqlens(torch.tensor([[0, 0], [0, 0]])).tolist() == [0, 2, 4]
     assert resolve_packed_attention("auto", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "varlen"
-    for core, dtype, cuda in (("DotProductAttention", torch.bfloat16, True), ("SdpaCoreAttention", torch.float32, True),
-                              ("SdpaCoreAttention", torch.bfloat16, False)):
-        assert resolve_packed_attention("auto", core, dtype, cuda)[0] == "mask"
+    for core, dtype, cuda, cp in (("DotProductAttention", torch.bfloat16, True, False), ("SdpaCoreAttention", torch.float32, True, False),
+                                  ("SdpaCoreAttention", torch.bfloat16, False, False), ("SdpaCoreAttention", torch.bfloat16, True, True)):
+        assert resolve_packed_attention("auto", core, dtype, cuda, cp=cp)[0] == "mask"
         with pytest.raises(ValueError, match="megatron.transformer_config.packed_attention: varlen cannot run here"):
-            resolve_packed_attention("varlen", core, dtype, cuda)
+            resolve_packed_attention("varlen", core, dtype, cuda, cp=cp)
     assert resolve_packed_attention("mask", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "mask"
 
 

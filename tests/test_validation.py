@@ -121,15 +121,19 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
 
 
 @pytest.mark.parametrize(("megatron", "field", "fix"), [
-    ({"inference_backend": "megatron"}, "megatron.inference_backend", "Use inference_backend: vllm"),
-    ({"enable_sequence_packing": True}, "megatron.enable_sequence_packing", "Set enable_sequence_packing: false"),
     ({"transformer_config": {"attention_backend": "local"}}, "megatron.transformer_config.attention_backend",
      "Set attention_backend: auto or sdpa"),
-], ids=["embedded_generation", "packing", "local_attention"])
+], ids=["local_attention"])
 def test_context_parallel_rejects_what_it_does_not_cover(make_config, megatron, field, fix) -> None:  # noqa: ANN001
     base = {"context_parallel_size": 2, "inference_backend": "vllm"}
     r = check(make_config(megatron={**base, **megatron}), world_size=2)
     assert problem_fields(r) == [field] and fix in r.format_problems(), r.format_problems()
+
+
+def test_context_parallel_with_embedded_generation_warns_how_it_generates(make_config) -> None:  # noqa: ANN001
+    r = check(make_config(megatron={"context_parallel_size": 2, "inference_backend": "megatron"}), world_size=2)
+    assert r.ok, r.format_problems()
+    assert any("generation (KV cache) runs whole sequences on each CP rank" in w for w in r.warnings), r.warnings
 
 
 def test_expert_parallelism_that_does_not_run_yet_is_rejected(make_config) -> None:  # noqa: ANN001

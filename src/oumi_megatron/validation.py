@@ -209,14 +209,11 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             r.add("megatron.transformer_config.attention_backend",
                   f"local cannot run context_parallel_size {cp} (Megatron-Core's DotProductAttention asserts CP = 1). "
                   "Set attention_backend: auto or sdpa.")
-        if m.enable_sequence_packing:
-            r.add("megatron.enable_sequence_packing",
-                  f"packed rows do not run with context_parallel_size {cp} yet (each packed sequence would need its own "
-                  "2 x CP split). Set enable_sequence_packing: false, or context_parallel_size: 1.")
         if m.inference_backend == "megatron":
-            r.add("megatron.inference_backend",
-                  f"the embedded megatron rollout backend generates with a KV cache, which does not run with "
-                  f"context_parallel_size {cp}. Use inference_backend: vllm, or context_parallel_size: 1.")
+            r.warn(f"megatron.context_parallel_size {cp} with the embedded megatron rollout backend: training and "
+                   "logprob passes split sequences over CP ranks; generation (KV cache) runs whole sequences on each "
+                   f"CP rank, the {cp} ranks of a replica generating the same rollouts. inference_backend: vllm "
+                   "generates on its own engines.")
     if isinstance(m.expert_model_parallel_size, int) and m.expert_model_parallel_size > 1:
         r.add(
             "megatron.expert_model_parallel_size",

@@ -128,6 +128,11 @@ def main() -> None:
     probe = global_batch(99)[:4]
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
+    # the generation path (embedded rollouts): last-position logits of the probe rows, no KV cache
+    seq = probe.shape[1]
+    future = ~torch.ones(seq, seq, dtype=torch.bool).tril()
+    last = engine.last_token_logits(probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
+    results["last_token_logits"] = last.tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
     results["norm_rows"] = {k: sorted(v) for k, v in norm_rows.items()}
     results["sequence_parallel_norm_weights"] = sum(bool(getattr(p, "sequence_parallel", False))

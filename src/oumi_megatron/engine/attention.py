@@ -143,13 +143,12 @@ class SdpaCoreAttention(torch.nn.Module):
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None) -> torch.Tensor:
         """CP > 1 (engine/context_parallel.py): this rank holds two chunks of the sequence; K/V are gathered
-        over the CP group and each query chunk attends causally to the keys up to its own end."""
+        over the CP group and each query chunk attends causally to the keys up to its own end (packed rows:
+        ``attention_mask`` holds this rank's query rows against every key)."""
         from megatron.core import tensor_parallel
 
         from oumi_megatron.engine.context_parallel import chunk_attention_bounds, gather_keys_values
 
-        if attention_mask is not None:
-            raise ValueError("SdpaCoreAttention: context parallelism runs causal attention without a mask tensor")
         sq, b = query.shape[:2]
         key, value = gather_keys_values(key, value, self.cp_group)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -157,8 +156,10 @@ class SdpaCoreAttention(torch.nn.Module):
         outs = []
         for rows, keys, first in chunk_attention_bounds(sq, self.cp_size, self.cp_group.rank()):
             n = rows.stop - rows.start
-            # query at position first + i sees keys 0 .. first + i (True = takes part)
-            allowed = torch.arange(keys, device=q.device)[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
+            if attention_mask is None:  # query at position first + i sees keys 0 .. first + i (True = takes part)
+                allowed = torch.arange(keys, device=q.device)[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
+            else:  # packed rows: [b, 1, local queries, all keys], causal within each sequence already
+                allowed = ~attention_mask[:, :, rows, :keys]
             with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
                 outs.append(torch.nn.functional.scaled_dot_product_attention(
                     q[:, :, rows], k[:, :, :keys], v[:, :, :keys], attn_mask=allowed, dropout_p=dropout,
@@ -193,13 +194,15 @@ def local_layer_spec_with_attention(provider: Any, backend: str) -> Any:
     return spec
 
 
-def resolve_packed_attention(requested: str, core_attention: str, dtype: torch.dtype, cuda: bool) -> tuple[str, str]:
+def resolve_packed_attention(requested: str, core_attention: str, dtype: torch.dtype, cuda: bool,
+                             cp: bool = False) -> tuple[str, str]:
     """('varlen' or 'mask', why) for ``transformer_config.packed_attention``."""
     if requested not in PACKED_ATTENTIONS:
         raise ValueError(f"megatron.transformer_config.packed_attention must be one of {PACKED_ATTENTIONS}, got {requested!r}")
     if requested == "mask":
         return "mask", "packed_attention: mask"
-    missing = ("the core attention is " + core_attention if core_attention != "SdpaCoreAttention" else
+    missing = ("context parallelism (the varlen kernel does not take its chunks)" if cp else
+               "the core attention is " + core_attention if core_attention != "SdpaCoreAttention" else
                "no GPU" if not cuda else
                f"{dtype} (the flash kernel takes bf16/fp16)" if dtype not in (torch.bfloat16, torch.float16) else None)
     if missing is None:

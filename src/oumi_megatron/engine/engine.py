@@ -114,11 +114,15 @@ def _forward_only(fn: Callable) -> Callable:
 
 def _pad_sequence(v: torch.Tensor, pad: int) -> torch.Tensor:
     """A microbatch tensor padded by ``pad`` positions: [b, s] per-token values with zeros (out of the loss),
-    a [b, 1, s, s] attention mask (True = not allowed) with masked rows and columns."""
+    a [b, 1, s, s] attention mask (True = not allowed) with masked rows and columns, except that a padding
+    position attends to itself (as in ``block_causal_mask``: SDPA turns an empty softmax row into NaN)."""
     if not pad or v.dim() not in (2, 4):
         return v
     if v.dim() == 4:
-        return torch.nn.functional.pad(v, (0, pad, 0, pad), value=True)
+        out = torch.nn.functional.pad(v, (0, pad, 0, pad), value=True)
+        new = torch.arange(v.shape[-1], v.shape[-1] + pad)
+        out[..., new, new] = False
+        return out
     return torch.nn.functional.pad(v, (0, pad))
 
 
@@ -162,6 +166,7 @@ class MegatronEngine:
         self.schedule = schedule or resolved
         logger.info("pipeline schedule: %s%s", self.schedule, f" ({why_not})" if why_not and self.schedule == resolved else "")
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
+        self._cp_whole_sequences = 1  # CP size while _context_parallel_off runs whole sequences
         from oumi_megatron.engine.module_queue import module_queues
 
         self._module_queues = module_queues(model)  # the last stage's ModuleQueue, where enabled
@@ -174,7 +179,7 @@ class MegatronEngine:
 
         requested = getattr(getattr(params, "transformer_config", None), "packed_attention", "auto")
         self.packed_attention, why = resolve_packed_attention(requested, core_attention_name(model[0]), config.params_dtype,
-                                                              torch.cuda.is_available())
+                                                              torch.cuda.is_available(), cp=config.context_parallel_size > 1)
         logger.info("packed rows attend through: %s", why)
         chunk = self.logprob_chunk_tokens()
         logger.info("token logprobs: %s", "full logits" if chunk is None else
@@ -202,6 +207,44 @@ class MegatronEngine:
         finally:
             for chunk in self.model:
                 set_model_to_sequence_parallel(unwrap(chunk), set_to=True)
+
+    @contextlib.contextmanager
+    def _context_parallel_off(self) -> Iterator[None]:
+        """Generation under CP: each CP rank runs whole sequences (a KV cache holds whole sequences), so the
+        attention skips its K/V gather, the rotary table is not sliced per CP rank, and pipeline messages
+        carry whole sequences (``_run`` scales the length Megatron-Core divides by CP). The CP ranks of a
+        DP replica generate the same tokens (same seeds), redundantly."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            yield
+            return
+        from oumi_megatron.engine.attention import SdpaCoreAttention
+        from oumi_megatron.engine.model import unwrap
+
+        attention = [m for chunk in self.model for m in chunk.modules() if isinstance(m, SdpaCoreAttention)]
+        rotary = [r for r in (getattr(unwrap(chunk), "rotary_pos_emb", None) for chunk in self.model) if r is not None]
+        groups = [r.cp_group for r in rotary]
+        def clear_rotary_cache() -> None:  # RotaryEmbedding.forward is lru_cached on its arguments, not on cp_group
+            for r in rotary:
+                getattr(type(r).forward, "cache_clear", lambda: None)()
+
+        for m in attention:
+            m.cp_size = 1
+        for r in rotary:
+            r.cp_group = None
+        clear_rotary_cache()
+        self.config.context_parallel_size = 1
+        self._cp_whole_sequences = cp
+        try:
+            yield
+        finally:
+            self.config.context_parallel_size = cp
+            self._cp_whole_sequences = 1
+            for m in attention:
+                m.cp_size = cp
+            for r, g in zip(rotary, groups):
+                r.cp_group = g
+            clear_rotary_cache()
 
     def _prepare(self, microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
@@ -302,10 +345,8 @@ class MegatronEngine:
         chunk = self.logprob_chunk_tokens()
         cp = self.config.context_parallel_size
         chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
-        if cp > 1 and (keep_logits is not None or inference_context is not None or packing
-                       or any(b.get("attention_mask") is not None for b in batches)):
-            raise ValueError("context parallelism runs causal training and logprob passes over unpacked rows; "
-                             "generation and packed rows need megatron.context_parallel_size: 1")
+        if cp > 1 and (keep_logits is not None or inference_context is not None or packing):  # generation: _context_parallel_off
+            raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
         from oumi_megatron.engine.context_parallel import cp_group, gather_sequence, split_sequence
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -319,8 +360,11 @@ class MegatronEngine:
                 extra["packed_seq_params"] = packing[index]
             # the model's inputs: this CP rank's two chunks of each sequence (engine/context_parallel.py)
             inputs = {k: batch[k] for k in ("input_ids", "position_ids", "target_ids")}
+            mask = batch.get("attention_mask")
             if cp > 1:
                 inputs = {k: split_sequence(v, 1, cp, cp_group().rank()) for k, v in inputs.items()}
+                if mask is not None:  # packed rows: this rank's queries against every key
+                    mask = split_sequence(mask, 2, cp, cp_group().rank())
             if chunked:
                 from oumi_megatron.engine.chunked_logprobs import logprob_output_processor
 
@@ -330,7 +374,7 @@ class MegatronEngine:
             output = model(
                 input_ids=inputs["input_ids"],
                 position_ids=inputs["position_ids"],
-                attention_mask=batch.get("attention_mask"),
+                attention_mask=mask,
                 **extra,
             )
 
@@ -365,7 +409,8 @@ class MegatronEngine:
             data_iterator=iterators,
             model=self.model,
             num_microbatches=n,
-            seq_length=seq_len,
+            # Megatron-Core divides the p2p length by the CP group's size; whole sequences under _context_parallel_off
+            seq_length=seq_len * self._cp_whole_sequences,
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
@@ -517,7 +562,8 @@ class MegatronEngine:
                     "attention_mask": tensors[2][i : i + size]} for i in range(0, padded, size)]
         # The last stage's loss function sees the (vocab-parallel) logits: keep them, gather over TP.
         captured: dict[int, torch.Tensor] = {}
-        self._run(batches, no_loss, 1.0, forward_only=True, keep_logits=captured, inference_context=kv_cache)
+        with self._context_parallel_off():
+            self._run(batches, no_loss, 1.0, forward_only=True, keep_logits=captured, inference_context=kv_cache)
         if kv_cache is not None:
             kv_cache.increment_sequence_len_offset(input_ids.shape[1])
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
