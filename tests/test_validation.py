@@ -366,6 +366,17 @@ def test_seed_405b_vpp32_is_explained(tiny_model_dir) -> None:  # noqa: ANN001
     assert "PP 16 x VPP 32 = 512 virtual stages" in msg and "use one of [2, 4, 8]" in msg
 
 
+def test_405b_layout_is_the_design_documents(tiny_model_dir) -> None:  # noqa: ANN001
+    from oumi_megatron.cli import load_config
+
+    cfg = load_config(str(REPO / "configs/train_405b_grpo.yaml"), [])
+    r = validate_config(cfg, world_size=256, model_config_path=str(REPO / "configs/model_shapes/llama-3.1-405b-instruct/config.json"),
+                        check_bridge=False)
+    assert r.ok, r.format_problems()
+    lay = r.layout
+    assert (lay.tensor_parallel, lay.pipeline_parallel, lay.context_parallel, lay.virtual_pipeline, lay.data_parallel) == (8, 16, 2, 2, 1)
+
+
 def test_70b_layout_matches_the_seed(tiny_model_dir) -> None:  # noqa: ANN001
     from oumi_megatron.cli import load_config
 
