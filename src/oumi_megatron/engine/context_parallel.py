@@ -32,12 +32,6 @@ def cp_group() -> Any:
     return ps.get_context_parallel_group(check_initialized=False)
 
 
-def cp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-
-
 def local_positions(seq_len: int, size: int, rank: int) -> torch.Tensor:
     """Positions of the full sequence that CP rank ``rank`` holds, in its local order (chunks r, 2CP-1-r)."""
     if seq_len % (2 * size):
