@@ -132,6 +132,8 @@ def main() -> None:
                    help="megatron.enable_module_queue with this many output-layer chunks (0: off)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size (K/V all-gathered, engine/context_parallel.py)")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel (TP > 1)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
@@ -160,7 +162,8 @@ def main() -> None:
     from oumi_megatron.engine.fusions import FUSIONS
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
-    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel)
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
@@ -250,7 +253,8 @@ def main() -> None:
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {
-        "layout": f"TP{args.tp} PP{args.pp}" + (f" ({args.shape})" if args.shape != "0.8b" else "")
+        "layout": f"TP{args.tp} PP{args.pp}" + (f" CP{args.cp}" if args.cp > 1 else "") + (" SP" if args.sequence_parallel else "")
+                  + (f" ({args.shape})" if args.shape != "0.8b" else "")
                   + (f" ({cfg.num_hidden_layers} layers)" if args.layers else ""), "gpus": world,
         "schedule": engine.schedule, "deferred_wgrad_ops": r.deferred_wgrad_ops, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",

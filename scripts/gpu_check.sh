@@ -14,6 +14,7 @@
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
 # GPU_CHECK_ZB_MICROBATCHES (default 8), GPU_CHECK_ZB_PP (default "2 4"), GPU_CHECK_ZB_ARGS (more bench arguments),
+# =cp CP=2 on 2 GPUs against CP=1 on one at GPU_CHECK_CP_SEQS (default "16384 32768"; GPU_CHECK_CP_ARGS more bench arguments),
 # =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS more
 # bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
@@ -127,6 +128,15 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "mq" ]; then  # ModuleQueue off / on with 2
     torchrun --nproc_per_node 2 scripts/bench_train_step.py --pp 2 --shape qwen7b --seq 4096 --mbs 1 --microbatches 4 --steps 3 \
       --module-queue "$k" ${GPU_CHECK_MQ_ARGS:-} \
       --out "$RESULTS/mq_${GPU_CHECK_MQ_TAG:-default}_k$k.json" 2>&1 | tail -2
+  done
+fi
+if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "cp" ]; then  # context parallelism: CP=2 on 2 GPUs against CP=1 on one, same call
+  # GPU_CHECK_CP_SEQS: sequence lengths (CP=1 runs each too, and may run out of memory at the longest: recorded as such)
+  for seq in ${GPU_CHECK_CP_SEQS:-16384 32768}; do
+    python3 scripts/bench_train_step.py --seq "$seq" --mbs 1 --microbatches 2 --steps 3 ${GPU_CHECK_CP_ARGS:-} \
+      --out "$RESULTS/bench_cp1_seq$seq.json" 2>&1 | tail -2
+    torchrun --nproc_per_node 2 scripts/bench_train_step.py --cp 2 --seq "$seq" --mbs 1 --microbatches 2 --steps 3 ${GPU_CHECK_CP_ARGS:-} \
+      --out "$RESULTS/bench_cp2_seq$seq.json" 2>&1 | tail -2
   done
 fi
 if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "8b" ]; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200: not in the default run)
