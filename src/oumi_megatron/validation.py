@@ -201,8 +201,8 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
         _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
 
-    # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/context_parallel.py)
-    # for causal training and logprob passes over unpacked rows; what it does not cover yet is refused.
+    # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/context_parallel.py):
+    # training and logprob passes split sequences (padded or packed rows), generation runs whole ones.
     if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1:
         cp = m.context_parallel_size
         if m.transformer_config.attention_backend == "local":

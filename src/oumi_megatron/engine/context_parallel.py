@@ -20,6 +20,7 @@ CP needs, in the all-gather form Llama 3 trained with:
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -38,6 +39,13 @@ def local_positions(seq_len: int, size: int, rank: int) -> torch.Tensor:
         raise ValueError(f"context parallelism needs the sequence length ({seq_len}) to be a multiple of 2 x CP = {2 * size}")
     chunk = seq_len // (2 * size)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * size - 1 - rank)])
+
+
+@lru_cache(maxsize=64)
+def _gather_order(full_len: int, size: int, device: torch.device) -> torch.Tensor:
+    """Row i of an all-gather of every rank's local part is position ``order[i]`` (built once per shape: the
+    attention gathers K and V in every layer of every microbatch)."""
+    return torch.cat([local_positions(full_len, size, r) for r in range(size)]).to(device)
 
 
 def split_sequence(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
@@ -65,9 +73,7 @@ class _Gather(torch.autograd.Function):
         tensor = tensor.contiguous()
         gathered = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         dist.all_gather_into_tensor(gathered, tensor, group=group)
-        full_len = gathered.shape[0]
-        order = torch.cat([local_positions(full_len, size, r) for r in range(size)])  # gathered row i is position order[i]
-        ctx.order = order.to(tensor.device)
+        ctx.order = _gather_order(gathered.shape[0], size, tensor.device)
         out = torch.empty_like(gathered)
         out.index_copy_(0, ctx.order, gathered)
         return out

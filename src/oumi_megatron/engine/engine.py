@@ -224,6 +224,7 @@ class MegatronEngine:
         attention = [m for chunk in self.model for m in chunk.modules() if isinstance(m, SdpaCoreAttention)]
         rotary = [r for r in (getattr(unwrap(chunk), "rotary_pos_emb", None) for chunk in self.model) if r is not None]
         groups = [r.cp_group for r in rotary]
+
         def clear_rotary_cache() -> None:  # RotaryEmbedding.forward is lru_cached on its arguments, not on cp_group
             for r in rotary:
                 getattr(type(r).forward, "cache_clear", lambda: None)()
@@ -248,8 +249,8 @@ class MegatronEngine:
 
     def _prepare(self, microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
-        or ``pad_to`` (CUDA graphs' fixed length); under sequence parallelism a multiple of TP (each rank
-        holds an equal slice; the padding is out of the loss)."""
+        or ``pad_to`` (CUDA graphs' fixed length); a multiple of 2 x CP under context parallelism and of TP
+        under sequence parallelism (each rank holds equal parts; the padding is out of the loss)."""
         seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
         # each CP rank holds 2 chunks of the sequence, and under SP each TP rank an equal slice of those
         multiple = 2 * self.config.context_parallel_size if self.config.context_parallel_size > 1 else 1
@@ -345,7 +346,7 @@ class MegatronEngine:
         chunk = self.logprob_chunk_tokens()
         cp = self.config.context_parallel_size
         chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
-        if cp > 1 and (keep_logits is not None or inference_context is not None or packing):  # generation: _context_parallel_off
+        if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation: _context_parallel_off
             raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
         from oumi_megatron.engine.context_parallel import cp_group, gather_sequence, split_sequence
 
