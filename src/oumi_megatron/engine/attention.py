@@ -147,15 +147,20 @@ class SdpaCoreAttention(torch.nn.Module):
         ``attention_mask`` holds this rank's query rows against every key)."""
         from megatron.core import tensor_parallel
 
+        from oumi_megatron.engine.chunk_attention import flash_chunk_attention_applies, prefix_causal_attention
         from oumi_megatron.engine.context_parallel import chunk_attention_bounds, gather_keys_values
 
         sq, b = query.shape[:2]
         key, value = gather_keys_values(key, value, self.cp_group)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.dropout_p if self.training else 0.0
+        flash = attention_mask is None and flash_chunk_attention_applies(q, dropout)
         outs = []
         for rows, keys, first in chunk_attention_bounds(sq, self.cp_size, self.cp_group.rank()):
             n = rows.stop - rows.start
+            if flash:  # two flash calls (prefix, causal diagonal): a masked SDPA computes the whole rectangle
+                outs.append(prefix_causal_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], first, self.softmax_scale))
+                continue
             if attention_mask is None:  # query at position first + i sees keys 0 .. first + i (True = takes part)
                 allowed = torch.arange(keys, device=q.device)[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
             else:  # packed rows: [b, 1, local queries, all keys], causal within each sequence already
