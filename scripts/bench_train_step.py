@@ -40,24 +40,38 @@ SHAPES = {  # name -> LlamaConfig fields
              "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 10000.0},
     "8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,  # Llama-3-8B
            "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
+    # a Qwen3-MoE (30B-A3B style, scaled down to 2.6B: 12 layers, 32 experts, 4 per token): SequentialMLP experts
+    "moe": {"_arch": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
+            "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1024, "rope_theta": 1000000.0},
     "qwen7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,  # Qwen2.5-7B
                "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0},
 }
 
 
 def model_config(seq: int, shape: str = "0.8b", layers: int | None = None):  # noqa: ANN201
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     fields = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    if fields.pop("_arch", "llama") == "qwen3_moe":
+        return Qwen3MoeConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                              architectures=["Qwen3MoeForCausalLM"])
     return LlamaConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-5,
                        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def layer_matmul_params(cfg) -> int:  # noqa: ANN001
-    """Parameters of one transformer layer's linear layers (q, o, k, v and the SwiGLU MLP)."""
+    """Parameters of one transformer layer's linear layers that a token passes through (q, o, k, v and the
+    SwiGLU MLP; MoE: the router and the experts each token is routed to)."""
     h = cfg.hidden_size
-    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
-    return h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = head_dim * cfg.num_attention_heads, head_dim * cfg.num_key_value_heads
+    if getattr(cfg, "num_experts", 0):
+        mlp = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + h * cfg.num_experts
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    return h * q * 2 + h * kv * 2 + mlp
 
 
 def flops_per_token(cfg, seq: int) -> float:  # noqa: ANN001
@@ -132,6 +146,7 @@ def main() -> None:
                    help="megatron.enable_module_queue with this many output-layer chunks (0: off)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (--shape moe; DP = GPUs / (TP x PP x CP))")
     p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size (K/V all-gathered, engine/context_parallel.py)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel (TP > 1)")
     p.add_argument("--seq", type=int, default=2048)
@@ -163,7 +178,8 @@ def main() -> None:
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                            context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel)
+                            context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel,
+                            expert_model_parallel_size=args.ep)
     params.transformer_config.recompute_granularity = None if args.recompute == "none" else args.recompute
     params.transformer_config.attention_backend = args.attention
     params.logprob_chunk_tokens = args.logprob_chunk
@@ -181,7 +197,8 @@ def main() -> None:
     cfg = model_config(args.seq, args.shape, args.layers)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
-    tokens = args.mbs * args.microbatches * args.seq  # DP = 1 in every layout here
+    dp = int(os.environ.get("WORLD_SIZE", "1")) // (args.tp * args.pp * args.cp)  # each DP rank runs these microbatches
+    tokens = args.mbs * args.microbatches * args.seq * dp
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
     hf = hf_reference(cfg, batches, args, peak) if args.hf_reference else None
@@ -253,7 +270,8 @@ def main() -> None:
     if any(g.get("fused") for o in torch_optimizers(engine.optimizer) for g in o.param_groups):
         fusions.append("fused_adamw")
     result = {
-        "layout": f"TP{args.tp} PP{args.pp}" + (f" CP{args.cp}" if args.cp > 1 else "") + (" SP" if args.sequence_parallel else "")
+        "layout": f"TP{args.tp} PP{args.pp}" + (f" CP{args.cp}" if args.cp > 1 else "") + (f" EP{args.ep}" if args.ep > 1 else "")
+                  + (f" DP{dp}" if dp > 1 else "") + (" SP" if args.sequence_parallel else "")
                   + (f" ({args.shape})" if args.shape != "0.8b" else "")
                   + (f" ({cfg.num_hidden_layers} layers)" if args.layers else ""), "gpus": world,
         "schedule": engine.schedule, "deferred_wgrad_ops": r.deferred_wgrad_ops, "card": name, "seq": args.seq,

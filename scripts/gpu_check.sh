@@ -15,6 +15,8 @@
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
 # GPU_CHECK_ZB_MICROBATCHES (default 8), GPU_CHECK_ZB_PP (default "2 4"), GPU_CHECK_ZB_ARGS (more bench arguments),
 # =cp CP=2 on 2 GPUs against CP=1 on one at GPU_CHECK_CP_SEQS (default "16384 32768"; GPU_CHECK_CP_ARGS more bench arguments),
+# =moe the Qwen3-MoE shape (2.6B, 32 experts) EP=1 on 1 GPU vs EP=2 on 2 (GPU_CHECK_MOE_ARGS),
+# =sp TP=2 with and without sequence parallelism at GPU_CHECK_SP_SEQS (default 8192; GPU_CHECK_SP_ARGS),
 # =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS more
 # bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
@@ -69,11 +71,12 @@ if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
 fi
 
 BENCH=${GPU_CHECK_BENCH:-1}
-if [ "$BENCH" = "0" ]; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
+want() { [[ " $BENCH " == *" $1 "* ]]; }  # GPU_CHECK_BENCH may name several modes: "cp sp"
+if want 0; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
 # the engine before issue 12: SDPA only (fusions, chunked logprobs and fused optimizer kernels off)
 NOFUSE="--set gradient_accumulation_fusion=false --set apply_rope_fusion=false --set bias_activation_fusion=false --set optimizer_config.fused_kernels=false --logprob-chunk 0"
 GRAPHS="--set cuda_graph_impl=local --set cuda_graph_seq_length=2048"
-if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
+if want 1 || want train1; then
   # the HF reference, the engine before, the fast path and the fast path + CUDA graphs: same call, same card
   python3 scripts/bench_train_step.py --hf-reference $NOFUSE --out "$RESULTS/bench_1gpu_a_unfused.json" 2>&1 | tail -3
   # the step without graphs is host-bound, so its tokens/s vary between processes: GPU_CHECK_REPEAT runs
@@ -83,30 +86,30 @@ if [ "$BENCH" = "1" ] || [ "$BENCH" = "train1" ]; then
   done
   python3 scripts/bench_train_step.py $GRAPHS --out "$RESULTS/bench_1gpu_c_fast_graphs.json" 2>&1 | tail -3
 fi
-if [ "$BENCH" = "bisect" ]; then  # the fast path + CUDA graphs with one piece off at a time
+if want bisect; then  # the fast path + CUDA graphs with one piece off at a time
   for f in gradient_accumulation_fusion apply_rope_fusion bias_activation_fusion optimizer_config.fused_kernels; do
     python3 scripts/bench_train_step.py $GRAPHS --set $f=false --out "$RESULTS/bench_1gpu_no_$f.json" 2>&1 | tail -3
   done
   python3 scripts/bench_train_step.py $GRAPHS --logprob-chunk 4096 --out "$RESULTS/bench_1gpu_chunked_logprobs.json" 2>&1 | tail -3
 fi
-if [ "$BENCH" = "1" ] || [ "$BENCH" = "logprobs" ]; then  # vocab 152k, seq 4096: full logits vs chunked
+if want 1 || want logprobs; then  # vocab 152k, seq 4096: full logits vs chunked
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
 fi
-if [ "$BENCH" = "loop" ]; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
+if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do
     flag=$([ "$v" = fast ] || echo "--$v")
     python3 tests/workers/grpo_loop_worker.py "/tmp/loop_$v" --steps 80 $flag > "$RESULTS/loop_$v.log" 2>&1 || tail -20 "$RESULTS/loop_$v.log"
     cp "/tmp/loop_$v/result.json" "$RESULTS/grpo_loop_1gpu_$v.json" 2>/dev/null
   done
 fi
-if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "train2" ]; }; then  # TP=2 and PP=2: before issue 12 and fast path
+if [ "$NGPU" -ge 2 ] && { want 1 || want train2; }; then  # TP=2 and PP=2: before issue 12 and fast path
   for layout in "--tp 2" "--pp 2"; do
     name=$(echo $layout | tr -d ' -')
     torchrun --nproc_per_node 2 scripts/bench_train_step.py $layout $NOFUSE --out "$RESULTS/bench_2gpu_${name}_a_unfused.json" 2>&1 | tail -2
     torchrun --nproc_per_node 2 scripts/bench_train_step.py $layout --out "$RESULTS/bench_2gpu_${name}_b_fast.json" 2>&1 | tail -2
   done
 fi
-if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (and PP=4 with 4 GPUs), same call
+if [ "$NGPU" -ge 2 ] && want zb; then  # ZB-H1 against 1F1B, PP=2 (and PP=4 with 4 GPUs), same call
   ZB_ARGS=${GPU_CHECK_ZB_ARGS:-}  # e.g. "--mbs 4": larger microbatches keep the GPU, not the host, the bottleneck
   for pp in ${GPU_CHECK_ZB_PP:-2 4}; do
     [ "$NGPU" -ge "$pp" ] || continue
@@ -120,7 +123,7 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "zb" ]; then  # ZB-H1 against 1F1B, PP=2 (a
     done
   done
 fi
-if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "mq" ]; then  # ModuleQueue off / on with 2, 4, 8 chunks, PP=2, Qwen2.5-7B shape
+if [ "$NGPU" -ge 2 ] && want mq; then  # ModuleQueue off / on with 2, 4, 8 chunks, PP=2, Qwen2.5-7B shape
   # GPU_CHECK_MQ_ARGS adds bench arguments (default: Qwen2.5-7B dimensions, seq 4096, the distributed optimizer
   # (DP = 1: nothing sharded): needs 2 x H200; "--layers 14" fits 2 x H100; own parameter storage:
   # --set ddp_config.use_distributed_optimizer=false)
@@ -130,7 +133,7 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "mq" ]; then  # ModuleQueue off / on with 2
       --out "$RESULTS/mq_${GPU_CHECK_MQ_TAG:-default}_k$k.json" 2>&1 | tail -2
   done
 fi
-if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "cp" ]; then  # context parallelism: CP=2 on 2 GPUs against CP=1 on one, same call
+if [ "$NGPU" -ge 2 ] && want cp; then  # context parallelism: CP=2 on 2 GPUs against CP=1 on one, same call
   # GPU_CHECK_CP_SEQS: sequence lengths (CP=1 runs each too, and may run out of memory at the longest: recorded as such)
   for seq in ${GPU_CHECK_CP_SEQS:-16384 32768}; do
     python3 scripts/bench_train_step.py --seq "$seq" --mbs 1 --microbatches 2 --steps 3 ${GPU_CHECK_CP_ARGS:-} \
@@ -139,11 +142,25 @@ if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "cp" ]; then  # context parallelism: CP=2 o
       --out "$RESULTS/bench_cp2_seq$seq.json" 2>&1 | tail -2
   done
 fi
-if [ "$NGPU" -ge 2 ] && [ "$BENCH" = "8b" ]; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200: not in the default run)
+if [ "$NGPU" -ge 2 ] && want sp; then  # sequence parallelism: TP=2 with and without SP, same call
+  for seq in ${GPU_CHECK_SP_SEQS:-8192}; do
+    for sp in "" --sequence-parallel; do
+      torchrun --nproc_per_node 2 scripts/bench_train_step.py --tp 2 $sp --seq "$seq" --mbs 1 --microbatches 4 --steps 3 ${GPU_CHECK_SP_ARGS:-} \
+        --out "$RESULTS/bench_tp2${sp:+_sp}_seq$seq.json" 2>&1 | tail -2
+    done
+  done
+fi
+if [ "$NGPU" -ge 2 ] && want moe; then  # expert parallelism: the 2.6B Qwen3-MoE shape, EP=1 on one GPU vs EP=2 (DP=2) on two
+  python3 scripts/bench_train_step.py --shape moe --seq 4096 --mbs 1 --microbatches 4 --steps 3 ${GPU_CHECK_MOE_ARGS:-} \
+    --out "$RESULTS/bench_moe_ep1.json" 2>&1 | tail -2
+  torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape moe --ep 2 --seq 4096 --mbs 1 --microbatches 4 --steps 3 \
+    ${GPU_CHECK_MOE_ARGS:-} --out "$RESULTS/bench_moe_ep2.json" 2>&1 | tail -2
+fi
+if [ "$NGPU" -ge 2 ] && want 8b; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200: not in the default run)
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 --out "$RESULTS/bench_8b_tp2_a_fast.json" 2>&1 | tail -2
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 $GRAPHS --out "$RESULTS/bench_8b_tp2_b_graphs.json" 2>&1 | tail -2
 fi
-if [ "$NGPU" -ge 2 ] && { [ "$BENCH" = "1" ] || [ "$BENCH" = "sync" ]; }; then
+if [ "$NGPU" -ge 2 ] && { want 1 || want sync; }; then
   python3 scripts/bench_weight_sync.py --out "$RESULTS/sync.json" 2>&1 | tail -20
 fi
 
@@ -156,7 +173,7 @@ for r in rows:
     hf = r.get("hf_reference")
     if hf:
         print(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} | {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
-    print(f"| {r['layout']}{' ' + r['schedule'] if r.get('schedule') not in (None, 'none') else ''} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+    print(f"| {r['layout']} seq {r.get('seq', '?')}{' ' + r['schedule'] if r.get('schedule') not in (None, 'none') else ''} | {r.get('attention', '?')} | {r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''} | {r['gpus']} | {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} | {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
 hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
 if hf:
     print("tokens/s vs HF (same call): " + ", ".join(f"{r['layout']} {r.get('fusions', '?')}: "

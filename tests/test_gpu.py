@@ -121,14 +121,45 @@ def test_fused_optimizer_kernels_match_megatron_fallbacks_on_gpu() -> None:
     assert abs(ours.item() - theirs.item()) <= 1e-6 * theirs.item()
 
 
+@pytest.mark.parametrize("first", [0, 1536], ids=["first_chunk", "later_chunk"])
+def test_prefix_causal_flash_attention_matches_masked_sdpa_on_gpu(first: int) -> None:
+    """CP's query-chunk attention on two flash calls merged by log-sum-exp (engine/chunk_attention.py) against
+    SDPA with the boolean mask it replaces: output and q/k/v gradients in bf16, each compared with an fp32
+    reference; the flash form may be at most 1.5x the masked form's error plus 1e-3 of the reference's scale."""
+    from oumi_megatron.engine.chunk_attention import prefix_causal_attention
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 512, 8, 2, 128
+    q = torch.randn(2, heads, n, dim, device="cuda")
+    k, v = (torch.randn(2, kv_heads, first + n, dim, device="cuda") for _ in range(2))
+    grad = torch.randn(2, heads, n, dim, device="cuda")
+    allowed = torch.arange(first + n, device="cuda")[None, :] <= (first + torch.arange(n, device="cuda"))[:, None]
+
+    def run(fn, dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad.to(dtype))
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    masked = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)  # noqa: E731
+    ref = run(masked, torch.float32)
+    old = run(masked, torch.bfloat16)
+    new = run(lambda q, k, v: prefix_causal_attention(q, k, v, first), torch.bfloat16)
+    for name, r, o, f in zip(("out", "dq", "dk", "dv"), ref, old, new):
+        err_old, err_new = (o - r).abs().max().item(), (f - r).abs().max().item()
+        assert err_new <= 1.5 * err_old + 1e-3 * r.abs().max().item(), (name, err_new, err_old)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--schedule", "zb_h1"]],
-                         ids=["tp2", "pp2", "pp2_zb_h1"])
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--schedule", "zb_h1"], ["--cp", "2"],
+                                    ["--tp", "2", "--sequence-parallel"], ["--ep", "2"]],
+                         ids=["tp2", "pp2", "pp2_zb_h1", "cp2", "tp2_sp", "moe_ep2"])
 def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
+    """Two GPUs (NCCL) against one, bf16; EP on the tiny Qwen3-MoE (all-to-all over NCCL, DP = 2 around it)."""
     from oumi_megatron.testing.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_layout")
-    src = build_tiny_model(work / "hf", arch="llama")
+    src = build_tiny_model(work / "hf", arch="qwen3_moe" if "--ep" in layout else "llama")
     ckpt = work / "mc"
     _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
     worker = [str(WORKERS / "engine_worker.py"), str(ckpt), "--steps", "3", "--no-export"]
