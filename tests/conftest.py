@@ -38,6 +38,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE (4 experts, 2 per token)."""
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), arch="qwen3_moe")
+
+
 def base_config_dict(model_dir: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
     """A minimal valid MEGATRON_GRPO config as a dict; ``sections`` are merged one level deep."""
     cfg: dict[str, Any] = {

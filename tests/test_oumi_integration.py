@@ -14,7 +14,7 @@ from conftest import REPO, VENV_BIN, base_config_dict, free_port, run_cli, write
 pytestmark = pytest.mark.slow
 
 PY = str(VENV_BIN / "python")
-LAYOUT_PP2 = "TP 1 x PP 2 x CP 1 x EP 1 x DP 1 = world size 2"
+LAYOUT_PP2 = "TP 1 x PP 2 x CP 1 x DP 1 = world size 2"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_oumi_megatron_validate_cli_prints_layout() -> None:
     out = run_cli(["oumi-megatron", "validate", "-c", "configs/train_70b_grpo.yaml", "--world-size", "16",
                    "--gpus-per-node", "8", "--model-config", str(shape)])
     assert out.returncode == 0, out.stderr
-    assert "TP 8 x PP 2 x CP 1 x EP 1 x DP 1 = world size 16" in out.stdout
+    assert "TP 8 x PP 2 x CP 1 x DP 1 = world size 16" in out.stdout
     assert "nodes: 2 x 8 GPUs" in out.stdout
     assert "microbatches per step per DP rank: 4" in out.stdout
     assert "pipeline schedule: 1f1b" in out.stdout

@@ -40,7 +40,7 @@ def test_valid_config_resolves_layout(make_config) -> None:  # noqa: ANN001
     assert lay.pipeline_schedule == "1f1b"
     assert lay.prompts_per_rollout == 4 and lay.completions_per_rollout == 16
     text = lay.describe()
-    assert "TP 2 x PP 2 x CP 1 x EP 1 x DP 2 = world size 8" in text
+    assert "TP 2 x PP 2 x CP 1 x DP 2 = world size 8" in text
     assert "microbatches per step per DP rank: 4" in text
 
 
@@ -73,6 +73,8 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"sequence_parallel": True}, DENSE, 1, "megatron.sequence_parallel", "needs tensor_model_parallel_size > 1"),
         ({"expert_model_parallel_size": 2}, DENSE, 2, "megatron.expert_model_parallel_size", "dense model"),
         ({"expert_model_parallel_size": 3}, MOE, 3, "megatron.expert_model_parallel_size", "8 experts"),
+        ({"expert_model_parallel_size": 4}, MOE, 2, "megatron.expert_model_parallel_size", "TP x CP x DP = 2 (experts are split"),
+        ({"tensor_model_parallel_size": 2}, MOE, 2, "megatron.sequence_parallel", "Set sequence_parallel: true"),
         ({"micro_batch_size": 3, "global_batch_size": 8}, DENSE, 1, "megatron.global_batch_size", "not divisible by micro_batch_size x DP"),
         ({"micro_batch_size": 2, "global_batch_size": 8}, DENSE, 3, "megatron.global_batch_size", "2 x 3 = 6"),
         ({"inference_backend": "sglang"}, DENSE, 1, "megatron.inference_backend", "sglang rollouts are not implemented"),
@@ -136,10 +138,17 @@ def test_context_parallel_with_embedded_generation_warns_how_it_generates(make_c
     assert any("generation (KV cache) runs whole sequences on each CP rank" in w for w in r.warnings), r.warnings
 
 
-def test_expert_parallelism_that_does_not_run_yet_is_rejected(make_config) -> None:  # noqa: ANN001
-    r = check(make_config(megatron={"expert_model_parallel_size": 2}), world_size=2, shape=MOE)
-    assert "megatron.expert_model_parallel_size" in problem_fields(r)
-    assert "Set expert_model_parallel_size: 1" in r.format_problems() and "not supported yet" in r.format_problems()
+def test_expert_parallelism_runs_inside_data_parallelism(make_config) -> None:  # noqa: ANN001
+    """EP splits experts over data-parallel ranks (Megatron-Core's expert groups): DP stays world / (TP x PP x CP)."""
+    from oumi_megatron.validation import default_world_size
+
+    cfg = make_config(megatron={"expert_model_parallel_size": 2, "global_batch_size": 8})
+    r = check(cfg, world_size=2, shape=MOE)
+    assert r.ok, r.format_problems()
+    assert (r.layout.data_parallel, r.layout.expert_parallel) == (2, 2)
+    assert "TP 1 x PP 1 x CP 1 x DP 2 = world size 2" in r.layout.describe() and "expert parallel: EP 2" in r.layout.describe()
+    assert default_world_size(make_config(megatron={"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2,
+                                                    "pipeline_model_parallel_size": 2})) == 8  # PP x lcm(TP x CP, EP)
 
 
 def test_sequence_parallel_with_tensor_parallelism_is_accepted(make_config) -> None:  # noqa: ANN001

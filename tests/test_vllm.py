@@ -52,8 +52,8 @@ def _assert_synced(r: dict) -> None:
     assert r["vllm_greedy"] == r["hf_greedy"]
 
 
-@pytest.mark.parametrize(
-    ("placement", "method"), [("separate", "gloo"), ("colocated", "gloo"), ("separate", "checkpoint")]
+@pytest.mark.parametrize(  # colocated (in-memory) sync: the two-rank colocated tests and the learning run below
+    ("placement", "method"), [("separate", "gloo"), ("separate", "checkpoint")]
 )
 def test_engine_follows_the_policy_after_sync(converted: Path, tiny_model_dir: Path, placement: str, method: str) -> None:
     r = _sync_run(converted, tiny_model_dir, f"{placement}_{method}", "--placement", placement, "--method", method)
@@ -66,16 +66,14 @@ def test_engine_follows_the_policy_after_sync(converted: Path, tiny_model_dir: P
 
 
 @pytest.mark.parametrize(
-    ("placement", "layout"),
-    [("separate", ["--tp", "2"]), ("separate", ["--pp", "2"]), ("colocated", ["--tp", "2"]), ("colocated", ["--pp", "2"])],
-    ids=["separate_tp2", "separate_pp2", "colocated_tp2", "colocated_pp2"],
+    ("placement", "layout"), [("colocated", ["--tp", "2"]), ("colocated", ["--pp", "2"])], ids=["colocated_tp2", "colocated_pp2"],
 )
 def test_sync_from_two_rank_training_equals_the_single_rank_export(converted: Path, tiny_model_dir: Path,
                                                                     placement: str, layout: list[str]) -> None:
     """Training under TP=2 / PP=2 (the export gathers the shards): the engine then matches the trainer
-    and the HF export, and generates exactly what the single-rank run's engine generates. Colocated:
-    TP=2 is one vLLM engine with TP=2 over both ranks (external_launcher); PP=2 is two engines that
-    split the prompts and all-gather the rollouts."""
+    and the HF export, and generates exactly what the single-rank run's engine generates. TP=2 is one vLLM
+    engine with TP=2 over both ranks (external_launcher); PP=2 is two engines that split the prompts and
+    all-gather the rollouts. (A separate engine gets the same gathered export: test_engine_follows_the_policy_after_sync.)"""
     single = _sync_run(converted, tiny_model_dir, "separate_gloo", "--placement", "separate", "--method", "gloo") \
         if not (converted.parent / "separate_gloo.json").is_file() else json.loads((converted.parent / "separate_gloo.json").read_text())
     r = _sync_run(converted, tiny_model_dir, f"{placement}_{'_'.join(layout)}", "--placement", placement, "--method", "gloo",

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config and print the resolved parallel layout")
     v.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
-    v.add_argument("--world-size", type=int, default=None, help="processes/GPUs (default: TP*PP*CP*EP)")
+    v.add_argument("--world-size", type=int, default=None, help="processes/GPUs (default: WORLD_SIZE, else PP x lcm(TP x CP, EP))")
     v.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, to check node boundaries")
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
     v.set_defaults(func=cmd_validate)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP x PP x CP x EP x DP = world size, with the batch sizes and schedule actually used."""
+    """TP x PP x CP x DP = world size (EP splits experts over ranks of TP x CP x DP), with the batch sizes
+    and schedule actually used."""
 
     world_size: int
     tensor_parallel: int
@@ -49,8 +50,11 @@ class ParallelLayout:
         vpp = f" (VPP {self.virtual_pipeline} chunks/rank)" if self.virtual_pipeline else ""
         lines = [
             f"TP {self.tensor_parallel} x PP {self.pipeline_parallel}{vpp} x CP {self.context_parallel}"
-            f" x EP {self.expert_parallel} x DP {self.data_parallel} = world size {self.world_size}",
+            f" x DP {self.data_parallel} = world size {self.world_size}",
         ]
+        if self.expert_parallel > 1:
+            lines.append(f"expert parallel: EP {self.expert_parallel} (each MoE layer's experts split over "
+                         f"{self.expert_parallel} ranks of a pipeline stage, tokens routed by all-to-all)")
         if self.num_nodes is not None:
             lines.append(f"nodes: {self.num_nodes} x {self.gpus_per_node} GPUs")
         lines += [

@@ -214,12 +214,6 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
                    "logprob passes split sequences over CP ranks; generation (KV cache) runs whole sequences on each "
                    f"CP rank, the {cp} ranks of a replica generating the same rollouts. inference_backend: vllm "
                    "generates on its own engines.")
-    if isinstance(m.expert_model_parallel_size, int) and m.expert_model_parallel_size > 1:
-        r.add(
-            "megatron.expert_model_parallel_size",
-            f"is {m.expert_model_parallel_size}, but expert parallelism is not supported yet (no MoE model has "
-            "been run through this engine). Set expert_model_parallel_size: 1.",
-        )
     if m.ddp_config.average_in_collective:
         r.warn(
             "megatron.ddp_config.average_in_collective: True is not used: GRPO losses are normalized by the global "
@@ -461,11 +455,20 @@ def _check_layout(
         r.add(
             "megatron.tensor_model_parallel_size",
             f"world_size ({world_size}) must be divisible by the product of all model parallel sizes ({mp}): "
-            f"TP {sizes[0]} x PP {sizes[1]} x CP {sizes[2]} x EP {sizes[3]}. Adjust the parallel sizes "
+            f"TP {sizes[0]} x PP {sizes[1]} x CP {sizes[2]}. Adjust the parallel sizes "
             f"so that their product divides {world_size} (or run on a multiple of {mp} GPUs).",
         )
         return None
     dp = world_size // mp
+    ep, stage_ranks = m.expert_model_parallel_size, world_size // m.pipeline_model_parallel_size
+    if stage_ranks % ep != 0:  # Megatron-Core's expert groups: EP x expert-DP ranks of one pipeline stage
+        divisors = [d for d in range(1, stage_ranks + 1) if stage_ranks % d == 0]
+        r.add(
+            "megatron.expert_model_parallel_size",
+            f"{ep} must divide the ranks of a pipeline stage, TP x CP x DP = {stage_ranks} (experts are split over "
+            f"them). Use one of {divisors}.",
+        )
+        return None
     vpp = m.virtual_pipeline_model_parallel_size
 
     if vpp is not None and m.pipeline_model_parallel_size <= 1:
@@ -623,6 +626,12 @@ def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: Valida
             "megatron.expert_model_parallel_size",
             f"{ep} does not divide the model's {shape.num_experts} experts. Use a divisor of {shape.num_experts}.",
         )
+    if shape.is_moe and tp > 1 and not m.sequence_parallel:
+        r.add(
+            "megatron.sequence_parallel",
+            f"must be true for {shape.model_type} (MoE layers) with tensor_model_parallel_size {tp}: Megatron-Core's MoE "
+            "layer refuses to train under TP without it. Set sequence_parallel: true.",
+        )
 
 
 def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> None:
@@ -644,11 +653,13 @@ def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> Non
 
 
 def default_world_size(cfg: MegatronTrainingConfig) -> int:
-    """WORLD_SIZE under torchrun; otherwise the smallest world the layout fits (DP = 1)."""
+    """WORLD_SIZE under torchrun; otherwise the smallest world the layout fits: PP x lcm(TP x CP, EP)
+    (DP = 1 unless EP needs more ranks per stage)."""
     env = os.environ.get("WORLD_SIZE")
     if env:
         return int(env)
-    return math.prod(s if isinstance(s, int) and s > 0 else 1 for s in cfg.megatron.parallel_sizes)
+    tp, pp, cp, ep = (s if isinstance(s, int) and s > 0 else 1 for s in cfg.megatron.parallel_sizes)
+    return pp * math.lcm(tp * cp, ep)
 
 
 def validate_config(

@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=0)
     p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size")
+    p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (MoE checkpoints)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--distributed-optimizer", type=int, default=1)
@@ -79,6 +80,7 @@ def main() -> None:
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp or None,
         context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep,
     )
     params.ddp_config.use_distributed_optimizer = bool(args.distributed_optimizer)
     params.transformer_config.recompute_granularity = None
@@ -134,6 +136,8 @@ def main() -> None:
     last = engine.last_token_logits(probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
     results["last_token_logits"] = last.tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
+    mlp = unwrap(engine.model[0]).decoder.layers[0].mlp  # MoE: SequentialMLP experts on this rank
+    results["local_experts"] = len(mlp.experts.local_experts) if hasattr(mlp, "experts") else 0
     results["norm_rows"] = {k: sorted(v) for k, v in norm_rows.items()}
     results["sequence_parallel_norm_weights"] = sum(bool(getattr(p, "sequence_parallel", False))
                                                     for c in engine.model for p in c.parameters())

@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size")
+    p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (an MoE checkpoint; DP = 2 around it)")
     p.add_argument("--mbs", type=int, default=2)
     args = p.parse_args()
 
@@ -45,9 +46,10 @@ def main() -> None:
     from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
 
     params = MegatronParams(pipeline_model_parallel_size=args.pp, tensor_model_parallel_size=args.tp,
-                            sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp)
+                            sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp,
+                            expert_model_parallel_size=args.ep)
     params.transformer_config.recompute_granularity = None
-    if args.cp > 1:  # DP x CP = 2 ranks: the distributed optimizer would leave each rank only its shard of the reduced grads
+    if args.cp > 1 or args.ep > 1:  # DP x CP = 2 ranks: the distributed optimizer would leave each rank only its shard of the reduced grads
         params.ddp_config.use_distributed_optimizer = False
     # lr = 0: train_step computes the real gradients but leaves the weights as they are
     _, engine = build_engine(args.ckpt, params, OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=10),

@@ -2,7 +2,8 @@
 
     python tests/workers/parity_worker.py WORKDIR OUT_JSON [float32|bfloat16]
 
-For llama (untied), qwen2 (QKV bias, tied embeddings) and qwen3 (QK-norm): build a tiny random HF
+For llama (untied), qwen2 (QKV bias, tied embeddings), qwen3 (QK-norm) and qwen3_moe (4 experts, top-2 routing,
+SequentialMLP experts on the local spec): build a tiny random HF
 model, convert it with Megatron-Bridge, and record (1) max |Megatron logits - HF logits|,
 (2) max |engine logprobs - log_softmax(HF logits)[chosen tokens]|, (3) whether the HF export of the
 converted checkpoint is bit-identical to the source weights.
@@ -26,12 +27,12 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.testing.tiny_models import ARCHITECTURES, build_tiny_model
+    from oumi_megatron.testing.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
 
     results = {}
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
-    for arch in ARCHITECTURES:
+    for arch in ARCHITECTURES + MOE_ARCHITECTURES:
         src = build_tiny_model(workdir / f"hf_{arch}", arch=arch)
         ckpt = convert_hf_to_megatron(src, workdir / f"mc_{arch}", params, dtype=dtype)
         _, engine = build_engine(ckpt, params, OptimSettings(), dtype=dtype)

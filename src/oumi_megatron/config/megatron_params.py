@@ -154,7 +154,7 @@ class MegatronCheckpointConfig(BaseParams):
 class MegatronParams(BaseParams):
     """Parallel layout, batching and engine options for the MEGATRON_GRPO trainer."""
 
-    # Core parallelism dimensions. TP x PP x CP x EP x DP = world size.
+    # Core parallelism dimensions. TP x PP x CP x DP = world size; EP splits experts over TP x CP x DP ranks.
     tensor_model_parallel_size: int = 1
     """Split each layer's weights over this many GPUs (keep within a node)."""
 
@@ -165,7 +165,9 @@ class MegatronParams(BaseParams):
     """Split each sequence over this many GPUs (long sequences)."""
 
     expert_model_parallel_size: int = 1
-    """Split MoE experts over this many GPUs (MoE models only)."""
+    """Split each MoE layer's experts over this many GPUs of a pipeline stage (MoE models only; tokens travel
+    to their experts by all-to-all). It must divide TP x CP x DP and the number of experts; it does not
+    change DP (world size / (TP x PP x CP))."""
 
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (Megatron-Core's meaning) for the interleaved schedule.
@@ -245,6 +247,14 @@ class MegatronParams(BaseParams):
 
     @property
     def model_parallel_size(self) -> int:
-        """TP x PP x CP x EP: GPUs that hold one replica of the model."""
-        tp, pp, cp, ep = self.parallel_sizes
-        return tp * pp * cp * ep
+        """TP x PP x CP: GPUs that hold one replica of the dense layers (world size / DP). Expert parallelism
+        lives inside it and DP: Megatron-Core splits each MoE layer's experts over EP of the TP x CP x DP
+        ranks of a pipeline stage."""
+        tp, pp, cp, _ = self.parallel_sizes
+        return tp * pp * cp
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """TP inside each expert: 1 under expert parallelism (Megatron-Bridge's choice: whole experts per
+        rank), else the dense layers' TP (Megatron-Core's default)."""
+        return 1 if self.expert_model_parallel_size > 1 else self.tensor_model_parallel_size

@@ -6,6 +6,7 @@ On a CPU-only machine those calls would raise, so :func:`install_cpu_shims` make
 
 * ``torch.cuda`` functions that would raise without a GPU get CPU meanings: ``current_device()`` is 0,
   ``synchronize``/streams/events do nothing, the CUDA RNG state is the CPU RNG state.
+* MoE token dispatch gets its all-to-all split sizes as host arrays, as it does from a GPU.
 * A ``TorchFunctionMode`` maps the devices ``"cuda"``, ``"cuda:N"`` and integer ids to the CPU in every
   torch call (factories, ``.to()``, ``.cuda()``), and answers ``tensor.type()`` with the CUDA twin
   ("torch.cuda.FloatTensor") when Megatron asks, since Megatron compares those strings.
@@ -125,6 +126,22 @@ def _patch_megatron_rng() -> None:
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
+def _patch_megatron_moe_dispatch() -> None:
+    # MoE all-to-all dispatch: Megatron-Core turns the split sizes into host numpy arrays only when they are
+    # on a GPU (moe_utils.maybe_move_tensor_to_cpu); on the CPU they stay tensors, which all_to_all_single
+    # rejects. Give it the same host arrays it gets on a GPU.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def install_cpu_shims() -> bool:
     """Install the shims if CUDA is unavailable. Returns True if they are active."""
     global _INSTALLED
@@ -134,6 +151,7 @@ def install_cpu_shims() -> bool:
         return True
     _patch_torch_cuda()
     _patch_megatron_rng()
+    _patch_megatron_moe_dispatch()
     _CudaToCpuMode().__enter__()  # process-wide: stays active for the life of the process
     _INSTALLED = True
     return True

@@ -21,6 +21,7 @@ class ParallelSizes:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
+    expert_tensor: int | None = None  # None: Megatron-Core's default (TP)
     virtual_pipeline: int | None = None
 
     @classmethod
@@ -30,6 +31,7 @@ class ParallelSizes:
             pipeline=params.pipeline_model_parallel_size,
             context=params.context_parallel_size,
             expert=params.expert_model_parallel_size,
+            expert_tensor=params.expert_tensor_parallel_size,
             virtual_pipeline=params.virtual_pipeline_model_parallel_size,
         )
 
@@ -71,6 +73,7 @@ def init_model_parallel(sizes: ParallelSizes, seed: int = 1234, cuda_graphs: boo
         virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
         context_parallel_size=sizes.context,
         expert_model_parallel_size=sizes.expert,
+        expert_tensor_parallel_size=sizes.expert_tensor,
     )
     if cuda_graphs:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)

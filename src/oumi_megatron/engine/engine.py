@@ -301,6 +301,26 @@ class MegatronEngine:
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+    @property
+    def expert_peers(self) -> int:
+        """Ranks whose forward passes pair with this rank's: expert parallelism exchanges tokens between EP
+        ranks (other data-parallel replicas) by all-to-all in every MoE layer, so they must run the same
+        number of forwards, whatever their own batches need (1 without EP)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_model_parallel_world_size()
+
+    def forward_peers_done(self, done: bool) -> bool:
+        """Whether ``done`` holds on this rank and on all its expert peers (a collective over them; no
+        communication without EP). Generation loops stop on it, so that no peer waits in an all-to-all."""
+        if self.expert_peers == 1:
+            return done
+        from megatron.core import parallel_state as ps
+
+        flag = torch.tensor([0 if done else 1], device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+        return flag.item() == 0
+
     def _run(
         self,
         microbatches: list[dict[str, torch.Tensor]],

@@ -34,6 +34,11 @@ _LOCAL_SPEC_FUSIONS_OFF = (
     "gradient_accumulation_fusion",
     "persist_layer_norm",
     "cross_entropy_loss_fusion",
+    # MoE: TE's fused token permutation and router; grouped expert GEMMs (TE or the grouped_gemm package).
+    # Without them the local spec builds SequentialMLP experts (one MLP per local expert, Bridge maps them).
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",
 )
 
 
@@ -98,6 +103,7 @@ def configure_provider(
     provider.virtual_pipeline_model_parallel_size = params.virtual_pipeline_model_parallel_size
     provider.context_parallel_size = params.context_parallel_size
     provider.expert_model_parallel_size = params.expert_model_parallel_size
+    provider.expert_tensor_parallel_size = params.expert_tensor_parallel_size  # as parallel_state gets it
     provider.sequence_parallel = params.sequence_parallel
     t = params.transformer_config
     provider.account_for_embedding_in_pipeline_split = t.account_for_embedding_in_pipeline_split
@@ -123,6 +129,12 @@ def configure_provider(
     # Losses are summed per microbatch and divided by the global token/sequence count
     # (GRPO's token_mean / seq_mean): Megatron then scales gradients by 1/count after the DP reduce.
     provider.calculate_per_token_loss = True
+    if getattr(provider, "num_moe_experts", None):
+        # MoE routers train on the GRPO loss alone: Megatron-Core's load-balancing loss is scaled for
+        # pretraining's per-microbatch mean, not our division by the global token count, and would be computed
+        # on each rank's share of the batch (its value then changes with DP). Routing itself is the model's.
+        provider.moe_router_load_balancing_type = "none"
+        provider.moe_aux_loss_coeff = 0.0
     if params.pipeline_model_parallel_size == 2:
         # With two stages the previous and the next stage are the same rank. Batched p2p posts
         # [send_prev, recv_prev, send_next, recv_next] on both ranks, so in the interleaved schedule's

@@ -87,7 +87,7 @@ class MegatronRolloutBackend:
             real = torch.cat([real, ~finished[:, None]], dim=1)
             if params.eos_token_id is not None:
                 finished |= nxt == params.eos_token_id
-            if bool(finished.all()):
+            if self.engine.forward_peers_done(bool(finished.all())):  # under EP, when every expert peer is done too
                 break
         generated = torch.stack(new_tokens, dim=1) if new_tokens else torch.zeros(len(expanded), 0, dtype=torch.long)
         logprobs = torch.stack(new_logprobs, dim=1) if new_logprobs else torch.zeros(len(expanded), 0)

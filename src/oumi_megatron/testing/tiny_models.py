@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("qwen3_moe",)
 
 # ChatML, as Qwen uses; the generation prompt opens an assistant turn.
 CHAT_TEMPLATE = (
@@ -47,10 +48,11 @@ def build_byte_tokenizer():  # noqa: ANN201 - transformers type imported lazily
 
 def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32,  # noqa: ANN201
                 gqa: bool = False):
-    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm).
+    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm,
+    qwen3_moe: Qwen3 with mixture-of-experts MLPs).
     Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32); with ``gqa``
     four query heads sharing two key/value heads."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     heads = 4 if gqa else 2
     common = dict(
@@ -72,7 +74,11 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
         return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, **common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    if arch == "qwen3_moe":  # every layer a mixture of 4 experts, 2 per token (EP = 2: two experts per rank)
+        return Qwen3MoeConfig(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=2 * head_dim, decoder_sparse_step=1,
+                              mlp_only_layers=[], norm_topk_prob=True, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES + MOE_ARCHITECTURES}")
 
 
 def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4,

@@ -73,14 +73,21 @@ class Evaluator:
         started = time.perf_counter()
         dp, dp_rank, group = data_parallel()
         mine = list(range(dp_rank, len(self.rows), dp))
-        # every DP replica runs the same number of generate calls (an empty share generates nothing)
+        # Every DP replica generates as many prompts in as many calls: under expert parallelism its expert
+        # peers (other replicas) pair with each of its forwards. A short share is filled with copies of a row,
+        # generated and not scored.
+        share, real = -(-len(self.rows) // dp), len(mine)
+        mine += [mine[0] if mine else 0] * (share - real)
         names = [name for name, *_ in self.rewards.specs]
         # scored, reward, format, length, truncated, n, correct, per function
         sums = torch.zeros(7 + len(names), dtype=torch.float64)
-        for start in range(0, len(mine), self.batch_size):
+        for start in range(0, share, self.batch_size):
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
-            rollouts = self.backend.generate(prompts, self.sampling)
+            keep = max(0, min(len(rows), real - start))
+            rows, rollouts = rows[:keep], self.backend.generate(prompts, self.sampling)[:keep]
+            if not rows:
+                continue
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
             scored = self.rewards(texts, completions, rows)
