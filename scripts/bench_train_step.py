@@ -116,6 +116,30 @@ def hf_reference(cfg, batches: list[dict], args, peak_tflops: float) -> dict:  #
     return result
 
 
+def plan_and_overhead(cfg, params, args, dp: int) -> dict:  # noqa: ANN001
+    """oumi_megatron.plan's estimate of each stage's peak for this run (to compare with peak_mem_gib_by_rank), and
+    what the GPU holds outside PyTorch's allocator (CUDA context, NCCL, cuBLAS workspaces: the plan's overhead)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import estimate_memory
+
+    shape = ModelShape.from_config_dict(cfg.to_dict(), args.shape)
+    schedule = args.schedule if args.pp > 1 else "none"
+    layout = ParallelLayout(dist.get_world_size(), args.tp, args.pp, args.cp, args.ep, dp, None, args.sequence_parallel,
+                            args.mbs, args.mbs * args.microbatches * dp, schedule, 2, 1)
+    plan = estimate_memory(SimpleNamespace(megatron=params, grpo=SimpleNamespace(max_sequence_length=args.seq)), shape, layout)
+    free, total = torch.cuda.mem_get_info()
+    outside = torch.tensor([(total - free - torch.cuda.memory_reserved()) / 2**30,
+                            (torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()) / 2**30], device="cuda")
+    dist.all_reduce(outside, op=dist.ReduceOp.MAX)
+    return {"plan_peak_gib_by_stage": [round(x, 2) for x in plan.by_stage], "outside_allocator_gib": round(outside[0].item(), 2),
+            "allocator_reserve_gib": round(outside[1].item(), 2)}
+
+
 def profile_step(step, path: str) -> None:  # noqa: ANN001
     """One step under torch.profiler: the CUDA kernels by total time, to ``path``."""
     from torch.profiler import ProfilerActivity, profile
@@ -296,6 +320,7 @@ def main() -> None:
     result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
     result["seed_formula_saving_gib"] = round((cfg.num_hidden_layers // args.pp * layer_bytes
                                                - 2 * v * h / max(args.module_queue, 1)) / 2**30, 2)
+    result.update(plan_and_overhead(cfg, params, args, dp))
     if phase_ms is not None:
         result["phase_ms_per_microbatch_by_rank"] = phase_ms  # F, B (input gradients), W (deferred weight gradients)
     if hf is not None:

@@ -16,6 +16,7 @@
 # GPU_CHECK_ZB_MICROBATCHES (default 8), GPU_CHECK_ZB_PP (default "2 4"), GPU_CHECK_ZB_ARGS (more bench arguments),
 # =cp CP=2 on 2 GPUs against CP=1 on one at GPU_CHECK_CP_SEQS (default "16384 32768"; GPU_CHECK_CP_ARGS more bench arguments),
 # =moe the Qwen3-MoE shape (2.6B, 32 experts) EP=1 on 1 GPU vs EP=2 on 2 (GPU_CHECK_MOE_ARGS),
+# =plan the memory plan's estimate vs max_memory_allocated (full recompute; PP=2 +/- ModuleQueue; DP=2 +/- distributed optimizer),
 # =sp TP=2 with and without sequence parallelism at GPU_CHECK_SP_SEQS (default 8192; GPU_CHECK_SP_ARGS),
 # =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS more
 # bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
@@ -156,6 +157,17 @@ if [ "$NGPU" -ge 2 ] && want moe; then  # expert parallelism: the 2.6B Qwen3-MoE
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape moe --ep 2 --seq 4096 --mbs 1 --microbatches 4 --steps 3 \
     ${GPU_CHECK_MOE_ARGS:-} --out "$RESULTS/bench_moe_ep2.json" 2>&1 | tail -2
 fi
+if want plan; then  # oumi-megatron plan's estimate against max_memory_allocated (issue 16): full recompute, PP=2 (+ ModuleQueue), DP=2 +/- distributed optimizer
+  B="scripts/bench_train_step.py --mbs 1 --warmup 1 --steps 1"
+  python3 $B --seq 16384 --microbatches 2 --recompute full --out "$RESULTS/plan_1gpu_full_recompute.json" 2>&1 | tail -1
+  if [ "$NGPU" -ge 2 ]; then
+    T="torchrun --nproc_per_node 2"
+    $T $B --pp 2 --seq 8192 --microbatches 4 --out "$RESULTS/plan_pp2.json" 2>&1 | tail -1
+    $T $B --pp 2 --seq 8192 --microbatches 4 --module-queue 4 --out "$RESULTS/plan_pp2_module_queue.json" 2>&1 | tail -1
+    $T $B --seq 8192 --microbatches 2 --out "$RESULTS/plan_dp2_distributed_optimizer.json" 2>&1 | tail -1
+    $T $B --seq 8192 --microbatches 2 --set ddp_config.use_distributed_optimizer=false --out "$RESULTS/plan_dp2_plain_optimizer.json" 2>&1 | tail -1
+  fi
+fi
 if [ "$NGPU" -ge 2 ] && want 8b; then  # Llama-3-8B dimensions, TP=2 (needs 2 x H200: not in the default run)
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 --out "$RESULTS/bench_8b_tp2_a_fast.json" 2>&1 | tail -2
   torchrun --nproc_per_node 2 scripts/bench_train_step.py --shape 8b --tp 2 --steps 4 $GRAPHS --out "$RESULTS/bench_8b_tp2_b_graphs.json" 2>&1 | tail -2
@@ -205,6 +217,14 @@ if mq:  # ModuleQueue: the last stage's peak and the step time against the run w
               f"| {r['step_s'] / base['step_s'] if base else float('nan'):.3f} | {last} | {last / b_last:.3f} | {b_last - last:.2f} "
               f"| {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} "
               f"| {r.get('passes_peak_gib_by_rank', ['-'])[-1]} / {r.get('optimizer_peak_gib_by_rank', ['-'])[-1]} |")
+plans = [(p.stem, json.loads(p.read_text())) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
+plans = [(n, r) for n, r in plans if isinstance(r, dict) and r.get("plan_peak_gib_by_stage")]
+if plans:  # the memory plan (oumi_megatron/plan.py) against torch.cuda.max_memory_allocated of the same step
+    print("\n| run | card | measured peak GiB by rank | plan GiB by stage | plan / measured (max) | outside allocator GiB | allocator reserve GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for n, r in plans:
+        measured, plan = r["peak_mem_gib_by_rank"], r["plan_peak_gib_by_stage"]
+        print(f"| {n} ({r['layout']}, seq {r['seq']}) | {r['card']} | {measured} | {plan} | {max(plan) / max(measured):.3f} | {r['outside_allocator_gib']} | {r['allocator_reserve_gib']} |")
 lp = pathlib.Path(sys.argv[1]) / "logprobs.json"
 if lp.is_file():
     r = json.loads(lp.read_text())

@@ -2,7 +2,8 @@
 
 The task (oumi_megatron/demo_task.py) rewards the fraction of completion characters in the class the
 prompt asks for; a random tiny model starts near 0.15. Thresholds are below what the runs reach
-(seen: +0.32 after 80 steps, +0.30 after 60), so they fail only if learning breaks.
+(seen: +0.31 after 60 steps on one rank, +0.30 on two, +0.31 for the MoE with EP=2), so they fail only if
+learning breaks.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _train(out: Path, tiny_model_dir: Path, *overrides: str, nproc: int = 1) -> 
 
 def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "run"
-    _train(out, tiny_model_dir, "--training.max_steps", "80")
+    _train(out, tiny_model_dir, "--training.max_steps", "60")  # seen +0.31 (2026-11-27)
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 81))
+    assert [r["step"] for r in rows] == list(range(1, 61))
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     for key in ("reward/char_class", "advantage/std", "kl", "clip_fraction", "completion_length/mean",
                 "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm", "entropy",
@@ -51,7 +52,7 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
     # the trainer's recomputed ones up to rounding
     assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-4 and rows[-1]["mismatch/token_mult_prob_error"] < 1.0001
     assert (out / "megatron_checkpoint" / "oumi_megatron.json").is_file()
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_000050", "step_000080"]
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_000050", "step_000060"]
     assert (out / "plots" / "reward_mean.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
 

@@ -1,6 +1,7 @@
 """``oumi-megatron`` command line: validate, convert, export, train.
 
     oumi-megatron validate -c cfg.yaml [--world-size N] [--gpus-per-node G] [--model-config PATH] [--a.b=v ...]
+    oumi-megatron plan -c cfg.yaml --gpus N [--gpus-per-node G] [--gpu-memory-gib M] [--suggest] [--json]
     oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
     oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
@@ -54,7 +55,7 @@ def load_config(config_path: str, overrides: list[str]):  # noqa: ANN201 - heavy
     return MegatronTrainingConfig.from_yaml_and_arg_list(config_path, overrides)
 
 
-def _print_report(report) -> None:  # noqa: ANN001
+def _print_report(report, config=None) -> None:  # noqa: ANN001
     for note in report.notes:
         err_console.print(f"[cyan]note:[/cyan] {note}")
     for warning in report.warnings:
@@ -69,6 +70,12 @@ def _print_report(report) -> None:  # noqa: ANN001
                 + (f", {shape.num_experts} experts" if shape.is_moe else "")
             )
         console.print(report.require_layout().describe())
+        if shape is not None and config is not None:  # the memory plan's figure (oumi-megatron plan: the parts)
+            from oumi_megatron.plan import estimate_memory
+
+            plan = estimate_memory(config, shape, report.require_layout())
+            console.print(f"estimated peak per GPU: {plan.total:.1f} GiB on pipeline stage {plan.stage} "
+                          f"(oumi-megatron plan -c ... --gpu-memory-gib M for the parts and whether it fits)")
         console.print("[green]OK[/green]")
     else:
         err_console.print(report.format_problems())
@@ -84,8 +91,52 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         model_config_path=args.model_config,
     )
-    _print_report(report)
+    _print_report(report, config)
     return 0 if report.ok else 1
+
+
+def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from rich.table import Table
+
+    from oumi_megatron.plan import COMPONENTS, plan_config
+
+    config = load_config(args.config, parse_overrides(extra))
+    result = plan_config(config, args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.model_config, args.suggest)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=1))
+        return 0 if result.plan is not None else 1
+    if result.plan is None:
+        _print_report(result.report)
+        if result.report.ok:
+            err_console.print("[red]error:[/red] the plan needs the model's shape: pass --model-config PATH/config.json")
+        return 1
+    for warning in result.report.warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {warning}")
+    plan = result.plan
+    console.print(result.report.require_layout().describe().splitlines()[0])
+    table = Table(title=f"memory per GPU, pipeline stage {plan.stage} (the one that needs the most)")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for name in COMPONENTS:
+        table.add_row(name, f"{getattr(plan, name):.2f}")
+    table.add_row("[bold]total[/bold]", f"[bold]{plan.total:.2f}[/bold]"
+                  + (f" of {plan.gpu_memory_gib:g}" if plan.gpu_memory_gib else ""))
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if plan.fits is None:
+        console.print("pass --gpu-memory-gib M (e.g. 80 for an H100) to check that it fits")
+    elif plan.fits:
+        console.print(f"[green]OK[/green]: {plan.gpu_memory_gib - plan.total:.1f} GiB of headroom")
+    else:
+        console.print("[red]will not fit[/red]: " + "; ".join(result.advice))
+    for i, s in enumerate(result.suggestions, 1):
+        console.print(f"{i}. TP {s.tensor_parallel} x PP {s.pipeline_parallel} x CP {s.context_parallel} x DP "
+                      f"{s.data_parallel}: {'fits' if s.plan.fits else 'does not fit'}, relative speed "
+                      f"{s.relative_speed:.2f} ({s.why})")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -192,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, to check node boundaries")
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
     v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser("plan", help="estimate per-GPU memory of a config's layout (and suggest layouts)")
+    pl.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs (world size)")
+    pl.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (TP stays within a node)")
+    pl.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, e.g. 80 (H100) or 141 (H200)")
+    pl.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
+    pl.add_argument("--suggest", action="store_true", help="rank the valid layouts of --gpus GPUs")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (GiB per component, total, fits)")
+    pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("convert", help="convert an HF causal LM to a Megatron-Core checkpoint (Megatron-Bridge)")
     c.add_argument("--hf", required=True, help="HF model folder or hub name")

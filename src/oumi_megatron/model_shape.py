@@ -35,6 +35,12 @@ class ModelShape:
     num_experts: int = 0
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
+    intermediate_size: int = 0
+    """The dense MLP's hidden size (0: unknown, taken as 4 x hidden_size by the memory plan)."""
+    head_dim: int = 0
+    """Per-head size (0: hidden_size / num_attention_heads)."""
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
     remote_code: bool = False
     """config.json has an ``auto_map``: loading it runs the model folder's own code."""
 
@@ -70,6 +76,10 @@ class ModelShape:
             num_experts=experts,
             max_position_embeddings=text.get("max_position_embeddings"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            head_dim=int(text.get("head_dim") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
             remote_code=bool(cfg.get("auto_map")),
         )
 

@@ -1,0 +1,326 @@
+"""Per-GPU memory of a MEGATRON_GRPO layout, and layout advice (``oumi-megatron plan``).
+
+The estimate is arithmetic on the model's shape (config.json, read offline as ``validate`` reads it) and the
+config, for the pipeline stage that needs the most (docs/plan.md explains each term; tests/test_plan.py pins
+hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory_allocated()`` of real steps):
+
+- **weights**: bf16, 2 B per parameter the GPU holds (dense layers / TP, experts / EP, the embedding on the first
+  stage and the output layer on the last, both split over TP);
+- **grads**: fp32 main gradients, 4 B per parameter (Megatron-Core's DDP buffer; not sharded);
+- **optimizer**: Adam's fp32 master weights and two moments, 12 B per parameter, divided over the data-parallel
+  ranks (x CP) by the distributed optimizer; optimizer CPU offload moves the moments (8 B x fraction) to the host
+  (the master weights stay: measured, docs/benchmarks.md);
+- **activations**: per layer and token, bf16: the two norms' inputs and outputs (8h), Q/K/V before and after RoPE and
+  the attention output (4q + 6kv), the MLP's gate/up outputs and their SwiGLU product (6F, MoE: top-k experts of
+  F_moe each); the norms' share splits over TP only with sequence parallelism, the rest always; CP divides the tokens.
+  Full recompute keeps each recompute block's input (2h) and one block's activations; the stage holds as many
+  microbatches as its schedule keeps in flight (1F1B: PP - stage; interleaved: Megatron's warm-up count; ZB-H1:
+  1F1B's plus its deferred weight-gradient inputs, +10% as measured);
+- **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
+  / TP); chunked logprobs keep about three fp32 chunks;
+- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU;
+- **overhead**: the CUDA context, NCCL buffers and allocator reserve outside ``max_memory_allocated`` (measured).
+
+ModuleQueue (last stage) subtracts seed 000's saving from the weights held during the passes, never below the
+persistent state (the optimizer step needs every weight).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.model_shape import ModelShape
+
+GIB = 2**30
+CUDA_OVERHEAD_GIB = 4.0
+"""What a GPU holds outside PyTorch's allocator: the CUDA context, NCCL communicators, cuBLAS workspaces (measured
+2.8 GiB on one H200, 3.3-4.1 GiB with NCCL on two: docs/benchmarks.md). The caching allocator may reserve more
+than it hands out (5-12 GiB there at the peak); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True narrows that."""
+ZB_H1_ACTIVATION_FACTOR = 1.10
+"""ZB-H1's deferred weight-gradient inputs over 1F1B's activations (measured +8.0% PP=2, +9.4% PP=4)."""
+AUTO_CHUNK_LOGITS = 1 << 27  # as engine/chunked_logprobs.py: fp32 logits per auto-sized chunk
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """GiB per GPU on the stage that needs the most, and whether it fits."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    rollout: float
+    overhead: float
+    total: float
+    stage: int
+    gpu_memory_gib: float | None
+    notes: tuple[str, ...] = field(default=())
+    by_stage: tuple[float, ...] = field(default=())
+    """Each stage's training peak (weights to logits), GiB."""
+
+    @property
+    def training_peak(self) -> float:
+        """What ``torch.cuda.max_memory_allocated()`` of a training step should read (no rollout, no overhead)."""
+        return self.total - self.rollout - self.overhead
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory_gib is None else self.total <= self.gpu_memory_gib
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form: a GiB figure per component and the total, the stage, whether it fits, notes."""
+        d = asdict(self)
+        d["notes"], d["by_stage"] = list(self.notes), [round(x, 2) for x in self.by_stage]
+        d["fits"] = self.fits
+        d["training_peak"] = round(self.training_peak, 2)
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in d.items()}
+
+
+@dataclass(frozen=True)
+class _Params:
+    """Parameters one GPU of a stage holds: dense (split over TP: layers, embedding, output layer) and experts
+    (split over EP); ``layers``: the transformer layers' share of both."""
+
+    dense: float
+    experts: float
+    layers: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.experts
+
+
+def _layer_params(shape: ModelShape) -> tuple[float, float]:
+    """(dense, expert) parameters of one transformer layer."""
+    h = shape.hidden_size
+    d = shape.head_dim or h // shape.num_attention_heads
+    q, kv = d * shape.num_attention_heads, d * shape.num_key_value_heads
+    attention = h * (q + 2 * kv) + q * h + 2 * h  # QKV, output projection, two norms
+    if shape.is_moe:
+        ffn = shape.moe_intermediate_size or shape.intermediate_size or 4 * h
+        return attention + h * shape.num_experts, 3 * h * ffn * shape.num_experts  # router; experts
+    return attention + 3 * h * (shape.intermediate_size or 4 * h), 0.0
+
+
+def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int) -> _Params:
+    tp, pp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel
+    dense, experts = _layer_params(shape)
+    layers = shape.num_layers / pp
+    embedding = shape.vocab_size * shape.hidden_size
+    extra = 0.0
+    if stage == 0:
+        extra += embedding
+    if stage == pp - 1 and (not shape.tie_word_embeddings or pp > 1):  # tied: the last stage keeps its own copy
+        extra += embedding
+    expert_split = ep if ep > 1 else tp  # expert TP is 1 under EP (MegatronParams.expert_tensor_parallel_size)
+    return _Params(dense=(layers * dense + extra) / tp, experts=layers * experts / expert_split,
+                   layers=layers * dense / tp + layers * experts / expert_split)
+
+
+def _token_bytes(shape: ModelShape, layout: ParallelLayout) -> tuple[float, float]:
+    """(bytes per token per layer of the activations a layer keeps for its backward, of its input alone), bf16,
+    per GPU: TP splits what lies between the sequence-parallel regions, all of it with SP."""
+    h = shape.hidden_size
+    d = shape.head_dim or h // shape.num_attention_heads
+    q, kv = d * shape.num_attention_heads, d * shape.num_key_value_heads
+    if shape.is_moe:
+        ffn = (shape.moe_intermediate_size or shape.intermediate_size or 4 * h) * max(shape.num_experts_per_tok, 1)
+    else:
+        ffn = shape.intermediate_size or 4 * h
+    norms = 2 * (4 * h)  # two norms, input and output each
+    split = 2 * (2 * q + 3 * kv) + 2 * q + 2 * (3 * ffn)  # Q/K/V (+ after RoPE), attention out, gate/up + SwiGLU
+    tp = layout.tensor_parallel
+    per_layer = (norms / tp if layout.sequence_parallel else norms) + split / tp
+    layer_input = 2 * h / (tp if layout.sequence_parallel else 1)
+    return per_layer, layer_input
+
+
+def _in_flight(layout: ParallelLayout, stage: int, microbatches: int) -> float:
+    """Microbatches' worth of this stage's layers whose activations are alive at the stage's peak."""
+    pp, vpp = layout.pipeline_parallel, layout.virtual_pipeline
+    if pp == 1:
+        return 1.0
+    if vpp:  # Megatron's interleaved warm-up, in model chunks of layers / (pp x vpp)
+        chunks = min(microbatches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
+        return chunks / vpp
+    return float(min(pp - stage, microbatches))
+
+
+def estimate_memory(cfg: Any, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
+                    overhead_gib: float = CUDA_OVERHEAD_GIB) -> MemoryPlan:
+    """Per-GPU memory of ``cfg`` (a MegatronTrainingConfig) for ``shape`` on ``layout`` (from validation)."""
+    m = cfg.megatron
+    t = m.transformer_config
+    dp, cp, pp = layout.data_parallel, layout.context_parallel, layout.pipeline_parallel
+    tokens = layout.micro_batch_size * cfg.grpo.max_sequence_length / cp  # per microbatch, per GPU
+    per_layer, layer_input = _token_bytes(shape, layout)
+    layers = shape.num_layers / pp
+    microbatches = layout.microbatches_per_step
+    offload = m.optimizer_config.optimizer_offload_fraction if m.optimizer_config.optimizer_cpu_offload else 0.0
+    full = t.recompute_granularity == "full"
+    block = (t.recompute_num_layers or 1) if full else 1
+    notes: list[str] = []
+    best: MemoryPlan | None = None
+    stage_plans: list[MemoryPlan] = []
+    for stage in range(pp):
+        params = _stage_params(shape, layout, stage)
+        weights, grads = 2 * params.total, 4 * params.total
+        # the distributed optimizer shards over DP x CP (dense) and over the experts' own DP (TP x CP x DP / EP)
+        expert_dp = (layout.tensor_parallel * cp * dp) // layout.expert_parallel if layout.expert_parallel > 1 else cp * dp
+        shards = (cp * dp, expert_dp) if m.ddp_config.use_distributed_optimizer else (1, 1)
+        optimizer = (4 + 8 * (1 - offload)) * (params.dense / shards[0] + params.experts / shards[1])
+        if full:  # each block's input kept; one block's activations rebuilt during its backward
+            per_microbatch = tokens * (layers / block) * layer_input
+            activations = _in_flight(layout, stage, microbatches) * per_microbatch + tokens * block * per_layer
+        else:
+            saved = per_layer - (2 * (shape.head_dim or shape.hidden_size // shape.num_attention_heads)
+                                 * shape.num_attention_heads / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
+            activations = _in_flight(layout, stage, microbatches) * tokens * layers * saved
+        if layout.pipeline_schedule == "zb_h1":
+            activations *= ZB_H1_ACTIVATION_FACTOR
+        logits = 0.0
+        if stage == pp - 1:
+            vocab_shard = shape.vocab_size / layout.tensor_parallel
+            chunk = m.logprob_chunk_tokens
+            if chunk is None:  # auto (CUDA): chunks of ~512 MiB of fp32 logits once a microbatch's would pass that
+                chunk = AUTO_CHUNK_LOGITS / vocab_shard if tokens * vocab_shard > AUTO_CHUNK_LOGITS else 0
+            logits = 12 * min(chunk, tokens) * vocab_shard if chunk else 6 * tokens * vocab_shard
+            if m.enable_module_queue:  # seed 000's saving: N x layer size - V x H / num_chunks (bf16)
+                output = shape.vocab_size * shape.hidden_size / layout.tensor_parallel
+                saving = 2 * (params.layers - output / m.module_queue_num_chunks)
+                weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
+        rollout = (m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
+                   if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and gpu_memory_gib else 0.0)
+        parts = [weights, grads, optimizer, activations, logits, rollout, overhead_gib * GIB]
+        plan = MemoryPlan(*(x / GIB for x in parts), total=sum(parts) / GIB, stage=stage, gpu_memory_gib=gpu_memory_gib)
+        stage_plans.append(plan)
+        if best is None or plan.total > best.total:
+            best = plan
+    assert best is not None
+    if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and not gpu_memory_gib:
+        notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
+    if m.inference_backend == "megatron":
+        notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (not added)")
+    return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans)})
+
+
+def advice(plan: MemoryPlan, cfg: Any, layout: ParallelLayout) -> list[str]:
+    """What to change when the plan does not fit, largest lever first."""
+    if plan.fits is not False:
+        return []
+    m, t = cfg.megatron, cfg.megatron.transformer_config
+    over = plan.total - (plan.gpu_memory_gib or 0)
+    tips = [f"over by {over:.1f} GiB on pipeline stage {plan.stage}"]
+    if not m.ddp_config.use_distributed_optimizer and layout.data_parallel * layout.context_parallel > 1:
+        tips.append("megatron.ddp_config.use_distributed_optimizer: true (shards the optimizer over DP)")
+    if plan.optimizer > 0.2 * plan.total and not m.optimizer_config.optimizer_cpu_offload:
+        tips.append(f"megatron.optimizer_config.optimizer_cpu_offload: true with optimizer_offload_fraction: 1.0 "
+                    f"(moves Adam's moments, {plan.optimizer * 2 / 3:.1f} GiB, to the host; slower steps)")
+    if t.recompute_granularity != "full" and plan.activations > 0.15 * plan.total:
+        tips.append("megatron.transformer_config.recompute_granularity: full (keeps one input per layer)")
+    if plan.rollout:
+        tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
+    tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")
+    return tips
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    data_parallel: int
+    plan: MemoryPlan
+    relative_speed: float
+    why: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def suggest_layouts(cfg: Any, shape: ModelShape, gpus: int, gpus_per_node: int | None, gpu_memory_gib: float,
+                    top: int = 5) -> list[Suggestion]:
+    """Valid TP x PP x CP x DP layouts of ``gpus`` GPUs ranked by fit, then by a simple throughput model:
+    the pipeline bubble (PP - 1) / (m + PP - 1), TP's per-layer all-reduces (10% per doubling within a node,
+    30% across nodes), CP's K/V all-gather (5% per doubling) and DP's gradient all-reduce (5% once DP > 1)."""
+    import copy
+
+    from oumi_megatron.validation import validate_config
+
+    node = gpus_per_node or min(gpus, 8)
+    out: list[Suggestion] = []
+    for tp in _divisors(min(gpus, node)):
+        if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if shape.num_layers % pp:
+                continue
+            for cp in (1, 2, 4):
+                if gpus % (tp * pp * cp) or cfg.grpo.max_sequence_length % (2 * cp):
+                    continue
+                trial = copy.deepcopy(cfg)
+                trial.megatron.tensor_model_parallel_size, trial.megatron.pipeline_model_parallel_size = tp, pp
+                trial.megatron.context_parallel_size = cp
+                trial.megatron.virtual_pipeline_model_parallel_size = None
+                trial.megatron.sequence_parallel = tp > 1
+                if trial.megatron.pipeline_schedule == "interleaved" or pp == 1:
+                    trial.megatron.pipeline_schedule = "1f1b"
+                report = validate_config(trial, world_size=gpus, gpus_per_node=gpus_per_node, model_shape=shape,
+                                         check_bridge=False)
+                if report.layout is None or not report.ok:
+                    continue
+                lay = report.layout
+                plan = estimate_memory(trial, shape, lay, gpu_memory_gib)
+                bubble = (pp - 1) / (lay.microbatches_per_step + pp - 1)
+                tp_cost = (0.1 if tp <= node else 0.3) * math.log2(tp)
+                speed = (1 - bubble) / (1 + tp_cost + 0.05 * math.log2(cp) + (0.05 if lay.data_parallel > 1 else 0))
+                why = (f"{plan.total:.1f} of {gpu_memory_gib:.0f} GiB, bubble {bubble:.0%}"
+                       + (f", TP {tp} all-reduces with sequence parallelism" if tp > 1 else "")
+                       + (f", CP {cp} K/V all-gathers" if cp > 1 else "") + (f", DP {lay.data_parallel}" if lay.data_parallel > 1 else ""))
+                out.append(Suggestion(tp, pp, cp, lay.data_parallel, plan, speed, why))
+    out.sort(key=lambda s: (not s.plan.fits, -s.relative_speed if s.plan.fits else s.plan.total))
+    return out[:top]
+
+
+@dataclass
+class PlanResult:
+    """``plan_config``'s answer: the validation report, the memory plan (None if the config or shape is not
+    valid), what to change when it does not fit, and ranked layouts (``suggest``)."""
+
+    report: Any  # validation.ValidationReport
+    plan: MemoryPlan | None
+    advice: list[str]
+    suggestions: list[Suggestion]
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": self.report.ok, "problems": [f"{p.field}: {p.message}" for p in self.report.problems]}
+        if self.plan is not None:
+            out.update(self.plan.as_dict())
+            out["advice"] = self.advice
+        if self.suggestions:
+            out["suggestions"] = [{"tp": s.tensor_parallel, "pp": s.pipeline_parallel, "cp": s.context_parallel,
+                                   "dp": s.data_parallel, "total": round(s.plan.total, 2), "fits": s.plan.fits,
+                                   "relative_speed": round(s.relative_speed, 3), "why": s.why} for s in self.suggestions]
+        return out
+
+
+def plan_config(config: Any, gpus: int, gpus_per_node: int | None = None, gpu_memory_gib: float | None = None,
+                model_config_path: str | None = None, suggest: bool = False,
+                overhead_gib: float = CUDA_OVERHEAD_GIB) -> PlanResult:
+    """Validate ``config`` (a MegatronTrainingConfig) for ``gpus`` GPUs and estimate per-GPU memory."""
+    from oumi_megatron.validation import validate_config
+
+    report = validate_config(config, world_size=gpus, gpus_per_node=gpus_per_node, model_config_path=model_config_path,
+                             check_bridge=False)
+    if report.layout is None or report.model_shape is None or not report.ok:
+        return PlanResult(report, None, [], [])
+    plan = estimate_memory(config, report.model_shape, report.layout, gpu_memory_gib, overhead_gib)
+    suggestions = (suggest_layouts(config, report.model_shape, gpus, gpus_per_node, gpu_memory_gib)
+                   if suggest and gpu_memory_gib else [])
+    return PlanResult(report, plan, advice(plan, config, report.layout), suggestions)

@@ -1,0 +1,109 @@
+"""oumi_megatron/plan.py: the memory arithmetic pinned on hand-computed cases, and the `plan` CLI.
+
+How close the estimate comes to torch.cuda.max_memory_allocated() of real steps is a GPU measurement
+(docs/benchmarks.md, "Memory plan"); these tests pin the arithmetic itself.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO, run_cli
+from oumi_megatron.config.megatron_params import MegatronParams
+from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.model_shape import ModelShape
+from oumi_megatron.plan import GIB, estimate_memory
+
+LLAMA_70B = ModelShape.from_file(REPO / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")
+TINY = ModelShape(source="tiny", model_type="llama", architectures=("LlamaForCausalLM",), num_layers=4, hidden_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320, head_dim=16, intermediate_size=128)
+
+
+def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, seq: int = 32, mbs: int = 2,
+          microbatches: int = 1, vpp: int | None = None, **megatron):  # noqa: ANN003, ANN202
+    params = MegatronParams(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                            virtual_pipeline_model_parallel_size=vpp)
+    params.transformer_config.recompute_granularity = megatron.pop("recompute", None)
+    params.logprob_chunk_tokens = megatron.pop("logprob_chunk_tokens", 0)
+    params.ddp_config.use_distributed_optimizer = megatron.pop("distributed_optimizer", True)
+    params.optimizer_config.optimizer_cpu_offload = megatron.pop("offload", 0) > 0
+    params.optimizer_config.optimizer_offload_fraction = float(params.optimizer_config.optimizer_cpu_offload)
+    assert not megatron, megatron
+    layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
+                            ("interleaved" if vpp else "1f1b") if pp > 1 else "none", 2, 1)
+    cfg = SimpleNamespace(megatron=params, grpo=SimpleNamespace(max_sequence_length=seq))
+    return estimate_memory(cfg, shape, layout, overhead_gib=0.0)
+
+
+# Llama-3.1-70B by hand: a layer = QKV 8192 x (8192 + 2 x 1024) + output 8192 x 8192 + 2 norms + MLP 3 x 8192 x 28672
+# = 855,654,400; stage 0 of PP 2 = 40 layers + the embedding (128,256 x 8192) = 35,276,849,152, over TP 8:
+STAGE0_70B = (40 * 855_654_400 + 128_256 * 8192) / 8  # 4,409,606,144 parameters per GPU
+
+
+@pytest.mark.parametrize(("dp", "distributed", "optimizer_bytes"), [(1, True, 12), (1, False, 12), (2, True, 6), (2, False, 12)])
+def test_70b_on_tp8_pp2_by_hand(dp: int, distributed: bool, optimizer_bytes: float) -> None:
+    """2 + 4 + 12 bytes per parameter: ~80 GB before activations at DP 1 (the issue's by-hand figure); the
+    distributed optimizer halves Adam's 12 bytes at DP 2 and changes nothing at DP 1."""
+    plan = _plan(LLAMA_70B, tp=8, pp=2, dp=dp, seq=2048, mbs=1, microbatches=4, distributed_optimizer=distributed)
+    assert plan.stage == 0
+    assert plan.weights == pytest.approx(2 * STAGE0_70B / GIB, rel=1e-9)  # 8.21 GiB
+    assert plan.grads == pytest.approx(4 * STAGE0_70B / GIB, rel=1e-9)
+    assert plan.optimizer == pytest.approx(optimizer_bytes * STAGE0_70B / GIB, rel=1e-9)
+    if dp == 1:
+        assert (plan.weights + plan.grads + plan.optimizer) * GIB / 1e9 == pytest.approx(79.4, abs=0.1)
+
+
+def test_optimizer_offload_moves_the_moments_not_the_master_weights() -> None:
+    plan = _plan(LLAMA_70B, tp=8, pp=2, seq=2048, mbs=1, microbatches=4, offload=1)
+    assert plan.optimizer == pytest.approx(4 * STAGE0_70B / GIB, rel=1e-9)
+
+
+# The tiny shape by hand, bytes per token per layer (bf16): norms 2 x (in + out) x 64 x 2 B = 512; Q/K/V before and
+# after RoPE 2 x (2 x 64 + 3 x 32) x 2 B... = 2 x (2q + 3kv) = 448, attention output 2q = 128, MLP 2 x 3 x 128 = 768.
+PER_TOKEN_LAYER = 512 + 448 + 128 + 768  # 1,856
+TOKENS = 2 * 32  # micro batch 2 x sequence 32
+
+
+@pytest.mark.parametrize(("tp", "sp", "per_token_layer"), [(1, False, PER_TOKEN_LAYER), (2, False, 512 + 1344 / 2),
+                                                           (2, True, PER_TOKEN_LAYER / 2)])
+def test_activations_by_hand(tp: int, sp: bool, per_token_layer: float) -> None:
+    """TP splits what lies between the norms; sequence parallelism splits the norms' share too."""
+    plan = _plan(TINY, tp=tp, sp=sp)
+    assert plan.activations * GIB == pytest.approx(4 * TOKENS * per_token_layer)
+
+
+def test_full_recompute_keeps_layer_inputs_and_one_layer() -> None:
+    plan = _plan(TINY, recompute="full")
+    assert plan.activations * GIB == pytest.approx(4 * TOKENS * 2 * 64 + TOKENS * PER_TOKEN_LAYER)
+
+
+def test_pipeline_stages_hold_their_in_flight_microbatches() -> None:
+    """1F1B: stage s of PP holds PP - s microbatches (at most the step's), the first stage the embedding, the
+    last the output layer and the logits (full logits: bf16 + fp32 log-softmax, 6 B per token x vocabulary)."""
+    plan = _plan(TINY, pp=4, microbatches=8)
+    one = TOKENS * PER_TOKEN_LAYER  # one microbatch of one layer (a stage holds 1 layer here)
+    assert plan.stage == 0 and plan.activations * GIB == pytest.approx(4 * one)
+    last = plan.by_stage[-1] * GIB
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 + 3 * 64 * 128
+    assert last == pytest.approx(18 * (layer + 320 * 64) + one + 6 * TOKENS * 320, rel=1e-3)  # rounded to 0.01 GiB
+    interleaved = _plan(TINY, pp=2, vpp=2, microbatches=8)
+    assert interleaved.activations * GIB == pytest.approx((2 * 1 + 1 * 2 + 1) / 2 * 2 * one)  # Megatron's warm-up
+
+
+def test_plan_cli_prints_the_parts_and_says_whether_it_fits() -> None:
+    """The shipped 70B config on 16 x 80 GiB: fits with Adam's moments on the host (configs/train_70b_grpo.yaml),
+    and the JSON names every component; without the offload it does not, and the advice says what to change."""
+    shape = str(REPO / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")
+    base = ["oumi-megatron", "plan", "-c", str(REPO / "configs" / "train_70b_grpo.yaml"), "--gpus", "16",
+            "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--model-config", shape]
+    proc = run_cli([*base, "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert {"weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead", "total"} <= set(r)
+    assert r["fits"] is True and r["rollout"] == 20.0 and r["total"] < 80
+    proc = run_cli([*base, "--megatron.optimizer_config.optimizer_cpu_offload", "false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "will not fit" in proc.stdout and "optimizer_cpu_offload: true" in proc.stdout, proc.stdout
