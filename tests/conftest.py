@@ -20,9 +20,18 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The longest tests (1-2 minutes each on CI's 2 cores) start first: with two xdist workers the run ends when the
+# later worker does, and one of these started last would leave the other worker idle for its whole length.
+# (Tests that share an expensive module fixture with their neighbours stay where they are.)
+LONGEST_FIRST = ("test_grpo_with_vllm_rollouts_learns", "test_two_rank_data_parallel_packed_moe_run_learns",
+                 "test_single_rank_run_learns", "test_resume_mid_training_continues_exactly")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    items.sort(key=lambda item: next((i for i, name in enumerate(LONGEST_FIRST) if item.name.startswith(name)),
+                                     len(LONGEST_FIRST)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU test); run scripts/gpu_check.sh on a GPU machine")
