@@ -104,8 +104,6 @@ def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = No
 
 
 def free_port() -> int:
-    import socket
+    from oumi_megatron.engine.distributed import free_port as below_ephemeral_range
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return below_ephemeral_range()

@@ -47,7 +47,8 @@ class _TEStandIn(types.ModuleType):
         return child
 
 
-def _te_installed() -> bool:
+def have_transformer_engine() -> bool:
+    """Whether TransformerEngine is installed (the one probe: model specs, schedules and this module ask it)."""
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -120,7 +121,7 @@ def import_megatron_core() -> types.ModuleType:
 
 def import_megatron_bridge() -> types.ModuleType:
     """``import megatron.bridge``, working around its unconditional TransformerEngine import."""
-    if "megatron.bridge" in sys.modules or _te_installed():
+    if "megatron.bridge" in sys.modules or have_transformer_engine():
         with _quiet_imports():
             return importlib.import_module("megatron.bridge")
     import_megatron_core()

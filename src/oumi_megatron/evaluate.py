@@ -35,22 +35,16 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
 
     from oumi_megatron.engine.builder import build_inference_engine
     from oumi_megatron.grpo.rewards import RewardComputer
-    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
     from oumi_megatron.trainer.evaluation import Evaluator
 
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
     bridge, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust)
     tokenizer = build_tokenizer(config.model)
-    if config.megatron.inference_backend == "vllm":
-        from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
-
-        work_dir = Path(config.training.output_dir) / "eval_vllm"
-        backend: Any = VllmRolloutBackend(engine, bridge, config.model.model_name, dtype, config.megatron, config.grpo,
-                                          seed=config.training.seed, work_dir=work_dir,
-                                          hf_artifacts=Path(config.model.model_name), trust_remote_code=trust)
-    else:
-        backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
+    backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, dtype,
+                                                   work_dir=Path(config.training.output_dir) / "eval_vllm",
+                                                   hf_artifacts=Path(config.model.model_name)))
     rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
     evaluator = Evaluator(prompts, tokenizer, rewards, backend, config.grpo,
                           batch_size=config.training.per_device_eval_batch_size, device=engine._device())

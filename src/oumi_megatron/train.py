@@ -81,16 +81,13 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
 
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
-    backend = None
-    if config.megatron.inference_backend == "vllm":
-        from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
 
-        backend = VllmRolloutBackend(engine, bridge, config.model.model_name, dtype, config.megatron, config.grpo,
-                                     seed=config.training.seed, work_dir=output_dir, hf_artifacts=checkpoint / "hf",
-                                     trust_remote_code=bool(config.model.trust_remote_code))
+    tokenizer = build_tokenizer(config.model)
+    backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, dtype, work_dir=output_dir,
+                                                   hf_artifacts=checkpoint / "hf"))
     trainer = OumiMegatronGrpoTrainer(
-        config, engine, bridge, checkpoint, layout, build_tokenizer(config.model), dataset, backend=backend,
-        eval_dataset=eval_dataset,
+        config, engine, bridge, checkpoint, layout, tokenizer, dataset, backend=backend, eval_dataset=eval_dataset,
     )
     trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
     return trainer

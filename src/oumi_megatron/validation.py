@@ -12,11 +12,11 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from oumi.exceptions import OumiConfigError
 
-from oumi_megatron.config.grpo_params import KL_ESTIMATORS, LOSS_AGGREGATIONS, ON_REWARD_ERROR
+from oumi_megatron.config.grpo_params import ON_REWARD_ERROR
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
     CUDA_GRAPH_IMPLS,
@@ -30,6 +30,7 @@ from oumi_megatron.config.megatron_params import (
     WEIGHT_SYNC_METHODS,
 )
 from oumi_megatron.engine.schedules import resolve_schedule
+from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from oumi_megatron.layout import ParallelLayout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
 
@@ -186,6 +187,32 @@ def _check_positive(r: ValidationReport, name: str, value: int | None, allow_non
         return
     if not isinstance(value, int) or value < 1:
         r.add(name, f"must be a positive integer, got {value!r}.")
+
+
+def _check_registered_variants(g: Any, r: ValidationReport) -> None:
+    """grpo.plugins import; policy_loss / advantage_estimator name registered functions; scale_rewards, clip_ratio_c."""
+    from oumi_megatron.grpo.algorithm import scale_rewards_mode
+    from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, load_plugins
+
+    for module in g.plugins or []:
+        try:
+            load_plugins([module])
+        except Exception as e:  # noqa: BLE001 - any failure to import is the user's module to fix
+            r.add("grpo.plugins", f"cannot import {module!r} ({type(e).__name__}: {e}). Name an importable module "
+                                  "(on PYTHONPATH) that registers your functions.")
+    load_plugins([])  # the built-ins
+    for field_name, table, value in (("grpo.policy_loss", POLICY_LOSSES, g.policy_loss),
+                                     ("grpo.advantage_estimator", ADVANTAGE_ESTIMATORS, g.advantage_estimator)):
+        if value not in table:
+            r.add(field_name, f"unknown value {value!r}. Registered: {_fmt_choices(tuple(sorted(table)))} "
+                              "(your own: a module in grpo.plugins, docs/grpo.md).")
+    try:
+        scale_rewards_mode(g.scale_rewards)
+    except ValueError as e:
+        r.add("grpo.scale_rewards", str(e).split(": ", 1)[1])
+    if g.clip_ratio_c is not None and not g.clip_ratio_c > 1.0:
+        r.add("grpo.clip_ratio_c", f"must be > 1 or null (off), got {g.clip_ratio_c!r}: it bounds the loss of "
+                                   "negative-advantage tokens at -A x clip_ratio_c. verl's default: 3.0.")
 
 
 def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
@@ -356,6 +383,7 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
         )
     if g.on_reward_error not in ON_REWARD_ERROR:
         r.add("grpo.on_reward_error", f"unknown value {g.on_reward_error!r}. Use 'raise' or 'skip'.")
+    _check_registered_variants(g, r)
     for name in ("max_prompt_length", "max_completion_length", "ppo_epochs", "num_mini_batches"):
         _check_positive(r, f"grpo.{name}", getattr(g, name))
 

@@ -14,8 +14,6 @@ from typing import Any
 
 from oumi_megatron.config.base import BaseParams
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
 ON_REWARD_ERROR = ("raise", "skip")
 
 
@@ -72,8 +70,25 @@ class MegatronGrpoParams(BaseParams):
     loss_aggregation: str = "token_mean"
     """``token_mean`` (DAPO), ``seq_mean`` (original GRPO) or ``seq_mean_token_sum_norm`` (Dr. GRPO)."""
 
-    scale_rewards: bool = True
-    """Divide group-centred rewards by the group's std (False: Dr. GRPO's mean-only advantages)."""
+    scale_rewards: bool | str = "group"
+    """Divide the group-centred rewards by a std: ``group`` (each group's), ``batch`` (the whole batch's, TRL's
+    name) or ``none`` (Dr. GRPO's mean-only advantages). true / false stay aliases of group / none."""
+
+    policy_loss: str = "grpo"
+    """Policy-gradient loss by registered name (grpo/registry.py): ``grpo`` (token-level clipped surrogate) or
+    ``gspo`` (sequence-level importance ratio, Zheng et al. 2025), or your own from ``plugins``."""
+
+    advantage_estimator: str = "grpo"
+    """Advantages by registered name: ``grpo`` (group-relative, scaled per scale_rewards) or ``rloo``
+    (leave-one-out baseline), or your own from ``plugins``."""
+
+    clip_ratio_c: float | None = None
+    """Dual clip (verl's clip_ratio_c, > 1, e.g. 3.0): where the advantage is negative the token's loss is at most
+    -A x clip_ratio_c. None: off."""
+
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported before validation, registering their own policy losses / advantage estimators with
+    ``@register_policy_loss("name")`` / ``@register_advantage_estimator("name")`` (docs/grpo.md)."""
 
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token's policy-gradient term by

@@ -61,6 +61,7 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.clip_ratio": "grpo.epsilon",
     "actor_rollout_ref.actor.clip_ratio_low": "grpo.epsilon",
     "actor_rollout_ref.actor.clip_ratio_high": "grpo.epsilon_high",
+    "actor_rollout_ref.actor.clip_ratio_c": "grpo.clip_ratio_c",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "megatron.micro_batch_size",
     "algorithm.norm_adv_by_std_in_grpo": "grpo.scale_rewards",
 }

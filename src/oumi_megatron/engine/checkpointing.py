@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -47,6 +46,7 @@ from oumi_megatron.engine.checkpoint_io import (
 )
 from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.utils import atomic
+from oumi_megatron.utils.ranks import global_rank
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -60,11 +60,6 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, incomplete or damaged); the message names it."""
-
-
-def _rank() -> int:
-    # the resume plan runs before torch.distributed is initialized: torchrun's RANK then
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _fully_parallel(engine: Any) -> bool:
@@ -221,7 +216,7 @@ def newest_valid_checkpoint(root: str | Path) -> Path | None:
         problem = verify_checkpoint(path)
         if problem is None:
             return path
-        if _rank() == 0:
+        if global_rank() == 0:
             logger.warning(f"Checkpoint {path} is damaged: {problem}. Resuming from the previous complete checkpoint "
                            "instead; the damaged one is replaced when training reaches its step.")
     return None
@@ -328,7 +323,7 @@ def save_checkpoint(
     if async_writer is not None:
         async_writer.wait()  # one checkpoint in flight at a time
     tmp = atomic.begin(final)
-    if _rank() == 0:
+    if global_rank() == 0:
         (tmp / "model").mkdir()
         (tmp / "optimizer").mkdir()
         shutil.copytree(hf_artifacts, tmp / "hf")
@@ -339,7 +334,7 @@ def save_checkpoint(
         model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
     )
     # The RNG / scheduler state is small and written now; the tensors may go in the background.
-    _rank_file(tmp, _rank()).write_text(
+    _rank_file(tmp, global_rank()).write_text(
         json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
     )
     background = async_writer is not None
@@ -354,12 +349,12 @@ def save_checkpoint(
     def commit() -> None:
         if dist.is_initialized():
             dist.barrier()
-        if _rank() == 0:
+        if global_rank() == 0:
             write_manifest(tmp)
             # written last: its presence marks a complete checkpoint
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         atomic.commit(final)
-        if _rank() == 0 and keep_last > 0:
+        if global_rank() == 0 and keep_last > 0:
             # only checkpoints up to this step: newer ones (of a run resumed from an earlier step) are replaced
             # when training reaches their step, never pruned in favour of an older lineage
             for _, old in [c for c in list_checkpoints(root) if c[0] <= step][:-keep_last]:
@@ -384,7 +379,7 @@ def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
     problem = verify_checkpoint(checkpoint)
     if problem is not None:
         raise CheckpointError(f"cannot resume from {checkpoint}: {problem}.")
-    local = _read_rank_state(checkpoint, _rank())
+    local = _read_rank_state(checkpoint, global_rank())
     try:
         _load_tensors(engine, checkpoint)
     except Exception as e:  # noqa: BLE001 - torch / dist_checkpointing errors do not name the checkpoint

@@ -25,14 +25,11 @@ from oumi_megatron.engine.cuda_graphs import attach_cuda_graphs, cuda_graphs_ena
 from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.utils.ranks import global_rank
 
 META_FILE = "oumi_megatron.json"
 FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _resolve_local(hf_path: str | Path) -> Path:
@@ -101,13 +98,13 @@ def convert_hf_to_megatron(
         },
     }
     with atomic_directory(out_dir) as tmp:
-        if _rank() == 0:
+        if global_rank() == 0:
             (tmp / "model").mkdir()
             bridge.hf_pretrained.save_artifacts(tmp / "hf")
         if dist.is_initialized():
             dist.barrier()
         save_model(chunks, tmp / "model")
-        if _rank() == 0:
+        if global_rank() == 0:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
     return Path(out_dir)
 
@@ -130,7 +127,7 @@ def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtyp
                      trust_remote_code: bool = False) -> Path:
     """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
     ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
-    if _rank() == 0:
+    if global_rank() == 0:
         logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed, plain logging elsewhere
         if ok:
             logger.info(f"Reusing the converted checkpoint {out_dir} (it matches {hf_path}).")
@@ -175,7 +172,7 @@ def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path
 
     with atomic_directory(out_dir) as tmp:
         bridge.save_hf_pretrained([unwrap(c) for c in chunks], tmp, show_progress=False, source_path=str(hf_artifacts))
-        if _rank() == 0:
+        if global_rank() == 0:
             _drop_tied_output_weight(tmp)
     return Path(out_dir)
 

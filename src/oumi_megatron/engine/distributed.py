@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,10 +38,19 @@ class ParallelSizes:
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for a rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this host right now (for a rendezvous), below Linux's ephemeral range (32768-60999):
+    a port that bind(0) hands out can be taken by another process's outgoing connection (gloo opens many)
+    before the rendezvous binds it (seen in CI: EADDRINUSE); a random port below that range cannot."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-31999 for the rendezvous; set MASTER_PORT")
 
 
 def init_distributed(timeout_minutes: int = 30) -> None:

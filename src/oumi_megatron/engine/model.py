@@ -10,7 +10,6 @@ engine/attention.py) and build one model chunk per virtual pipeline stage.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from functools import partial
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.bridge_utils import import_megatron_bridge
+from oumi_megatron.bridge_utils import have_transformer_engine, import_megatron_bridge
 from oumi_megatron.engine.cuda_graphs import check_cuda_graphs
 from oumi_megatron.errors import UserInputError
 
@@ -45,10 +44,6 @@ _LOCAL_SPEC_FUSIONS_OFF = (
 class UnsupportedModelError(UserInputError, ValueError):
     """The model cannot be loaded: no Megatron-Bridge mapping for its architecture, or it needs its own code
     and model.trust_remote_code is off."""
-
-
-def have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def default_dtype() -> torch.dtype:

@@ -13,9 +13,10 @@ pipeline schedule class. Adding a schedule is one entry in ``SCHEDULES``.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
+
+from oumi_megatron.bridge_utils import have_transformer_engine
 
 
 def _no_pipelining() -> Callable:
@@ -65,7 +66,7 @@ def zb_h1_unsupported_reason(params: Any) -> str | None:  # MegatronParams
         return "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
     if params.ddp_config.overlap_grad_reduce:
         return "ddp_config.overlap_grad_reduce is on (its reduce hooks would fire before the deferred weight gradients)"
-    if importlib.util.find_spec("transformer_engine") is not None:
+    if have_transformer_engine():
         return "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
     return None
 

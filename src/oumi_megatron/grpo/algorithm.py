@@ -9,25 +9,42 @@ NaNs on degenerate inputs (a group with identical rewards, an all-masked row).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from oumi_megatron.grpo.registry import register_advantage_estimator, register_policy_loss
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def scale_rewards_mode(value: bool | str) -> str:
+    """``grpo.scale_rewards`` as one of SCALE_REWARDS (TRL's names); the boolean form stays an alias:
+    true = ``group``, false = ``none`` (Dr. GRPO)."""
+    if isinstance(value, bool):
+        return "group" if value else "none"
+    mode = {"true": "group", "false": "none"}.get(str(value).lower(), str(value).lower())
+    if mode not in SCALE_REWARDS:
+        raise ValueError(f"grpo.scale_rewards: unknown value {value!r}. Use one of {', '.join(SCALE_REWARDS)} (or true / false).")
+    return mode
 
 
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
-    scale_rewards: bool = True,
+    scale_rewards: bool | str = True,
     eps: float = 1e-6,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Group-relative advantages: ``(r - mean_group(r)) / (std_group(r) + eps)`` (float32).
+    """Group-relative advantages: ``(r - mean_group(r)) / (std + eps)`` (float32).
 
-    ``rewards`` is ``[B]`` with the ``group_size`` completions of each prompt adjacent. With
-    ``scale_rewards=False`` (Dr. GRPO) the std division is skipped; the std is unbiased, as TRL's.
-    ``valid`` ([B] bool) marks samples whose reward exists (``on_reward_error: skip`` drops the
-    others): only valid samples enter their group's mean and std, invalid ones get 0.
+    ``rewards`` is ``[B]`` with the ``group_size`` completions of each prompt adjacent. ``scale_rewards``
+    (scale_rewards_mode): ``group`` divides by each group's std, ``batch`` by the std of the whole batch's
+    rewards (TRL's ``scale_rewards="batch"``: more robust to low-variance groups), ``none`` not at all
+    (Dr. GRPO); stds are unbiased, as TRL's. ``valid`` ([B] bool) marks samples whose reward exists
+    (``on_reward_error: skip`` drops the others): only valid samples enter the means and stds, invalid ones get 0.
 
     A group whose valid rewards are all equal (or that has fewer than 2) gets exactly 0, in any
     dtype: the statistics are taken in float64, and such groups are zeroed explicitly, because even
@@ -41,13 +58,36 @@ def group_advantages(
     count = keep.sum(dim=1, keepdim=True)
     mean = torch.where(keep, grouped, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
     centred = torch.where(keep, grouped - mean, 0.0)
-    if scale_rewards:
+    mode = scale_rewards_mode(scale_rewards)
+    if mode == "group":
         std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
+    elif mode == "batch":
+        kept = grouped[keep]
+        std = kept.std() if kept.numel() > 1 else kept.new_zeros(())
         centred = centred / (std + eps)
     lowest = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)
     highest = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)
     constant = (count < 2) | (lowest == highest)
     return torch.where(constant, 0.0, centred).float().view(-1)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each sample's reward minus the mean of the other valid samples of its group,
+    ``n / (n - 1) x (r - mean_group(r))`` (float32); constant groups and groups of fewer than 2 valid samples get 0."""
+    n = (torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()).view(-1, group_size).sum(1, keepdim=True)
+    centred = group_advantages(rewards, group_size, "none", valid=valid).double().view(-1, group_size)
+    return (centred * n / (n - 1).clamp(min=1)).float().view(-1)
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: Any) -> torch.Tensor:
+    return group_advantages(rewards, grpo.num_generations, grpo.scale_rewards, valid=valid)
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: Any) -> torch.Tensor:
+    return leave_one_out_advantages(rewards, grpo.num_generations, valid=valid)
 
 
 def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -73,20 +113,63 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     epsilon: float,
     epsilon_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped objective as a per-token loss (to minimize), and where clipping was active.
 
-    ``ratio = exp(logprobs - old_logprobs)``; loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A).
-    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``.
+    ``ratio = exp(logprobs - old_logprobs)`` (or ``exp(log_ratio)`` when given: GSPO's sequence-level ratio);
+    loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A). ``clip_ratio_c`` (dual clip, Ye et al. 2020,
+    verl's ``clip_ratio_c``): where A < 0 the loss is at most -A * c, so a huge ratio on a bad token cannot
+    dominate the step. ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``.
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == logprobs.dim() - 1 else advantages
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(logprobs - old_logprobs if log_ratio is None else log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    was_clipped = (clipped < unclipped).to(logprobs.dtype)
-    return loss, was_clipped
+    was_clipped = clipped < unclipped
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped.to(logprobs.dtype)
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's sequence's mean of ``values`` over its masked-in tokens, broadcast back to [B, T]: per row,
+    or per packed sequence (``segment_ids`` [B, T], -1 on padding, which gets 0)."""
+    mask = mask.to(values.dtype)
+    if segment_ids is None:
+        return ((values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)).expand_as(values)
+    ids = segment_ids.reshape(-1)
+    keep = ids >= 0
+    n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
+    sums = values.new_zeros(n).index_add(0, ids[keep], (values * mask).reshape(-1)[keep])
+    tokens = mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep])
+    means = sums / tokens.clamp(min=1.0)
+    return torch.where(keep, means[ids.clamp(min=0)], 0.0).view_as(values)
+
+
+@register_policy_loss("grpo")
+def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     grpo: Any, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level importance ratios, PPO's clip (DAPO's clip-higher), optional dual clip."""
+    return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
+                             getattr(grpo, "clip_ratio_c", None))
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     grpo: Any, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025; TRL's ``importance_sampling_level="sequence"``): one importance ratio per sequence,
+    exp(mean over its tokens of log(p / p_old)), clipped as PPO's; every token of a sequence gets its loss. The
+    paper's clip ranges are far smaller than GRPO's (3e-4 / 4e-4): set grpo.epsilon / epsilon_high for it."""
+    log_ratio = sequence_mean(logprobs - old_logprobs, mask, segment_ids)
+    return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
+                             getattr(grpo, "clip_ratio_c", None), log_ratio=log_ratio)
 
 
 def aggregate(

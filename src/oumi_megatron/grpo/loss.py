@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, kl_divergence, truncated_importance_weights
-
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+from oumi_megatron.engine.engine import LossFn
+from oumi_megatron.grpo.algorithm import aggregate, kl_divergence, truncated_importance_weights
+from oumi_megatron.grpo.registry import POLICY_LOSSES, lookup
 
 
 def make_grpo_loss_fn(grpo: Any) -> LossFn:
-    """Per-token GRPO loss for ``MegatronEngine.train_step``, from the ``grpo:`` section.
+    """Per-token GRPO loss for ``MegatronEngine.train_step``, from the ``grpo:`` section: the policy-gradient term
+    of ``grpo.policy_loss`` (grpo/registry.py), the KL term, ``grpo.loss_aggregation``.
 
     Each microbatch must carry, aligned with the engine's logprob positions (position t scores
     token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] or [b, T] and, when
@@ -23,11 +23,12 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
     divides by ``completion_tokens``).
     """
 
+    policy_loss = lookup(POLICY_LOSSES, "grpo.policy_loss", getattr(grpo, "policy_loss", "grpo"))
+
     def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["completion_mask"].to(logprobs.dtype)
-        pg_loss, was_clipped = clipped_surrogate(
-            logprobs, batch["old_logprobs"], batch["advantages"], grpo.epsilon, grpo.epsilon_high
-        )
+        pg_loss, was_clipped = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, grpo,
+                                           batch.get("segment_ids"))
         tis = None
         if grpo.tis_cap is not None and "rollout_logprobs" in batch:
             # old_logprobs are the trainer's, before any update: the behaviour policy as the trainer sees it

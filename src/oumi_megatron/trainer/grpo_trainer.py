@@ -40,15 +40,16 @@ from oumi_megatron.engine.checkpointing import (
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.distributed import data_parallel
 from oumi_megatron.engine.conversion import save_hf
-from oumi_megatron.grpo.algorithm import group_advantages, logprob_mismatch
+from oumi_megatron.grpo.algorithm import logprob_mismatch
+from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, load_plugins, lookup
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
 from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
-from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
+from oumi_megatron.utils.ranks import global_rank
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 MAX_ALL_SKIPPED_STEPS = 3
@@ -58,10 +59,6 @@ try:  # Oumi's trainer interface (absent on engine-only machines)
     from oumi.core.trainers.base_trainer import BaseTrainer
 except ImportError:  # pragma: no cover
     BaseTrainer = object  # type: ignore[misc,assignment]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class ReferenceWeights:
@@ -100,7 +97,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         eval_dataset: Any = None,
     ) -> None:
         """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names.
-        ``backend``: the rollout engine (default: the embedded Megatron backend on ``engine``).
+        ``backend``: the rollout engine (default: ``megatron.inference_backend``'s, rollout/registry.py).
         ``eval_dataset``: held-out prompts (``data.validation``), evaluated greedily on the schedule of
         ``training.eval_strategy`` / ``eval_steps``."""
         self.config = config
@@ -111,9 +108,15 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.tokenizer = tokenizer
         self.dataset = dataset
         self.grpo = config.grpo
+        load_plugins(self.grpo.plugins)  # their policy losses / advantage estimators (validation imported them too)
         self.output_dir = Path(config.training.output_dir)
         self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error, reward_functions)
-        self.backend = backend or MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=config.training.seed)
+        if backend is None:
+            from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
+
+            backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, config.model.torch_dtype,
+                                                           work_dir=self.output_dir, hf_artifacts=self.hf_artifacts))
+        self.backend = backend
         self.sampling = SamplingParams(
             temperature=self.grpo.temperature,
             top_p=self.grpo.top_p,
@@ -148,7 +151,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
 
     def _note_truncation(self, lengths: list[int], cut: int) -> None:
         """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
-        if cut and not self.warned_truncation and _rank() == 0:
+        if cut and not self.warned_truncation and global_rank() == 0:
             self.warned_truncation = True
             logger.warning(f"{cut} of {len(lengths)} prompts this step are longer than grpo.max_prompt_length "
                            f"({self.grpo.max_prompt_length} tokens; longest {max(lengths)}) and lose their beginning. "
@@ -207,7 +210,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         start = time.perf_counter()
         stats = self.backend.sync_weights()
         self.weights_synced_at = self.step
-        if stats is not None and _rank() == 0:
+        if stats is not None and global_rank() == 0:
             logger.info(f"weight sync ({stats.method}): {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
                         f"{stats.seconds:.3f} s = {stats.gbps:.2f} GB/s")
         return time.perf_counter() - start, stats
@@ -226,7 +229,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 f"every sample's reward was skipped (grpo.on_reward_error: skip) in {self.all_skipped_steps} GRPO "
                 f"steps in a row, so nothing is being trained. Fix the reward function(s): {why}"
             )
-        if _rank() == 0:
+        if global_rank() == 0:
             logger.warning(f"GRPO step {self.step + 1}: every sample's reward was skipped, so this step trains on "
                            f"nothing (no optimizer step). {why}")
         return False
@@ -264,7 +267,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         total, valid = stats[:, 0], stats[:, 1] > 0.5
         lengths, finished = stats[:, -2], stats[:, -1]
         # skipped samples (on_reward_error: skip) are outside their group's statistics and the loss
-        advantages = group_advantages(total, g.num_generations, g.scale_rewards, valid=valid)
+        advantages = lookup(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", g.advantage_estimator)(total, valid, g)
         if not self._any_scored(valid, rewards.errors):
             self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
             self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
@@ -371,7 +374,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                if sync is not None else {}),
             "tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
         }
-        if g.log_completions and _rank() == 0:
+        if g.log_completions and global_rank() == 0:
             metrics["sample"] = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()}
         self.last_metrics = metrics
         return metrics
@@ -408,7 +411,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             state = load_checkpoint(self.engine, resume)
             self.step, self.data_position = state["step"], state["data_position"]
             self.weights_synced_at = -1  # the rollout engines still hold the initial weights
-            if _rank() == 0:
+            if global_rank() == 0:
                 logger.info(f"Resumed from {resume}: continuing at GRPO step {self.step + 1} "
                             f"(data position {self.data_position}).")
         max_steps = self.config.training.max_steps
@@ -417,11 +420,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             return
         save_steps = self.config.training.save_steps
         # the metrics of the steps after the resumed one (an interrupted run's) are dropped, so each step is logged once
-        metrics_log = MetricsLogger(self.output_dir, enabled=_rank() == 0, tensorboard=self.config.training.enable_tensorboard,
+        metrics_log = MetricsLogger(self.output_dir, enabled=global_rank() == 0, tensorboard=self.config.training.enable_tensorboard,
                                     start_step=self.step, wandb_run=self._wandb_settings())
         progress = Progress(
             TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("reward {task.fields[reward]:.3f}"),
-            TimeElapsedColumn(), disable=_rank() != 0,
+            TimeElapsedColumn(), disable=global_rank() != 0,
         )
         steps_per_epoch = -(-len(self.dataset) // self.layout.prompts_per_rollout)
         evals = eval_schedule(self.config.training, max_steps, steps_per_epoch) if self.evaluator else set()
@@ -449,7 +452,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.backend.close()
         if self.config.training.save_final_model:
             self.save_model(self.config, final=True)
-        if _rank() == 0:
+        if global_rank() == 0:
             plot_curves(self.output_dir)
 
     def evaluate(self) -> dict[str, float]:
@@ -457,7 +460,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         assert self.evaluator is not None
         self._sync_rollout_weights()
         metrics = self.evaluator.run()
-        if _rank() == 0:
+        if global_rank() == 0:
             fmt = f", format {metrics['eval/format_rate']:.3f}" if "eval/format_rate" in metrics else ""
             logger.info(f"eval at step {self.step}: reward {metrics['eval/reward_mean']:.3f}{fmt} on "
                         f"{metrics['eval/samples']} prompts, mean length {metrics['eval/completion_length/mean']:.1f} "
@@ -468,7 +471,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     def _finish_without_training(self, resume: Path | None, max_steps: int) -> None:
         """Resumed at (or past) training.max_steps: nothing to train; keep the run's files as they are, and
         export the model only if the run never did."""
-        if _rank() == 0:
+        if global_rank() == 0:
             logger.warning(f"Nothing to train: {resume} is at GRPO step {self.step} and training.max_steps is {max_steps}. "
                            "Raise training.max_steps to train further.")
         if self.async_writer is not None:

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+from oumi_megatron.utils.ranks import global_rank
 
 
 def _barrier() -> None:
@@ -33,7 +31,7 @@ def begin(path: str | Path) -> Path:
     """Collective: a fresh, empty ``.<name>.partial`` folder next to ``path`` to write into."""
     path = Path(path)
     tmp = partial_path(path)
-    if _rank() == 0:
+    if global_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -45,7 +43,7 @@ def commit(path: str | Path) -> None:
     """Collective: move the finished ``.<name>.partial`` into place (replacing an older ``path``)."""
     path = Path(path)
     _barrier()
-    if _rank() == 0:
+    if global_rank() == 0:
         old = path.parent / f".{path.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
