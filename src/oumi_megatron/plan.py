@@ -95,20 +95,27 @@ class _Params:
         return self.dense + self.experts
 
 
-def _layer_params(shape: ModelShape) -> tuple[float, float]:
-    """(dense, expert) parameters of one transformer layer."""
+def _widths(shape: ModelShape) -> tuple[int, int, int, int, int]:
+    """(hidden, query width, key/value width, dense FFN, one expert's FFN), with config.json's defaults
+    (head_dim = hidden / heads, FFN 4 x hidden)."""
     h = shape.hidden_size
     d = shape.head_dim or h // shape.num_attention_heads
-    q, kv = d * shape.num_attention_heads, d * shape.num_key_value_heads
+    ffn = shape.intermediate_size or 4 * h
+    return h, d * shape.num_attention_heads, d * shape.num_key_value_heads, ffn, shape.moe_intermediate_size or ffn
+
+
+def _layer_params(shape: ModelShape) -> tuple[float, float]:
+    """(dense, expert) parameters of one transformer layer."""
+    h, q, kv, ffn, expert_ffn = _widths(shape)
     attention = h * (q + 2 * kv) + q * h + 2 * h  # QKV, output projection, two norms
     if shape.is_moe:
-        ffn = shape.moe_intermediate_size or shape.intermediate_size or 4 * h
-        return attention + h * shape.num_experts, 3 * h * ffn * shape.num_experts  # router; experts
-    return attention + 3 * h * (shape.intermediate_size or 4 * h), 0.0
+        return attention + h * shape.num_experts, 3 * h * expert_ffn * shape.num_experts  # router; experts
+    return attention + 3 * h * ffn, 0.0
 
 
-def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int) -> _Params:
-    tp, pp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel
+def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_split: int) -> _Params:
+    """``expert_split``: the ranks each expert layer's parameters are divided over, EP x expert TP."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     dense, experts = _layer_params(shape)
     layers = shape.num_layers / pp
     embedding = shape.vocab_size * shape.hidden_size
@@ -117,7 +124,6 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int) -> _Par
         extra += embedding
     if stage == pp - 1 and (not shape.tie_word_embeddings or pp > 1):  # tied: the last stage keeps its own copy
         extra += embedding
-    expert_split = ep if ep > 1 else tp  # expert TP is 1 under EP (MegatronParams.expert_tensor_parallel_size)
     return _Params(dense=(layers * dense + extra) / tp, experts=layers * experts / expert_split,
                    layers=layers * dense / tp + layers * experts / expert_split)
 
@@ -125,13 +131,9 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int) -> _Par
 def _token_bytes(shape: ModelShape, layout: ParallelLayout) -> tuple[float, float]:
     """(bytes per token per layer of the activations a layer keeps for its backward, of its input alone), bf16,
     per GPU: TP splits what lies between the sequence-parallel regions, all of it with SP."""
-    h = shape.hidden_size
-    d = shape.head_dim or h // shape.num_attention_heads
-    q, kv = d * shape.num_attention_heads, d * shape.num_key_value_heads
-    if shape.is_moe:
-        ffn = (shape.moe_intermediate_size or shape.intermediate_size or 4 * h) * max(shape.num_experts_per_tok, 1)
-    else:
-        ffn = shape.intermediate_size or 4 * h
+    h, q, kv, ffn, expert_ffn = _widths(shape)
+    if shape.is_moe:  # the experts each token is routed to
+        ffn = expert_ffn * max(shape.num_experts_per_tok, 1)
     norms = 2 * (4 * h)  # two norms, input and output each
     split = 2 * (2 * q + 3 * kv) + 2 * q + 2 * (3 * ffn)  # Q/K/V (+ after RoPE), attention out, gate/up + SwiGLU
     tp = layout.tensor_parallel
@@ -164,22 +166,22 @@ def estimate_memory(cfg: Any, shape: ModelShape, layout: ParallelLayout, gpu_mem
     offload = m.optimizer_config.optimizer_offload_fraction if m.optimizer_config.optimizer_cpu_offload else 0.0
     full = t.recompute_granularity == "full"
     block = (t.recompute_num_layers or 1) if full else 1
+    colocated_vllm = m.inference_backend == "vllm" and m.rollout_placement == "colocated"
+    # experts: split over EP x expert TP (MegatronParams' rule); the distributed optimizer shards over DP x CP (dense)
+    # and over the experts' own DP, TP x CP x DP / (EP x expert TP)
+    expert_split = layout.expert_parallel * m.expert_tensor_parallel_size
+    shards = (cp * dp, layout.tensor_parallel * cp * dp // expert_split) if m.ddp_config.use_distributed_optimizer else (1, 1)
     notes: list[str] = []
-    best: MemoryPlan | None = None
     stage_plans: list[MemoryPlan] = []
     for stage in range(pp):
-        params = _stage_params(shape, layout, stage)
+        params = _stage_params(shape, layout, stage, expert_split)
         weights, grads = 2 * params.total, 4 * params.total
-        # the distributed optimizer shards over DP x CP (dense) and over the experts' own DP (TP x CP x DP / EP)
-        expert_dp = (layout.tensor_parallel * cp * dp) // layout.expert_parallel if layout.expert_parallel > 1 else cp * dp
-        shards = (cp * dp, expert_dp) if m.ddp_config.use_distributed_optimizer else (1, 1)
         optimizer = (4 + 8 * (1 - offload)) * (params.dense / shards[0] + params.experts / shards[1])
         if full:  # each block's input kept; one block's activations rebuilt during its backward
             per_microbatch = tokens * (layers / block) * layer_input
             activations = _in_flight(layout, stage, microbatches) * per_microbatch + tokens * block * per_layer
         else:
-            saved = per_layer - (2 * (shape.head_dim or shape.hidden_size // shape.num_attention_heads)
-                                 * shape.num_attention_heads / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
+            saved = per_layer - (2 * _widths(shape)[1] / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
             activations = _in_flight(layout, stage, microbatches) * tokens * layers * saved
         if layout.pipeline_schedule == "zb_h1":
             activations *= ZB_H1_ACTIVATION_FACTOR
@@ -194,15 +196,12 @@ def estimate_memory(cfg: Any, shape: ModelShape, layout: ParallelLayout, gpu_mem
                 output = shape.vocab_size * shape.hidden_size / layout.tensor_parallel
                 saving = 2 * (params.layers - output / m.module_queue_num_chunks)
                 weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
-        rollout = (m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
-                   if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and gpu_memory_gib else 0.0)
+        rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
         parts = [weights, grads, optimizer, activations, logits, rollout, overhead_gib * GIB]
         plan = MemoryPlan(*(x / GIB for x in parts), total=sum(parts) / GIB, stage=stage, gpu_memory_gib=gpu_memory_gib)
         stage_plans.append(plan)
-        if best is None or plan.total > best.total:
-            best = plan
-    assert best is not None
-    if m.inference_backend == "vllm" and m.rollout_placement == "colocated" and not gpu_memory_gib:
+    best = max(stage_plans, key=lambda x: x.total)
+    if colocated_vllm and not gpu_memory_gib:
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
     if m.inference_backend == "megatron":
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (not added)")
@@ -240,10 +239,6 @@ class Suggestion:
     why: str
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def suggest_layouts(cfg: Any, shape: ModelShape, gpus: int, gpus_per_node: int | None, gpu_memory_gib: float,
                     top: int = 5) -> list[Suggestion]:
     """Valid TP x PP x CP x DP layouts of ``gpus`` GPUs ranked by fit, then by a simple throughput model:
@@ -251,14 +246,14 @@ def suggest_layouts(cfg: Any, shape: ModelShape, gpus: int, gpus_per_node: int |
     30% across nodes), CP's K/V all-gather (5% per doubling) and DP's gradient all-reduce (5% once DP > 1)."""
     import copy
 
-    from oumi_megatron.validation import validate_config
+    from oumi_megatron.validation import divisors, validate_config
 
     node = gpus_per_node or min(gpus, 8)
     out: list[Suggestion] = []
-    for tp in _divisors(min(gpus, node)):
+    for tp in divisors(min(gpus, node)):
         if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp in divisors(gpus // tp):
             if shape.num_layers % pp:
                 continue
             for cp in (1, 2, 4):

@@ -103,6 +103,11 @@ def _fmt_choices(choices: tuple[str, ...]) -> str:
     return ", ".join(repr(c) for c in choices)
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (the sizes a parallel dimension over ``n`` ranks may take)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Rules that need only the config
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +214,7 @@ def _check_registered_variants(g: Any, r: ValidationReport) -> None:
     try:
         scale_rewards_mode(g.scale_rewards)
     except ValueError as e:
-        r.add("grpo.scale_rewards", str(e).split(": ", 1)[1])
+        r.add("grpo.scale_rewards", str(e))
     if g.clip_ratio_c is not None and not g.clip_ratio_c > 1.0:
         r.add("grpo.clip_ratio_c", f"must be > 1 or null (off), got {g.clip_ratio_c!r}: it bounds the loss of "
                                    "negative-advantage tokens at -A x clip_ratio_c. verl's default: 3.0.")
@@ -490,11 +495,10 @@ def _check_layout(
     dp = world_size // mp
     ep, stage_ranks = m.expert_model_parallel_size, world_size // m.pipeline_model_parallel_size
     if stage_ranks % ep != 0:  # Megatron-Core's expert groups: EP x expert-DP ranks of one pipeline stage
-        divisors = [d for d in range(1, stage_ranks + 1) if stage_ranks % d == 0]
         r.add(
             "megatron.expert_model_parallel_size",
             f"{ep} must divide the ranks of a pipeline stage, TP x CP x DP = {stage_ranks} (experts are split over "
-            f"them). Use one of {divisors}.",
+            f"them). Use one of {divisors(stage_ranks)}.",
         )
         return None
     vpp = m.virtual_pipeline_model_parallel_size

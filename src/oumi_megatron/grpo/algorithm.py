@@ -27,7 +27,7 @@ def scale_rewards_mode(value: bool | str) -> str:
         return "group" if value else "none"
     mode = {"true": "group", "false": "none"}.get(str(value).lower(), str(value).lower())
     if mode not in SCALE_REWARDS:
-        raise ValueError(f"grpo.scale_rewards: unknown value {value!r}. Use one of {', '.join(SCALE_REWARDS)} (or true / false).")
+        raise ValueError(f"unknown value {value!r}. Use one of {', '.join(SCALE_REWARDS)} (or true / false).")
     return mode
 
 
@@ -142,15 +142,12 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.T
     """Each token's sequence's mean of ``values`` over its masked-in tokens, broadcast back to [B, T]: per row,
     or per packed sequence (``segment_ids`` [B, T], -1 on padding, which gets 0)."""
     mask = mask.to(values.dtype)
-    if segment_ids is None:
-        return ((values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)).expand_as(values)
-    ids = segment_ids.reshape(-1)
-    keep = ids >= 0
-    n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
-    sums = values.new_zeros(n).index_add(0, ids[keep], (values * mask).reshape(-1)[keep])
-    tokens = mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep])
+    sums, tokens = _per_sequence_sums(values * mask, mask, segment_ids)
     means = sums / tokens.clamp(min=1.0)
-    return torch.where(keep, means[ids.clamp(min=0)], 0.0).view_as(values)
+    if segment_ids is None:
+        return means.unsqueeze(-1).expand_as(values)
+    ids = segment_ids.reshape(-1)
+    return torch.where(ids >= 0, means[ids.clamp(min=0)], 0.0).view_as(values)
 
 
 @register_policy_loss("grpo")
@@ -170,6 +167,19 @@ def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     log_ratio = sequence_mean(logprobs - old_logprobs, mask, segment_ids)
     return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
                              getattr(grpo, "clip_ratio_c", None), log_ratio=log_ratio)
+
+
+def _per_sequence_sums(masked: torch.Tensor, mask: torch.Tensor,
+                       segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of ``masked``, masked-in tokens) per sequence: per row, or per packed sequence of ``segment_ids``
+    [B, T] (numbered 0..S-1 across the microbatch, -1 on padding)."""
+    if segment_ids is None:
+        return masked.sum(-1), mask.sum(-1)
+    ids = segment_ids.reshape(-1)
+    keep = ids >= 0
+    n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
+    return (masked.new_zeros(n).index_add(0, ids[keep], masked.reshape(-1)[keep]),
+            mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep]))
 
 
 def aggregate(
@@ -195,14 +205,7 @@ def aggregate(
         return masked.sum(), mask.sum().round().to(torch.int64)
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")
-    if segment_ids is None:
-        seq_sum, seq_tokens = masked.sum(-1), mask.sum(-1)
-    else:
-        ids = segment_ids.reshape(-1)
-        keep = ids >= 0
-        n = int(ids.max().item()) + 1 if bool(keep.any()) else 0
-        seq_sum = masked.new_zeros(n).index_add(0, ids[keep], masked.reshape(-1)[keep])
-        seq_tokens = mask.new_zeros(n).index_add(0, ids[keep], mask.reshape(-1)[keep])
+    seq_sum, seq_tokens = _per_sequence_sums(masked, mask, segment_ids)
     # sequences with no trained token (skipped rewards, padding rows) are not in the mean
     count = (seq_tokens > 0).sum().to(torch.int64)
     if mode == "seq_mean":

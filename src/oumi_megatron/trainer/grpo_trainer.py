@@ -109,6 +109,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.dataset = dataset
         self.grpo = config.grpo
         load_plugins(self.grpo.plugins)  # their policy losses / advantage estimators (validation imported them too)
+        self.advantage_estimator = lookup(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", self.grpo.advantage_estimator)
         self.output_dir = Path(config.training.output_dir)
         self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error, reward_functions)
         if backend is None:
@@ -267,7 +268,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         total, valid = stats[:, 0], stats[:, 1] > 0.5
         lengths, finished = stats[:, -2], stats[:, -1]
         # skipped samples (on_reward_error: skip) are outside their group's statistics and the loss
-        advantages = lookup(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", g.advantage_estimator)(total, valid, g)
+        advantages = self.advantage_estimator(total, valid, g)
         if not self._any_scored(valid, rewards.errors):
             self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
             self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
