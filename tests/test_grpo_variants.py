@@ -1,6 +1,7 @@
 """The GRPO variants selected by name (grpo/registry.py): GSPO and batch-level reward scaling against TRL's
-formulas (fp64, values and gradients), dual clip and RLOO by hand, and the registries' seams (validation
-lists the names, a user module registers its own)."""
+formulas (fp64, values and gradients), dual clip and RLOO by hand, the registries' seams (validation
+lists the names, a user module registers its own), and DAPO's dynamic sampling and overlong shaping (by hand,
+and in the real trainer on 2 DP ranks)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oumi_megatron.grpo.algorithm import group_advantages, leave_one_out_advantages, scale_rewards_mode, sequence_mean
+from conftest import REPO, VENV_BIN, free_port, run_cli
+from oumi_megatron.grpo.algorithm import (
+    group_advantages,
+    groups_with_signal,
+    leave_one_out_advantages,
+    overlong_penalty,
+    scale_rewards_mode,
+    sequence_mean,
+)
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, load_plugins
+from oumi_megatron.trainer.rollout_batch import choose_groups
 
 
 def _grpo(**kw):  # noqa: ANN003, ANN202
@@ -136,9 +146,63 @@ def test_a_user_module_registers_its_own_loss_and_validation_names_the_registere
 
 @pytest.mark.parametrize(("field", "value", "text"), [("scale_rewards", "tokens", "group, batch, none"),
                                                       ("clip_ratio_c", 0.5, "must be > 1"),
-                                                      ("advantage_estimator", "ppo_gae", "'grpo', 'rloo'")])
+                                                      ("advantage_estimator", "ppo_gae", "'grpo', 'rloo'"),
+                                                      ("dynamic_sampling_max_rounds", 0, "positive integer"),
+                                                      ("overlong_buffer_length", 10_000, "grpo.max_completion_length ="),
+                                                      ("overlong_penalty_factor", -1.0, "must be >= 0")])
 def test_bad_variant_settings_name_the_field(make_config, field: str, value, text: str) -> None:  # noqa: ANN001
     from oumi_megatron.validation import validate_config
 
     r = validate_config(make_config(grpo={field: value}), world_size=1, model_shape=None, check_bridge=False)
     assert f"grpo.{field}" in r.fields() and text in r.format_problems(), r.format_problems()
+
+
+def test_overlong_penalty_is_dapos_soft_punishment_by_hand() -> None:
+    # max 16 tokens, buffer 4: no penalty up to 12, then -1/4 per token, -factor at 16 and beyond
+    lengths = torch.tensor([0, 12, 13, 14, 16, 20])
+    assert overlong_penalty(lengths, 16, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(lengths, 16, 4, factor=0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+
+
+def test_groups_with_signal_and_the_dynamic_sampling_choice() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.9, 0.7, 0.7])  # groups of 2: varied, equal, varied, equal
+    valid = torch.tensor([True, True, True, True, True, False, True, True])
+    # group 2 has one valid reward left: no comparison, no advantage, no signal
+    assert groups_with_signal(rewards, valid, 2).tolist() == [True, False, False, False]
+    assert groups_with_signal(rewards, torch.ones(8, dtype=torch.bool), 2).tolist() == [True, False, True, False]
+    rounds = [torch.tensor([True, False, False]), torch.tensor([False, True, True])]
+    assert choose_groups(rounds, 3) == ([(0, 0), (1, 1), (1, 2)], [])
+    assert choose_groups(rounds, 2) == ([(0, 0), (1, 1)], [])  # the first informative ones, in generation order
+    assert choose_groups(rounds[:1], 3) == ([(0, 0)], [(0, 1), (0, 2)])  # rounds ran out: dropped groups fill
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(tmp_path, tiny_model_dir) -> None:  # noqa: ANN001
+    """The real trainer (tiny model, embedded rollouts, DP=2 gloo ranks): "letters" prompts get a constant reward,
+    so their groups must be dropped and further rounds refill the batch with "digits" groups whose rewards differ;
+    with one round allowed, dropped groups fill the batch untrained. Each rank's sequences are its share of the
+    filtered batch (redistributed over DP), and the metrics count rounds, dropped and filled groups."""
+    proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
+                    str(REPO / "tests" / "workers" / "dynamic_sampling_worker.py"), str(tiny_model_dir), str(tmp_path)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    import json
+
+    ranks = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    untimed = [[{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in r["metrics"]]
+               for r in ranks]
+    assert untimed[0] == untimed[1]  # every rank saw the same filtered batch (loss, rewards, counts)
+    for steps in (r["steps"] for r in ranks):
+        for step, m in zip(steps, ranks[0]["metrics"]):
+            assert step["share_matches_prompts"] and step["batch_samples"] == 32
+            assert set(step["kept_targets"]) <= {"digits"} and all(step["kept_rewards_differ"])
+            assert all(step["filler_rewards_equal"]) and len(step["kept_targets"]) + len(step["filler_targets"]) == 4
+            letters = step["consumed_targets"].count("letters")
+            assert len(step["consumed_targets"]) == 4 * step["rounds"] == 4 * m["dynamic_sampling/rounds"]
+            # every letters group is dropped (a digits group whose 8 rewards happen to be equal is too)
+            assert m["dynamic_sampling/groups_dropped"] >= letters
+            assert m["dynamic_sampling/groups_generated"] == len(step["consumed_targets"])
+            assert m["dynamic_sampling/groups_filled"] == len(step["filler_targets"])
+            assert m["batch/untrained_samples"] == 8 * len(step["filler_targets"])
+    steps = ranks[0]["steps"]
+    assert all(len(s["kept_targets"]) == 4 for s in steps[:3]), steps  # refilled up to 4 informative groups
+    assert any(s["rounds"] > 1 for s in steps[:3]), steps
+    assert all(s["rounds"] == 1 for s in steps[3:]) and any(s["filler_targets"] for s in steps[3:]), steps

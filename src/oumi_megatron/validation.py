@@ -359,6 +359,19 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
 
 
+def _check_dapo_fields(g: Any, r: ValidationReport) -> None:
+    """Dynamic sampling's round limit and the overlong punishment's buffer and factor."""
+    _check_positive(r, "grpo.dynamic_sampling_max_rounds", g.dynamic_sampling_max_rounds)
+    buffer, longest = g.overlong_buffer_length, g.max_completion_length
+    if buffer is not None and (not isinstance(buffer, int) or isinstance(buffer, bool) or not 0 < buffer <= longest):
+        r.add("grpo.overlong_buffer_length", f"must be an integer in [1, grpo.max_completion_length = {longest}] or "
+                                             f"null (off), got {buffer!r}: the last this-many tokens before the limit "
+                                             f"are penalised. DAPO: a fifth of the limit (here {max(longest // 5, 1)}).")
+    if not isinstance(g.overlong_penalty_factor, (int, float)) or not g.overlong_penalty_factor >= 0:
+        r.add("grpo.overlong_penalty_factor", f"must be >= 0, got {g.overlong_penalty_factor!r}: the most reward the "
+                                              "overlong punishment takes. DAPO: 1.0.")
+
+
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     g = cfg.grpo
     if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
@@ -391,6 +404,7 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
     _check_registered_variants(g, r)
     for name in ("max_prompt_length", "max_completion_length", "ppo_epochs", "num_mini_batches"):
         _check_positive(r, f"grpo.{name}", getattr(g, name))
+    _check_dapo_fields(g, r)
 
     if not g.reward_functions:
         r.add(

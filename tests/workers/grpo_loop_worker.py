@@ -75,7 +75,8 @@ def main() -> None:
     out = work / "run"
     training = SimpleNamespace(output_dir=str(out), seed=42, max_steps=args.steps, save_steps=0,
                                enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=False)
-    config = SimpleNamespace(training=training, megatron=params, grpo=grpo)
+    model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
+    config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
     dp = world // (args.tp * args.pp)
     layout = ParallelLayout(world_size=world, tensor_parallel=args.tp, pipeline_parallel=args.pp, context_parallel=1,
                             expert_parallel=1, data_parallel=dp, virtual_pipeline=None, sequence_parallel=False,

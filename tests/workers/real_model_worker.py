@@ -89,7 +89,8 @@ def main() -> None:
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
         include_performance_metrics=t.get("include_performance_metrics", False),
     )
-    config = SimpleNamespace(training=training, megatron=params, grpo=grpo)
+    model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
+    config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
     completions = params.global_batch_size * grpo.num_mini_batches
     layout = ParallelLayout(world_size=1, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
                             expert_parallel=1, data_parallel=1, virtual_pipeline=None, sequence_parallel=False,

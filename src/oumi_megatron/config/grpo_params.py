@@ -95,6 +95,30 @@ class MegatronGrpoParams(BaseParams):
     min(p_trainer / p_rollout, tis_cap) to correct for rollout-engine vs trainer logprob drift
     (vLLM rollouts; e.g. 2.0). None: off."""
 
+    # DAPO (Yu et al. 2025): dynamic sampling, overlong shaping and filtering.
+    dynamic_sampling: bool = False
+    """Drop prompt groups whose rewards are all equal (they have no advantage, so no policy gradient) and refill
+    the batch with further prompts: up to ``dynamic_sampling_max_rounds`` rounds of generation per step, each of
+    the step's number of prompts (verl's filter_groups, NeMo-RL's use_dynamic_sampling). Metrics
+    ``dynamic_sampling/*`` count rounds, dropped and filled groups."""
+
+    dynamic_sampling_max_rounds: int = 10
+    """Most generation rounds per step under ``dynamic_sampling``. When they run out before the batch is full,
+    the rest of the batch is dropped groups that are not trained on (a warning and ``dynamic_sampling/filled_groups``;
+    verl and NeMo-RL stop the run instead); a step with no informative group skips its update."""
+
+    overlong_buffer_length: int | None = None
+    """DAPO's soft overlong punishment (verl's overlong_buffer.len): completions longer than
+    max_completion_length - overlong_buffer_length tokens lose reward linearly, up to ``overlong_penalty_factor``
+    at max_completion_length. None: off."""
+
+    overlong_penalty_factor: float = 1.0
+    """The most reward the overlong punishment takes (at max_completion_length)."""
+
+    mask_truncated_completions: bool = False
+    """DAPO's overlong filtering (TRL's name): completions cut at max_completion_length are not trained on
+    (they still count in their group's reward statistics, as in TRL)."""
+
     # Updates per rollout batch.
     ppo_epochs: int = 1
     """Passes over each rollout batch (old logprobs are taken before the first)."""

@@ -64,6 +64,8 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.clip_ratio_c": "grpo.clip_ratio_c",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "megatron.micro_batch_size",
     "algorithm.norm_adv_by_std_in_grpo": "grpo.scale_rewards",
+    "algorithm.filter_groups.enable": "grpo.dynamic_sampling",  # groups compared by their summed reward
+    "algorithm.filter_groups.max_num_gen_batches": "grpo.dynamic_sampling_max_rounds",
 }
 """verl keys with a one-to-one equivalent. Handled separately (they combine several keys): the batch
 sizes (data.train_batch_size, actor.ppo_mini_batch_size), the KL loss (actor.use_kl_loss,

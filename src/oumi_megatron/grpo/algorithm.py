@@ -80,6 +80,25 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int, valid: torc
     return (centred * n / (n - 1).clamp(min=1)).float().view(-1)
 
 
+def groups_with_signal(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: True where a group's valid rewards differ (DAPO's dynamic sampling keeps these). A group
+    whose valid rewards are all equal, or that has fewer than 2, gets a zero advantage under every built-in
+    estimator, so it adds no policy gradient: only the KL term and the loss's token count."""
+    grouped = rewards.double().view(-1, group_size)
+    keep = valid.bool().view(-1, group_size)
+    lowest = torch.where(keep, grouped, torch.inf).amin(dim=1)
+    highest = torch.where(keep, grouped, -torch.inf).amax(dim=1)
+    return (keep.sum(dim=1) >= 2) & (lowest < highest)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's ``overlong_buffer``): 0 up to
+    ``max_length - buffer_length`` completion tokens, then falling linearly to ``-factor`` at ``max_length``
+    and beyond (float64, [N])."""
+    expected = max_length - buffer_length
+    return (-(lengths.double() - expected) / buffer_length * factor).clamp(min=-factor, max=0.0)
+
+
 @register_advantage_estimator("grpo")
 def grpo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: Any) -> torch.Tensor:
     return group_advantages(rewards, grpo.num_generations, grpo.scale_rewards, valid=valid)

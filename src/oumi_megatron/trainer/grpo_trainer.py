@@ -1,15 +1,17 @@
 """``OumiMegatronGrpoTrainer``: prompts -> rollouts -> rewards -> advantages -> Megatron-Core update.
 
-One GRPO step:
-1. take the next ``prompts_per_rollout`` prompts (a seeded permutation of the dataset; the position is
-   checkpointed), render them with the tokenizer's chat template, left-truncate;
-2. generate ``num_generations`` completions per prompt with the rollout backend (the embedded Megatron
-   backend samples from the policy's own weights, so there is nothing to sync);
-3. score them with the weighted reward functions; group-relative advantages;
-4. old logprobs (and reference logprobs when beta > 0) without gradients, before any update;
-5. ``ppo_epochs`` x ``num_mini_batches`` optimizer steps with the GRPO loss;
-6. metrics to metrics.jsonl / TensorBoard; checkpoints every ``training.save_steps``; at the end the HF
-   export to output_dir/hf_model and PNG plots.
+One GRPO step (``grpo_step``), in phases a reader can find by name:
+1. collect (``_generate_round``): the next ``prompts_per_rollout`` prompts (a seeded permutation of the
+   dataset; the position is checkpointed), rendered with the tokenizer's chat template, left-truncated;
+   ``num_generations`` completions each from the rollout backend (the embedded Megatron backend samples
+   from the policy's own weights, so there is nothing to sync); scored by the weighted reward functions
+   (plus DAPO's overlong punishment);
+2. score/filter (``_collect_and_score``): under DAPO's dynamic sampling, groups whose rewards are all equal
+   are dropped and further rounds of prompts refill the batch; advantages by ``grpo.advantage_estimator``;
+3. old/ref logprobs (``_old_and_reference_logprobs``): without gradients, before any update;
+4. update (``_update``): ``ppo_epochs`` x ``num_mini_batches`` optimizer steps with ``grpo.policy_loss``;
+5. metrics (``_step_metrics``) to metrics.jsonl / TensorBoard; checkpoints every ``training.save_steps``;
+   at the end the HF export to output_dir/hf_model and PNG plots.
 
 Every rank runs the same loop. Each data-parallel rank generates, scores and trains on its own share
 of the completions (ranks of one model replica generate together); rewards are gathered over DP so
@@ -25,6 +27,7 @@ import math
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +43,17 @@ from oumi_megatron.engine.checkpointing import (
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.distributed import data_parallel
 from oumi_megatron.engine.conversion import save_hf
-from oumi_megatron.grpo.algorithm import logprob_mismatch
+from oumi_megatron.engine.engine import StepResult
+from oumi_megatron.grpo.algorithm import groups_with_signal, logprob_mismatch, overlong_penalty
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, load_plugins, lookup
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
-from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
-from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
+from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError, RewardResult
+from oumi_megatron.rollout.base import Rollout, RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
+from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
 from oumi_megatron.utils.ranks import global_rank
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -59,6 +64,18 @@ try:  # Oumi's trainer interface (absent on engine-only machines)
     from oumi.core.trainers.base_trainer import BaseTrainer
 except ImportError:  # pragma: no cover
     BaseTrainer = object  # type: ignore[misc,assignment]
+
+
+@dataclass
+class _Round:
+    """One round of generation: its prompts' rows (every rank), this rank's rollouts, the round's scores."""
+
+    rows: list[dict[str, Any]]
+    rollouts: list[Rollout]
+    scores: Scores
+    truncated: int
+    errors: list[str]
+    sample: dict[str, Any] | None
 
 
 class ReferenceWeights:
@@ -180,10 +197,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             dist.all_reduce(t, group=group)
         return t.tolist()
 
-    def _rollout_seed(self, dp_rank: int) -> int:
-        """Sampling seed of one step on one DP rank: a function of (seed, step, rank), so a resumed run
-        draws what the uninterrupted one drew, and DP ranks draw different samples."""
-        key = f"{self.config.training.seed}/{self.step}/{dp_rank}".encode()
+    def _rollout_seed(self, dp_rank: int, round_index: int = 0) -> int:
+        """Sampling seed of one step (and dynamic-sampling round) on one DP rank: a function of (seed, step, rank,
+        round), so a resumed run draws what the uninterrupted one drew, and DP ranks draw different samples."""
+        key = f"{self.config.training.seed}/{self.step}/{dp_rank}" + (f"/{round_index}" if round_index else "")
+        key = key.encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
     def _layout(self, batch: SequenceBatch) -> MicrobatchLayout:
@@ -235,110 +253,232 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                            f"nothing (no optimizer step). {why}")
         return False
 
-    # -- one GRPO step ------------------------------------------------------------------------------
+    # -- one GRPO step: collect -> score/filter -> old/ref logprobs -> update -> metrics ------------------
     def grpo_step(self) -> dict[str, Any]:
-        """One GRPO step. Each DP rank generates, scores and trains on its own share of the
-        completions; rewards are gathered so advantages see whole groups."""
+        """One GRPO step. Each DP rank generates, scores and trains on its own share of the completions;
+        rewards are gathered so advantages see whole groups."""
+        t_sync, sync = self._sync_rollout_weights()
+        t0 = time.perf_counter()
+        batch = self._collect_and_score()
+        t_rollout = time.perf_counter() - t0
+        counted = batch.scores.valid & ~batch.filler  # skipped rewards and filler groups are outside every statistic
+        advantages = self.advantage_estimator(batch.scores.total, counted, self.grpo)
+        trainable = counted & (batch.scores.finished | (not self.grpo.mask_truncated_completions))
+        timings = {"time/rollout_s": t_rollout, "time/sync_s": t_sync}
+        if not self._anything_to_train(batch, trainable):
+            self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
+            self.last_metrics = {**self._reward_metrics(batch), **timings, "update_skipped": 1,
+                                 "pipeline/schedule": self.engine.schedule, "pipeline/deferred_wgrad_ops": 0,
+                                 "module_queue/active": False, "module_queue/offloaded_mib": 0.0}
+            return self.last_metrics
+        layouts = self._microbatch_layouts(batch, advantages, trainable)
+        t1 = time.perf_counter()
+        logprob_stats = self._old_and_reference_logprobs(layouts)
+        t2 = time.perf_counter()
+        results = self._update(layouts)
+        timings.update({"time/logprob_s": t2 - t1, "time/train_s": time.perf_counter() - t2})
+        self.step += 1
+        self.last_metrics = self._step_metrics(batch, advantages, trainable, layouts, logprob_stats, results, timings, sync)
+        return self.last_metrics
+
+    # collect ------------------------------------------------------------------------------------------
+    def _generate_round(self, index: int) -> _Round:
+        """The next ``prompts_per_rollout`` prompts: this rank's share of their completions, scored; the round's
+        scores gathered over DP (sample i belongs to prompt i // num_generations)."""
         g = self.grpo
         dp, dp_rank, _ = self._dp()
         rows = self._next_rows(self.layout.prompts_per_rollout)
         rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
-        prompt_ids = [ids for ids, _ in rendered]
         full_lengths = [n for _, n in rendered]
         truncated = sum(n > g.max_prompt_length for n in full_lengths)
         self._note_truncation(full_lengths, truncated)
-        n = len(rows) * g.num_generations
-        per_rank = n // dp
-        mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)  # sample i belongs to prompt i // G
-        t_sync, sync = self._sync_rollout_weights()
-        t0 = time.perf_counter()
-        rollouts = self.backend.generate([prompt_ids[i // g.num_generations] for i in mine], self.sampling,
-                                         seed=self._rollout_seed(dp_rank))
-        t_rollout = time.perf_counter() - t0
-
+        per_rank = len(rows) * g.num_generations // dp
+        mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        rollouts = self.backend.generate([rendered[i // g.num_generations][0] for i in mine], self.sampling,
+                                         seed=self._rollout_seed(dp_rank, index))
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
         rewards = self.rewards(prompts, completions, [rows[i // g.num_generations] for i in mine])
-        names = list(rewards.per_function)
-        local_stats = torch.stack(
-            [rewards.total, rewards.valid.double(), *(rewards.per_function[k] for k in names),
-             torch.tensor([float(len(r.completion_ids)) for r in rollouts]),
-             torch.tensor([float(r.finished) for r in rollouts])], dim=1)
-        stats = self._gather_dp(local_stats)  # [n, k], the whole rollout batch, on every rank
-        total, valid = stats[:, 0], stats[:, 1] > 0.5
-        lengths, finished = stats[:, -2], stats[:, -1]
-        # skipped samples (on_reward_error: skip) are outside their group's statistics and the loss
-        advantages = self.advantage_estimator(total, valid, g)
-        if not self._any_scored(valid, rewards.errors):
-            self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
-            self.last_metrics = {"reward/mean": float("nan"), "reward/invalid_samples": n, "update_skipped": 1,
-                                 "time/rollout_s": t_rollout, "time/sync_s": t_sync,
-                                 "pipeline/schedule": self.engine.schedule, "pipeline/deferred_wgrad_ops": 0,
-                                 "module_queue/active": False, "module_queue/offloaded_mib": 0.0}
-            return self.last_metrics
+        sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
+        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), truncated, rewards.errors, sample)
 
-        # this rank's share of every mini-batch (one optimizer step each)
+    def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
+        """The whole round's scores on every rank, with the overlong punishment (``grpo.overlong_buffer_length``)."""
+        g = self.grpo
+        names = list(rewards.per_function)
+        local = torch.stack([rewards.total, rewards.valid.double(), *(rewards.per_function[k] for k in names),
+                             torch.tensor([float(len(r.completion_ids)) for r in rollouts]),
+                             torch.tensor([float(r.finished) for r in rollouts])], dim=1)
+        stats = self._gather_dp(local)  # [n, k], the whole round, on every rank
+        total, valid, lengths = stats[:, 0], stats[:, 1] > 0.5, stats[:, -2]
+        penalty = torch.zeros_like(total)
+        if g.overlong_buffer_length:
+            penalty = torch.where(valid, overlong_penalty(lengths, g.max_completion_length, g.overlong_buffer_length,
+                                                          g.overlong_penalty_factor), 0.0)
+        return Scores(total + penalty, valid, {k: stats[:, 2 + j] for j, k in enumerate(names)}, penalty, lengths,
+                      stats[:, -1] > 0.5)
+
+    def _gather_rollouts(self, local: list[list[Rollout]]) -> list[list[Rollout]]:
+        """Per round, the whole round's rollouts on every rank (DP ranks' shares in rank order)."""
+        dp, _, group = self._dp()
+        if dp == 1:
+            return local
+        parts: list[Any] = [None] * dp
+        dist.all_gather_object(parts, local, group=group)
+        return [[x for part in parts for x in part[r]] for r in range(len(local))]
+
+    # score / filter -------------------------------------------------------------------------------------
+    def _collect_and_score(self) -> StepBatch:
+        """One round of generation; under ``grpo.dynamic_sampling`` (DAPO), rounds until the batch is full of groups
+        whose rewards differ (or ``dynamic_sampling_max_rounds`` ran out: the rest is filler, not trained on)."""
+        g, G = self.grpo, self.grpo.num_generations
+        rounds = [self._generate_round(0)]
+        extra: dict[str, Any] = {}
+        if not g.dynamic_sampling:
+            first = rounds[0]
+            rollouts, scores, group_rows = first.rollouts, first.scores, first.rows
+            filler = torch.zeros(len(scores), dtype=torch.bool)
+        else:
+            wanted = self.layout.prompts_per_rollout
+            signals = [groups_with_signal(rounds[0].scores.total, rounds[0].scores.valid, G)]
+            while sum(int(s.sum()) for s in signals) < wanted and len(rounds) < g.dynamic_sampling_max_rounds:
+                rounds.append(self._generate_round(len(rounds)))
+                signals.append(groups_with_signal(rounds[-1].scores.total, rounds[-1].scores.valid, G))
+            kept, filled = choose_groups(signals, wanted)
+            chosen = kept + filled
+            everything = self._gather_rollouts([r.rollouts for r in rounds])
+            whole = [everything[r][i] for r, grp in chosen for i in range(grp * G, (grp + 1) * G)]
+            dp, dp_rank, _ = self._dp()
+            per_rank = len(whole) // dp
+            rollouts = whole[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+            scores = Scores.cat([rounds[r].scores.take(list(range(grp * G, (grp + 1) * G))) for r, grp in chosen])
+            group_rows = [rounds[r].rows[grp] for r, grp in chosen]
+            filler = torch.tensor([False] * len(kept) + [True] * len(filled)).repeat_interleave(G)
+            extra = {"groups_dropped": sum(len(s) - int(s.sum()) for s in signals), "groups_filled": len(filled)}
+            if filled and global_rank() == 0:
+                logger.warning(f"GRPO step {self.step + 1}: dynamic sampling found {len(kept)} of {wanted} groups with "
+                               f"reward variance in {len(rounds)} rounds (grpo.dynamic_sampling_max_rounds); "
+                               f"{len(filled)} groups without it fill the batch and are not trained on.")
+        return StepBatch(rollouts=rollouts, scores=scores, filler=filler, group_rows=group_rows,
+                         generated=Scores.cat([r.scores for r in rounds]),
+                         prompts_truncated=sum(r.truncated for r in rounds),
+                         prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
+                         reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample, **extra)
+
+    def _anything_to_train(self, batch: StepBatch, trainable: torch.Tensor) -> bool:
+        """False (with a warning) when no sample of the batch is trained on: every reward skipped (that many steps
+        in a row stops the run, see ``_any_scored``), no group with reward variance after dynamic sampling's
+        rounds, or every completion truncated under ``mask_truncated_completions``."""
+        if not self._any_scored(batch.scores.valid, batch.reward_errors):
+            return False
+        if bool(trainable.any()):
+            return True
+        if global_rank() == 0:
+            why = (f"no group had reward variance in {batch.rounds} round(s) of dynamic sampling"
+                   if bool(batch.filler.all()) else
+                   "every completion was cut at max_completion_length (grpo.mask_truncated_completions)")
+            logger.warning(f"GRPO step {self.step + 1} trains on nothing: {why}. No optimizer step.")
+        return False
+
+    def _microbatch_layouts(self, batch: StepBatch, advantages: torch.Tensor, trainable: torch.Tensor) -> list[MicrobatchLayout]:
+        """This rank's share of every mini-batch (one optimizer step each), as microbatches."""
+        dp, dp_rank, _ = self._dp()
+        first = dp_rank * len(batch.rollouts)  # this rank's share starts here in the whole batch
         per_mini = self.layout.global_batch_size // dp
+        rollouts = batch.rollouts
         layouts = []
-        for m in range(g.num_mini_batches):
+        for m in range(self.grpo.num_mini_batches):
             part = range(m * per_mini, (m + 1) * per_mini)
-            batch = SequenceBatch(
+            whole = [first + i for i in part]
+            seq = SequenceBatch(
                 token_ids=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in part],
                 prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
-                advantages=advantages[[mine[i] for i in part]],
-                trainable=valid[[mine[i] for i in part]],
+                advantages=advantages[whole],
+                trainable=trainable[whole],
                 rollout_logprobs=[rollouts[i].logprobs for i in part] if all(rollouts[i].logprobs is not None for i in part) else None,
             )
-            layouts.append(self._layout(batch))
+            layouts.append(self._layout(seq))
+        return layouts
 
-        t1 = time.perf_counter()
-        # old (and reference) logprobs: before any update of this step, no gradients
-        entropy_sum = 0.0
-        mismatch = {"abs_diff_sum": 0.0, "exp_abs_diff_sum": 0.0, "tokens": 0.0, "abs_diff_max": 0.0}
+    # old / reference logprobs ---------------------------------------------------------------------------
+    def _old_and_reference_logprobs(self, layouts: list[MicrobatchLayout]) -> dict[str, float]:
+        """Before any update of this step, without gradients: each microbatch gets ``old_logprobs`` (and
+        ``ref_logprobs`` when beta > 0). Returns sums for the metrics: entropy, and the rollout engine's
+        logprobs against the trainer's on the same tokens."""
+        g = self.grpo
+        out = {"entropy_sum": 0.0, "abs_diff_sum": 0.0, "exp_abs_diff_sum": 0.0, "tokens": 0.0, "abs_diff_max": 0.0}
         for layout in layouts:
             old, entropy = self.engine.compute_logprobs_and_entropy(layout.microbatches, g.temperature)
             for mb, lp, ent in zip(layout.microbatches, old, entropy):
                 mb["old_logprobs"] = lp
-                entropy_sum += float((ent * mb["completion_mask"]).sum())
-                if "rollout_logprobs" in mb:  # the rollout engine's view of the same tokens
+                out["entropy_sum"] += float((ent * mb["completion_mask"]).sum())
+                if "rollout_logprobs" in mb:
                     m = logprob_mismatch(mb["rollout_logprobs"], lp, mb["completion_mask"])
                     for k in ("abs_diff_sum", "exp_abs_diff_sum", "tokens"):
-                        mismatch[k] += float(m[k])
-                    mismatch["abs_diff_max"] = max(mismatch["abs_diff_max"], float(m["abs_diff_max"]))
+                        out[k] += float(m[k])
+                    out["abs_diff_max"] = max(out["abs_diff_max"], float(m["abs_diff_max"]))
             if self.reference is not None:
                 with self.reference.active():
                     ref = self.engine.compute_logprobs(layout.microbatches, g.temperature)
                 for mb, lp in zip(layout.microbatches, ref):
                     mb["ref_logprobs"] = lp
-        t_logprob = time.perf_counter() - t1
+        return out
 
-        t2 = time.perf_counter()
-        results = []
-        for _ in range(g.ppo_epochs):
-            for layout in layouts:
-                results.append(self.engine.train_step(layout.microbatches, self.loss_fn, g.temperature))
-        t_train = time.perf_counter() - t2
+    # update -----------------------------------------------------------------------------------------------
+    def _update(self, layouts: list[MicrobatchLayout]) -> list[StepResult]:
+        """``ppo_epochs`` passes over the mini-batches, one optimizer step each."""
+        return [self.engine.train_step(layout.microbatches, self.loss_fn, self.grpo.temperature)
+                for _ in range(self.grpo.ppo_epochs) for layout in layouts]
 
+    # metrics ------------------------------------------------------------------------------------------
+    def _reward_metrics(self, batch: StepBatch) -> dict[str, Any]:
+        """Rewards of everything generated this step (all rounds: an unfiltered sample of the policy), completion
+        lengths, and what dynamic sampling and the overlong options did."""
+        gen, g = batch.generated, self.grpo
+        valid = gen.valid
+        scored = gen.total[valid]  # skipped samples have no reward
+        out: dict[str, Any] = {
+            "reward/mean": scored.mean().item() if len(scored) else float("nan"),
+            "reward/std": scored.std().item() if len(scored) > 1 else 0.0,
+            **{f"reward/{k}": v[valid].mean().item() if len(scored) else float("nan") for k, v in gen.per_function.items()},
+            "reward/invalid_samples": int((~valid).sum()),
+            "prompt/truncated_fraction": batch.prompts_truncated / max(batch.prompts_used, 1),
+            "completion_length/mean": gen.lengths.mean().item(),
+            "completion_length/max": int(gen.lengths.max()),
+            "completion_length/truncated_fraction": float((~gen.finished).double().mean()),
+        }
+        if g.overlong_buffer_length:
+            out["reward/overlong_penalty"] = gen.overlong_penalty[valid].mean().item() if len(scored) else 0.0
+        if g.dynamic_sampling:
+            groups = len(gen) // g.num_generations
+            out.update({"dynamic_sampling/rounds": batch.rounds, "dynamic_sampling/groups_generated": groups,
+                        "dynamic_sampling/groups_dropped": batch.groups_dropped,
+                        "dynamic_sampling/groups_filled": batch.groups_filled,
+                        "dynamic_sampling/kept_fraction": (groups - batch.groups_dropped) / max(groups, 1)})
+        if g.log_completions and global_rank() == 0 and batch.sample is not None:
+            out["sample"] = batch.sample
+        return out
+
+    def _step_metrics(self, batch: StepBatch, advantages: torch.Tensor, trainable: torch.Tensor,
+                      layouts: list[MicrobatchLayout], lp: dict[str, float], results: list[StepResult],
+                      timings: dict[str, float], sync: WeightSyncStats | None) -> dict[str, Any]:
+        g = self.grpo
         real, processed, padded, entropy_sum, scored, mm_abs, mm_exp, mm_tokens = self._sum_dp([
             float(sum(lo.real_tokens for lo in layouts)), float(sum(lo.processed_tokens for lo in layouts)),
             float(sum(lo.padded_tokens for lo in layouts)),
-            entropy_sum, float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
-            mismatch["abs_diff_sum"], mismatch["exp_abs_diff_sum"], mismatch["tokens"],
+            lp["entropy_sum"], float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
+            lp["abs_diff_sum"], lp["exp_abs_diff_sum"], lp["tokens"],
         ])
-        mm_max = self._max_dp(mismatch["abs_diff_max"])
-        self.step += 1
+        mm_max = self._max_dp(lp["abs_diff_max"])
         last = results[-1]
         tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
-        scored_rewards = total[valid]  # the mean of what was scored: skipped samples have no reward
-        metrics: dict[str, Any] = {
-            "reward/mean": scored_rewards.mean().item() if len(scored_rewards) else float("nan"),
-            "reward/std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
-            **{f"reward/{k}": stats[valid, 2 + j].mean().item() if len(scored_rewards) else float("nan")
-               for j, k in enumerate(names)},
-            "reward/invalid_samples": int((~valid).sum()),
+        n = len(advantages)
+        return {
+            **self._reward_metrics(batch),
             "advantage/mean": advantages.mean().item(),
             "advantage/std": advantages.std().item() if n > 1 else 0.0,
             "advantage/max_abs": advantages.abs().max().item(),
+            "batch/untrained_samples": int((~trainable).sum()),
             "loss": sum(r.loss for r in results) / len(results),
             "kl": last.metrics.get("kl_sum", 0.0) / tokens,
             "clip_fraction": last.metrics.get("clipped_tokens", 0.0) / tokens,
@@ -358,27 +498,16 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             # ModuleQueue on the last stage: whether it streamed weights, and the MiB it released (all updates)
             "module_queue/active": any(r.module_queue_active for r in results),
             "module_queue/offloaded_mib": sum(r.module_queue_offloaded_mib for r in results),
-            "prompt/truncated_fraction": truncated / len(rows),
-            "completion_length/mean": lengths.mean().item(),
-            "completion_length/max": int(lengths.max()),
-            "completion_length/truncated_fraction": float((finished < 0.5).double().mean()),
             "batch/real_tokens": int(real),
             "batch/processed_tokens": int(processed),
             "batch/padding_fraction": 1.0 - real / max(processed, 1.0),
             # what packing saves against one sequence per row (0 when packing is off)
             "batch/tokens_saved_fraction": 1.0 - processed / max(padded, 1.0),
-            "time/rollout_s": t_rollout,
-            "time/logprob_s": t_logprob,
-            "time/train_s": t_train,
-            "time/sync_s": t_sync,  # 0 for the embedded backend: the rollout engine is the policy itself
+            **timings,  # time/sync_s is 0 for the embedded backend: the rollout engine is the policy itself
             **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps}
                if sync is not None else {}),
-            "tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
+            "tokens_per_s": float(batch.generated.lengths.sum()) / max(timings["time/rollout_s"], 1e-9),
         }
-        if g.log_completions and global_rank() == 0:
-            metrics["sample"] = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()}
-        self.last_metrics = metrics
-        return metrics
 
     def _performance_metrics(self, metrics: dict[str, Any], step_s: float) -> dict[str, float]:
         """``training.include_performance_metrics``: throughput and memory on top of the step timings."""
