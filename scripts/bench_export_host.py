@@ -34,15 +34,15 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.rollout import weight_stream
+    from oumi_megatron.engine import hf_weights
     from oumi_megatron.testing.tiny_models import tiny_config
 
     if args.bridge_as_is:
-        weight_stream._strip_each_config_once = contextlib.nullcontext
+        hf_weights._strip_each_config_once = contextlib.nullcontext
     cfg = tiny_config("llama", num_layers=args.layers)
     cfg.architectures = ["LlamaForCausalLM"]
     bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
-    export = weight_stream.HFWeightExporter(bridge, engine.model)
+    export = hf_weights.HFWeightExporter(bridge, engine.model)
     tensors = sum(1 for _ in export())  # builds and caches the conversion plan
     times = []
     for _ in range(args.rounds):

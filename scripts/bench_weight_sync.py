@@ -28,6 +28,7 @@ import torch
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
     torch.cuda.set_device(1)
+    from oumi_megatron.engine import hf_weights
     from oumi_megatron.rollout import weight_stream
 
     group = weight_stream.PairGroup("127.0.0.1", port, rank=1, backend="nccl")
@@ -88,7 +89,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     raw_gbps = raw_bytes / sorted(times)[len(times) // 2] / 1e9
 
-    export = weight_stream.HFWeightExporter(bridge, engine.model)
+    export = hf_weights.HFWeightExporter(bridge, engine.model)
     export_s = []
     for _ in range(3):
         torch.cuda.synchronize()

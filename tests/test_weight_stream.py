@@ -71,7 +71,7 @@ import torch
 from oumi_megatron.config.megatron_params import MegatronParams
 from oumi_megatron.engine.builder import build_engine_from_hf_config
 from oumi_megatron.engine.optimizer import OptimSettings
-from oumi_megatron.rollout import weight_stream
+from oumi_megatron.engine import hf_weights
 from oumi_megatron.testing.tiny_models import tiny_config
 
 cfg = tiny_config("llama", num_layers=2)
@@ -79,7 +79,7 @@ cfg.architectures = ["LlamaForCausalLM"]
 bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
 from megatron.bridge.models.conversion import param_mapping
 bridges_own = param_mapping.remove_non_pickleables
-export = weight_stream.HFWeightExporter(bridge, engine.model)
+export = hf_weights.HFWeightExporter(bridge, engine.model)
 for step in range(2):
     ours = {n: t.clone() for n, t in export()}
     assert param_mapping.remove_non_pickleables is bridges_own, "Bridge's function not restored"

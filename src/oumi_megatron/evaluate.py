@@ -40,11 +40,10 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
 
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
-    bridge, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust)
+    _, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust)
     tokenizer = build_tokenizer(config.model)
-    backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, dtype,
-                                                   work_dir=Path(config.training.output_dir) / "eval_vllm",
-                                                   hf_artifacts=Path(config.model.model_name)))
+    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
+                                                   work_dir=Path(config.training.output_dir) / "eval_vllm"))
     rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
     evaluator = Evaluator(prompts, tokenizer, rewards, backend, config.grpo,
                           batch_size=config.training.per_device_eval_batch_size, device=engine._device())

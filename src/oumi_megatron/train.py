@@ -84,8 +84,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
 
     tokenizer = build_tokenizer(config.model)
-    backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, dtype, work_dir=output_dir,
-                                                   hf_artifacts=checkpoint / "hf"))
+    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype, work_dir=output_dir))
     trainer = OumiMegatronGrpoTrainer(
         config, engine, bridge, checkpoint, layout, tokenizer, dataset, backend=backend, eval_dataset=eval_dataset,
     )

@@ -36,9 +36,9 @@ def main() -> None:
 
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import save_hf
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.engine.hf_weights import HFWeightExporter
     from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
     from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
 
@@ -49,8 +49,8 @@ def main() -> None:
     bridge, engine = build_engine(args.ckpt, params, OptimSettings(lr=2e-2, total_steps=10), dtype=dtype)
     grpo = SimpleNamespace(max_prompt_length=32, max_completion_length=12)
     out_dir = Path(args.out).parent / f"vllm_{args.placement}_{args.method}_tp{args.tp}_pp{args.pp}"
-    backend = VllmRolloutBackend(engine, bridge, args.hf, dtype, params, grpo, seed=0, work_dir=out_dir,
-                                 hf_artifacts=Path(args.ckpt) / "hf")
+    backend = VllmRolloutBackend(args.hf, dtype, params, grpo, seed=0, work_dir=out_dir)
+    weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")  # what the trainer hands sync_weights
     sample = SamplingParams(temperature=1.0, max_new_tokens=12, pad_token_id=256)
 
     def mismatch(name: str) -> None:
@@ -75,13 +75,13 @@ def main() -> None:
         mbs = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
         engine.train_step(mbs, lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
     mismatch("stale_engine")
-    stats = backend.sync_weights()
+    stats = backend.sync_weights(weights)
     result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
     mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256))
     result["vllm_greedy"] = [r.completion_ids for r in greedy]
     export = out_dir / "hf_export"
-    save_hf(bridge, engine.model, Path(args.ckpt) / "hf", export)
+    weights.save(export)
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -95,7 +95,7 @@ def main() -> None:
         backend.process.process.kill()
         backend.process.process.join()
         try:
-            backend.sync_weights()
+            backend.sync_weights(weights)
             result["dead_engine_sync"] = "no error"
         except WeightSyncError as e:
             result["dead_engine_sync"] = str(e)

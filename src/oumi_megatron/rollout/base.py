@@ -7,8 +7,12 @@ receive the policy's weights after every optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+import torch
 
 from oumi_megatron.rollout.sampling import SamplingParams
 
@@ -38,6 +42,19 @@ class WeightSyncStats:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
+class PolicyWeights(Protocol):
+    """The trainer's weights under HF names (engine/hf_weights.py ``HFWeightExporter``). Both calls are collective
+    over the training ranks: every rank calls them, and iterates to the end."""
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for the whole model, on every rank."""
+        ...
+
+    def save(self, folder: str | Path) -> Path:
+        """The weights as an HF folder, written atomically."""
+        ...
+
+
 class RolloutBackend(Protocol):
     """Generates completions; ``sync_weights`` makes the next ``generate`` use the trainer's current weights."""
 
@@ -47,8 +64,10 @@ class RolloutBackend(Protocol):
         makes the draw reproducible."""
         ...
 
-    def sync_weights(self) -> WeightSyncStats | None:
-        """Push the policy's weights to the engines (collective over the trainer's ranks); None: nothing to do."""
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:
+        """Load ``weights`` (the policy's, after an update) into the engines: collective over the trainer's ranks;
+        None: nothing to do. A backend streams ``weights()`` or has ``weights.save(folder)`` written; it never
+        exports the model itself."""
         ...
 
     def close(self) -> None: ...

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from oumi_megatron.rollout.base import Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams, sample
 
 
@@ -100,7 +100,7 @@ class MegatronRolloutBackend:
             out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done, logprobs=logprobs[i, : len(toks)].tolist()))
         return out
 
-    def sync_weights(self) -> WeightSyncStats | None:
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:
         """Nothing to sync: generation reads the weights the optimizer just updated."""
         return None
 

@@ -14,16 +14,14 @@ from oumi_megatron.rollout.base import RolloutBackend
 
 @dataclass
 class RolloutContext:
-    """What a backend may need: the training engine and its bridge, the config, the tokenizer, the dtype, a
-    folder for the backend's files and the HF artifacts (config, tokenizer) of the model being trained."""
+    """What a backend may need: the training engine, the config, the tokenizer, the dtype and a folder for the
+    backend's files. Weights reach a backend through ``sync_weights`` (the engine's exporter), never from here."""
 
     engine: Any
-    bridge: Any
     config: Any  # MegatronTrainingConfig
     tokenizer: Any
     dtype: Any
     work_dir: Path
-    hf_artifacts: Path
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[[RolloutContext], RolloutBackend]] = {}
@@ -57,6 +55,5 @@ def _vllm(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
 
     c = ctx.config
-    return VllmRolloutBackend(ctx.engine, ctx.bridge, c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed,
-                              work_dir=ctx.work_dir, hf_artifacts=ctx.hf_artifacts,
+    return VllmRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, work_dir=ctx.work_dir,
                               trust_remote_code=bool(c.model.trust_remote_code))

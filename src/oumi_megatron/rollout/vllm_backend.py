@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.distributed import free_port
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 
 
@@ -133,27 +133,23 @@ class _EngineProcess:
 class VllmRolloutBackend:
     def __init__(
         self,
-        engine: Any,
-        bridge: Any,
         hf_model: str,
         dtype: torch.dtype,
         params: Any,
         grpo: Any,
         seed: int,
         work_dir: Path,
-        hf_artifacts: Path,
         trust_remote_code: bool = False,
     ) -> None:
-        """``engine``: the MegatronEngine (its chunks are exported); ``hf_model``: the HF folder the
-        engines start from (the same weights the policy starts from); ``params``: MegatronParams."""
+        """``hf_model``: the HF folder the engines start from (the same weights the policy starts from);
+        ``params``: MegatronParams; ``work_dir``: where ``weight_sync_method: checkpoint`` writes its folder.
+        Collective over the training ranks (their replica groups)."""
         from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE, EngineSpec, VllmEngineHost
 
-        self.engine, self.bridge = engine, bridge
-        self.export = weight_stream.HFWeightExporter(bridge, engine.model)
         self.method = params.weight_sync_method
         self.placement = params.rollout_placement
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
-        self.work_dir, self.hf_artifacts = Path(work_dir), Path(hf_artifacts)
+        self.work_dir = Path(work_dir)
         self.group, self.replica = _replica()
         me, world = dist.get_rank(), dist.get_world_size()
         self.host: VllmEngineHost | None = None
@@ -237,16 +233,16 @@ class VllmRolloutBackend:
         return outputs
 
     # -- weights --------------------------------------------------------------------------------------
-    def sync_weights(self) -> WeightSyncStats:
-        """Collective over the training ranks: export the policy and load it into every engine."""
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Collective over the training ranks: load the policy's ``weights`` into every engine."""
         start = time.perf_counter()
         try:
             if self.method == "checkpoint":
-                stats = self._sync_by_checkpoint()
+                stats = self._sync_by_checkpoint(weights)
             elif self.placement == "colocated":
-                stats = self._sync_colocated()
+                stats = self._sync_colocated(weights)
             else:
-                stats = self._sync_stream()
+                stats = self._sync_stream(weights)
         except WeightSyncError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
@@ -254,9 +250,9 @@ class VllmRolloutBackend:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _sync_stream(self) -> WeightSyncStats:
+    def _sync_stream(self, weights: PolicyWeights) -> WeightSyncStats:
         """separate: the owner streams the export to its engine process, which receives meanwhile."""
-        pairs = self.export()
+        pairs = weights()
         if not self.is_owner:
             n = sum(1 for _ in pairs)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, 0.0)
@@ -266,20 +262,18 @@ class VllmRolloutBackend:
         self.process.wait("receive_update")
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
-    def _sync_colocated(self) -> WeightSyncStats:
+    def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
         """colocated: every rank loads the export into its engine, bucket by bucket, in one session
         (the engine's weights are awake only meanwhile)."""
-        counted = weight_stream.Counted(weight_stream.buckets(self.export(), self.bucket_bytes))
+        counted = weight_stream.Counted(weight_stream.buckets(weights(), self.bucket_bytes))
         self.host.wake_up()
         self.host.load_in_process(counted)
         self.host.sleep()
         return WeightSyncStats("in_memory", counted.tensors, counted.bytes, 0.0)
 
-    def _sync_by_checkpoint(self) -> WeightSyncStats:
-        from oumi_megatron.engine.conversion import save_hf
-
+    def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
         folder = self.work_dir / "rollout_weights"
-        save_hf(self.bridge, self.engine.model, self.hf_artifacts, folder)  # collective, atomic, ends in a barrier
+        weights.save(folder)  # collective, atomic, ends in a barrier
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
         if self.process is not None:
             self.process.call("reload_from", str(folder))

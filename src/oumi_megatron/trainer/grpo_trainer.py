@@ -42,7 +42,7 @@ from oumi_megatron.engine.checkpointing import (
 )
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.distributed import data_parallel
-from oumi_megatron.engine.conversion import save_hf
+from oumi_megatron.engine.hf_weights import HFWeightExporter
 from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.grpo.algorithm import groups_with_signal, logprob_mismatch, overlong_penalty
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, load_plugins, lookup
@@ -119,7 +119,6 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         ``training.eval_strategy`` / ``eval_steps``."""
         self.config = config
         self.engine = engine
-        self.bridge = bridge
         self.hf_artifacts = Path(checkpoint_dir) / "hf"
         self.layout = layout
         self.tokenizer = tokenizer
@@ -132,9 +131,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if backend is None:
             from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
 
-            backend = build_rollout_backend(RolloutContext(engine, bridge, config, tokenizer, config.model.torch_dtype,
-                                                           work_dir=self.output_dir, hf_artifacts=self.hf_artifacts))
+            backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype,
+                                                           work_dir=self.output_dir))
         self.backend = backend
+        self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts)  # the one export: rollout engines, hf_model
         self.sampling = SamplingParams(
             temperature=self.grpo.temperature,
             top_p=self.grpo.top_p,
@@ -227,7 +227,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if self.weights_synced_at == self.step or not self.config.megatron.enable_weight_sync:
             return 0.0, None
         start = time.perf_counter()
-        stats = self.backend.sync_weights()
+        stats = self.backend.sync_weights(self.weights)
         self.weights_synced_at = self.step
         if stats is not None and global_rank() == 0:
             logger.info(f"weight sync ({stats.method}): {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
@@ -633,7 +633,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         )
 
     def save_model(self, config: Any, final: bool = True) -> None:
-        save_hf(self.bridge, self.engine.model, self.hf_artifacts, self.output_dir / "hf_model")
+        self.weights.save(self.output_dir / "hf_model")
 
     def get_last_eval_metrics(self) -> dict[str, Any]:
         return dict(self.last_metrics)
