@@ -233,7 +233,7 @@ def main() -> None:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
 
     if args.compile_layers:
-        from oumi_megatron.engine.model import unwrap
+        from oumi_megatron.engine.wrappers import unwrap
 
         for chunk in engine.model:
             for layer in unwrap(chunk).decoder.layers:
@@ -285,7 +285,7 @@ def main() -> None:
     mem = torch.stack(mem_by_rank).amax(0)
     from oumi_megatron.engine.attention import core_attention_name
 
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
 
     core = core_attention_name(engine.model[0])
     config = unwrap(engine.model[0]).config

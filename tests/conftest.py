@@ -69,6 +69,7 @@ def base_config_dict(model_dir: Path | str, **sections: dict[str, Any]) -> dict[
         "training": {"trainer_type": "MEGATRON_GRPO", "max_steps": 2, "output_dir": "output/tests_unused"},
         "megatron": {"micro_batch_size": 2, "global_batch_size": 8},
         "grpo": {
+            "plugins": ["oumi_megatron.demo_task"],  # the char-class dataset
             "num_generations": 4,
             "max_prompt_length": 32,
             "max_completion_length": 16,

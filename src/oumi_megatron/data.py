@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from oumi_megatron.errors import UserInputError
+from oumi_megatron.plugins import load_plugins
 
 
 class DataError(UserInputError):
@@ -90,8 +91,7 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
     row transformed and checked once."""
     from oumi.core.registry import REGISTRY
 
-    import oumi_megatron.demo_task  # noqa: F401 - registers the demo dataset
-
+    load_plugins(config.grpo.plugins)  # a plugin may register the dataset (the demo's does)
     started = time.perf_counter()
     parts = []
     for i, d in enumerate(getattr(config.data, split).datasets):
@@ -100,7 +100,8 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
         if cls is None:
             raise DataError(
                 f"{where}: {d.dataset_name!r} is not a registered Oumi dataset. GRPO datasets (e.g. openai/gsm8k, "
-                "d1shs0ap/countdown, oumi-megatron/char-class) are; register your own with @register_dataset."
+                "d1shs0ap/countdown, and oumi-megatron/char-class from grpo.plugins: [oumi_megatron.demo_task]) are; register "
+                "your own with @register_dataset in a module named in grpo.plugins."
             )
         lines = None
         path = Path(d.dataset_path).expanduser() if d.dataset_path else None

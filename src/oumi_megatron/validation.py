@@ -194,10 +194,9 @@ def _check_positive(r: ValidationReport, name: str, value: int | None, allow_non
         r.add(name, f"must be a positive integer, got {value!r}.")
 
 
-def _check_registered_variants(g: Any, r: ValidationReport) -> None:
-    """grpo.plugins import; policy_loss / advantage_estimator name registered functions; scale_rewards, clip_ratio_c."""
-    from oumi_megatron.grpo.algorithm import scale_rewards_mode
-    from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, load_plugins
+def _check_plugins(g: Any, r: ValidationReport) -> None:
+    """Import grpo.plugins first: they register the datasets, reward functions and GRPO variants checked below."""
+    from oumi_megatron.plugins import load_plugins
 
     for module in g.plugins or []:
         try:
@@ -205,7 +204,14 @@ def _check_registered_variants(g: Any, r: ValidationReport) -> None:
         except Exception as e:  # noqa: BLE001 - any failure to import is the user's module to fix
             r.add("grpo.plugins", f"cannot import {module!r} ({type(e).__name__}: {e}). Name an importable module "
                                   "(on PYTHONPATH) that registers your functions.")
-    load_plugins([])  # the built-ins
+
+
+def _check_registered_variants(g: Any, r: ValidationReport) -> None:
+    """policy_loss / advantage_estimator name registered functions (the plugins are imported); scale_rewards,
+    clip_ratio_c."""
+    from oumi_megatron.grpo.algorithm import scale_rewards_mode
+    from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
     for field_name, table, value in (("grpo.policy_loss", POLICY_LOSSES, g.policy_loss),
                                      ("grpo.advantage_estimator", ADVANTAGE_ESTIMATORS, g.advantage_estimator)):
         if value not in table:
@@ -427,15 +433,13 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
                 f"grpo.reward_functions[{i}].name",
                 f"{rf.name!r} is not in Oumi's REWARD_FUNCTION registry. Known: {sorted(registered)}. "
                 "Register your own with @register('name', RegistryType.REWARD_FUNCTION) in a module "
-                "listed in OUMI_EXTRA_DEPS_FILE.",
+                "named in grpo.plugins (the CPU demo's char_class: oumi_megatron.demo_task).",
             )
 
 
 def _registered_reward_functions() -> set[str]:
     import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
     from oumi.core.registry import REGISTRY, RegistryType
-
-    import oumi_megatron.demo_task  # noqa: F401 - registers the demo's char_class reward
 
     return set(REGISTRY.get_all(RegistryType.REWARD_FUNCTION))
 
@@ -742,6 +746,7 @@ def validate_config(
     if world < 1:
         r.add("--world-size", f"must be a positive integer, got {world}.")
         return r
+    _check_plugins(config.grpo, r)
     _check_trainer_and_incompatible(config, r)
     _check_training_fields(config, r)
     _check_megatron_fields(config, r)

@@ -42,7 +42,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.fusions import FUSIONS
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams

@@ -24,7 +24,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.conversion import convert_hf_to_megatron
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.testing.tiny_models import build_tiny_model
 

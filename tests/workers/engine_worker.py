@@ -37,7 +37,7 @@ def masked_microbatches(step: int, per_microbatch: int) -> list[dict]:
 
 def parameter_state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
     """name -> (main_grad, value) of every parameter of this rank, copied."""
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
 
     return {n: (p.main_grad.detach().clone(), p.detach().clone())
             for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
@@ -100,7 +100,7 @@ def main() -> None:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = {"loss": [], "grad_norm": [], "count": [], "schedule": [], "deferred_wgrad_ops": []}
     # the sequence length the first norm sees, in training and in forward-only passes (1/TP under sequence parallelism)
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
 
     norm_rows: dict[str, set] = {"train": set(), "forward_only": set()}
     unwrap(engine.model[0]).decoder.layers[0].input_layernorm.register_forward_pre_hook(

@@ -37,7 +37,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.conversion import save_hf
-    from oumi_megatron.engine.model import unwrap
+    from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
 
     def engine_for(module_queue: bool):  # noqa: ANN202

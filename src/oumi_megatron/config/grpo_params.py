@@ -87,8 +87,10 @@ class MegatronGrpoParams(BaseParams):
     -A x clip_ratio_c. None: off."""
 
     plugins: list[str] = field(default_factory=list)
-    """Python modules imported before validation, registering their own policy losses / advantage estimators with
-    ``@register_policy_loss("name")`` / ``@register_advantage_estimator("name")`` (docs/grpo.md)."""
+    """Python modules imported before validation, data loading and training (oumi_megatron/plugins.py): they
+    register policy losses / advantage estimators (``@register_policy_loss("name")``,
+    ``@register_advantage_estimator("name")``, docs/grpo.md) and Oumi datasets / reward functions (Oumi's
+    ``@register``; the CPU demo's task is ``oumi_megatron.demo_task``)."""
 
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token's policy-gradient term by

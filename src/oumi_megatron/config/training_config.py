@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from oumi_megatron import _oumi_hook
+from oumi.core.configs import TrainingConfig
+from oumi.core.configs.params.training_params import TrainerType
 
-_oumi_hook.install()  # MEGATRON_GRPO must exist in TrainerType before configs are parsed.
+from oumi_megatron.config.grpo_params import MegatronGrpoParams
+from oumi_megatron.config.megatron_params import MegatronParams
+from oumi_megatron.config.trainer_type import MEGATRON_GRPO, add_megatron_grpo
 
-from oumi.core.configs import TrainingConfig  # noqa: E402
-from oumi.core.configs.params.training_params import TrainerType  # noqa: E402
-
-from oumi_megatron.config.grpo_params import MegatronGrpoParams  # noqa: E402
-from oumi_megatron.config.megatron_params import MegatronParams  # noqa: E402
-
-MEGATRON_GRPO = "MEGATRON_GRPO"
+add_megatron_grpo(TrainerType)  # configs parsed through this class may say MEGATRON_GRPO (the hook may be absent)
 
 def megatron_trainer_type() -> TrainerType:
     return TrainerType[MEGATRON_GRPO]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS, PACKED_ATTENTIONS
+from oumi_megatron.engine.wrappers import unwrap
 
 
 def sdpa_unsupported_reason(config: Any) -> str | None:  # TransformerConfig
@@ -230,6 +231,4 @@ def cumulative_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def core_attention_name(chunk: torch.nn.Module) -> str:
     """Class name of the core attention a model chunk runs (its first layer's), for logs, benchmarks and tests."""
-    from oumi_megatron.engine.model import unwrap
-
     return type(unwrap(chunk).decoder.layers[0].self_attention.core_attention).__name__

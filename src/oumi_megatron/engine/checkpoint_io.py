@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.engine.model import unwrap
+from oumi_megatron.engine.wrappers import unwrap
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:

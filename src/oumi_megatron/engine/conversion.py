@@ -24,6 +24,7 @@ from oumi_megatron.engine.checkpoint_io import load_model, save_model
 from oumi_megatron.engine.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
+from oumi_megatron.engine.wrappers import unwrap
 from oumi_megatron.utils.atomic import atomic_directory
 from oumi_megatron.utils.ranks import global_rank
 
@@ -168,8 +169,6 @@ def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path
 
     ``hf_artifacts`` is the folder whose tokenizer / generation config files are copied along.
     """
-    from oumi_megatron.engine.model import unwrap
-
     with atomic_directory(out_dir) as tmp:
         bridge.save_hf_pretrained([unwrap(c) for c in chunks], tmp, show_progress=False, source_path=str(hf_artifacts))
         if global_rank() == 0:

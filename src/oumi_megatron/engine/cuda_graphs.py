@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from oumi_megatron.engine.wrappers import unwrap
+
 
 def cuda_graphs_enabled(params: Any) -> bool:  # MegatronParams
     t = getattr(params, "transformer_config", None)
@@ -44,8 +46,6 @@ def attach_cuda_graphs(chunks: list[Any]) -> None:
     """
     from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
     from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from oumi_megatron.engine.model import unwrap
 
     # Megatron-Core records and captures graphs process-wide (one global record of runners, one flag
     # "graphs created"); a model built after another one's capture would find the flag set and no runners

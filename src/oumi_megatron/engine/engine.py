@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.schedules import resolve_schedule, schedule_function
+from oumi_megatron.engine.wrappers import unwrap
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -198,8 +199,6 @@ class MegatronEngine:
             return
         from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-        from oumi_megatron.engine.model import unwrap
-
         for chunk in self.model:
             set_model_to_sequence_parallel(unwrap(chunk), set_to=False)
         try:
@@ -219,7 +218,6 @@ class MegatronEngine:
             yield
             return
         from oumi_megatron.engine.attention import SdpaCoreAttention
-        from oumi_megatron.engine.model import unwrap
 
         attention = [m for chunk in self.model for m in chunk.modules() if isinstance(m, SdpaCoreAttention)]
         rotary = [r for r in (getattr(unwrap(chunk), "rotary_pos_emb", None) for chunk in self.model) if r is not None]
@@ -293,7 +291,6 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         from oumi_megatron.engine.chunked_logprobs import worth_chunking
-        from oumi_megatron.engine.model import unwrap
 
         vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         return worth_chunking(tokens_per_microbatch, vocab_shard)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.conversion import save_hf
+from oumi_megatron.engine.wrappers import unwrap
 
 
 class HFWeightExporter:
@@ -30,8 +31,6 @@ class HFWeightExporter:
     def __init__(self, bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path | None = None) -> None:
         """``hf_artifacts``: the folder whose config / tokenizer files ``save`` copies along (the converted
         checkpoint's ``hf/``)."""
-        from oumi_megatron.engine.model import unwrap
-
         self.bridge, self.chunks, self.hf_artifacts = bridge, chunks, hf_artifacts
         self.models = [unwrap(c) for c in chunks]
         self.tasks: list[Any] | None = None

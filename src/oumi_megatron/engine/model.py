@@ -184,10 +184,3 @@ def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: b
         use_cpu_initialization=not torch.cuda.is_available(),
         mixed_precision_wrapper=Float16Module,
     )
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel  # importers load this module lazily: Megatron-Core imports are heavy
 
+from oumi_megatron.engine.wrappers import unwrap
+
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
 
@@ -401,7 +403,5 @@ def module_queue_pre_wrap_hook(models: list[Any]) -> list[Any]:
 def module_queues(chunks: list[torch.nn.Module]) -> list[tuple[Any, list[Any]]]:
     """(ModuleQueue, its chunk's DDP parameter buffers) for the active ModuleQueue models among an engine's
     (DDP-wrapped) model chunks."""
-    from oumi_megatron.engine.model import unwrap
-
     return [(unwrap(c), list(getattr(c, "buffers", []))) for c in chunks
             if getattr(unwrap(c), "_module_queue_enabled", False)]

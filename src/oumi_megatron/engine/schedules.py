@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from oumi_megatron.bridge_utils import have_transformer_engine
+from oumi_megatron.engine.zero_bubble import forward_backward_zb_h1, zb_h1_unsupported_reason
 
 
 def _no_pipelining() -> Callable:
@@ -37,17 +37,11 @@ def _interleaved() -> Callable:
     return forward_backward_pipelining_with_interleaving
 
 
-def _zb_h1() -> Callable:
-    from oumi_megatron.engine.zero_bubble import forward_backward_zb_h1
-
-    return forward_backward_zb_h1
-
-
 SCHEDULES: dict[str, Callable[[], Callable]] = {
     "none": _no_pipelining,
     "1f1b": _one_f_one_b,
     "interleaved": _interleaved,
-    "zb_h1": _zb_h1,
+    "zb_h1": lambda: forward_backward_zb_h1,
 }
 
 
@@ -56,19 +50,6 @@ def schedule_function(name: str) -> Callable:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; registered: {', '.join(SCHEDULES)}")
     return SCHEDULES[name]()
-
-
-def zb_h1_unsupported_reason(params: Any) -> str | None:  # MegatronParams
-    """Why ZB-H1 cannot run with these settings (seed 003's ``WeightGradStore.is_supported``), or None."""
-    if params.pipeline_model_parallel_size <= 1:
-        return "pipeline_model_parallel_size is 1 (no pipeline)"
-    if params.virtual_pipeline_model_parallel_size:
-        return "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
-    if params.ddp_config.overlap_grad_reduce:
-        return "ddp_config.overlap_grad_reduce is on (its reduce hooks would fire before the deferred weight gradients)"
-    if have_transformer_engine():
-        return "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
-    return None
 
 
 def resolve_schedule(params: Any) -> tuple[str, str | None]:  # MegatronParams

@@ -28,7 +28,22 @@ from typing import Any
 
 import torch
 
+from oumi_megatron.bridge_utils import have_transformer_engine
+
 WgradOp = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]]
+
+
+def zb_h1_unsupported_reason(params: Any) -> str | None:  # MegatronParams
+    """Why ZB-H1 cannot run with these settings (seed 003's ``WeightGradStore.is_supported``), or None."""
+    if params.pipeline_model_parallel_size <= 1:
+        return "pipeline_model_parallel_size is 1 (no pipeline)"
+    if params.virtual_pipeline_model_parallel_size:
+        return "virtual_pipeline_model_parallel_size is set (ZB-H1 does not interleave)"
+    if params.ddp_config.overlap_grad_reduce:
+        return "ddp_config.overlap_grad_reduce is on (its reduce hooks would fire before the deferred weight gradients)"
+    if have_transformer_engine():
+        return "TransformerEngine layers are in use (their weight-gradient work cannot be deferred)"
+    return None
 
 
 class WeightGradStore:
@@ -43,8 +58,6 @@ class WeightGradStore:
 
     @classmethod
     def is_supported(cls, params: Any) -> bool:  # MegatronParams
-        from oumi_megatron.engine.schedules import zb_h1_unsupported_reason
-
         return zb_h1_unsupported_reason(params) is None
 
     @classmethod

@@ -13,7 +13,6 @@ imports the plugins first and lists every registered name when one is unknown (d
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,14 +41,6 @@ def register_policy_loss(name: str) -> Callable[[Callable[..., Any]], Callable[.
 
 def register_advantage_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
-
-
-def load_plugins(modules: list[str] | None) -> None:
-    """Import the modules named in ``grpo.plugins`` (their decorators register their functions)."""
-    import oumi_megatron.grpo.algorithm  # noqa: F401 - the built-ins register on import
-
-    for module in modules or []:
-        importlib.import_module(module)
 
 
 def lookup(table: dict[str, Callable[..., Any]], field_name: str, name: str) -> Callable[..., Any]:

@@ -49,8 +49,6 @@ def _registry_function(name: str) -> Callable:
     import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
     from oumi.core.registry import REGISTRY
 
-    import oumi_megatron.demo_task  # noqa: F401 - registers the demo's reward function and dataset
-
     fn = REGISTRY.get_reward_function(name)
     if fn is None:
         raise KeyError(f"grpo.reward_functions: {name!r} is not in Oumi's REWARD_FUNCTION registry")

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-MEGATRON_GRPO = "MEGATRON_GRPO"
-MEGATRON_GRPO_VALUE = "megatron_grpo"
+from oumi_megatron.config.trainer_type import MEGATRON_GRPO, add_megatron_grpo
+
 _PATCHED = "__oumi_megatron_patched__"
 
 
@@ -38,24 +38,9 @@ def _already_patched(obj: Any) -> bool:
 # 1. TrainerType.MEGATRON_GRPO
 # --------------------------------------------------------------------------------------------------
 def patch_trainer_type(module: types.ModuleType) -> None:
-    trainer_type = module.TrainerType
-    if MEGATRON_GRPO in trainer_type.__members__:
-        return
-    # Enums are closed after class creation; add the member the way EnumType itself records one.
-    member = object.__new__(trainer_type)
-    member._name_ = MEGATRON_GRPO
-    member._value_ = MEGATRON_GRPO_VALUE
-    member._sort_order_ = len(trainer_type._member_names_)
-    member.__doc__ = "Megatron-Core GRPO trainer from the oumi-megatron package (TP/PP/CP/EP/DP)."
-    type.__setattr__(trainer_type, MEGATRON_GRPO, member)
-    trainer_type._member_map_[MEGATRON_GRPO] = member
-    trainer_type._value2member_map_[MEGATRON_GRPO_VALUE] = member
-    trainer_type._member_names_.append(MEGATRON_GRPO)
+    add_megatron_grpo(module.TrainerType)
 
 
-# --------------------------------------------------------------------------------------------------
-# 2. Config loading
-# --------------------------------------------------------------------------------------------------
 def _is_megatron_trainer_type(value: Any) -> bool:
     return str(value).strip().split(".")[-1].upper() == MEGATRON_GRPO
 

@@ -45,7 +45,7 @@ from oumi_megatron.engine.distributed import data_parallel
 from oumi_megatron.engine.hf_weights import HFWeightExporter
 from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.grpo.algorithm import groups_with_signal, logprob_mismatch, overlong_penalty
-from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, load_plugins, lookup
+from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, lookup
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError, RewardResult
 from oumi_megatron.rollout.base import Rollout, RolloutBackend, WeightSyncStats
@@ -54,6 +54,7 @@ from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
+from oumi_megatron.plugins import load_plugins
 from oumi_megatron.utils.ranks import global_rank
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -124,7 +125,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.tokenizer = tokenizer
         self.dataset = dataset
         self.grpo = config.grpo
-        load_plugins(self.grpo.plugins)  # their policy losses / advantage estimators (validation imported them too)
+        load_plugins(self.grpo.plugins)  # their losses, estimators, reward functions (validation imported them too)
         self.advantage_estimator = lookup(ADVANTAGE_ESTIMATORS, "grpo.advantage_estimator", self.grpo.advantage_estimator)
         self.output_dir = Path(config.training.output_dir)
         self.rewards = RewardComputer(self.grpo.reward_functions, self.grpo.on_reward_error, reward_functions)

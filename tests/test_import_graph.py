@@ -1,0 +1,136 @@
+"""The package's import graph: no cycles, and the layers of the architecture import downwards only.
+
+The graph is read from the source with ``ast``: every ``import`` of an ``oumi_megatron`` module, at module level
+or inside a function (a lazy import hides a cycle from Python, not from a reader), except under ``if
+TYPE_CHECKING:``. Parent packages imported implicitly are not edges.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+SRC = REPO / "src"
+PACKAGE = "oumi_megatron"
+
+# layer -> layers it must not import: config -> plugin wiring -> engine -> GRPO algorithm -> rollout backends ->
+# trainer loop; the entry points (train, evaluate, cli, integration) sit on top.
+ENTRY_POINTS = {"train", "evaluate", "cli", "integration", "_oumi_hook", "__main__"}
+FORBIDDEN = {
+    "config": {"engine", "grpo", "rollout", "trainer", "data", "validation", "plan", *ENTRY_POINTS},
+    "engine": {"grpo", "rollout", "trainer", "data", "validation", "plan", *ENTRY_POINTS},
+    "grpo": {"rollout", "trainer", "data", "validation", "plan", *ENTRY_POINTS},
+    "rollout": {"grpo", "trainer", "data", "validation", "plan", *ENTRY_POINTS},
+    "trainer": {"validation", "plan", *ENTRY_POINTS},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                 for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+        for target in targets:
+            while target and target not in modules:  # ``from pkg.mod import name``: the module pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else "(package)"
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    graph = _graph()
+    assert len(graph) > 50 and graph[f"{PACKAGE}.train"]  # the reader found the package and its imports
+    assert _cycles(graph) == []
+
+
+def test_layers_import_downwards_only() -> None:
+    wrong = sorted(f"{m} imports {t}" for m, targets in _graph().items() for t in targets
+                   if _layer(t) in FORBIDDEN.get(_layer(m), set()))
+    assert wrong == []
+
+
+def test_the_demo_tasks_are_plugins_nobody_imports() -> None:
+    """The CPU demo's task registers itself from its config (grpo.plugins), not from the library's modules;
+    the arithmetic task is only the CLI's data writer."""
+    importers = {t: sorted(m for m, targets in _graph().items() if t in targets)
+                 for t in (f"{PACKAGE}.demo_task", f"{PACKAGE}.arithmetic_task")}
+    assert importers == {f"{PACKAGE}.demo_task": [], f"{PACKAGE}.arithmetic_task": [f"{PACKAGE}.cli"]}
+
+
+def test_the_reader_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> None:
+    """The checks above can fail: a cycle through a function-level import is found, TYPE_CHECKING imports are not."""
+    (tmp_path / PACKAGE).mkdir()
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (tmp_path / PACKAGE / "a.py").write_text("from oumi_megatron import b\n")
+    (tmp_path / PACKAGE / "b.py").write_text("def f():\n    from oumi_megatron.a import x\n")
+    (tmp_path / PACKAGE / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oumi_megatron import a\n")
+    modules = {f"{PACKAGE}.{n}": tmp_path / PACKAGE / f"{n}.py" for n in ("a", "b", "c")}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph == {f"{PACKAGE}.a": {f"{PACKAGE}.b"}, f"{PACKAGE}.b": {f"{PACKAGE}.a"}, f"{PACKAGE}.c": set()}
+    assert _cycles(graph) == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
