@@ -23,11 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS: dict[str, list[str]] = {
     "baseline (grpo loss, group scaling)": [],
-    "policy_loss: gspo": ["--grpo.policy_loss", "gspo"],
+    "policy_loss: gspo": ["--grpo.policy_loss", "gspo"],  # one on-policy update: the same gradient as grpo's
+    "ppo_epochs: 2 (grpo loss)": ["--grpo.ppo_epochs", "2"],  # the reference for the two off-policy rows below
+    "ppo_epochs: 2, policy_loss: gspo (epsilon 3e-4 / 4e-4)": ["--grpo.ppo_epochs", "2", "--grpo.policy_loss", "gspo",
+                                                             "--grpo.epsilon", "3e-4", "--grpo.epsilon_high", "4e-4"],
+    "ppo_epochs: 2, clip_ratio_c: 3 (dual clip)": ["--grpo.ppo_epochs", "2", "--grpo.clip_ratio_c", "3.0"],
     "scale_rewards: batch": ["--grpo.scale_rewards", "batch"],
     "scale_rewards: none (Dr. GRPO)": ["--grpo.scale_rewards", "none"],
     "advantage_estimator: rloo": ["--grpo.advantage_estimator", "rloo"],
-    "clip_ratio_c: 3 (dual clip)": ["--grpo.clip_ratio_c", "3.0"],
     "dynamic_sampling": ["--grpo.dynamic_sampling", "true"],
     "overlong_buffer_length: 4": ["--grpo.overlong_buffer_length", "4"],
     "mask_truncated_completions": ["--grpo.mask_truncated_completions", "true"],
@@ -41,7 +44,7 @@ def mean(values: list[float]) -> float:
 
 
 def run(name: str, overrides: list[str], model: Path, steps: int, work: Path) -> dict:
-    out = work / name.split(" ")[0].replace(":", "")
+    out = work / f"run{list(VARIANTS).index(name)}"
     cmd = [sys.executable, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
            "--model.model_name", str(model), "--training.output_dir", str(out), "--training.max_steps", str(steps),
            "--training.save_steps", "0", "--training.save_final_model", "false", *overrides]
@@ -57,6 +60,7 @@ def run(name: str, overrides: list[str], model: Path, steps: int, work: Path) ->
         "truncated_first10": mean([r["completion_length/truncated_fraction"] for r in rows[:10]]),
         "truncated_last10": mean([r["completion_length/truncated_fraction"] for r in rows[-10:]]),
         "rounds": sum(r.get("dynamic_sampling/rounds", 1) for r in rows),
+        "clip_fraction": mean([r.get("clip_fraction", 0.0) for r in rows]),
         "dropped": sum(r.get("dynamic_sampling/groups_dropped", 0) for r in rows),
         "skipped_updates": sum(r.get("update_skipped", 0) for r in rows),
     }
@@ -89,13 +93,14 @@ def main() -> None:
         "last 10 steps.",
         "",
         "| variant | reward first 10 | reward last 10 | rise | truncated first -> last 10 | length last 10 | "
-        "rounds / groups dropped | updates skipped | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "rounds / groups dropped | clip fraction | updates skipped | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(f"| {r['name']} | {r['first10']:.3f} | {r['last10']:.3f} | {r['last10'] - r['first10']:+.3f} | "
                      f"{r['truncated_first10']:.2f} -> {r['truncated_last10']:.2f} | {r['length_last10']:.1f} | "
-                     f"{r['rounds']} / {r['dropped']} | {r['skipped_updates']} | {r['seconds']:.0f} |")
+                     f"{r['rounds']} / {r['dropped']} | {r['clip_fraction']:.4f} | {r['skipped_updates']} | "
+                     f"{r['seconds']:.0f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
