@@ -32,8 +32,14 @@ VARIANTS: dict[str, list[str]] = {
     "scale_rewards: none (Dr. GRPO)": ["--grpo.scale_rewards", "none"],
     "advantage_estimator: rloo": ["--grpo.advantage_estimator", "rloo"],
     "dynamic_sampling": ["--grpo.dynamic_sampling", "true"],
+    # the demo's reward is dense: groups of equal rewards appear only once completions are all of one class
+    "baseline, 150 steps (the demo's length)": ["--training.max_steps", "150"],
+    "dynamic_sampling, 150 steps": ["--grpo.dynamic_sampling", "true", "--training.max_steps", "150"],
     "overlong_buffer_length: 4": ["--grpo.overlong_buffer_length", "4"],
+    # nearly every completion of the demo runs to max_completion_length, so masking them leaves little to train on
     "mask_truncated_completions": ["--grpo.mask_truncated_completions", "true"],
+    "overlong_buffer_length: 4 + mask_truncated_completions": ["--grpo.overlong_buffer_length", "4",
+                                                               "--grpo.mask_truncated_completions", "true"],
     "gspo + batch + dynamic sampling + dual clip": ["--grpo.policy_loss", "gspo", "--grpo.scale_rewards", "batch",
                                                      "--grpo.dynamic_sampling", "true", "--grpo.clip_ratio_c", "3.0"],
 }
@@ -47,7 +53,7 @@ def run(name: str, overrides: list[str], model: Path, steps: int, work: Path) ->
     out = work / f"run{list(VARIANTS).index(name)}"
     cmd = [sys.executable, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
            "--model.model_name", str(model), "--training.output_dir", str(out), "--training.max_steps", str(steps),
-           "--training.save_steps", "0", "--training.save_final_model", "false", *overrides]
+           "--training.save_steps", "0", "--training.save_final_model", "false", *overrides]  # a variant's max_steps wins
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -55,7 +61,7 @@ def run(name: str, overrides: list[str], model: Path, steps: int, work: Path) ->
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     task = [r["reward/char_class"] for r in rows]
     return {
-        "name": name, "seconds": time.perf_counter() - start, "first10": mean(task[:10]), "last10": mean(task[-10:]),
+        "name": name, "steps": len(rows), "seconds": time.perf_counter() - start, "first10": mean(task[:10]), "last10": mean(task[-10:]),
         "length_last10": mean([r["completion_length/mean"] for r in rows[-10:]]),
         "truncated_first10": mean([r["completion_length/truncated_fraction"] for r in rows[:10]]),
         "truncated_last10": mean([r["completion_length/truncated_fraction"] for r in rows[-10:]]),
@@ -90,14 +96,14 @@ def main() -> None:
         f"({platform.processor() or 'unknown'}), {datetime.date.today().isoformat()}: configs/tiny_cpu_grpo.yaml "
         "(the tiny random Qwen2, 4 prompts x 8 completions a step, seed 42) with one variant's `grpo:` fields changed. "
         "Reward = `reward/char_class` (the task's reward, without the overlong punishment), mean over the first and the "
-        "last 10 steps.",
+        "last 10 steps (a variant may run longer: its steps column)."
         "",
-        "| variant | reward first 10 | reward last 10 | rise | truncated first -> last 10 | length last 10 | "
+        "| variant | steps | reward first 10 | reward last 10 | rise | truncated first -> last 10 | length last 10 | "
         "rounds / groups dropped | clip fraction | updates skipped | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        lines.append(f"| {r['name']} | {r['first10']:.3f} | {r['last10']:.3f} | {r['last10'] - r['first10']:+.3f} | "
+        lines.append(f"| {r['name']} | {r['steps']} | {r['first10']:.3f} | {r['last10']:.3f} | {r['last10'] - r['first10']:+.3f} | "
                      f"{r['truncated_first10']:.2f} -> {r['truncated_last10']:.2f} | {r['length_last10']:.1f} | "
                      f"{r['rounds']} / {r['dropped']} | {r['clip_fraction']:.4f} | {r['skipped_updates']} | "
                      f"{r['seconds']:.0f} |")
