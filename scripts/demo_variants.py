@@ -96,7 +96,7 @@ def main() -> None:
         f"({platform.processor() or 'unknown'}), {datetime.date.today().isoformat()}: configs/tiny_cpu_grpo.yaml "
         "(the tiny random Qwen2, 4 prompts x 8 completions a step, seed 42) with one variant's `grpo:` fields changed. "
         "Reward = `reward/char_class` (the task's reward, without the overlong punishment), mean over the first and the "
-        "last 10 steps (a variant may run longer: its steps column)."
+        "last 10 steps (a variant may run longer: its steps column).",
         "",
         "| variant | steps | reward first 10 | reward last 10 | rise | truncated first -> last 10 | length last 10 | "
         "rounds / groups dropped | clip fraction | updates skipped | seconds |",
