@@ -255,6 +255,18 @@ def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layou
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, [round(x, 3) for x in rewards]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DAPO dynamic sampling on DP=2 over NCCL (the filtered batch's rollouts are all-gathered as objects over the
+    DP group): the CPU test's checks (tests/test_grpo_variants.py)."""
+    from test_grpo_variants import run_dynamic_sampling_worker
+
+    from oumi_megatron.testing.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp("gpu_dynamic_sampling")
+    run_dynamic_sampling_worker(build_tiny_model(work / "hf", arch="qwen2"), work)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM not installed (the lent GPU image has none; scripts/gpu_check.sh installs it from "
                            "wheels carried in .vllm/, see docs/benchmarks.md)")

@@ -5,7 +5,9 @@ and in the real trainer on 2 DP ranks)."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -176,17 +178,16 @@ def test_groups_with_signal_and_the_dynamic_sampling_choice() -> None:
     assert choose_groups(rounds[:1], 3) == ([(0, 0)], [(0, 1), (0, 2)])  # rounds ran out: dropped groups fill
 
 
-def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(tmp_path, tiny_model_dir) -> None:  # noqa: ANN001
-    """The real trainer (tiny model, embedded rollouts, DP=2 gloo ranks): "letters" prompts get a constant reward,
-    so their groups must be dropped and further rounds refill the batch with "digits" groups whose rewards differ;
-    with one round allowed, dropped groups fill the batch untrained. Each rank's sequences are its share of the
-    filtered batch (redistributed over DP), and the metrics count rounds, dropped and filled groups."""
+def run_dynamic_sampling_worker(model_dir: Path, work: Path) -> None:
+    """tests/workers/dynamic_sampling_worker.py on 2 ranks (gloo on CPU, NCCL on GPUs, tests/test_gpu.py), and its checks:
+    "letters" prompts get a constant reward, so their groups must be dropped and further rounds refill the batch
+    with "digits" groups whose rewards differ; with one round allowed, dropped groups fill the batch untrained.
+    Each rank's sequences are its share of the filtered batch (redistributed over DP), and the metrics count
+    rounds, dropped and filled groups."""
     proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
-                    str(REPO / "tests" / "workers" / "dynamic_sampling_worker.py"), str(tiny_model_dir), str(tmp_path)])
+                    str(REPO / "tests" / "workers" / "dynamic_sampling_worker.py"), str(model_dir), str(work)])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    import json
-
-    ranks = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((work / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     untimed = [[{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in r["metrics"]]
                for r in ranks]
     assert untimed[0] == untimed[1]  # every rank saw the same filtered batch (loss, rewards, counts)
@@ -206,3 +207,8 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(
     assert all(len(s["kept_targets"]) == 4 for s in steps[:3]), steps  # refilled up to 4 informative groups
     assert any(s["rounds"] > 1 for s in steps[:3]), steps
     assert all(s["rounds"] == 1 for s in steps[3:]) and any(s["filler_targets"] for s in steps[3:]), steps
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The real trainer (tiny model, embedded rollouts, DP=2 gloo ranks): see ``run_dynamic_sampling_worker``."""
+    run_dynamic_sampling_worker(tiny_model_dir, tmp_path)
