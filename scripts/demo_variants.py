@@ -21,6 +21,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+EVERY_OPTION = ["--grpo.ppo_epochs", "2", "--grpo.policy_loss", "gspo", "--grpo.epsilon", "3e-4", "--grpo.epsilon_high", "4e-4",
+                "--grpo.clip_ratio_c", "3.0", "--grpo.scale_rewards", "batch", "--grpo.dynamic_sampling", "true",
+                "--grpo.overlong_buffer_length", "4", "--grpo.mask_truncated_completions", "true"]
+"""ppo_epochs 2 (so GSPO's ratio and the dual clip act), GSPO with the paper's clip ranges, batch scaling, dual clip,
+dynamic sampling, overlong shaping and truncated-completion masking."""
+
 VARIANTS: dict[str, list[str]] = {
     "baseline (grpo loss, group scaling)": [],
     "policy_loss: gspo": ["--grpo.policy_loss", "gspo"],  # one on-policy update: the same gradient as grpo's
@@ -40,9 +46,20 @@ VARIANTS: dict[str, list[str]] = {
     "mask_truncated_completions": ["--grpo.mask_truncated_completions", "true"],
     "overlong_buffer_length: 4 + mask_truncated_completions": ["--grpo.overlong_buffer_length", "4",
                                                                "--grpo.mask_truncated_completions", "true"],
-    "gspo + batch + dynamic sampling + dual clip": ["--grpo.policy_loss", "gspo", "--grpo.scale_rewards", "batch",
-                                                     "--grpo.dynamic_sampling", "true", "--grpo.clip_ratio_c", "3.0"],
+    "every option at once (tests/test_grpo_trainer.py)": EVERY_OPTION,
 }
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the cores this process may use (for the results' header)."""
+    import os
+
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        name = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                     if line.startswith("model name")), name)
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def mean(values: list[float]) -> float:
@@ -92,8 +109,8 @@ def main() -> None:
     lines = [
         "# GRPO variants on the CPU demo",
         "",
-        f"`python scripts/demo_variants.py --steps {args.steps}` on {platform.machine()} CPU "
-        f"({platform.processor() or 'unknown'}), {datetime.date.today().isoformat()}: configs/tiny_cpu_grpo.yaml "
+        f"`python scripts/demo_variants.py --steps {args.steps}` on {cpu_name()}, {datetime.date.today().isoformat()}: "
+        "configs/tiny_cpu_grpo.yaml "
         "(the tiny random Qwen2, 4 prompts x 8 completions a step, seed 42) with one variant's `grpo:` fields changed. "
         "Reward = `reward/char_class` (the task's reward, without the overlong punishment), mean over the first and the "
         "last 10 steps (a variant may run longer: its steps column).",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,28 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
                                   return_tensors="pt", return_dict=True)["input_ids"]
     gen = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert gen.shape[1] > ids.shape[1] and torch.isfinite(model(ids).logits).all()
+
+
+def test_single_rank_run_learns_with_every_new_grpo_option_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The demo with issue 17's options at once (scripts/demo_variants.py EVERY_OPTION): two epochs over each batch
+    with GSPO's sequence-level ratio at the paper's clip ranges and the dual clip, batch-level reward scaling,
+    dynamic sampling, DAPO's overlong punishment and truncated-completion masking. Seen (2026-11-27): the task's
+    reward 0.166 -> 0.507, 41 groups dropped in 78 rounds, completions cut at the limit 68% -> 1% of them."""
+    sys.path.insert(0, str(REPO / "scripts"))  # the options are defined once, in the script that documents them
+    from demo_variants import EVERY_OPTION
+
+    out = tmp_path / "every_option"
+    _train(out, tiny_model_dir, "--training.max_steps", "60", "--training.save_steps", "0", "--training.save_final_model",
+           "false", "--training.include_performance_metrics", "false", *EVERY_OPTION)
+    rows = _metrics(out)
+    task = [r["reward/char_class"] for r in rows]  # the task's reward, without the overlong punishment
+    assert len(rows) == 60 and sum(task[-10:]) / 10 - sum(task[:10]) / 10 >= 0.2, [round(x, 3) for x in task]
+    assert sum(r["dynamic_sampling/groups_dropped"] for r in rows) > 0, "dynamic sampling never dropped a group"
+    assert sum(r["dynamic_sampling/rounds"] for r in rows) > 60  # ... and refilled from further prompts
+    truncated = [r["completion_length/truncated_fraction"] for r in rows]
+    assert sum(truncated[-10:]) / 10 < 0.5 * sum(truncated[:10]) / 10, truncated  # the overlong punishment works
+    assert rows[0]["reward/overlong_penalty"] < 0 and rows[0]["batch/untrained_samples"] > 0  # masked: cut completions
+    assert max(r["clip_fraction"] for r in rows) > 0.5  # GSPO's 3e-4 / 4e-4 clip ranges bind on the second epoch
 
 
 def test_resume_mid_training_continues_exactly(tmp_path: Path, tiny_model_dir: Path) -> None:
