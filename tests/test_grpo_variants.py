@@ -178,18 +178,19 @@ def test_groups_with_signal_and_the_dynamic_sampling_choice() -> None:
     assert choose_groups(rounds[:1], 3) == ([(0, 0)], [(0, 1), (0, 2)])  # rounds ran out: dropped groups fill
 
 
-def run_dynamic_sampling_worker(model_dir: Path, work: Path) -> None:
+def run_dynamic_sampling_worker(model_dir: Path, work: Path, backend: str = "megatron") -> None:
     """tests/workers/dynamic_sampling_worker.py on 2 ranks (gloo on CPU, NCCL on GPUs, tests/test_gpu.py), and its checks:
     "letters" prompts get a constant reward, so their groups must be dropped and further rounds refill the batch
     with "digits" groups whose rewards differ; with one round allowed, dropped groups fill the batch untrained.
     Each rank's sequences are its share of the filtered batch (redistributed over DP), and the metrics count
-    rounds, dropped and filled groups."""
+    rounds, dropped and filled groups. ``backend``: megatron (embedded) or vllm (an engine colocated in each rank,
+    weights synced after every update)."""
     proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
-                    str(REPO / "tests" / "workers" / "dynamic_sampling_worker.py"), str(model_dir), str(work)])
+                    str(REPO / "tests" / "workers" / "dynamic_sampling_worker.py"), str(model_dir), str(work), backend])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     ranks = [json.loads((work / f"result_rank{r}.json").read_text()) for r in (0, 1)]
-    untimed = [[{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in r["metrics"]]
-               for r in ranks]
+    timed = ("time/", "tokens_per_s", "weight_sync/seconds", "weight_sync/gbps")  # wall-clock readings differ by rank
+    untimed = [[{k: v for k, v in m.items() if not k.startswith(timed)} for m in r["metrics"]] for r in ranks]
     assert untimed[0] == untimed[1]  # every rank saw the same filtered batch (loss, rewards, counts)
     for steps in (r["steps"] for r in ranks):
         for step, m in zip(steps, ranks[0]["metrics"]):
@@ -209,6 +210,8 @@ def run_dynamic_sampling_worker(model_dir: Path, work: Path) -> None:
     assert all(s["rounds"] == 1 for s in steps[3:]) and any(s["filler_targets"] for s in steps[3:]), steps
 
 
-def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The real trainer (tiny model, embedded rollouts, DP=2 gloo ranks): see ``run_dynamic_sampling_worker``."""
-    run_dynamic_sampling_worker(tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("backend", ["megatron", "vllm"])
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_on_two_dp_ranks(tmp_path: Path, tiny_model_dir: Path,
+                                                                               backend: str) -> None:
+    """The real trainer (tiny model, DP=2 gloo ranks, embedded or vLLM rollouts): see ``run_dynamic_sampling_worker``."""
+    run_dynamic_sampling_worker(tiny_model_dir, tmp_path, backend)

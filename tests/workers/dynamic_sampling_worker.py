@@ -1,6 +1,6 @@
 """DAPO dynamic sampling in the real trainer: the tiny model, the embedded backend, DP=2 on 2 gloo ranks.
 
-    torchrun --nproc_per_node 2 tests/workers/dynamic_sampling_worker.py HF_MODEL WORK
+    torchrun --nproc_per_node 2 tests/workers/dynamic_sampling_worker.py HF_MODEL WORK [megatron | vllm]
 
 The reward is the demo's char_class for "digits" prompts and a constant 0.5 for "letters" prompts, so every
 letters group has identical rewards and must be dropped. Three steps with up to 4 rounds each, then two with
@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     hf, work = Path(sys.argv[1]), Path(sys.argv[2])
+    backend = sys.argv[3] if len(sys.argv) > 3 else "megatron"  # vllm: an engine colocated in each rank
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -40,7 +41,8 @@ def main() -> None:
         scores = char_class_reward(completions, target)
         return [s if t == "digits" else 0.5 for s, t in zip(scores, target)]
 
-    params = MegatronParams(micro_batch_size=8, global_batch_size=32)
+    params = MegatronParams(micro_batch_size=8, global_batch_size=32, inference_backend=backend,
+                            rollout_placement="colocated")
     params.transformer_config.recompute_granularity = None
     grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
                               reward_functions=[RewardFunctionParams(name="half_constant")],
