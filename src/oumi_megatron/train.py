@@ -81,12 +81,9 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
 
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
-    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
-
     tokenizer = build_tokenizer(config.model)
-    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype, work_dir=output_dir))
-    trainer = OumiMegatronGrpoTrainer(
-        config, engine, bridge, checkpoint, layout, tokenizer, dataset, backend=backend, eval_dataset=eval_dataset,
-    )
+    # the rollout backend: the trainer builds megatron.inference_backend's (rollout/registry.py)
+    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, dataset,
+                                      eval_dataset=eval_dataset)
     trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
     return trainer

@@ -31,6 +31,18 @@ def scale_rewards_mode(value: bool | str) -> str:
     return mode
 
 
+def groups_with_signal(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: True where a group's valid rewards differ (DAPO's dynamic sampling keeps these). A group
+    whose valid rewards are all equal, or that has fewer than 2, gets a zero advantage under every built-in
+    estimator (``group_advantages`` zeroes it through this function), so it adds no policy gradient: only the KL
+    term and the loss's token count."""
+    grouped = rewards.double().view(-1, group_size)
+    keep = valid.bool().view(-1, group_size)
+    lowest = torch.where(keep, grouped, torch.inf).amin(dim=1)
+    highest = torch.where(keep, grouped, -torch.inf).amax(dim=1)
+    return (keep.sum(dim=1) >= 2) & (lowest != highest)
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
@@ -66,9 +78,7 @@ def group_advantages(
         kept = grouped[keep]
         std = kept.std() if kept.numel() > 1 else kept.new_zeros(())
         centred = centred / (std + eps)
-    lowest = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)
-    highest = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)
-    constant = (count < 2) | (lowest == highest)
+    constant = ~groups_with_signal(rewards, keep, group_size).unsqueeze(1)
     return torch.where(constant, 0.0, centred).float().view(-1)
 
 
@@ -78,17 +88,6 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int, valid: torc
     n = (torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()).view(-1, group_size).sum(1, keepdim=True)
     centred = group_advantages(rewards, group_size, "none", valid=valid).double().view(-1, group_size)
     return (centred * n / (n - 1).clamp(min=1)).float().view(-1)
-
-
-def groups_with_signal(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups] bool: True where a group's valid rewards differ (DAPO's dynamic sampling keeps these). A group
-    whose valid rewards are all equal, or that has fewer than 2, gets a zero advantage under every built-in
-    estimator, so it adds no policy gradient: only the KL term and the loss's token count."""
-    grouped = rewards.double().view(-1, group_size)
-    keep = valid.bool().view(-1, group_size)
-    lowest = torch.where(keep, grouped, torch.inf).amin(dim=1)
-    highest = torch.where(keep, grouped, -torch.inf).amax(dim=1)
-    return (keep.sum(dim=1) >= 2) & (lowest < highest)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float = 1.0) -> torch.Tensor:
