@@ -127,6 +127,14 @@ def _pad_sequence(v: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.nn.functional.pad(v, (0, pad))
 
 
+def _unpad_sequence(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``_pad_sequence`` undone: the first ``width`` positions of a [b, s] per-token tensor or a [b, 1, s, s]
+    attention mask (views; other tensors as they are)."""
+    if not torch.is_tensor(v) or v.dim() not in (2, 4) or v.shape[-1] == width:
+        return v
+    return v[..., :width, :width] if v.dim() == 4 else v[:, :width]
+
+
 def _clone_tensors(value: Any) -> Any:
     if torch.is_tensor(value):
         return value.clone()
@@ -332,6 +340,9 @@ class MegatronEngine:
         ``inference_context`` (a KV cache) is handed to the model, microbatch i using cache rows
         from i * micro_batch_size."""
         graphs = not forward_only and cuda_graphs_enabled(self.params)
+        # The caller's widths: _prepare pads every microbatch to one length (a multiple of 2 x CP, of TP under SP,
+        # CUDA graphs' fixed length); the loss function and everything returned see these widths again.
+        widths = [mb["input_ids"].shape[1] for mb in microbatches]
         batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
         if graphs:
             if self._graph_mbs is not None and mbs != self._graph_mbs:
@@ -403,14 +414,18 @@ class MegatronEngine:
                 else:  # logits [b, s, V/tp]
                     if keep_logits is not None:
                         # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
-                        keep_logits[index] = output[:, -1, :].detach().float().clone()
+                        keep_logits[index] = output[:, widths[index] - 1, :].detach().float().clone()
                     # before the cross entropy, which overwrites ``logits``
                     entropy = {"entropy": token_entropy(output.detach(), temperature)} if with_entropy else {}
                     logprobs = token_logprobs(output, inputs["target_ids"], temperature)
                 if cp > 1:  # the full sequence on every CP rank: the loss sees what CP = 1 sees
                     logprobs = gather_sequence(logprobs, 1, cp_group())
                     entropy = {k: gather_sequence(v, 1, cp_group(), differentiable=False) for k, v in entropy.items()}
-                loss_sum, count, metrics = loss_fn(logprobs, {**batch, **entropy})
+                # the padding off again: the loss (and what it returns) has the caller's width
+                width = widths[index]
+                unpadded = {k: _unpad_sequence(v, width) for k, v in {**batch, "logprobs": logprobs, **entropy}.items()}
+                logprobs = unpadded.pop("logprobs")
+                loss_sum, count, metrics = loss_fn(logprobs, unpadded)
                 count = _on_device(count, logprobs.device).to(torch.int)
                 # Megatron-Core sums this count over DP x CP to divide the gradients: one CP rank reports it
                 # (each CP rank's backward carries only its own tokens' share of the same loss)
@@ -493,7 +508,7 @@ class MegatronEngine:
     @_forward_only
     def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-token logprobs of each microbatch's ``input_ids`` (targets = next tokens), on every rank
-        of this DP replica; shape of each: [mbs, seq] (seq = the longest microbatch)."""
+        of this DP replica; shape of each: its own ``input_ids``' [mbs, seq] (the padding the engine adds is removed)."""
         return self._forward_only_per_token(microbatches, temperature, with_entropy=False)[0]
 
     @_forward_only
@@ -517,14 +532,13 @@ class MegatronEngine:
             return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {k: values[k] for k in names}
 
         outputs = self._run(microbatches, keep, temperature, forward_only=True, with_entropy=with_entropy)
-        seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
         result: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         for i, mb in enumerate(microbatches):
             for name in names:
                 if ps.is_pipeline_last_stage(ignore_virtual=True):
                     t = outputs[i][name].float().contiguous()
                 else:
-                    t = torch.empty(mb["input_ids"].shape[0], seq_len, dtype=torch.float32, device=self._device())
+                    t = torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=self._device())
                 result[name].append(self._from_last_stage(t).cpu())
         return result["logprobs"], result.get("entropy", [])
 
