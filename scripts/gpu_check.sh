@@ -58,14 +58,16 @@ fi
 # The real-model run (configs/smollm2_arithmetic_gpu.yaml) when GPU_CHECK_REAL_MODEL names the GGUF file:
 # rows and Oumi's gsm8k reward from .gpu_real/rows (scripts/prepare_gpu_real_model.py), GGUF -> HF here.
 # GPU_CHECK_REAL_STEPS caps the steps (a run resumes from output/ on a machine still warm);
-# GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back.
+# GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back; GPU_CHECK_REAL_SAVE_STEPS checkpoints more
+# often than the config (a run stopped by the budget resumes from its last checkpoint in the next call).
 if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
   [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -4
   timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml output/real_gpu \
       --rows .gpu_real/rows ${GPU_CHECK_REAL_STEPS:+--max-steps "$GPU_CHECK_REAL_STEPS"} ${GPU_CHECK_REAL_BASE:+--eval-base} \
+      ${GPU_CHECK_REAL_SAVE_STEPS:+--save-steps "$GPU_CHECK_REAL_SAVE_STEPS"} \
       > "$RESULTS/real_model.log" 2>&1
   echo "real-model run exit $? ($(grep -c . output/real_gpu/run/metrics.jsonl 2>/dev/null) metrics rows)"
-  grep -E "eval at step|eval accuracy|Error|error" "$RESULTS/real_model.log" | tail -15
+  grep -E "eval at step|accuracy: step|Error|error" "$RESULTS/real_model.log" | tail -15
   cp output/real_gpu/run/metrics.jsonl "$RESULTS/real_metrics.jsonl" 2>/dev/null
   cp output/real_gpu/result.json "$RESULTS/real_result.json" 2>/dev/null
   tail -c 3000 "$RESULTS/real_model.log" > "$RESULTS/real_model_tail.log"; rm -f "$RESULTS/real_model.log"
@@ -252,11 +254,12 @@ real = pathlib.Path(sys.argv[1]) / "real_result.json"
 if real.is_file():
     r = json.loads(real.read_text())
     c, t = r["eval_curve"], r["train"]
-    print("\n| real model (SmolLM2-135M, arithmetic) | card | steps | held-out accuracy first -> last eval | exported hf_model | format | rollout s / train s (last step) | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| configs/smollm2_arithmetic_gpu.yaml | {r['card']} | {c[-1]['step']} | {c[0]['eval/accuracy']:.3f} -> {c[-1]['eval/accuracy']:.3f} "
-          f"| {r['hf_model_eval']['eval/accuracy']:.3f} | {c[-1]['eval/format_rate']:.2f} | {t[-1]['time/rollout_s']:.1f} / {t[-1]['time/train_s']:.2f} "
-          f"| {max(x['perf/peak_gpu_memory_gib'] or 0 for x in t):.1f} |")
+    print("\n| real model (SmolLM2-135M, arithmetic) | eval set | card | steps | accuracy first -> last eval | exported hf_model | format | rollout s / train s (last step) | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for prefix in [k.split("/")[0] for k in c[-1] if k.endswith("/accuracy")]:
+        print(f"| configs/smollm2_arithmetic_gpu.yaml | {prefix} | {r['card']} | {c[-1]['step']} | {c[0][prefix + '/accuracy']:.3f} -> {c[-1][prefix + '/accuracy']:.3f} "
+              f"| {r['hf_model_eval'][prefix + '/accuracy']:.3f} | {c[-1][prefix + '/format_rate']:.2f} | {t[-1]['time/rollout_s']:.1f} / {t[-1]['time/train_s']:.2f} "
+              f"| {max(x['perf/peak_gpu_memory_gib'] or 0 for x in t):.1f} |")
 sync = pathlib.Path(sys.argv[1]) / "sync.json"
 if sync.is_file():
     r = json.loads(sync.read_text())

@@ -1,16 +1,22 @@
-"""Arithmetic word problems in gsm8k's format, generated locally (no hub access needed).
+"""Arithmetic word problems in gsm8k's format, generated locally (no hub access needed), split by template.
 
 Rows have gsm8k's columns, ``question`` and ``answer`` (worked steps with ``<<a+b=c>>`` annotations,
 ending ``#### N``), so they load through Oumi's own ``openai/gsm8k`` dataset class (``dataset_path``)
 and are scored by Oumi's ``gsm8k`` reward: the path a real gsm8k user takes, with data that exists here.
 
-Difficulty levels (the ``level`` column, kept for per-level analysis; the gsm8k class ignores it):
-1. one operation on small numbers (add, take away, times, share equally);
-2. two operations (buy items and pay, earn and spend, groups plus extra);
-3. three operations (a day of trades; price, discount and change).
-Every answer is a non-negative integer; divisions are exact. Templates and names are drawn from a seeded
-generator, so a seed gives the same file on every machine; train and eval use different seeds and
-no eval question appears in train (checked when writing).
+**Templates.** 48 phrasings over 8 operation structures (``KINDS``): four one-step (add, take away, times,
+share equally) and four two-step (groups plus extra, pay and get change, gain then lose, a sum repeated),
+six phrasings each, in different settings (money, time, distance, classrooms, farms, ...). Half of them
+carry a distractor number the answer does not use (an age, a time of day, a length).
+
+**Splits.** Two phrasings of every structure (``UNSEEN_INDEX``) are never trained on: ``eval_unseen`` asks
+them, so its accuracy measures whether the model learned arithmetic word problems, not the 32 training
+phrasings. ``eval_seen`` asks the training phrasings with new numbers (no question also in train), the
+in-template number that a held-out split of one generator gives. The ``template`` column names each row's
+phrasing (``add.3``), ``level`` its number of steps; Oumi's gsm8k class ignores both.
+
+Every answer is a non-negative integer; divisions are exact. Numbers, names and items are drawn from a
+seeded generator, so a seed gives the same files on every machine.
 """
 
 from __future__ import annotations
@@ -18,148 +24,218 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 NAMES = ("Ava", "Ben", "Carla", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jack", "Lena", "Mateo",
          "Nora", "Omar", "Priya", "Sam", "Tara", "Umar", "Vera", "Yusuf")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "eggs")
-Problem = tuple[str, list[str], int]  # question, worked steps, answer
+Step = tuple[int, str, int, int]  # a, operator, b, result
 
 
-def _step(text: str, a: int, op: str, b: int, result: int) -> str:
-    """A gsm8k worked step: ``text`` mentions the result; the calculator annotation shows the operation."""
-    return f"{text.format(calc=f'{a}{op}{b}=<<{a}{op}{b}={result}>>{result}')}"
-
-
-def _add(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+def _add(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
     a, b = rng.randint(5, 60), rng.randint(3, 40)
-    q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
-    return q, [_step(f"{name} has {{calc}} {item}.", a, "+", b, a + b)], a + b
+    return {"a": a, "b": b}, [(a, "+", b, a + b)]
 
 
-def _subtract(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+def _subtract(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
     a = rng.randint(20, 90)
     b = rng.randint(3, a - 5)
-    q = f"{name} had {a} {item} and gave {b} of them to a friend. How many {item} does {name} have left?"
-    return q, [_step(f"{name} has {{calc}} {item} left.", a, "-", b, a - b)], a - b
+    return {"a": a, "b": b}, [(a, "-", b, a - b)]
 
 
-def _multiply(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    boxes, per = rng.randint(2, 9), rng.randint(3, 12)
-    q = f"{name} buys {boxes} bags with {per} {item} in each bag. How many {item} does {name} buy?"
-    return q, [_step(f"{name} buys {{calc}} {item}.", boxes, "*", per, boxes * per)], boxes * per
+def _multiply(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    a, b = rng.randint(2, 9), rng.randint(3, 12)
+    return {"a": a, "b": b}, [(a, "*", b, a * b)]
 
 
-def _share(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    friends, each = rng.randint(2, 8), rng.randint(2, 12)
-    total = friends * each
-    q = f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?"
-    return q, [_step(f"Each friend gets {{calc}} {item}.", total, "/", friends, each)], each
+def _divide(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    b, q = rng.randint(2, 9), rng.randint(2, 12)
+    return {"a": b * q, "b": b}, [(b * q, "/", b, q)]
 
 
-def _buy_and_pay(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    count, price = rng.randint(2, 9), rng.randint(2, 9)
-    cost = count * price
-    paid = cost + rng.randint(1, 20)
-    q = (f"{name} buys {count} {item} that cost ${price} each and pays with ${paid}. "
-         f"How many dollars of change does {name} get?")
-    steps = [_step(f"The {item} cost {{calc}} dollars.", count, "*", price, cost),
-             _step(f"The change is {{calc}} dollars.", paid, "-", cost, paid - cost)]
-    return q, steps, paid - cost
+def _groups_plus(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    a, b, c = rng.randint(2, 8), rng.randint(3, 10), rng.randint(1, 15)
+    return {"a": a, "b": b, "c": c}, [(a, "*", b, a * b), (a * b, "+", c, a * b + c)]
 
 
-def _earn_and_spend(rng: random.Random) -> Problem:
-    name = rng.choice(NAMES)
-    days, rate = rng.randint(2, 7), rng.randint(5, 15)
-    earned = days * rate
-    spent = rng.randint(3, earned - 1)
-    q = (f"{name} earns ${rate} a day for {days} days and then spends ${spent} on a game. "
-         f"How many dollars does {name} have left?")
-    steps = [_step(f"{name} earns {{calc}} dollars.", days, "*", rate, earned),
-             _step(f"{name} has {{calc}} dollars left.", earned, "-", spent, earned - spent)]
-    return q, steps, earned - spent
+def _pay_change(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    a, b = rng.randint(2, 6), rng.randint(2, 9)
+    c = a * b + rng.randint(1, 25)
+    return {"a": a, "b": b, "c": c}, [(a, "*", b, a * b), (c, "-", a * b, c - a * b)]
 
 
-def _groups_plus(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    rows, per, extra = rng.randint(2, 8), rng.randint(3, 10), rng.randint(1, 15)
-    grid = rows * per
-    q = (f"{name} puts {item} in {rows} rows of {per}. There are {extra} more {item} in a box. "
-         f"How many {item} are there in total?")
-    steps = [_step(f"The rows hold {{calc}} {item}.", rows, "*", per, grid),
-             _step(f"In total there are {{calc}} {item}.", grid, "+", extra, grid + extra)]
-    return q, steps, grid + extra
+def _gain_lose(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    a, b = rng.randint(10, 40), rng.randint(5, 30)
+    c = rng.randint(2, a + b - 1)
+    return {"a": a, "b": b, "c": c}, [(a, "+", b, a + b), (a + b, "-", c, a + b - c)]
 
 
-def _trading_day(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    start, bought, sold_to_each, buyers = rng.randint(10, 40), rng.randint(5, 30), rng.randint(2, 5), rng.randint(2, 4)
-    after_buy = start + bought
-    sold = sold_to_each * buyers
-    q = (f"{name} has {start} {item} and buys {bought} more. Then {name} sells {sold_to_each} {item} to each of "
-         f"{buyers} neighbours. How many {item} does {name} have at the end?")
-    steps = [_step(f"After buying, {name} has {{calc}} {item}.", start, "+", bought, after_buy),
-             _step(f"{name} sells {{calc}} {item}.", sold_to_each, "*", buyers, sold),
-             _step(f"At the end {name} has {{calc}} {item}.", after_buy, "-", sold, after_buy - sold)]
-    return q, steps, after_buy - sold
+def _sum_repeated(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
+    a, b, c = rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 7)
+    return {"a": a, "b": b, "c": c}, [(a, "+", b, a + b), (a + b, "*", c, (a + b) * c)]
 
 
-def _discount_and_change(rng: random.Random) -> Problem:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    count, price = rng.randint(2, 6), rng.randint(4, 10)
-    full = count * price
-    discount = rng.randint(1, full // 3)
-    paid = ((full - discount) // 10 + 1) * 10 + rng.choice((0, 10))
-    q = (f"{count} packs of {item} cost ${price} each. {name} gets ${discount} off the total and pays with "
-         f"${paid}. How many dollars of change does {name} get?")
-    steps = [_step("The packs cost {calc} dollars.", count, "*", price, full),
-             _step("With the discount that is {calc} dollars.", full, "-", discount, full - discount),
-             _step("The change is {calc} dollars.", paid, "-", full - discount, paid - (full - discount))]
-    return q, steps, paid - (full - discount)
-
-
-LEVELS: dict[int, tuple[Callable[[random.Random], Problem], ...]] = {
-    1: (_add, _subtract, _multiply, _share),
-    2: (_buy_and_pay, _earn_and_spend, _groups_plus),
-    3: (_trading_day, _discount_and_change),
+# Operation structure -> (numbers and worked steps, six phrasings). Slots: {name}, {item}, the numbers {a} {b}
+# {c}, and {x}: a distractor number the answer does not use.
+KINDS: dict[str, tuple[Callable[[random.Random], tuple[dict[str, int], list[Step]]], tuple[str, ...]]] = {
+    "add": (_add, (
+        "{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?",
+        "A library had {a} visitors in the morning and {b} in the afternoon. It opened at {x} o'clock. "
+        "How many visitors came that day?",
+        "{name} walked {a} minutes to the park and then {b} minutes to the shop. How many minutes did {name} walk in all?",
+        "There are {a} red balloons and {b} blue balloons at {name}'s party, which starts at {x} o'clock. "
+        "How many balloons are there?",
+        "{name} scored {a} points in the first game and {b} points in the second game. What is {name}'s total score?",
+        "A farmer who has {x} cows picks {a} apples on Monday and {b} apples on Tuesday. How many apples did the "
+        "farmer pick?",
+    )),
+    "sub": (_subtract, (
+        "{name} had {a} {item} and gave {b} of them to a friend. How many {item} does {name} have left?",
+        "A bus had {a} passengers. At the next stop, {x} minutes later, {b} passengers got off. How many passengers "
+        "are still on the bus?",
+        "{name} needs {a} points to win a prize and already has {b}. How many more points does {name} need?",
+        "A shop had {a} {item} on a shelf that is {x} meters long. It sold {b} of them. How many {item} are left on "
+        "the shelf?",
+        "{name} had ${a} and spent ${b} on lunch. How many dollars does {name} have now?",
+        "A rope was {a} meters long. {name}, who is {x} years old, cut off {b} meters. How many meters long is the "
+        "rope now?",
+    )),
+    "mul": (_multiply, (
+        "{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?",
+        "A classroom on floor {x} has {a} rows of desks with {b} desks in each row. How many desks are in the "
+        "classroom?",
+        "{name} reads {b} pages every day for {a} days. How many pages does {name} read?",
+        "Each of {name}'s {a} boxes holds {b} {item}, and {name} is {x} years old. How many {item} are in the boxes?",
+        "Tickets to the show cost ${b} each. How many dollars do {a} tickets cost?",
+        "{name} plants {a} rows of trees with {b} trees in each row. The garden has {x} benches. How many trees "
+        "does {name} plant?",
+    )),
+    "div": (_divide, (
+        "{name} shares {a} {item} equally among {b} friends. How many {item} does each friend get?",
+        "A teacher with {x} years of experience puts {a} students into {b} equal teams. How many students are on "
+        "each team?",
+        "{name} paid ${a} for {b} notebooks that all cost the same. How many dollars did one notebook cost?",
+        "A baker bakes {a} muffins in {x} minutes and packs them in boxes of {b}. How many boxes does the baker fill?",
+        "A {a} kilometer trip is split into {b} equal parts. How many kilometers long is each part?",
+        "{name} has {a} {item} and puts them in piles of {b}. {name}'s brother is {x} years old. How many piles "
+        "does {name} make?",
+    )),
+    "groups_plus": (_groups_plus, (
+        "{name} puts {item} in {a} rows of {b}. There are {c} more {item} in a box. How many {item} are there in "
+        "total?",
+        "A store that opens at {x} o'clock sells {a} packs of pens with {b} pens in each pack, and {c} loose pens. "
+        "How many pens does the store sell?",
+        "{name} earns ${b} an hour for {a} hours and gets a ${c} tip. How many dollars does {name} get in all?",
+        "A train has {a} cars with {b} seats each, plus {c} seats in the engine car. The train leaves at {x} o'clock. "
+        "How many seats does the train have?",
+        "{name} has {c} stamps and buys {a} sheets of {b} stamps each. How many stamps does {name} have now?",
+        "A gardener plants {a} rows of {b} tulips and then {c} more tulips by the gate. The garden is {x} meters "
+        "wide. How many tulips did the gardener plant?",
+    )),
+    "pay_change": (_pay_change, (
+        "{name} buys {a} {item} that cost ${b} each and pays with ${c}. How many dollars of change does {name} get?",
+        "A tank holds {c} liters of water. {name}, who is {x} years old, fills {a} buckets of {b} liters from it. "
+        "How many liters are left in the tank?",
+        "{name} had {c} stickers and gave {b} stickers to each of {a} friends. How many stickers does {name} have "
+        "left?",
+        "A book has {c} pages. {name} reads {b} pages a day for {a} days, starting at {x} o'clock each day. How "
+        "many pages are left to read?",
+        "There were {c} seats in a hall. {a} groups of {b} people sat down. How many seats are still empty?",
+        "{name} saved ${c} over {x} weeks and bought {a} games at ${b} each. How many dollars does {name} have left?",
+    )),
+    "gain_lose": (_gain_lose, (
+        "{name} has {a} {item} and buys {b} more. Then {name} gives away {c}. How many {item} does {name} have at "
+        "the end?",
+        "A parking lot with {x} rows has {a} cars. {b} more cars arrive and {c} cars leave. How many cars are in "
+        "the lot now?",
+        "{name}'s class collected {a} cans on Monday and {b} cans on Tuesday, then recycled {c} of them. How many "
+        "cans are left?",
+        "A baker made {a} rolls in the morning and {b} in the afternoon and sold {c}. The shop closes at {x} o'clock. "
+        "How many rolls were not sold?",
+        "{name} had ${a}, earned ${b} more, and then spent ${c}. How many dollars does {name} have?",
+        "A pond had {a} ducks. {b} more ducks landed and then {c} flew away, {x} minutes later. How many ducks are "
+        "on the pond?",
+    )),
+    "sum_repeated": (_sum_repeated, (
+        "{name} reads {a} pages in the morning and {b} pages at night, every day for {c} days. How many pages does "
+        "{name} read?",
+        "Each box holds {a} red marbles and {b} blue marbles. The boxes weigh {x} kilograms. How many marbles are "
+        "in {c} boxes?",
+        "A runner runs {a} kilometers before lunch and {b} kilometers after lunch each day. How many kilometers does "
+        "the runner run in {c} days?",
+        "Every week {name}, who is {x} years old, saves ${a} from chores and ${b} from a paper route. How many "
+        "dollars does {name} save in {c} weeks?",
+        "A bakery packs {a} muffins and {b} cookies in each basket. How many treats are in {c} baskets?",
+        "Each table at a party has {a} adults and {b} children, and the party lasts {x} hours. How many people sit "
+        "at {c} tables?",
+    )),
 }
+UNSEEN_INDEX = (2, 5)
+"""The phrasings of every structure that only ``eval_unseen`` asks."""
 
 
-def make_rows(n: int, seed: int, levels: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
-    """``n`` rows ``{"question", "answer", "level"}``, levels in turn; deterministic in ``seed``."""
+@dataclass(frozen=True)
+class Template:
+    id: str
+    """``kind.index``, e.g. ``add.3``."""
+    kind: str
+    text: str
+
+    @property
+    def unseen(self) -> bool:
+        return int(self.id.rsplit(".", 1)[1]) in UNSEEN_INDEX
+
+    @property
+    def distractor(self) -> bool:
+        return "{x}" in self.text
+
+
+TEMPLATES: tuple[Template, ...] = tuple(Template(f"{kind}.{i}", kind, text)
+                                        for kind, (_, texts) in KINDS.items() for i, text in enumerate(texts))
+TRAIN_TEMPLATES = tuple(t for t in TEMPLATES if not t.unseen)
+UNSEEN_TEMPLATES = tuple(t for t in TEMPLATES if t.unseen)
+
+
+def make_row(template: Template, rng: random.Random) -> dict:
+    """One problem of ``template``: ``{"question", "answer", "level", "template"}``."""
+    numbers, steps = KINDS[template.kind][0](rng)
+    question = template.text.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), x=rng.randint(3, 12), **numbers)
+    worked = [f"{a}{op}{b}=<<{a}{op}{b}={r}>>{r}." for a, op, b, r in steps]
+    return {"question": question, "answer": "\n".join(worked) + f"\n#### {steps[-1][3]}", "level": len(steps),
+            "template": template.id}
+
+
+def make_rows(n: int, seed: int, templates: tuple[Template, ...] = TRAIN_TEMPLATES) -> list[dict]:
+    """``n`` rows, the templates in turn (each equally often); deterministic in ``seed``."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        level = levels[i % len(levels)]
-        question, steps, answer = rng.choice(LEVELS[level])(rng)
-        rows.append({"question": question, "answer": "\n".join(steps) + f"\n#### {answer}", "level": level})
-    return rows
+    return [make_row(templates[i % len(templates)], rng) for i in range(n)]
 
 
-def write_splits(out_dir: str | Path, train: int = 2000, eval_: int = 200, levels: tuple[int, ...] = (1, 2, 3),
-                 seed: int = 0) -> tuple[Path, Path]:
-    """``arithmetic_train.jsonl`` and ``arithmetic_eval.jsonl`` in ``out_dir``; eval questions that also
-    occur in train are replaced, so the eval split is held out."""
+SPLIT_FILES = {"train": "arithmetic_train.jsonl", "eval_seen": "arithmetic_eval_seen.jsonl",
+               "eval_unseen": "arithmetic_eval_unseen.jsonl"}
+
+
+def write_splits(out_dir: str | Path, train: int = 2000, eval_: int = 200, seed: int = 0) -> dict[str, Path]:
+    """``arithmetic_train.jsonl`` (training templates), ``arithmetic_eval_seen.jsonl`` (training templates, no
+    question also in train) and ``arithmetic_eval_unseen.jsonl`` (the other templates) in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train_rows = make_rows(train, seed, levels)
-    seen = {r["question"] for r in train_rows}
-    eval_rows: list[dict] = []
+    rows = {"train": make_rows(train, seed)}
+    seen = {r["question"] for r in rows["train"]}
+    rows["eval_seen"] = []
     attempt = 0
-    while len(eval_rows) < eval_:
-        for row in make_rows(eval_, seed + 1000 + attempt, levels):
-            if row["question"] not in seen and len(eval_rows) < eval_:
+    while len(rows["eval_seen"]) < eval_:
+        for row in make_rows(eval_, seed + 1000 + attempt):
+            if row["question"] not in seen and len(rows["eval_seen"]) < eval_:
                 seen.add(row["question"])
-                eval_rows.append(row)
+                rows["eval_seen"].append(row)
         attempt += 1
-    paths = out / "arithmetic_train.jsonl", out / "arithmetic_eval.jsonl"
-    for path, rows in zip(paths, (train_rows, eval_rows)):
+    rows["eval_unseen"] = make_rows(eval_, seed + 2000, UNSEEN_TEMPLATES)
+    paths = {}
+    for split, name in SPLIT_FILES.items():
+        path = paths[split] = out / name
         tmp = path.with_name(f".{path.name}.partial")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows[split]))
         tmp.replace(path)
     return paths

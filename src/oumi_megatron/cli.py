@@ -7,7 +7,7 @@
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
     oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
     oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
-    oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200] [--levels 1,2,3]
+    oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200]
 
 convert/export run on one process, or on several under torchrun with the matching --tp/--pp.
 
@@ -184,14 +184,15 @@ def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.arithmetic_task import write_splits
 
-    try:
-        levels = tuple(int(x) for x in args.levels.split(","))
-    except ValueError:
-        raise SystemExit(f"error: --levels {args.levels!r}: give levels as numbers, e.g. 1,2,3") from None
-    if not levels or any(level not in (1, 2, 3) for level in levels):
-        raise SystemExit(f"error: --levels {args.levels!r}: levels are 1, 2 and 3")
-    train, eval_ = write_splits(args.out, train=args.train, eval_=args.eval, levels=levels, seed=args.seed)
-    console.print(f"wrote {train} ({args.train} rows) and {eval_} ({args.eval} rows)")
+    from oumi_megatron.arithmetic_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES
+
+    for name, value in (("--train", args.train), ("--eval", args.eval)):
+        if value < 1:
+            raise SystemExit(f"error: {name} {value}: write at least 1 row")
+    paths = write_splits(args.out, train=args.train, eval_=args.eval, seed=args.seed)
+    console.print(f"wrote {paths['train']} ({args.train} rows, {len(TRAIN_TEMPLATES)} templates), {paths['eval_seen']} "
+                  f"({args.eval} rows, the same templates) and {paths['eval_unseen']} ({args.eval} rows, "
+                  f"{len(UNSEEN_TEMPLATES)} templates never trained on)")
     return 0
 
 
@@ -285,13 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="output HF folder (written atomically)")
     g.set_defaults(func=cmd_gguf_to_hf)
 
-    a = sub.add_parser("make-arithmetic-data", help="write gsm8k-format arithmetic word problems "
-                       "(arithmetic_train.jsonl, arithmetic_eval.jsonl)")
+    a = sub.add_parser("make-arithmetic-data", help="write gsm8k-format arithmetic word problems split by template "
+                       "(arithmetic_train.jsonl, arithmetic_eval_seen.jsonl, arithmetic_eval_unseen.jsonl)")
     a.add_argument("--out", default="data", help="output folder")
     a.add_argument("--train", type=int, default=2000, help="training rows")
-    a.add_argument("--eval", type=int, default=200, help="held-out rows")
-    a.add_argument("--levels", default="1,2,3", help="difficulty levels, in turn (1: one step ... 3: three steps)")
-    a.add_argument("--seed", type=int, default=0, help="generator seed (eval uses other seeds)")
+    a.add_argument("--eval", type=int, default=200, help="rows of each eval set (seen templates, unseen templates)")
+    a.add_argument("--seed", type=int, default=0, help="generator seed (the eval sets use other seeds)")
     a.set_defaults(func=cmd_make_arithmetic_data)
     return parser
 

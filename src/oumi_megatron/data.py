@@ -23,21 +23,31 @@ class DataError(UserInputError):
 
 
 class PromptDataset:
-    """The rows of several datasets as one sequence (``data.train.datasets`` in order)."""
+    """The rows of several datasets as one sequence (``data.train.datasets`` in order); ``rows`` gives, per
+    dataset, the row numbers it contributes (default: all of them, in order)."""
 
-    def __init__(self, parts: list[Any]) -> None:
+    def __init__(self, parts: list[Any], rows: list[list[int]] | None = None) -> None:
         self.parts = parts
-        self.sizes = [len(p) for p in parts]
+        self.rows = rows if rows is not None else [list(range(len(p))) for p in parts]
+        self.sizes = [len(r) for r in self.rows]
 
     def __len__(self) -> int:
         return sum(self.sizes)
 
     def __getitem__(self, i: int) -> Any:
-        for part, size in zip(self.parts, self.sizes):
-            if i < size:
-                return part[i]
-            i -= size
+        for part, rows in zip(self.parts, self.rows):
+            if i < len(rows):
+                return part[rows[i]]
+            i -= len(rows)
         raise IndexError(i)
+
+
+def sampled_rows(size: int, sample_count: int | None) -> list[int]:
+    """Oumi's ``sample_count`` without shuffling (oumi/builders/data.py): the first ``sample_count`` rows; more
+    than the dataset has repeats it whole, then its first rows."""
+    if sample_count is None:
+        return list(range(size))
+    return [i % size for i in range(sample_count)]
 
 
 def _scan_jsonl(path: Path, where: str) -> list[int]:
@@ -93,7 +103,8 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
 
     load_plugins(config.grpo.plugins)  # a plugin may register the dataset (the demo's does)
     started = time.perf_counter()
-    parts = []
+    parts: list[Any] = []
+    rows: list[list[int]] = []
     for i, d in enumerate(getattr(config.data, split).datasets):
         where = f"data.{split}.datasets[{i}] ({d.dataset_name})"
         cls = REGISTRY.get_dataset(d.dataset_name, subset=d.subset)
@@ -118,6 +129,12 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
             raise DataError(f"{where}: cannot load {source}: {type(e).__name__}: {e}") from e
         if len(dataset) == 0:
             raise DataError(f"{where}: {source} has no rows. Point it at data with prompts.")
+        if d.sample_count is not None and d.shuffle:
+            raise DataError(f"{where}: sample_count with shuffle: true is not supported by MEGATRON_GRPO (the trainer "
+                            "shuffles the training prompts itself). Set shuffle: false to use the first sample_count rows.")
+        if d.sample_count is not None and d.sample_count < 1:
+            raise DataError(f"{where}: sample_count is {d.sample_count}: use at least 1 row, or null for all of them.")
+        rows.append(sampled_rows(len(dataset), d.sample_count))
         for index in range(len(dataset)):
             row_name = f"row {index}" + (f" (line {lines[index]})" if lines and index < len(lines) else "")
             try:
@@ -130,11 +147,23 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
                 raise DataError(f"{where}: {source} {row_name} {problem}. Every row needs a prompt "
                                 f"(a {d.dataset_name} row as {cls.__name__} expects).")
         parts.append(dataset)
-    prompts = PromptDataset(parts)
+    prompts = PromptDataset(parts, rows)
     if log is not None:
         what = "Training" if split == "train" else "Evaluation"
         log.info(f"{what} data: {len(prompts)} prompts checked in {time.perf_counter() - started:.1f} s.")
     return prompts
+
+
+def load_eval_sets(config: Any, log: Any = None) -> dict[str, PromptDataset]:
+    """``data.validation`` as eval sets by metric prefix (``grpo.eval_metric_prefixes``; default: one set, ``eval``),
+    each the datasets with that prefix, in order."""
+    everything = load_prompts(config, log=log, split="validation")
+    prefixes = list(config.grpo.eval_metric_prefixes) or ["eval"] * len(everything.parts)
+    sets: dict[str, PromptDataset] = {}
+    for prefix in dict.fromkeys(prefixes):
+        mine = [i for i, p in enumerate(prefixes) if p == prefix]
+        sets[prefix] = PromptDataset([everything.parts[i] for i in mine], [everything.rows[i] for i in mine])
+    return sets
 
 
 def steps_for_epochs(epochs: float, rows: int, prompts_per_step: int) -> int:

@@ -2,7 +2,7 @@
 
 The same prompts (``data.validation``), rewards, generation limits and rollout backend as the
 evaluation during training (trainer/evaluation.py), so the base model, an exported ``hf_model`` and the
-run's own ``eval/`` metrics are directly comparable. The weights are read in memory by
+run's own ``eval/`` metrics (and those of every eval set, ``grpo.eval_metric_prefixes``) are directly comparable. The weights are read in memory by
 Megatron-Bridge (nothing is converted on disk); the layout is the config's (TP/PP under torchrun).
 """
 
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from oumi_megatron.data import load_prompts
+from oumi_megatron.data import load_eval_sets
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.validation import validate_config
 
@@ -25,11 +25,11 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     if not (config.data.validation and config.data.validation.datasets):
         raise UserInputError("data.validation has no datasets, so there is nothing to evaluate on. Add the held-out "
                              "prompts under data.validation.datasets (e.g. dataset_name: openai/gsm8k with "
-                             "dataset_path: data/arithmetic_eval.jsonl).")
+                             "dataset_path: data/arithmetic_eval_seen.jsonl).")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.training.eval_strategy = "no"  # this is the evaluation; the training schedule does not apply
     validate_config(config, world_size=world_size).require_layout()
-    prompts = load_prompts(config, log=log, split="validation")
+    eval_sets = load_eval_sets(config, log=log)
 
     from oumi.builders import build_tokenizer
 
@@ -45,10 +45,11 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
                                                    work_dir=Path(config.training.output_dir) / "eval_vllm"))
     rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
-    evaluator = Evaluator(prompts, tokenizer, rewards, backend, config.grpo,
-                          batch_size=config.training.per_device_eval_batch_size, device=engine._device())
+    metrics: dict[str, float] = {}
     try:
-        metrics = evaluator.run()
+        for prefix, prompts in eval_sets.items():
+            metrics.update(Evaluator(prompts, tokenizer, rewards, backend, config.grpo, prefix=prefix,
+                                     batch_size=config.training.per_device_eval_batch_size, device=engine._device()).run())
     finally:
         backend.close()
     return metrics

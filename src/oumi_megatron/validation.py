@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,7 +166,22 @@ def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     if strategy != "no" and t.per_device_eval_batch_size < 1:
         r.add("training.per_device_eval_batch_size", f"must be >= 1 (eval prompts per generate call), got "
                                                      f"{t.per_device_eval_batch_size!r}.")
+    _check_eval_metric_prefixes(cfg, r)
     _check_output_dir(t.output_dir, r)
+
+
+def _check_eval_metric_prefixes(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    prefixes = list(cfg.grpo.eval_metric_prefixes)
+    if not prefixes:
+        return
+    datasets = len(cfg.data.validation.datasets)
+    if len(prefixes) != datasets:
+        r.add("grpo.eval_metric_prefixes", f"has {len(prefixes)} entries and data.validation.datasets has {datasets}: "
+                                           "give one prefix per validation dataset, in order (e.g. [eval, eval_unseen]).")
+    for i, prefix in enumerate(prefixes):
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", prefix):
+            r.add(f"grpo.eval_metric_prefixes[{i}]", f"{prefix!r} is not a metric prefix: use letters, digits and _ "
+                                                     "(e.g. eval_unseen), starting with a letter.")
 
 
 def _check_output_dir(output_dir: str, r: ValidationReport) -> None:

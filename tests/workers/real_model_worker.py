@@ -4,11 +4,11 @@
 
 The lent GPU image has no Oumi (its dependencies do not fit a call), so what Oumi provides is replaced
 by what it produced on a machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's
-``openai/gsm8k`` dataset class transformed them (DIR/{train,eval}.rows.jsonl) and the source of Oumi's
+``openai/gsm8k`` dataset class transformed them (DIR/train.rows.jsonl, DIR/<eval set prefix>.rows.jsonl) and the source of Oumi's
 ``gsm8k`` reward (DIR/oumi_gsm8k_reward.py, executed here with its two registry imports stubbed). The
 YAML's megatron:/grpo: sections are read into the same dataclasses; the training section's fields are
 read as they are. Same trainer, engine, rollout backend and evaluator as ``oumi train``. Writes
-WORK/result.json (rank 0): the eval curve, the base model's and the exported model's held-out numbers.
+WORK/result.json (rank 0): the eval curves (every eval set), the base model's and the exported model's held-out numbers.
 """
 
 import argparse
@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--rows", required=True)
     p.add_argument("--model", default=None, help="HF folder (default: model.model_name)")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--save-steps", type=int, default=None, help="checkpoint interval (default: the config's): a run "
+                   "cut off by a device call's time limit resumes from its last checkpoint")
     p.add_argument("--eval-base", action="store_true", help="also evaluate the base model with `eval`'s path")
     args = p.parse_args()
 
@@ -79,11 +81,12 @@ def main() -> None:
     dtype = getattr(torch, raw["model"].get("torch_dtype_str", "bfloat16"))
     reward = {"gsm8k": oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")}
     train_rows = [json.loads(line) for line in (rows_dir / "train.rows.jsonl").read_text().splitlines()]
-    eval_rows = [json.loads(line) for line in (rows_dir / "eval.rows.jsonl").read_text().splitlines()]
+    eval_sets = {prefix: [json.loads(line) for line in (rows_dir / f"{prefix}.rows.jsonl").read_text().splitlines()]
+                 for prefix in dict.fromkeys(grpo.eval_metric_prefixes or ["eval"])}
     max_steps = args.max_steps or t["max_steps"]
     out = work / "run"
     training = SimpleNamespace(
-        output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=t["save_steps"],
+        output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
         enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=True,
         eval_strategy=t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
@@ -106,7 +109,11 @@ def main() -> None:
         _, engine = build_inference_engine(model_dir, params, dtype)
         backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=t["seed"])
         rewards = RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward)
-        return Evaluator(eval_rows, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device).run()
+        metrics: dict = {}
+        for prefix, rows in eval_sets.items():
+            metrics.update(Evaluator(rows, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device,
+                                     prefix=prefix).run())
+        return metrics
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result: dict = {"card": card, "config": args.config, "max_steps": max_steps}
@@ -119,12 +126,12 @@ def main() -> None:
     settings = OptimSettings(lr=t["learning_rate"], total_steps=max_steps * updates)
     bridge, engine = build_engine(checkpoint, params, settings, dtype)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, train_rows,
-                                      reward_functions=reward, eval_dataset=eval_rows)
+                                      reward_functions=reward, eval_dataset=eval_sets)
     trainer.train()
     result["train_seconds"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.startswith("eval/")}
+        result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.split("/")[0] in eval_sets}
                                 for m in metrics if "eval/reward_mean" in m]
         result["train"] = [{k: m.get(k) for k in ("step", "reward/mean", "completion_length/mean", "time/rollout_s",
                                                    "time/train_s", "time/logprob_s", "tokens_per_s",
@@ -135,8 +142,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         (work / "result.json").write_text(json.dumps(result, indent=1))
         curve = result["eval_curve"]
-        print(f"eval accuracy: step {curve[0]['step']} {curve[0]['eval/accuracy']:.3f} -> step {curve[-1]['step']} "
-              f"{curve[-1]['eval/accuracy']:.3f}; exported hf_model {result['hf_model_eval']['eval/accuracy']:.3f}")
+        for prefix in eval_sets:
+            print(f"{prefix} accuracy: step {curve[0]['step']} {curve[0][f'{prefix}/accuracy']:.3f} -> step "
+                  f"{curve[-1]['step']} {curve[-1][f'{prefix}/accuracy']:.3f}; exported hf_model "
+                  f"{result['hf_model_eval'][f'{prefix}/accuracy']:.3f}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ class MegatronGrpoParams(BaseParams):
     log_completions: bool = False
     """Log a few prompt/completion/reward samples every step."""
 
+    eval_metric_prefixes: list[str] = field(default_factory=list)
+    """One metric prefix per ``data.validation.datasets`` entry, in order: each prefix is its own eval set, e.g.
+    ``[eval, eval_unseen]`` reports ``eval/accuracy`` and ``eval_unseen/accuracy`` (entries with the same prefix
+    are pooled; TRL names a dict of eval datasets the same way, ``eval_<name>_...``). Empty: every validation
+    dataset in one set, ``eval/``."""
+
     # Loss.
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""

@@ -4,7 +4,8 @@ Used by the trainer (``training.eval_strategy`` / ``eval_steps``: at step 0, eve
 the end, as TRL and verl users expect) and by ``oumi-megatron eval`` (any HF folder: the base model, an
 exported ``hf_model``), so both print the same numbers for the same weights.
 
-Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots):
+Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots; each eval set its own prefix, from
+``grpo.eval_metric_prefixes``, e.g. ``eval_unseen/accuracy``):
 - ``eval/reward_mean``: mean weighted reward over the scored eval prompts (for Oumi's ``gsm8k`` reward,
   the accuracy: 1 for the right number after "####", else 0); ``eval/reward/<name>`` per function;
 - ``eval/accuracy`` and ``eval/format_rate`` (when a ``gsm8k`` reward is used): the fraction of prompts
@@ -48,8 +49,9 @@ class Evaluator:
     """Greedy generation on ``rows`` (Oumi GRPO dataset rows) with ``backend``; rewards as in training."""
 
     def __init__(self, rows: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
-                 batch_size: int, device: torch.device) -> None:
+                 batch_size: int, device: torch.device, prefix: str = "eval") -> None:
         self.rows = rows
+        self.prefix = prefix
         self.tokenizer = tokenizer
         self.rewards = rewards
         self.backend = backend
@@ -69,7 +71,7 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
-        """Collective over all ranks. Returns the ``eval/`` metrics (the same on every rank)."""
+        """Collective over all ranks. Returns the ``<prefix>/`` metrics (the same on every rank)."""
         started = time.perf_counter()
         dp, dp_rank, group = data_parallel()
         mine = list(range(dp_rank, len(self.rows), dp))
@@ -108,15 +110,22 @@ class Evaluator:
             sums = total.cpu()
         scored_n, n = max(float(sums[0]), 1.0), max(float(sums[5]), 1.0)
         metrics = {
-            "eval/reward_mean": float(sums[1]) / scored_n,
-            **{f"eval/reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
-            **({"eval/accuracy": float(sums[6]) / n, "eval/format_rate": float(sums[2]) / n} if self.check_format else {}),
-            "eval/completion_length/mean": float(sums[3]) / n,
-            "eval/truncated_fraction": float(sums[4]) / n,
-            "eval/samples": int(sums[5]),
-            "eval/time_s": time.perf_counter() - started,
+            "reward_mean": float(sums[1]) / scored_n,
+            **{f"reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
+            **({"accuracy": float(sums[6]) / n, "format_rate": float(sums[2]) / n} if self.check_format else {}),
+            "completion_length/mean": float(sums[3]) / n,
+            "truncated_fraction": float(sums[4]) / n,
+            "samples": int(sums[5]),
+            "time_s": time.perf_counter() - started,
         }
-        return metrics
+        return {f"{self.prefix}/{k}": v for k, v in metrics.items()}
+
+    def summary(self, metrics: dict[str, Any]) -> str:
+        """One log line of this set's numbers in ``metrics``."""
+        m = {k.removeprefix(f"{self.prefix}/"): v for k, v in metrics.items() if k.startswith(f"{self.prefix}/")}
+        fmt = f", accuracy {m['accuracy']:.3f}, format {m['format_rate']:.3f}" if "accuracy" in m else ""
+        return (f"{self.prefix}: reward {m['reward_mean']:.3f}{fmt} on {m['samples']} prompts, mean length "
+                f"{m['completion_length/mean']:.1f} tokens ({m['time_s']:.1f} s)")
 
 
 def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[int]:

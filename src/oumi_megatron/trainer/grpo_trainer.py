@@ -117,7 +117,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names.
         ``backend``: the rollout engine (default: ``megatron.inference_backend``'s, rollout/registry.py).
         ``eval_dataset``: held-out prompts (``data.validation``), evaluated greedily on the schedule of
-        ``training.eval_strategy`` / ``eval_steps``."""
+        ``training.eval_strategy`` / ``eval_steps``: one set (``eval/`` metrics), or sets by metric prefix
+        (``{"eval": rows, "eval_unseen": rows}``, data.load_eval_sets)."""
         self.config = config
         self.engine = engine
         self.hf_artifacts = Path(checkpoint_dir) / "hf"
@@ -153,10 +154,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.warned_truncation = False
-        self.evaluator = None
-        if eval_dataset is not None:
-            self.evaluator = Evaluator(eval_dataset, tokenizer, self.rewards, self.backend, self.grpo,
-                                       batch_size=config.training.per_device_eval_batch_size, device=engine._device())
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {} if eval_dataset is None else {"eval": eval_dataset}
+        self.evaluators = [Evaluator(rows, tokenizer, self.rewards, self.backend, self.grpo, prefix=prefix,
+                                     batch_size=config.training.per_device_eval_batch_size, device=engine._device())
+                           for prefix, rows in eval_sets.items()]
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
@@ -558,7 +559,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             TimeElapsedColumn(), disable=global_rank() != 0,
         )
         steps_per_epoch = -(-len(self.dataset) // self.layout.prompts_per_rollout)
-        evals = eval_schedule(self.config.training, max_steps, steps_per_epoch) if self.evaluator else set()
+        evals = eval_schedule(self.config.training, max_steps, steps_per_epoch) if self.evaluators else set()
         if 0 in evals and self.step == 0:  # the starting point of a fresh run (a resumed run logged it)
             metrics_log.log(0, self.evaluate())
         with progress:
@@ -587,15 +588,16 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             plot_curves(self.output_dir)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy generation on the eval prompts with the current policy (collective); ``eval/`` metrics."""
-        assert self.evaluator is not None
+        """Greedy generation on every eval set with the current policy (collective); ``eval/`` (and each further
+        set's prefix) metrics."""
+        assert self.evaluators
         self._sync_rollout_weights()
-        metrics = self.evaluator.run()
-        if global_rank() == 0:
-            fmt = f", format {metrics['eval/format_rate']:.3f}" if "eval/format_rate" in metrics else ""
-            logger.info(f"eval at step {self.step}: reward {metrics['eval/reward_mean']:.3f}{fmt} on "
-                        f"{metrics['eval/samples']} prompts, mean length {metrics['eval/completion_length/mean']:.1f} "
-                        f"tokens ({metrics['eval/time_s']:.1f} s)")
+        metrics: dict[str, float] = {}
+        for evaluator in self.evaluators:
+            mine = evaluator.run()
+            if global_rank() == 0:
+                logger.info(f"eval at step {self.step}: {evaluator.summary(mine)}")
+            metrics.update(mine)
         self.last_metrics.update(metrics)
         return metrics
 

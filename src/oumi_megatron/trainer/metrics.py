@@ -82,11 +82,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 PLOTTED = ("reward/mean", "loss", "kl", "eval/reward_mean", "eval/accuracy", "eval/format_rate", "eval/completion_length/mean")
+"""``eval/x`` stands for every eval set's ``x`` (``eval/accuracy``, ``eval_unseen/accuracy``, ...): one figure, a line each."""
+
+
+def _eval_prefixes(rows: list[dict[str, Any]]) -> list[str]:
+    """The eval sets' metric prefixes in the rows (``eval`` first), from their ``<prefix>/samples``."""
+    found = {k.rsplit("/", 1)[0] for r in rows for k in r if k.endswith("/samples") and k.count("/") == 1}
+    return sorted(found, key=lambda p: (p != "eval", p))
 
 
 def plot_curves(output_dir: str | Path, keys: tuple[str, ...] = PLOTTED) -> list[Path]:
-    """One PNG per metric (reward, loss, KL; held-out reward, format rate and length when the run
-    evaluates) from metrics.jsonl into output_dir/plots/."""
+    """One PNG per metric (reward, loss, KL; held-out reward, accuracy, format rate and length of every eval set
+    when the run evaluates) from metrics.jsonl into output_dir/plots/."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,16 +102,22 @@ def plot_curves(output_dir: str | Path, keys: tuple[str, ...] = PLOTTED) -> list
     rows = read_metrics(Path(output_dir) / "metrics.jsonl")
     out_dir = Path(output_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
+    prefixes = _eval_prefixes(rows)
     written = []
     for key in keys:
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if not points:
+        lines = [f"{p}/{key[len('eval/'):]}" for p in prefixes] if key.startswith("eval/") else [key]
+        curves = {line: [(r["step"], r[line]) for r in rows if isinstance(r.get(line), (int, float))] for line in lines}
+        curves = {line: points for line, points in curves.items() if points}
+        if not curves:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        for line, points in curves.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=line)
+        if len(curves) > 1:
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(key)
-        ax.set_title(key)
+        ax.set_title(" vs ".join(curves) if len(curves) > 1 else key)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out_dir / f"{key.replace('/', '_')}.png"
