@@ -23,7 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The longest tests (1-2 minutes each on CI's 2 cores) start first: with two xdist workers the run ends when the
 # later worker does, and one of these started last would leave the other worker idle for its whole length.
 # (Tests that share an expensive module fixture with their neighbours stay where they are.)
-LONGEST_FIRST = ("test_grpo_with_vllm_rollouts_learns", "test_two_rank_data_parallel_packed_moe_run_learns",
+LONGEST_FIRST = ("test_context_and_sequence_parallel_equal_one_rank_on_any_width", "test_grpo_with_vllm_rollouts_learns",
+                 "test_expert_parallel_equals_local_experts_on_any_width", "test_two_rank_data_parallel_packed_moe_run_learns",
                  "test_single_rank_run_learns", "test_resume_mid_training_continues_exactly")
 
 

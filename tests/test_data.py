@@ -78,3 +78,28 @@ def test_epochs_become_steps() -> None:
     assert steps_for_epochs(1, 8, 4) == 2
     assert steps_for_epochs(15, 7473, 256) == 438  # the VERL example: 15 epochs of gsm8k's train split
     assert steps_for_epochs(0.5, 10, 4) == 2  # the last partial step counts
+
+
+def test_sample_count_takes_the_first_rows_as_oumi_does(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    from oumi_megatron.data import sampled_rows
+
+    rows = [json.dumps({"prompt": f"Only digits, please. Row {i}.", "target": "digits"}) for i in range(5)]
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    prompts = load_prompts(_config(make_config, data, sample_count=3))
+    assert len(prompts) == 3 and prompts[2]["prompt"][0]["content"].endswith("Row 2.")
+    assert sampled_rows(5, 12) == [0, 1, 2, 3, 4] * 2 + [0, 1]  # more than the file: whole copies, then the first rows
+    assert sampled_rows(4, None) == [0, 1, 2, 3]
+    with pytest.raises(DataError, match=r"sample_count with shuffle: true .* shuffle: false"):
+        load_prompts(_config(make_config, data, sample_count=3, shuffle=True))
+
+
+def test_eval_sets_group_validation_datasets_by_prefix(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    from oumi_megatron.data import load_eval_sets
+
+    a = _jsonl(tmp_path / "a.jsonl", [json.dumps(GOOD)] * 2)
+    b = _jsonl(tmp_path / "b.jsonl", [json.dumps(GOOD)] * 3)
+    datasets = [{"dataset_name": "oumi-megatron/char-class", "dataset_path": str(p)} for p in (a, b, a)]
+    cfg = make_config(data={"validation": {"datasets": datasets}})
+    assert {k: len(v) for k, v in load_eval_sets(cfg).items()} == {"eval": 7}  # no prefixes: one set
+    cfg.grpo.eval_metric_prefixes = ["eval", "eval_unseen", "eval"]
+    assert {k: len(v) for k, v in load_eval_sets(cfg).items()} == {"eval": 4, "eval_unseen": 3}

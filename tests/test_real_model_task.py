@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, base_config_dict, run_cli, write_yaml
-from oumi_megatron.arithmetic_task import LEVELS, make_rows, write_splits
+from oumi_megatron.arithmetic_task import KINDS, SPLIT_FILES, TEMPLATES, TRAIN_TEMPLATES, UNSEEN_TEMPLATES, make_rows, write_splits
 
 
 # -- the task ----------------------------------------------------------------------------------------
@@ -30,37 +30,58 @@ def _oumi_rows(path: Path) -> list[dict]:
     return [dataset[i] for i in range(len(dataset))]
 
 
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_generated_answers_are_right_and_scored_1_by_oumis_gsm8k_reward(tmp_path: Path) -> None:
     from oumi.datasets.grpo.rewards.gsm8k_reward import gsm8k_reward
 
-    train, eval_ = write_splits(tmp_path, train=300, eval_=60)
-    raw = [json.loads(line) for line in train.read_text().splitlines()]
-    rows = _oumi_rows(train)
-    assert len(rows) == len(raw) == 300
-    assert {r["level"] for r in raw} == {1, 2, 3}
-    for source, row in zip(raw, rows):
-        truth = row["reward_model"]["ground_truth"]
-        # every worked step's calculator annotation is right, and the last one is the answer
-        calcs = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", source["answer"])
-        assert len(calcs) == source["level"]
-        for a, op, b, c in calcs:
-            assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b), "/": int(a) / int(b)}[op] == int(c)
-        assert calcs[-1][3] == truth and int(truth) >= 0
-        assert gsm8k_reward("gsm8k", source["answer"], truth, row["extra_info"]) == 1.0
-        assert gsm8k_reward("gsm8k", f"#### {int(truth) + 1}", truth, row["extra_info"]) == 0.0
-        assert row["prompt"][0]["content"].startswith(source["question"])
-    held_out = {json.loads(line)["question"] for line in eval_.read_text().splitlines()}
-    assert len(held_out) == 60 and not held_out & {r["question"] for r in raw}
+    paths = write_splits(tmp_path, train=300, eval_=60)
+    for split, path in paths.items():
+        raw, rows = _jsonl(path), _oumi_rows(path)
+        assert len(rows) == len(raw) == (300 if split == "train" else 60)
+        assert {r["level"] for r in raw} == {1, 2}  # one- and two-step problems in every split
+        for source, row in zip(raw, rows):
+            truth = row["reward_model"]["ground_truth"]
+            # every worked step's calculator annotation is right, and the last one is the answer
+            calcs = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", source["answer"])
+            assert len(calcs) == source["level"]
+            for a, op, b, c in calcs:
+                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b), "/": int(a) / int(b)}[op] == int(c)
+            assert calcs[-1][3] == truth and int(truth) >= 0
+            assert gsm8k_reward("gsm8k", source["answer"], truth, row["extra_info"]) == 1.0
+            assert gsm8k_reward("gsm8k", f"#### {int(truth) + 1}", truth, row["extra_info"]) == 0.0
+            assert row["prompt"][0]["content"].startswith(source["question"])
+            assert "{" not in source["question"]  # every slot filled
+    train = {r["question"] for r in _jsonl(paths["train"])}
+    seen = {r["question"] for r in _jsonl(paths["eval_seen"])}
+    assert len(seen) == 60 and not seen & train
+
+
+def test_templates_split_train_and_eval_unseen_apart() -> None:
+    """The committed files: >= 40 templates, none both trained on and in eval_unseen; eval_seen asks the training
+    templates; every operation structure has seen and unseen phrasings; distractor numbers on both sides."""
+    assert len(TEMPLATES) >= 40 and len({t.id for t in TEMPLATES}) == len(TEMPLATES)
+    assert len({t.text for t in TEMPLATES}) == len(TEMPLATES)
+    used = {split: {r["template"] for r in _jsonl(REPO / "data" / name)} for split, name in SPLIT_FILES.items()}
+    assert used["train"] == {t.id for t in TRAIN_TEMPLATES} == used["eval_seen"]
+    assert used["eval_unseen"] == {t.id for t in UNSEEN_TEMPLATES}
+    assert not used["train"] & used["eval_unseen"]
+    for kind in KINDS:
+        assert any(t.kind == kind for t in TRAIN_TEMPLATES) and any(t.kind == kind for t in UNSEEN_TEMPLATES), kind
+    assert any(t.distractor for t in TRAIN_TEMPLATES) and any(t.distractor for t in UNSEEN_TEMPLATES)
+    # a question states the numbers its steps use (2 for one step, 3 for two) plus its distractor, and no other
+    for t in TEMPLATES:
+        row = make_rows(1, 0, (t,))[0]
+        assert len(re.findall(r"\d+", row["question"])) == row["level"] + 1 + t.distractor, (t.id, row["question"])
 
 
 def test_committed_data_is_what_the_generator_writes(tmp_path: Path) -> None:
     write_splits(tmp_path)  # the defaults of `oumi-megatron make-arithmetic-data`
-    for name in ("arithmetic_train.jsonl", "arithmetic_eval.jsonl"):
+    for name in SPLIT_FILES.values():
         assert (tmp_path / name).read_bytes() == (REPO / "data" / name).read_bytes(), name
-    first50 = (REPO / "data" / "arithmetic_eval.jsonl").read_text().splitlines()[:50]
-    assert (REPO / "data" / "arithmetic_eval50.jsonl").read_text().splitlines() == first50
     assert make_rows(5, 1) == make_rows(5, 1) and make_rows(5, 1) != make_rows(5, 2)
-    assert sum(len(v) for v in LEVELS.values()) >= 9  # several templates over three levels
 
 
 # -- the real model: GGUF -> HF -> Megatron -> HF, exact ----------------------------------------------
@@ -132,18 +153,22 @@ def test_gguf_to_hf_names_a_missing_file(tmp_path: Path) -> None:
 # -- evaluation during training and from the eval command ---------------------------------------------
 @pytest.mark.slow
 def test_eval_metrics_on_schedule_and_the_eval_command_reproduces_them(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two eval sets (seen and unseen templates, as the real-model configs have them), each in its own metrics."""
     from oumi_megatron.trainer.metrics import read_metrics
 
-    eval_rows = tmp_path / "eval.jsonl"
-    eval_rows.write_text("".join((REPO / "data" / "arithmetic_eval.jsonl").read_text().splitlines(True)[:6]))
     out = tmp_path / "run"
+    unseen = str(REPO / "data/arithmetic_eval_unseen.jsonl")
     cfg = base_config_dict(
         tiny_model_dir,
         data={"train": {"datasets": [{"dataset_name": "openai/gsm8k", "dataset_path": str(REPO / "data/arithmetic_train.jsonl")}]},
-              "validation": {"datasets": [{"dataset_name": "openai/gsm8k", "dataset_path": str(eval_rows)}]}},
+              "validation": {"datasets": [  # Oumi's sample_count: the first rows of each file
+                  {"dataset_name": "openai/gsm8k", "dataset_path": str(REPO / "data/arithmetic_eval_seen.jsonl"), "sample_count": 6},
+                  {"dataset_name": "openai/gsm8k", "dataset_path": unseen, "sample_count": 3},
+                  {"dataset_name": "openai/gsm8k", "dataset_path": unseen, "sample_count": 2}]}},  # pooled with the one above
         training={"trainer_type": "MEGATRON_GRPO", "max_steps": 3, "output_dir": str(out), "eval_strategy": "steps",
                   "eval_steps": 2, "per_device_eval_batch_size": 4, "learning_rate": 1e-3},
         grpo={"num_generations": 4, "max_prompt_length": 256, "max_completion_length": 8,
+              "eval_metric_prefixes": ["eval", "eval_unseen", "eval_unseen"],
               "reward_functions": [{"name": "gsm8k", "kwargs": {"format_score": 0.1}}]},
     )
     config = write_yaml(tmp_path / "cfg.yaml", cfg)
@@ -152,12 +177,14 @@ def test_eval_metrics_on_schedule_and_the_eval_command_reproduces_them(tmp_path:
     rows = read_metrics(out / "metrics.jsonl")
     evals = {r["step"]: r for r in rows if "eval/reward_mean" in r}
     assert sorted(evals) == [0, 2, 3]  # step 0, every eval_steps, the end
-    keys = {"eval/reward_mean", "eval/reward/gsm8k", "eval/accuracy", "eval/format_rate",
-            "eval/completion_length/mean", "eval/truncated_fraction", "eval/samples", "eval/time_s"}
+    names = {"reward_mean", "reward/gsm8k", "accuracy", "format_rate", "completion_length/mean", "truncated_fraction",
+             "samples", "time_s"}
+    keys = {f"{prefix}/{name}" for prefix in ("eval", "eval_unseen") for name in names}
     for r in evals.values():
-        assert keys <= set(r) and r["eval/samples"] == 6
-        assert 0 < r["eval/completion_length/mean"] <= 8
-    assert all("eval/reward_mean" not in r for r in rows if r["step"] == 1)
+        assert keys <= set(r) and (r["eval/samples"], r["eval_unseen/samples"]) == (6, 5)
+        assert 0 < r["eval/completion_length/mean"] <= 8 and 0 < r["eval_unseen/completion_length/mean"] <= 8
+    assert all("eval/reward_mean" not in r and "eval_unseen/reward_mean" not in r for r in rows if r["step"] == 1)
+    assert "eval at step 2: eval_unseen: reward" in proc.stdout + proc.stderr
     assert (out / "plots" / "eval_accuracy.png").is_file() and (out / "plots" / "eval_reward_mean.png").is_file()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -165,15 +192,27 @@ def test_eval_metrics_on_schedule_and_the_eval_command_reproduces_them(tmp_path:
     tb = EventAccumulator(str(out / "tensorboard"))
     tb.Reload()
     assert [e.step for e in tb.Scalars("eval/reward_mean")] == [0, 2, 3]
+    assert [e.step for e in tb.Scalars("eval_unseen/accuracy")] == [0, 2, 3]
 
     # the exported model through `oumi-megatron eval` (same prompts, rewards, greedy): the run's last numbers
     report = tmp_path / "eval.json"
     proc = run_cli(["oumi-megatron", "eval", "-c", str(config), "--model", str(out / "hf_model"), "--out", str(report)])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "eval/accuracy" in proc.stdout
+    assert "eval/accuracy" in proc.stdout and "eval_unseen/accuracy" in proc.stdout
     again = json.loads(report.read_text())
-    for key in keys - {"eval/time_s"}:
+    for key in keys - {"eval/time_s", "eval_unseen/time_s"}:
         assert again[key] == pytest.approx(evals[3][key], abs=1e-9), key
+
+
+def test_eval_curves_of_every_set_share_one_plot(tmp_path: Path) -> None:
+    from oumi_megatron.trainer.metrics import _eval_prefixes, plot_curves
+
+    rows = [{"step": s, "eval/accuracy": 0.1 * s, "eval/samples": 4, "eval_unseen/accuracy": 0.05 * s,
+             "eval_unseen/samples": 4, "reward/mean": 0.2} for s in (0, 2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _eval_prefixes(rows) == ["eval", "eval_unseen"]
+    written = {p.name for p in plot_curves(tmp_path)}
+    assert written == {"reward_mean.png", "eval_accuracy.png"}
 
 
 def test_eval_schedule_follows_oumis_fields() -> None:

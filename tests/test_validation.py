@@ -511,3 +511,14 @@ def test_an_unresolvable_layout_is_a_message_not_an_assert(make_config) -> None:
     with pytest.raises(MegatronConfigError, match="megatron.micro_batch_size"):
         r.require_layout()
     assert check(make_config()).require_layout().world_size == 1
+
+
+def test_eval_metric_prefixes_one_per_validation_dataset(make_config) -> None:  # noqa: ANN001
+    dataset = {"dataset_name": "oumi-megatron/char-class", "dataset_path": str(REPO / "data/char_class_eval.jsonl")}
+    ok = make_config(data={"validation": {"datasets": [dataset, dataset]}}, grpo={"eval_metric_prefixes": ["eval", "eval_b"]})
+    assert check(ok).ok, check(ok).format_problems()
+    short = make_config(data={"validation": {"datasets": [dataset, dataset]}}, grpo={"eval_metric_prefixes": ["eval"]})
+    r = check(short)
+    assert r.fields() == ["grpo.eval_metric_prefixes"] and "one prefix per validation dataset" in r.format_problems()
+    bad = make_config(data={"validation": {"datasets": [dataset]}}, grpo={"eval_metric_prefixes": ["eval/unseen"]})
+    assert check(bad).fields() == ["grpo.eval_metric_prefixes[0]"]
