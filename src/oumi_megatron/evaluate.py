@@ -36,7 +36,7 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     from oumi_megatron.engine.builder import build_inference_engine
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
-    from oumi_megatron.trainer.evaluation import Evaluator
+    from oumi_megatron.trainer.evaluation import build_evaluators
 
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
@@ -47,9 +47,9 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
     metrics: dict[str, float] = {}
     try:
-        for prefix, prompts in eval_sets.items():
-            metrics.update(Evaluator(prompts, tokenizer, rewards, backend, config.grpo, prefix=prefix,
-                                     batch_size=config.training.per_device_eval_batch_size, device=engine._device()).run())
+        for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,
+                                          config.training.per_device_eval_batch_size, engine._device()):
+            metrics.update(evaluator.run())
     finally:
         backend.close()
     return metrics

@@ -71,7 +71,7 @@ def main() -> None:
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
-    from oumi_megatron.trainer.evaluation import Evaluator
+    from oumi_megatron.trainer.evaluation import build_evaluators
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     raw, params, grpo = load_sections(Path(args.config))
@@ -110,9 +110,8 @@ def main() -> None:
         backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=t["seed"])
         rewards = RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward)
         metrics: dict = {}
-        for prefix, rows in eval_sets.items():
-            metrics.update(Evaluator(rows, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device,
-                                     prefix=prefix).run())
+        for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device):
+            metrics.update(evaluator.run())
         return metrics
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -128,6 +128,18 @@ class Evaluator:
                 f"{m['completion_length/mean']:.1f} tokens ({m['time_s']:.1f} s)")
 
 
+def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
+                     batch_size: int, device: torch.device) -> list[Evaluator]:
+    """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
+    alone (one set, ``eval``), or None (none)."""
+    if eval_sets is None:
+        return []
+    if not isinstance(eval_sets, dict):
+        eval_sets = {"eval": eval_sets}
+    return [Evaluator(rows, tokenizer, rewards, backend, grpo, batch_size, device, prefix=prefix)
+            for prefix, rows in eval_sets.items()]
+
+
 def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[int]:
     """The GRPO steps after which to evaluate (0 = before training), from Oumi's ``eval_strategy`` /
     ``eval_steps``: ``steps`` every eval_steps (an int, or a fraction of max_steps as in HF/TRL),

@@ -51,7 +51,7 @@ from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError, Rewa
 from oumi_megatron.rollout.base import Rollout, RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, packed_layout, padded_layout
-from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
+from oumi_megatron.trainer.evaluation import build_evaluators, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
 from oumi_megatron.plugins import load_plugins
@@ -154,10 +154,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.warned_truncation = False
-        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {} if eval_dataset is None else {"eval": eval_dataset}
-        self.evaluators = [Evaluator(rows, tokenizer, self.rewards, self.backend, self.grpo, prefix=prefix,
-                                     batch_size=config.training.per_device_eval_batch_size, device=engine._device())
-                           for prefix, rows in eval_sets.items()]
+        self.evaluators = build_evaluators(eval_dataset, tokenizer, self.rewards, self.backend, self.grpo,
+                                           config.training.per_device_eval_batch_size, engine._device())
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 

@@ -116,7 +116,7 @@ def plot_curves(output_dir: str | Path, keys: tuple[str, ...] = PLOTTED) -> list
         if len(curves) > 1:
             ax.legend()
         ax.set_xlabel("step")
-        ax.set_ylabel(key)
+        ax.set_ylabel(key.removeprefix("eval/") if len(curves) > 1 else key)
         ax.set_title(" vs ".join(curves) if len(curves) > 1 else key)
         ax.grid(alpha=0.3)
         fig.tight_layout()
