@@ -177,7 +177,7 @@ def _check_eval_metric_prefixes(cfg: MegatronTrainingConfig, r: ValidationReport
     datasets = len(cfg.data.validation.datasets)
     if len(prefixes) != datasets:
         r.add("grpo.eval_metric_prefixes", f"has {len(prefixes)} entries and data.validation.datasets has {datasets}: "
-                                           "give one prefix per validation dataset, in order (e.g. [eval, eval_unseen]).")
+                                           "give one prefix per validation dataset, in order (e.g. eval for the first, eval_unseen for the second).")
     for i, prefix in enumerate(prefixes):
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", prefix):
             r.add(f"grpo.eval_metric_prefixes[{i}]", f"{prefix!r} is not a metric prefix: use letters, digits and _ "
