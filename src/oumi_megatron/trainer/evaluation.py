@@ -131,9 +131,7 @@ class Evaluator:
 def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
                      batch_size: int, device: torch.device) -> list[Evaluator]:
     """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
-    alone (one set, ``eval``), or None (none)."""
-    if eval_sets is None:
-        return []
+    alone (one set, ``eval``)."""
     if not isinstance(eval_sets, dict):
         eval_sets = {"eval": eval_sets}
     return [Evaluator(rows, tokenizer, rewards, backend, grpo, batch_size, device, prefix=prefix)

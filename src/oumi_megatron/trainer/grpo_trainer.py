@@ -154,8 +154,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.warned_truncation = False
-        self.evaluators = build_evaluators(eval_dataset, tokenizer, self.rewards, self.backend, self.grpo,
-                                           config.training.per_device_eval_batch_size, engine._device())
+        self.evaluators = [] if eval_dataset is None else build_evaluators(
+            eval_dataset, tokenizer, self.rewards, self.backend, self.grpo, config.training.per_device_eval_batch_size,
+            engine._device())
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
