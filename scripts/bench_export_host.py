@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--bridge-as-is", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from oumi_megatron.engine.distributed import free_port
+    from oumi_megatron.engine.parallel.distributed import free_port
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
@@ -34,8 +34,8 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine import hf_weights
-    from oumi_megatron.testing.tiny_models import tiny_config
+    from oumi_megatron.engine.state import hf_weights
+    from oumi_megatron.examples.tiny_models import tiny_config
 
     if args.bridge_as_is:
         hf_weights._strip_each_config_once = contextlib.nullcontext

@@ -1,4 +1,4 @@
-"""Token logprobs at a 152k vocabulary: full logits vs chunked (engine/chunked_logprobs.py), same call.
+"""Token logprobs at a 152k vocabulary: full logits vs chunked (engine/kernels/chunked_logprobs.py), same call.
 
     python scripts/bench_logprobs.py --out result.json          # 1 GPU
 

@@ -171,7 +171,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (--shape moe; DP = GPUs / (TP x PP x CP))")
-    p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size (K/V all-gathered, engine/context_parallel.py)")
+    p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size (K/V all-gathered, engine/parallel/context_parallel.py)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel (TP > 1)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=2)
@@ -198,7 +198,7 @@ def main() -> None:
 
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
-    from oumi_megatron.engine.fusions import FUSIONS
+    from oumi_megatron.engine.kernels.fusions import FUSIONS
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -267,7 +267,7 @@ def main() -> None:
         profile_step(lambda: engine.train_step(batches, loss_fn), args.profile)
     phase_ms = None
     if engine.schedule == "zb_h1":  # one more (untimed) step with CUDA events around each F, B and W, per stage
-        from oumi_megatron.engine.zero_bubble import PhaseTimes
+        from oumi_megatron.engine.parallel.zero_bubble import PhaseTimes
 
         PhaseTimes.enabled = True
         engine.train_step(batches, loss_fn)
@@ -283,7 +283,7 @@ def main() -> None:
     mem_by_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(mem_by_rank, mem)  # pipeline stages differ: the first holds the most microbatches, the last the logits
     mem = torch.stack(mem_by_rank).amax(0)
-    from oumi_megatron.engine.attention import core_attention_name
+    from oumi_megatron.engine.kernels.attention import core_attention_name
 
     from oumi_megatron.engine.wrappers import unwrap
 

@@ -28,7 +28,7 @@ import torch
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
     torch.cuda.set_device(1)
-    from oumi_megatron.engine import hf_weights
+    from oumi_megatron.engine.state import hf_weights
     from oumi_megatron.rollout import weight_stream
 
     group = weight_stream.PairGroup("127.0.0.1", port, rank=1, backend="nccl")
@@ -52,7 +52,7 @@ def main() -> None:
     args = p.parse_args()
     raw_bytes, raw_reps = 2**30, 5
 
-    from oumi_megatron.engine.distributed import free_port
+    from oumi_megatron.engine.parallel.distributed import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")

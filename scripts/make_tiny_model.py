@@ -5,7 +5,7 @@
 
 import argparse
 
-from oumi_megatron.testing.tiny_models import ARCHITECTURES, build_tiny_model
+from oumi_megatron.examples.tiny_models import ARCHITECTURES, build_tiny_model
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,7 +30,7 @@ def main() -> None:
 
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.data import load_eval_sets, load_prompts
-    from oumi_megatron.gguf_model import bundled_smollm2_gguf
+    from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

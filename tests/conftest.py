@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2")
 
@@ -51,7 +51,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-MoE (4 experts, 2 per token)."""
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), arch="qwen3_moe")
 
@@ -70,7 +70,7 @@ def base_config_dict(model_dir: Path | str, **sections: dict[str, Any]) -> dict[
         "training": {"trainer_type": "MEGATRON_GRPO", "max_steps": 2, "output_dir": "output/tests_unused"},
         "megatron": {"micro_batch_size": 2, "global_batch_size": 8},
         "grpo": {
-            "plugins": ["oumi_megatron.demo_task"],  # the char-class dataset
+            "plugins": ["oumi_megatron.examples.demo_task"],  # the char-class dataset
             "num_generations": 4,
             "max_prompt_length": 32,
             "max_completion_length": 16,
@@ -106,6 +106,6 @@ def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = No
 
 
 def free_port() -> int:
-    from oumi_megatron.engine.distributed import free_port as below_ephemeral_range
+    from oumi_megatron.engine.parallel.distributed import free_port as below_ephemeral_range
 
     return below_ephemeral_range()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oumi_megatron.engine.checkpointing import (
+from oumi_megatron.engine.state.checkpointing import (
     CheckpointError,
     _read_rank_state,
     newest_valid_checkpoint,
@@ -62,7 +62,7 @@ def test_rng_and_scheduler_state_round_trips_through_json(tmp_path: Path) -> Non
     import numpy as np
     import torch
 
-    from oumi_megatron.engine import checkpointing
+    from oumi_megatron.engine.state import checkpointing
     from oumi_megatron.engine.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
@@ -111,7 +111,7 @@ def test_newest_valid_checkpoint_skips_damaged_ones(tmp_path: Path, caplog) -> N
 
 
 def test_weights_changed_in_place_are_reconverted(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from oumi_megatron.engine.conversion import META_FILE, checkpoint_matches_source, source_fingerprint
+    from oumi_megatron.engine.state.conversion import META_FILE, checkpoint_matches_source, source_fingerprint
 
     src = tmp_path / "model"
     shutil.copytree(tiny_model_dir, src)

@@ -1,11 +1,11 @@
-"""The context-parallel sequence layout (engine/context_parallel.py): pure index arithmetic."""
+"""The context-parallel sequence layout (engine/parallel/context_parallel.py): pure index arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oumi_megatron.engine.context_parallel import chunk_attention_bounds, local_positions
+from oumi_megatron.engine.parallel.context_parallel import chunk_attention_bounds, local_positions
 
 
 @pytest.mark.parametrize("cp", [2, 4])

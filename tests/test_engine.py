@@ -96,7 +96,7 @@ def test_fusions_resolve_by_device_and_model() -> None:
 
     import torch.nn.functional as F
 
-    from oumi_megatron.engine.fusions import FUSIONS, apply_fusions, resolve_fusions, unsupported_reason
+    from oumi_megatron.engine.kernels.fusions import FUSIONS, apply_fusions, resolve_fusions, unsupported_reason
 
     auto = SimpleNamespace(**{name: None for name in FUSIONS})
     assert all(resolve_fusions(auto, cuda=True).values())
@@ -117,9 +117,9 @@ def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None
     """The fast path's core attention (torch SDPA, native GQA) against Megatron-Core's DotProductAttention
     on a GQA model, fp32: every path the engine runs (padded, packed with a block-diagonal mask, KV-cached
     generation of left-padded prompts, gradients). Tolerance 1e-5 (summation order differs). Also the
-    fused kernels of engine/fusions.py against the unfused ops, the same way."""
+    fused kernels of engine/kernels/fusions.py against the unfused ops, the same way."""
     out = workdir / "attention.json"
-    # TRITON_INTERPRET: the fused run's Triton kernels (engine/rope.py, engine/swiglu.py) run on the CPU
+    # TRITON_INTERPRET: the fused run's Triton kernels (engine/kernels/rope.py, engine/kernels/swiglu.py) run on the CPU
     _check(run_cli([PY, str(WORKERS / "attention_worker.py"), str(workdir / "attention"), str(out)], env={"TRITON_INTERPRET": "1"}))
     r = json.loads(out.read_text())
     assert r["core_attention"] == {"local": "DotProductAttention", "sdpa": "SdpaCoreAttention"}, r
@@ -146,7 +146,7 @@ def test_sdpa_attention_matches_megatrons_local_attention(workdir: Path) -> None
 
 def _convert_tiny(arch: str, hf: Path, out: Path) -> Path:
     """A tiny random HF model of ``arch`` in ``hf``, converted (fp32) by the CLI to ``out``."""
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     src = build_tiny_model(hf, arch=arch)
     _check(run_cli(["oumi-megatron", "convert", "--hf", str(src), "--out", str(out), "--dtype", "float32"]))
@@ -194,7 +194,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_convert_cli_records_the_source(converted: Path, workdir: Path) -> None:
-    from oumi_megatron.engine.conversion import checkpoint_matches_source, read_meta
+    from oumi_megatron.engine.state.conversion import checkpoint_matches_source, read_meta
 
     meta = read_meta(converted)
     assert meta["saved_layout"]["tensor_model_parallel_size"] == 1 and meta["dtype"] == "float32"
@@ -331,7 +331,7 @@ def test_resume_is_exact(converted: Path, workdir: Path, reference: dict) -> Non
 
 
 def test_kill_during_checkpoint_write_keeps_previous(converted: Path, workdir: Path) -> None:
-    from oumi_megatron.engine.checkpointing import latest_checkpoint, list_checkpoints
+    from oumi_megatron.engine.state.checkpointing import latest_checkpoint, list_checkpoints
 
     for attempt in range(3):
         out = workdir / f"killed_{attempt}"
@@ -374,7 +374,7 @@ def test_atomic_directory_never_exposes_partial_output(tmp_path: Path) -> None:
 def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
     """``logprob_chunk_tokens: null`` on a GPU: full logits up to one auto-sized chunk (512 MiB of fp32),
     chunks beyond (the 152k-vocabulary case the chunked path exists for)."""
-    from oumi_megatron.engine.chunked_logprobs import AUTO_CHUNK_LOGITS, auto_chunk_tokens, worth_chunking
+    from oumi_megatron.engine.kernels.chunked_logprobs import AUTO_CHUNK_LOGITS, auto_chunk_tokens, worth_chunking
 
     assert AUTO_CHUNK_LOGITS * 4 == 512 * 2**20
     assert not worth_chunking(4096, 32000)  # the 0.8B benchmark's microbatch: 500 MiB
@@ -383,7 +383,7 @@ def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
 
 
 def test_packed_rows_give_the_varlen_kernel_one_sequence_per_segment() -> None:
-    from oumi_megatron.engine.attention import cumulative_seqlens, resolve_packed_attention
+    from oumi_megatron.engine.kernels.attention import cumulative_seqlens, resolve_packed_attention
 
     # two rows of 8: [3 + 4 + 1 padding] and [8]
     segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1], [2, 2, 2, 2, 2, 2, 2, 2]])
@@ -408,7 +408,7 @@ LINEARS_PER_MICROBATCH = 4 * 4 + 1  # qkv, proj, fc1, fc2 in each of the 4 layer
 # PP=4 ran on 4 GPUs in the ZB-H1 benchmark (docs/benchmarks.md, equal final losses).
 @pytest.mark.parametrize("pp", [2])
 def test_zb_h1_equals_1f1b(pp: int, converted: Path, workdir: Path) -> None:
-    """ZB-H1 (engine/zero_bubble.py) against Megatron-Core's 1F1B on PP=2 gloo ranks, 8 microbatches,
+    """ZB-H1 (engine/parallel/zero_bubble.py) against Megatron-Core's 1F1B on PP=2 gloo ranks, 8 microbatches,
     3 optimizer steps, both with gradient accumulation fusion (zb_h1 defers the GEMMs that path runs): losses,
     every parameter's gradient and updated value within 1e-6 relative; the deferred-W counter is every linear
     layer's weight-gradient GEMM of every microbatch; a resume from the step-2 checkpoint repeats step 3.
@@ -433,7 +433,7 @@ def test_zb_h1_equals_1f1b(pp: int, converted: Path, workdir: Path) -> None:
                          ids=["pp1_chunked_logprobs_recompute_two_of_four_layers", "pp2_full_logits_distributed_optimizer"])
 def test_module_queue_equals_the_plain_last_stage(pp: int, chunks: int, logprob_chunk: int | None, distributed_optimizer: bool,
                                                   recompute: str | None, converted: Path, workdir: Path) -> None:
-    """ModuleQueue (engine/module_queue.py) against the plain GPTModel, PP=1 and PP=2 gloo ranks, 4 microbatches,
+    """ModuleQueue (engine/parallel/module_queue.py) against the plain GPTModel, PP=1 and PP=2 gloo ranks, 4 microbatches,
     3 optimizer steps: losses, every parameter's gradient and updated value, logprobs and the HF export are
     bit-identical (ModuleQueue only moves weights between storages; every kernel sees the same numbers in
     the same order), the layer weights of the last stage are really released when its final norm runs and

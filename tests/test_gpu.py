@@ -123,10 +123,10 @@ def test_fused_optimizer_kernels_match_megatron_fallbacks_on_gpu() -> None:
 
 @pytest.mark.parametrize("first", [0, 1536], ids=["first_chunk", "later_chunk"])
 def test_prefix_causal_flash_attention_matches_masked_sdpa_on_gpu(first: int) -> None:
-    """CP's query-chunk attention on two flash calls merged by log-sum-exp (engine/chunk_attention.py) against
+    """CP's query-chunk attention on two flash calls merged by log-sum-exp (engine/kernels/chunk_attention.py) against
     SDPA with the boolean mask it replaces: output and q/k/v gradients in bf16, each compared with an fp32
     reference; the flash form may be at most 1.5x the masked form's error plus 1e-3 of the reference's scale."""
-    from oumi_megatron.engine.chunk_attention import prefix_causal_attention
+    from oumi_megatron.engine.kernels.chunk_attention import prefix_causal_attention
 
     torch.manual_seed(0)
     n, heads, kv_heads, dim = 512, 8, 2, 128
@@ -156,7 +156,7 @@ def test_prefix_causal_flash_attention_matches_masked_sdpa_on_gpu(first: int) ->
                          ids=["tp2", "pp2", "pp2_zb_h1", "cp2", "tp2_sp", "moe_ep2"])
 def test_two_gpu_layouts_match_one_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
     """Two GPUs (NCCL) against one, bf16; EP on the tiny Qwen3-MoE (all-to-all over NCCL, DP = 2 around it)."""
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_layout")
     src = build_tiny_model(work / "hf", arch="qwen3_moe" if "--ep" in layout else "llama")
@@ -183,7 +183,7 @@ def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pyte
     losses within 1e-6 relative, gradients and weights within 1e-5 absolute (GPU attention kernels need not be
     bit-reproducible between two runs), layers released when the final norm runs, all back after the step;
     without recompute and with full recompute of every layer (prefetch inside the backward pass)."""
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_module_queue")
     src = build_tiny_model(work / "hf", arch="llama")
@@ -203,7 +203,7 @@ def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pyte
 
 
 def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_async")
     src = build_tiny_model(work / "hf", arch="qwen2")
@@ -221,7 +221,7 @@ def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactor
 
 def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """fp32 on the GPU: KV-cached generation equals re-running the prefix and transformers' greedy."""
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_kv")
     src = build_tiny_model(work / "hf", arch="llama")
@@ -261,7 +261,7 @@ def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) 
     DP group): the CPU test's checks (tests/test_grpo_variants.py)."""
     from test_grpo_variants import run_dynamic_sampling_worker
 
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_dynamic_sampling")
     run_dynamic_sampling_worker(build_tiny_model(work / "hf", arch="qwen2"), work)
@@ -279,7 +279,7 @@ def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPath
     several times that)."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp(f"gpu_vllm_{placement}")
     src = build_tiny_model(work / "hf", arch="qwen2", head_dim=64)

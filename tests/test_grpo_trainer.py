@@ -1,6 +1,6 @@
 """The GRPO loop end to end through `oumi train` (1 rank; DP=2 on 2 gloo ranks, the MoE with EP=2), and resume.
 
-The task (oumi_megatron/demo_task.py) rewards the fraction of completion characters in the class the
+The task (oumi_megatron/examples/demo_task.py) rewards the fraction of completion characters in the class the
 prompt asks for; a random tiny model starts near 0.15. Thresholds are below what the runs reach
 (seen: +0.31 after 60 steps on one rank, +0.30 on two, +0.31 for the MoE with EP=2), so they fail only if
 learning breaks.

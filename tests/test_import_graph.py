@@ -115,12 +115,15 @@ def test_layers_import_downwards_only() -> None:
     assert wrong == []
 
 
-def test_the_demo_tasks_are_plugins_nobody_imports() -> None:
-    """The CPU demo's task registers itself from its config (grpo.plugins), not from the library's modules;
-    the arithmetic task is only the CLI's data writer."""
-    importers = {t: sorted(m for m, targets in _graph().items() if t in targets)
-                 for t in (f"{PACKAGE}.demo_task", f"{PACKAGE}.arithmetic_task")}
-    assert importers == {f"{PACKAGE}.demo_task": [], f"{PACKAGE}.arithmetic_task": [f"{PACKAGE}.cli"]}
+def test_examples_stay_outside_the_core() -> None:
+    """Example content (oumi_megatron/examples/) is imported by no library module: the CPU demo's task registers
+    itself from its config (grpo.plugins); only the CLI's data commands import the arithmetic task and GGUF loading."""
+    graph = _graph()
+    importers = {m: sorted(t for t in targets if _layer(t) == "examples") for m, targets in graph.items()
+                 if _layer(m) != "examples"}
+    importers = {m: ts for m, ts in importers.items() if ts}
+    assert importers == {f"{PACKAGE}.cli": [f"{PACKAGE}.examples.arithmetic_task", f"{PACKAGE}.examples.gguf_model"]}
+    assert {f"{PACKAGE}.examples.demo_task", f"{PACKAGE}.examples.tiny_models"} <= set(graph)
 
 
 def test_the_reader_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, base_config_dict, run_cli, write_yaml
-from oumi_megatron.arithmetic_task import KINDS, SPLIT_FILES, TEMPLATES, TRAIN_TEMPLATES, UNSEEN_TEMPLATES, make_rows, write_splits
+from oumi_megatron.examples.arithmetic_task import KINDS, SPLIT_FILES, TEMPLATES, TRAIN_TEMPLATES, UNSEEN_TEMPLATES, make_rows, write_splits
 
 
 # -- the task ----------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_committed_data_is_what_the_generator_writes(tmp_path: Path) -> None:
 # -- the real model: GGUF -> HF -> Megatron -> HF, exact ----------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from oumi_megatron.gguf_model import bundled_smollm2_gguf, gguf_to_hf
+    from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf, gguf_to_hf
 
     return gguf_to_hf(bundled_smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf")
 
@@ -106,7 +106,7 @@ def test_smollm2_gguf_becomes_an_hf_folder_with_the_models_shape_and_tokens(smol
     import gguf
     from transformers import AutoTokenizer
 
-    from oumi_megatron.gguf_model import bundled_smollm2_gguf
+    from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf
 
     config = json.loads((smollm2_hf / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
@@ -143,7 +143,7 @@ def test_smollm2_megatron_round_trip_is_exact(smollm2_hf: Path, tmp_path: Path) 
 
 def test_gguf_to_hf_names_a_missing_file(tmp_path: Path) -> None:
     from oumi_megatron.errors import UserInputError
-    from oumi_megatron.gguf_model import gguf_to_hf
+    from oumi_megatron.examples.gguf_model import gguf_to_hf
 
     with pytest.raises(UserInputError, match="does not exist.*bundled SmolLM2"):
         gguf_to_hf(tmp_path / "nope.gguf", tmp_path / "out")

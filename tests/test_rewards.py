@@ -19,7 +19,7 @@ def spec(name: str, weight: float = 1.0, **kwargs) -> SimpleNamespace:  # noqa: 
 def registry():  # noqa: ANN201
     from oumi.core.registry import REGISTRY, RegistryType
 
-    import oumi_megatron.demo_task  # noqa: F401
+    import oumi_megatron.examples.demo_task  # noqa: F401
 
     for name, fn in {
         "test_flaky": lambda completions, **kw: [float("nan") if c == "bad" else 1.0 for c in completions],

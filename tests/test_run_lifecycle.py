@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from oumi_megatron.engine.checkpointing import verify_checkpoint
+from oumi_megatron.engine.state.checkpointing import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 CONFIG = str(REPO / "configs" / "tiny_cpu_grpo.yaml")

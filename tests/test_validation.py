@@ -116,7 +116,7 @@ def test_context_parallel_needs_sequence_divisible_by_2cp(make_config) -> None: 
     r = check(cfg, world_size=2)
     assert "grpo.max_completion_length" in problem_fields(r)
     assert "Set grpo.max_completion_length to 18 (total 48)" in r.format_problems()
-    # a divisible length runs (engine/context_parallel.py)
+    # a divisible length runs (engine/parallel/context_parallel.py)
     r = check(make_config(megatron=vllm, grpo={"max_prompt_length": 32, "max_completion_length": 16}), world_size=2)
     assert r.ok, r.format_problems()
     assert r.layout.context_parallel == 2 and r.layout.data_parallel == 1

@@ -71,8 +71,8 @@ import torch
 from oumi_megatron.config.megatron_params import MegatronParams
 from oumi_megatron.engine.builder import build_engine_from_hf_config
 from oumi_megatron.engine.optimizer import OptimSettings
-from oumi_megatron.engine import hf_weights
-from oumi_megatron.testing.tiny_models import tiny_config
+from oumi_megatron.engine.state import hf_weights
+from oumi_megatron.examples.tiny_models import tiny_config
 
 cfg = tiny_config("llama", num_layers=2)
 cfg.architectures = ["LlamaForCausalLM"]

@@ -22,8 +22,8 @@ _LAZY_EXPORTS = {
     "ValidationReport": "oumi_megatron.validation",
     "ParallelLayout": "oumi_megatron.layout",
     "ModelShape": "oumi_megatron.model_shape",
-    "convert_hf_to_megatron": "oumi_megatron.engine.conversion",
-    "export_to_hf": "oumi_megatron.engine.conversion",
+    "convert_hf_to_megatron": "oumi_megatron.engine.state.conversion",
+    "export_to_hf": "oumi_megatron.engine.state.conversion",
     "MegatronEngine": "oumi_megatron.engine.engine",
     "build_engine": "oumi_megatron.engine.builder",
 }
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import convert_hf_to_megatron, export_to_hf
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.engine.engine import MegatronEngine
     from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.model_shape import ModelShape

@@ -173,7 +173,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.gguf_model import bundled_smollm2_gguf, gguf_to_hf
+    from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf, gguf_to_hf
 
     source = args.gguf or bundled_smollm2_gguf()
     out = gguf_to_hf(source, args.out)
@@ -182,9 +182,9 @@ def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.arithmetic_task import write_splits
+    from oumi_megatron.examples.arithmetic_task import write_splits
 
-    from oumi_megatron.arithmetic_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES
+    from oumi_megatron.examples.arithmetic_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES
 
     for name, value in (("--train", args.train), ("--eval", args.eval)):
         if value < 1:
@@ -213,7 +213,7 @@ def _dtype(name: str | None):  # noqa: ANN202
 
 
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.engine.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
 
     out = convert_hf_to_megatron(args.hf, args.out, _layout_params(args), dtype=_dtype(args.dtype))
     console.print(f"converted {args.hf} -> {out}")
@@ -221,7 +221,7 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.engine.conversion import export_to_hf
+    from oumi_megatron.engine.state.conversion import export_to_hf
 
     out = export_to_hf(args.checkpoint, args.out, _layout_params(args))
     console.print(f"exported {args.checkpoint} -> {out}")

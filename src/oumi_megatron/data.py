@@ -111,7 +111,7 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
         if cls is None:
             raise DataError(
                 f"{where}: {d.dataset_name!r} is not a registered Oumi dataset. GRPO datasets (e.g. openai/gsm8k, "
-                "d1shs0ap/countdown, and oumi-megatron/char-class from grpo.plugins: [oumi_megatron.demo_task]) are; register "
+                "d1shs0ap/countdown, and oumi-megatron/char-class from grpo.plugins: [oumi_megatron.examples.demo_task]) are; register "
                 "your own with @register_dataset in a module named in grpo.plugins."
             )
         lines = None

@@ -41,7 +41,7 @@ CUDA_OVERHEAD_GIB = 4.0
 than it hands out (5-12 GiB there at the peak); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True narrows that."""
 ZB_H1_ACTIVATION_FACTOR = 1.10
 """ZB-H1's deferred weight-gradient inputs over 1F1B's activations (measured +8.0% PP=2, +9.4% PP=4)."""
-AUTO_CHUNK_LOGITS = 1 << 27  # as engine/chunked_logprobs.py: fp32 logits per auto-sized chunk
+AUTO_CHUNK_LOGITS = 1 << 27  # as engine/kernels/chunked_logprobs.py: fp32 logits per auto-sized chunk
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead")
 
 

@@ -2,7 +2,7 @@
 
 A plugin registers what a config then selects by name: GRPO variants (``@register_policy_loss``,
 ``@register_advantage_estimator``, grpo/registry.py) and Oumi datasets and reward functions (Oumi's
-``@register``); the CPU demo's task (oumi_megatron/demo_task.py) is one, named in configs/tiny_cpu_grpo.yaml.
+``@register``); the CPU demo's task (oumi_megatron/examples/demo_task.py) is one, named in configs/tiny_cpu_grpo.yaml.
 Validation, data loading and the trainer each import them first (idempotent: Python imports a module once).
 """
 

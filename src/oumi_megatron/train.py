@@ -61,7 +61,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
 
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import ensure_converted
+    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
 
     output_dir = Path(config.training.output_dir)

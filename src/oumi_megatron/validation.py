@@ -30,7 +30,7 @@ from oumi_megatron.config.megatron_params import (
     ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
-from oumi_megatron.engine.schedules import resolve_schedule
+from oumi_megatron.engine.parallel.schedules import resolve_schedule
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from oumi_megatron.layout import ParallelLayout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
@@ -255,7 +255,7 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
         _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
 
-    # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/context_parallel.py):
+    # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/parallel/context_parallel.py):
     # training and logprob passes split sequences (padded or packed rows), generation runs whole ones.
     if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1:
         cp = m.context_parallel_size
@@ -449,7 +449,7 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
                 f"grpo.reward_functions[{i}].name",
                 f"{rf.name!r} is not in Oumi's REWARD_FUNCTION registry. Known: {sorted(registered)}. "
                 "Register your own with @register('name', RegistryType.REWARD_FUNCTION) in a module "
-                "named in grpo.plugins (the CPU demo's char_class: oumi_megatron.demo_task).",
+                "named in grpo.plugins (the CPU demo's char_class: oumi_megatron.examples.demo_task).",
             )
 
 
@@ -473,7 +473,7 @@ def _resolve_batches(
 
 
 def _check_module_queue(m: MegatronParams, r: ValidationReport) -> None:
-    """ModuleQueue's rules (engine/module_queue.py): what it cannot run with is an error, where it acts a warning."""
+    """ModuleQueue's rules (engine/parallel/module_queue.py): what it cannot run with is an error, where it acts a warning."""
     t = m.transformer_config
     if m.ddp_config.overlap_param_gather:
         r.add("megatron.enable_module_queue",
@@ -500,7 +500,7 @@ def _resolve_schedule(cfg: MegatronTrainingConfig, r: ValidationReport) -> str:
             "'interleaved' needs megatron.virtual_pipeline_model_parallel_size (model chunks per "
             "pipeline rank, e.g. 2). Set it, or use pipeline_schedule: 1f1b.",
         )
-    schedule, why_not = resolve_schedule(m)  # the engine runs what this returns (engine/schedules.py)
+    schedule, why_not = resolve_schedule(m)  # the engine runs what this returns (engine/parallel/schedules.py)
     if why_not is not None:
         r.warn(f"megatron.pipeline_schedule {why_not}; using {schedule}.")
     if schedule == "zb_h1" and m.transformer_config.gradient_accumulation_fusion is False:

@@ -5,10 +5,10 @@
 One tiny GQA Llama (4 query heads, 2 key/value heads), converted once, built four times from the same
 checkpoint: ``attention_backend: local``, ``sdpa``, ``sdpa`` under Megatron's selective recompute of
 core attention (the default recompute setting; recompute must not change a number), all three with the
-fusions off, and that third one with every fusion of engine/fusions.py on (Triton RoPE and SwiGLU,
+fusions off, and that third one with every fusion of engine/kernels/fusions.py on (Triton RoPE and SwiGLU,
 weight gradients accumulated into main_grad; on the CPU the Triton kernels run in Triton's interpreter
 when TRITON_INTERPRET=1), and that one again with logprobs taken in chunks of 7 tokens from the hidden
-states (engine/chunked_logprobs.py). Records, for each
+states (engine/kernels/chunked_logprobs.py). Records, for each
 path the engine has, the largest difference between local and sdpa: logprobs of right-padded rows (causal, no mask tensor), logprobs and
 entropy of a packed row (block-diagonal mask), greedy KV-cached generation (tokens and their logprobs;
 left-padded prompts), and the gradients of one training step on padded rows and one on the packed row
@@ -38,15 +38,15 @@ def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.attention import core_attention_name
+    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import convert_hf_to_megatron
-    from oumi_megatron.engine.fusions import FUSIONS
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.kernels.fusions import FUSIONS
     from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
     from oumi_megatron.trainer.batches import block_causal_mask
 
     src = build_tiny_model(workdir / "hf_gqa", arch="llama", gqa=True)
@@ -62,7 +62,7 @@ def main() -> None:
 
     runs = {}
     # the third run: SDPA under Megatron's selective recompute of core attention (the default setting)
-    # the fourth: SDPA with the fused kernels (engine/fusions.py) against the third's unfused ops
+    # the fourth: SDPA with the fused kernels (engine/kernels/fusions.py) against the third's unfused ops
     for name, backend, recompute, fused in (("local", "local", None, False), ("sdpa", "sdpa", None, False),
                                             ("sdpa_recompute", "sdpa", "selective", False), ("fused", "sdpa", "selective", True),
                                             ("chunked", "sdpa", "selective", True)):

@@ -70,9 +70,9 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.attention import core_attention_name
+    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import save_hf
+    from oumi_megatron.engine.state.conversion import save_hf
     from oumi_megatron.engine.optimizer import OptimSettings
 
     params = MegatronParams(
@@ -93,7 +93,7 @@ def main() -> None:
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
-    from oumi_megatron.engine.checkpointing import AsyncCheckpointWriter, load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, save_checkpoint
 
     writer = AsyncCheckpointWriter() if args.async_save else None
 

@@ -36,12 +36,12 @@ def main() -> None:
 
     from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.demo_task import char_class_reward, char_class_row
+    from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.conversion import ensure_converted
+    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.layout import ParallelLayout
-    from oumi_megatron.testing.tiny_models import build_tiny_model
+    from oumi_megatron.examples.tiny_models import build_tiny_model
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     work = Path(args.work)
@@ -61,7 +61,7 @@ def main() -> None:
                             micro_batch_size=8, global_batch_size=32, enable_sequence_packing=args.packing)
     params.transformer_config.recompute_granularity = None
     if args.unfused:
-        from oumi_megatron.engine.fusions import FUSIONS
+        from oumi_megatron.engine.kernels.fusions import FUSIONS
 
         for name in FUSIONS:
             setattr(params.transformer_config, name, False)

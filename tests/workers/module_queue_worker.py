@@ -35,8 +35,8 @@ def main() -> None:
     ckpt, out = Path(args.ckpt), Path(args.out)
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
-    from oumi_megatron.engine.conversion import save_hf
+    from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.state.conversion import save_hf
     from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
 
@@ -82,7 +82,7 @@ def main() -> None:
             from megatron.core.models.gpt import GPTModel
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            from oumi_megatron.engine.module_queue import ModuleQueue
+            from oumi_megatron.engine.parallel.module_queue import ModuleQueue
 
             built = ModuleQueue(config=model.config, transformer_layer_spec=get_gpt_layer_local_spec(),
                                 vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,

@@ -24,7 +24,7 @@ def main() -> None:
     ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.checkpointing import load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.optimizer import OptimSettings
 
     def engine_for(schedule: str):  # noqa: ANN202

@@ -38,7 +38,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.engine.hf_weights import HFWeightExporter
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
     from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
     from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
 

@@ -96,7 +96,7 @@ class MegatronGrpoParams(BaseParams):
     """Python modules imported before validation, data loading and training (oumi_megatron/plugins.py): they
     register policy losses / advantage estimators (``@register_policy_loss("name")``,
     ``@register_advantage_estimator("name")``, docs/grpo.md) and Oumi datasets / reward functions (Oumi's
-    ``@register``; the CPU demo's task is ``oumi_megatron.demo_task``)."""
+    ``@register``; the CPU demo's task is ``oumi_megatron.examples.demo_task``)."""
 
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token's policy-gradient term by

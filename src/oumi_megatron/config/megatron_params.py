@@ -25,7 +25,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
 PACKED_ATTENTIONS = ("auto", "varlen", "mask")
 CUDA_GRAPH_IMPLS = ("none", "local")
-"""Core attention of the local layer spec (engine/attention.py)."""
+"""Core attention of the local layer spec (engine/kernels/attention.py)."""
 # Megatron-Core 0.19's allowed selective-recompute modules (TransformerConfig.__post_init__).
 RECOMPUTE_MODULES = (
     "core_attn",
@@ -191,7 +191,7 @@ class MegatronParams(BaseParams):
     # Features.
     logprob_chunk_tokens: int | None = None
     """Token logprobs and entropy from the last hidden states in chunks of this many tokens, without the
-    full [tokens x vocab] fp32 logits (engine/chunked_logprobs.py). null = auto: with CUDA, chunks of
+    full [tokens x vocab] fp32 logits (engine/kernels/chunked_logprobs.py). null = auto: with CUDA, chunks of
     ~512 MiB of fp32 logits where one microbatch's logits would pass that (full logits below); off on
     the CPU; 0 = off (full logits)."""
 

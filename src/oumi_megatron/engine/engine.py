@@ -2,7 +2,7 @@
 
 The caller hands the engine this data-parallel rank's microbatches (every rank of a DP replica gets
 the same ones) and a per-token loss function; the engine runs the pipeline schedule by name
-(engine/schedules.py: no pipeline, 1F1B, interleaved or ZB-H1), the DP gradient reduce, gradient
+(engine/parallel/schedules.py: no pipeline, 1F1B, interleaved or ZB-H1), the DP gradient reduce, gradient
 clipping and the optimizer step. It also computes per-token log-probabilities without gradients.
 
 Loss contract. ``loss_fn(logprobs, batch) -> (loss_sum, count, metrics)`` where ``logprobs[b, t]`` is
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.cuda_graphs import cuda_graphs_enabled
-from oumi_megatron.engine.schedules import resolve_schedule, schedule_function
+from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
+from oumi_megatron.engine.parallel.schedules import resolve_schedule, schedule_function
 from oumi_megatron.engine.wrappers import unwrap
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -47,11 +47,11 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     """Sums of the loss function's metrics over the global batch."""
     schedule: str = "none"
-    """The pipeline schedule that ran (engine/schedules.py)."""
+    """The pipeline schedule that ran (engine/parallel/schedules.py)."""
     deferred_wgrad_ops: int = 0
     """Weight-gradient GEMMs ZB-H1 deferred and ran in this step, summed over all ranks (0 for other schedules)."""
     module_queue_active: bool = False
-    """Whether ModuleQueue streamed the last stage's weights in this step (engine/module_queue.py)."""
+    """Whether ModuleQueue streamed the last stage's weights in this step (engine/parallel/module_queue.py)."""
     module_queue_offloaded_mib: float = 0.0
     """MiB of weights ModuleQueue released from the GPU in this step (every microbatch), summed over all ranks."""
 
@@ -96,7 +96,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def _forward_only(fn: Callable) -> Callable:
-    """A forward-only pass without autograd. With CUDA graphs (engine/cuda_graphs.py) it runs under
+    """A forward-only pass without autograd. With CUDA graphs (engine/kernels/cuda_graphs.py) it runs under
     ``torch.inference_mode``, which keeps Megatron-Core's layers eager (they would otherwise replay the
     fixed-shape training graphs), and its tensors are copied out of inference mode for later autograd use."""
 
@@ -170,13 +170,13 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
-        # the pipeline schedule by name (engine/schedules.py): the validated layout's, or resolved from params
+        # the pipeline schedule by name (engine/parallel/schedules.py): the validated layout's, or resolved from params
         resolved, why_not = resolve_schedule(params)
         self.schedule = schedule or resolved
         logger.info("pipeline schedule: %s%s", self.schedule, f" ({why_not})" if why_not and self.schedule == resolved else "")
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         self._cp_whole_sequences = 1  # CP size while _context_parallel_off runs whole sequences
-        from oumi_megatron.engine.module_queue import module_queues
+        from oumi_megatron.engine.parallel.module_queue import module_queues
 
         self._module_queues = module_queues(model)  # the last stage's ModuleQueue, where enabled
         config = get_model_config(model[0])
@@ -184,7 +184,7 @@ class MegatronEngine:
         if optimizer is not None:
             config.grad_scale_func = optimizer.scale_loss
         self.config = config
-        from oumi_megatron.engine.attention import core_attention_name, resolve_packed_attention
+        from oumi_megatron.engine.kernels.attention import core_attention_name, resolve_packed_attention
 
         requested = getattr(getattr(params, "transformer_config", None), "packed_attention", "auto")
         self.packed_attention, why = resolve_packed_attention(requested, core_attention_name(model[0]), config.params_dtype,
@@ -225,7 +225,7 @@ class MegatronEngine:
         if cp == 1:
             yield
             return
-        from oumi_megatron.engine.attention import SdpaCoreAttention
+        from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
 
         attention = [m for chunk in self.model for m in chunk.modules() if isinstance(m, SdpaCoreAttention)]
         rotary = [r for r in (getattr(unwrap(chunk), "rotary_pos_emb", None) for chunk in self.model) if r is not None]
@@ -292,13 +292,13 @@ class MegatronEngine:
 
     def chunks_logprobs(self, tokens_per_microbatch: int) -> bool:
         """Whether a training / logprob pass over microbatches of this many tokens takes the chunked logprob
-        path (auto: only where one microbatch's fp32 logits would pass one chunk, engine/chunked_logprobs.py)."""
+        path (auto: only where one microbatch's fp32 logits would pass one chunk, engine/kernels/chunked_logprobs.py)."""
         chunk = self.logprob_chunk_tokens()
         if chunk is None or chunk > 0:
             return chunk is not None
         from megatron.core import parallel_state
 
-        from oumi_megatron.engine.chunked_logprobs import worth_chunking
+        from oumi_megatron.engine.kernels.chunked_logprobs import worth_chunking
 
         vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         return worth_chunking(tokens_per_microbatch, vocab_shard)
@@ -356,7 +356,7 @@ class MegatronEngine:
         if self.packed_attention == "varlen" and inference_context is None:
             from megatron.core.packed_seq_params import PackedSeqParams
 
-            from oumi_megatron.engine.attention import cumulative_seqlens
+            from oumi_megatron.engine.kernels.attention import cumulative_seqlens
 
             for i, b in enumerate(batches):
                 if "segment_ids" in b:
@@ -376,7 +376,7 @@ class MegatronEngine:
         chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
         if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation: _context_parallel_off
             raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
-        from oumi_megatron.engine.context_parallel import cp_group, gather_sequence, split_sequence
+        from oumi_megatron.engine.parallel.context_parallel import cp_group, gather_sequence, split_sequence
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
@@ -387,7 +387,7 @@ class MegatronEngine:
                 extra["inference_context"] = inference_context
             if index in packing:
                 extra["packed_seq_params"] = packing[index]
-            # the model's inputs: this CP rank's two chunks of each sequence (engine/context_parallel.py)
+            # the model's inputs: this CP rank's two chunks of each sequence (engine/parallel/context_parallel.py)
             inputs = {k: batch[k] for k in ("input_ids", "position_ids", "target_ids")}
             mask = batch.get("attention_mask")
             if cp > 1:
@@ -395,7 +395,7 @@ class MegatronEngine:
                 if mask is not None:  # packed rows: this rank's queries against every key
                     mask = split_sequence(mask, 2, cp, cp_group().rank())
             if chunked:
-                from oumi_megatron.engine.chunked_logprobs import logprob_output_processor
+                from oumi_megatron.engine.kernels.chunked_logprobs import logprob_output_processor
 
                 extra["output_processor"] = logprob_output_processor
                 extra["output_processor_context"] = processed = {
@@ -499,7 +499,7 @@ class MegatronEngine:
         """ZB-H1's count of deferred weight-gradient GEMMs in the step just run, summed over all ranks."""
         if self.schedule != "zb_h1":
             return 0
-        from oumi_megatron.engine.zero_bubble import WeightGradStore
+        from oumi_megatron.engine.parallel.zero_bubble import WeightGradStore
 
         count = torch.tensor([WeightGradStore.executed], dtype=torch.int64, device=self._device())
         dist.all_reduce(count)

@@ -5,7 +5,7 @@ TransformerConfig that can build models) and knows how to move weights between t
 We set the parallel layout, precision and recompute settings from ``MegatronParams`` on it, pick the
 layer spec (TransformerEngine when installed, else Megatron-Core's local spec with fusions off, which
 need TE/apex/torch.compile, and its core attention on torch SDPA where ``attention_backend`` says so:
-engine/attention.py) and build one model chunk per virtual pipeline stage.
+engine/kernels/attention.py) and build one model chunk per virtual pipeline stage.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from oumi_megatron.bridge_utils import have_transformer_engine, import_megatron_bridge
-from oumi_megatron.engine.cuda_graphs import check_cuda_graphs
+from oumi_megatron.engine.kernels.cuda_graphs import check_cuda_graphs
 from oumi_megatron.errors import UserInputError
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
-# Fusions that need TransformerEngine or apex; off with the local spec, then engine/fusions.py turns
+# Fusions that need TransformerEngine or apex; off with the local spec, then engine/kernels/fusions.py turns
 # on the ones PyTorch supplies.
 _LOCAL_SPEC_FUSIONS_OFF = (
     "apply_rope_fusion",
@@ -91,7 +91,7 @@ def configure_provider(
 ) -> Any:
     """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider
     (``cuda_graphs``: the training engine's builders check that CUDA graphs can run; they are attached
-    after the build, engine/cuda_graphs.py; ``schedule``: the pipeline schedule the engine will run, zb_h1
+    after the build, engine/kernels/cuda_graphs.py; ``schedule``: the pipeline schedule the engine will run, zb_h1
     needs the gradient accumulation path)."""
     provider.tensor_model_parallel_size = params.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = params.pipeline_model_parallel_size
@@ -138,8 +138,8 @@ def configure_provider(
         # The unbatched path orders them per rank parity and uses two communicators for a pair.
         provider.batch_p2p_comm = False
     if not have_transformer_engine():
-        from oumi_megatron.engine.attention import resolve_attention_backend
-        from oumi_megatron.engine.fusions import apply_fusions
+        from oumi_megatron.engine.kernels.attention import resolve_attention_backend
+        from oumi_megatron.engine.kernels.fusions import apply_fusions
 
         backend, why = resolve_attention_backend(t.attention_backend, provider, torch.cuda.is_available())
         provider.transformer_layer_spec = partial(_local_spec, backend=backend)
@@ -151,11 +151,11 @@ def configure_provider(
     if cuda_graphs:
         check_cuda_graphs(params, torch.cuda.is_available())
     # ModuleQueue (seed 000): read from the model's config, as in the seed; the stage with post_process
-    # gets the ModuleQueue class (engine/module_queue.py asks which class each stage gets)
+    # gets the ModuleQueue class (engine/parallel/module_queue.py asks which class each stage gets)
     provider.enable_module_queue = bool(getattr(params, "enable_module_queue", False))
     provider.module_queue_num_chunks = int(getattr(params, "module_queue_num_chunks", 4))
     if provider.enable_module_queue:
-        from oumi_megatron.engine.module_queue import module_queue_pre_wrap_hook
+        from oumi_megatron.engine.parallel.module_queue import module_queue_pre_wrap_hook
 
         provider.register_pre_wrap_hook(module_queue_pre_wrap_hook)
     provider.finalize()
@@ -164,9 +164,9 @@ def configure_provider(
 
 def _local_spec(provider: Any, vp_stage: int | None = None, *, backend: str) -> Any:
     """Megatron-Bridge's local layer spec with our core attention; under sequence parallelism a block spec
-    whose norms run with it (engine/norms.py)."""
-    from oumi_megatron.engine.attention import local_layer_spec_with_attention
-    from oumi_megatron.engine.norms import sequence_parallel_block_spec
+    whose norms run with it (engine/kernels/norms.py)."""
+    from oumi_megatron.engine.kernels.attention import local_layer_spec_with_attention
+    from oumi_megatron.engine.kernels.norms import sequence_parallel_block_spec
 
     spec = local_layer_spec_with_attention(provider, backend=backend)
     return sequence_parallel_block_spec(spec, provider, vp_stage) if provider.sequence_parallel else spec

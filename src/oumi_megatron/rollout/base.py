@@ -43,7 +43,7 @@ class WeightSyncStats:
 
 
 class PolicyWeights(Protocol):
-    """The trainer's weights under HF names (engine/hf_weights.py ``HFWeightExporter``). Both calls are collective
+    """The trainer's weights under HF names (engine/state/hf_weights.py ``HFWeightExporter``). Both calls are collective
     over the training ranks: every rank calls them, and iterates to the end."""
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.distributed import free_port
+from oumi_megatron.engine.parallel.distributed import free_port
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 Torch only (no vLLM import), so the trainer side stays light.
 
-Source: the engine's exporter (engine/hf_weights.py ``HFWeightExporter``, handed to the rollout backend's
+Source: the engine's exporter (engine/state/hf_weights.py ``HFWeightExporter``, handed to the rollout backend's
 ``sync_weights`` by the trainer) yields ``(hf_name, tensor)`` for the whole model. Buckets: consecutive tensors
 packed into one contiguous byte buffer of about ``bucket_bytes`` (fewer, larger messages). Wire format, over a 2-process group (rank 0 = trainer,
 rank 1 = engine), self-describing so the receiver needs nothing up front:

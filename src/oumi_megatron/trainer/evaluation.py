@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.data import prompt_token_ids
-from oumi_megatron.engine.distributed import data_parallel
+from oumi_megatron.engine.parallel.distributed import data_parallel
 from oumi_megatron.grpo.rewards import RewardComputer
 from oumi_megatron.rollout.base import RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams

@@ -34,15 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpointing import (
+from oumi_megatron.engine.state.checkpointing import (
     AsyncCheckpointWriter,
     load_checkpoint,
     newest_valid_checkpoint,
     save_checkpoint,
 )
 from oumi_megatron.data import prompt_token_ids
-from oumi_megatron.engine.distributed import data_parallel
-from oumi_megatron.engine.hf_weights import HFWeightExporter
+from oumi_megatron.engine.parallel.distributed import data_parallel
+from oumi_megatron.engine.state.hf_weights import HFWeightExporter
 from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.grpo.algorithm import groups_with_signal, logprob_mismatch, overlong_penalty
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, lookup

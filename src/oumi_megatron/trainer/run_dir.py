@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oumi_megatron.engine.checkpointing import STATE_FILE, CheckpointError, newest_valid_checkpoint, verify_checkpoint
+from oumi_megatron.engine.state.checkpointing import STATE_FILE, CheckpointError, newest_valid_checkpoint, verify_checkpoint
 from oumi_megatron.errors import UserInputError
 
 

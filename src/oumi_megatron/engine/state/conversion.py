@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpoint_io import load_model, save_model
-from oumi_megatron.engine.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
-from oumi_megatron.engine.distributed import ParallelSizes, init_model_parallel
+from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
+from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
+from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.wrappers import unwrap
 from oumi_megatron.utils.atomic import atomic_directory
@@ -152,7 +152,7 @@ def build_from_checkpoint(checkpoint_dir: str | Path, params: Any, dtype: torch.
     """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``
     (``schedule``: the pipeline schedule the training engine runs)."""
     dtype = dtype or default_dtype()
-    graphs = ddp_config is not None and cuda_graphs_enabled(params)  # training only (engine/cuda_graphs.py)
+    graphs = ddp_config is not None and cuda_graphs_enabled(params)  # training only (engine/kernels/cuda_graphs.py)
     init_model_parallel(ParallelSizes.from_params(params), cuda_graphs=graphs)
     bridge = load_bridge_for_checkpoint(checkpoint_dir, trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs,

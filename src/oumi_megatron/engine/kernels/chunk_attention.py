@@ -1,7 +1,7 @@
 """Causal attention of one query chunk against every key up to its end, on flash kernels (CP > 1 on CUDA).
 
 Under context parallelism a rank's query chunk starts at position ``first`` and its query ``i`` sees keys
-``0 .. first + i`` (engine/context_parallel.py). SDPA has no fused kernel that skips the masked half of that
+``0 .. first + i`` (engine/parallel/context_parallel.py). SDPA has no fused kernel that skips the masked half of that
 rectangle: with a boolean or lower-right causal mask it computes all of it (measured ~300 TFLOP/s on an H100 against
 ~560 for flash on squares and unmasked rectangles; docs/benchmarks.md). So, as ring attention does, it runs as two
 flash calls, the prefix keys ``[0, first)`` without a mask and the diagonal block ``[first, first + n)`` causal,

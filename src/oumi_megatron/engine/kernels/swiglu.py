@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.engine.rope import triton, triton_runs_on
+from oumi_megatron.engine.kernels.rope import triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl

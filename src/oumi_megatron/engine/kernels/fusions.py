@@ -11,8 +11,8 @@ fusion here is there to cut launches as much as bytes:
   accumulation into ``main_grad`` in the GEMM's epilogue on CUDA). Without it every linear layer writes
   a bf16 weight gradient that Megatron's DDP hook then adds to ``main_grad``.
 - ``apply_rope_fusion``: one Triton kernel each way for the query's and the key's rotation
-  (engine/rope.py), through Megatron-Core's ``fused_apply_rotary_pos_emb`` hook.
-- ``bias_activation_fusion``: one Triton kernel each way for SwiGLU (engine/swiglu.py), through the
+  (engine/kernels/rope.py), through Megatron-Core's ``fused_apply_rotary_pos_emb`` hook.
+- ``bias_activation_fusion``: one Triton kernel each way for SwiGLU (engine/kernels/swiglu.py), through the
   MLP's ``bias_swiglu_impl``.
 
 Each is a ``megatron.transformer_config`` field with Megatron-Core's name: ``null`` (default) = on with
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.engine.zero_bubble import WeightGradStore
+from oumi_megatron.engine.parallel.zero_bubble import WeightGradStore
 
 FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion")
 
 
 class TorchWgradAccumulation:
     """apex's ``fused_weight_gradient_mlp_cuda`` interface in PyTorch: ``main_grad += grad_output^T @ input``,
-    run at once or, inside a ZB-H1 backward pass, queued as deferred W work (engine/zero_bubble.py)."""
+    run at once or, inside a ZB-H1 backward pass, queued as deferred W work (engine/parallel/zero_bubble.py)."""
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -98,8 +98,8 @@ def unsupported_reason(name: str, config: Any) -> str | None:  # TransformerConf
 
 def apply_fusions(provider: Any, t: Any, cuda: bool, zero_bubble: bool = False) -> str:
     """Sets the fusions on a GPTModelProvider (installing their kernels); returns a description for the log."""
-    from oumi_megatron.engine.rope import install_fused_rope
-    from oumi_megatron.engine.swiglu import install_fused_swiglu
+    from oumi_megatron.engine.kernels.rope import install_fused_rope
+    from oumi_megatron.engine.kernels.swiglu import install_fused_swiglu
 
     install = {"gradient_accumulation_fusion": install_torch_wgrad_accumulation,
                "apply_rope_fusion": install_fused_rope, "bias_activation_fusion": install_fused_swiglu}

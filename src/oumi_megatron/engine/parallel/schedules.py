@@ -8,7 +8,7 @@ pipeline schedule class. Adding a schedule is one entry in ``SCHEDULES``.
 - ``none``: PP = 1, Megatron-Core's ``forward_backward_no_pipelining``;
 - ``1f1b``: Megatron-Core's ``forward_backward_pipelining_without_interleaving``;
 - ``interleaved``: Megatron-Core's ``forward_backward_pipelining_with_interleaving`` (virtual pipeline);
-- ``zb_h1``: engine/zero_bubble.py (1F1B with the weight-gradient GEMMs deferred into the bubbles).
+- ``zb_h1``: engine/parallel/zero_bubble.py (1F1B with the weight-gradient GEMMs deferred into the bubbles).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from oumi_megatron.engine.zero_bubble import forward_backward_zb_h1, zb_h1_unsupported_reason
+from oumi_megatron.engine.parallel.zero_bubble import forward_backward_zb_h1, zb_h1_unsupported_reason
 
 
 def _no_pipelining() -> Callable:

@@ -117,7 +117,7 @@ def fused_rope_covers(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether this module's (and engine/swiglu.py's) Triton kernels can take ``t``: a CUDA tensor, or any
+    """Whether this module's (and engine/kernels/swiglu.py's) Triton kernels can take ``t``: a CUDA tensor, or any
     tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the CPU tests use)."""
     import os
 

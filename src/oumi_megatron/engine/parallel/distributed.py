@@ -70,7 +70,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
 
 def init_model_parallel(sizes: ParallelSizes, seed: int = 1234, cuda_graphs: bool = False) -> None:
     """Megatron-Core's process groups and its model-parallel RNG, for the given layout (a CUDA-graph-safe
-    RNG when the layers will be captured: engine/cuda_graphs.py)."""
+    RNG when the layers will be captured: engine/kernels/cuda_graphs.py)."""
     from megatron.core import parallel_state, tensor_parallel
 
     init_distributed()

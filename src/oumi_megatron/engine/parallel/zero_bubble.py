@@ -11,7 +11,7 @@ gradient reduce and the optimizer step (``pop_all``). With F = B = W the step ta
 
 How W is captured: Megatron-Core's linear layers, under ``gradient_accumulation_fusion``, hand their
 weight gradient to ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(input, grad_output,
-main_grad)``, which engine/fusions.py supplies (``TorchWgradAccumulation``). While a ZB-H1 backward pass
+main_grad)``, which engine/kernels/fusions.py supplies (``TorchWgradAccumulation``). While a ZB-H1 backward pass
 runs, that call is queued in ``WeightGradStore`` instead (the input and output-gradient tensors stay
 alive until it runs), so zb_h1 turns gradient accumulation fusion on. Gradients of parameters outside
 linear layers (norms, embeddings) and the chunked-logprob output layer are not deferred. Each

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.engine.conversion import save_hf
+from oumi_megatron.engine.state.conversion import save_hf
 from oumi_megatron.engine.wrappers import unwrap
 
 

@@ -143,13 +143,13 @@ class SdpaCoreAttention(torch.nn.Module):
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """CP > 1 (engine/context_parallel.py): this rank holds two chunks of the sequence; K/V are gathered
+        """CP > 1 (engine/parallel/context_parallel.py): this rank holds two chunks of the sequence; K/V are gathered
         over the CP group and each query chunk attends causally to the keys up to its own end (packed rows:
         ``attention_mask`` holds this rank's query rows against every key)."""
         from megatron.core import tensor_parallel
 
-        from oumi_megatron.engine.chunk_attention import flash_chunk_attention_applies, prefix_causal_attention
-        from oumi_megatron.engine.context_parallel import chunk_attention_bounds, gather_keys_values
+        from oumi_megatron.engine.kernels.chunk_attention import flash_chunk_attention_applies, prefix_causal_attention
+        from oumi_megatron.engine.parallel.context_parallel import chunk_attention_bounds, gather_keys_values
 
         sq, b = query.shape[:2]
         key, value = gather_keys_values(key, value, self.cp_group)

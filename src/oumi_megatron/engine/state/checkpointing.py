@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.checkpoint_io import (
+from oumi_megatron.engine.state.checkpoint_io import (
     load_model,
     load_strategy,
     model_sharded_state_dict,

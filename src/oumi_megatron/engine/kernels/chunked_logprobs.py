@@ -96,7 +96,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _grad_entropy: Any) -> tuple:
-        from oumi_megatron.engine.fusions import accumulate_wgrad
+        from oumi_megatron.engine.kernels.fusions import accumulate_wgrad
 
         hidden, weight, targets, lse = ctx.saved_tensors
         group, world, _ = _tp()

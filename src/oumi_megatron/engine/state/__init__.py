@@ -1,0 +1,1 @@
+"""Weights on disk and in flight: HF -> Megatron conversion, distributed checkpoints, HF export."""

@@ -1,1 +1,0 @@
-"""Helpers that build tiny models and tokenizers locally (tests, the CPU demo): no downloads."""
