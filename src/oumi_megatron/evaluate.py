@@ -48,7 +48,7 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     metrics: dict[str, float] = {}
     try:
         for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,
-                                          config.training.per_device_eval_batch_size, engine._device()):
+                                          config.training.per_device_eval_batch_size, engine.device):
             metrics.update(evaluator.run())
     finally:
         backend.close()

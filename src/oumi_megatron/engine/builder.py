@@ -67,7 +67,7 @@ def build_inference_engine(
     chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     for chunk in chunks:
         chunk.eval()
-    return bridge, MegatronEngine(chunks, None, None, params)
+    return bridge, MegatronEngine(chunks, None, None, params, schedule=resolve_schedule(params)[0])
 
 
 def build_engine_from_hf_config(

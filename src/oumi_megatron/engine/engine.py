@@ -21,14 +21,17 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
-from oumi_megatron.engine.parallel.schedules import resolve_schedule, schedule_function
+from oumi_megatron.engine.parallel.schedules import schedule_function
 from oumi_megatron.engine.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -160,8 +163,8 @@ def _on_device(value: Any, device: torch.device) -> torch.Tensor:
 class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
-    def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: Any,
-                 schedule: str | None = None) -> None:
+    def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: MegatronParams,
+                 schedule: str) -> None:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
@@ -170,10 +173,7 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
-        # the pipeline schedule by name (engine/parallel/schedules.py): the validated layout's, or resolved from params
-        resolved, why_not = resolve_schedule(params)
-        self.schedule = schedule or resolved
-        logger.info("pipeline schedule: %s%s", self.schedule, f" ({why_not})" if why_not and self.schedule == resolved else "")
+        self.schedule = schedule  # resolved once, in layout.py; looked up by name in engine/parallel/schedules.py
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         self._cp_whole_sequences = 1  # CP size while _context_parallel_off runs whole sequences
         from oumi_megatron.engine.parallel.module_queue import module_queues
@@ -303,7 +303,9 @@ class MegatronEngine:
         vocab_shard = unwrap(self.model[0]).vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         return worth_chunking(tokens_per_microbatch, vocab_shard)
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: its current CUDA device, or the CPU."""
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @property
@@ -322,7 +324,7 @@ class MegatronEngine:
             return done
         from megatron.core import parallel_state as ps
 
-        flag = torch.tensor([0 if done else 1], device=self._device())
+        flag = torch.tensor([0 if done else 1], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
         return flag.item() == 0
 
@@ -351,7 +353,7 @@ class MegatronEngine:
             self._graph_mbs = mbs
         # Packed rows through the varlen kernel: sequence boundaries from the segment ids (on the host),
         # and no [T x T] mask to move or read.
-        device = self._device()
+        device = self.device
         packing: dict[int, Any] = {}
         if self.packed_attention == "varlen" and inference_context is None:
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -491,7 +493,7 @@ class MegatronEngine:
             return False, 0.0
         stats = torch.tensor([float(len(self._module_queues)),
                               sum(q.module_queue_offloaded_bytes for q, _ in self._module_queues) / 2**20],
-                             dtype=torch.float64, device=self._device())
+                             dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
         return bool(stats[0] > 0), float(stats[1])
 
@@ -501,7 +503,7 @@ class MegatronEngine:
             return 0
         from oumi_megatron.engine.parallel.zero_bubble import WeightGradStore
 
-        count = torch.tensor([WeightGradStore.executed], dtype=torch.int64, device=self._device())
+        count = torch.tensor([WeightGradStore.executed], dtype=torch.int64, device=self.device)
         dist.all_reduce(count)
         return int(count.item())
 
@@ -538,7 +540,7 @@ class MegatronEngine:
                 if ps.is_pipeline_last_stage(ignore_virtual=True):
                     t = outputs[i][name].float().contiguous()
                 else:
-                    t = torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=self._device())
+                    t = torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=self.device)
                 result[name].append(self._from_last_stage(t).cpu())
         return result["logprobs"], result.get("entropy", [])
 
@@ -602,9 +604,9 @@ class MegatronEngine:
         if last_stage:
             last = torch.cat([captured[i] for i in range(m)])
             last = tensor_parallel.gather_from_tensor_model_parallel_region(last.contiguous())
-        vocab = self._from_last_stage(torch.tensor([last.shape[-1] if last_stage else 0], device=self._device()))
+        vocab = self._from_last_stage(torch.tensor([last.shape[-1] if last_stage else 0], device=self.device))
         if not last_stage:
-            last = torch.empty(padded, int(vocab.item()), dtype=torch.float32, device=self._device())
+            last = torch.empty(padded, int(vocab.item()), dtype=torch.float32, device=self.device)
         return self._from_last_stage(last)[:rows]
 
     @staticmethod
@@ -622,8 +624,8 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         keys = sorted(outputs[0].keys()) if outputs else []
-        n_keys = self._from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self._device()))
-        values = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self._device())
+        n_keys = self._from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self.device))
+        values = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self.device)
         if outputs:
             for out in outputs:
                 values += torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=values.device) for k in keys])

@@ -56,7 +56,7 @@ class MegatronRolloutBackend:
         self.vocab_size = vocab_size
         # on the model's device: sampling reads the logits where they are (a [rows, vocab] copy to the
         # host per token, and a host multinomial over it, cost 2/3 of the rollout time on an H200)
-        self.generator = torch.Generator(device=engine._device()).manual_seed(seed)
+        self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.kv_cache = kv_cache
 
     @torch.no_grad()

@@ -156,7 +156,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.warned_truncation = False
         self.evaluators = [] if eval_dataset is None else build_evaluators(
             eval_dataset, tokenizer, self.rewards, self.backend, self.grpo, config.training.per_device_eval_batch_size,
-            engine._device())
+            engine.device)
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 
@@ -186,14 +186,14 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         dp, _, group = self._dp()
         if dp == 1:
             return local.double()
-        t = local.double().to(self.engine._device())
+        t = local.double().to(self.engine.device)
         parts = [torch.empty_like(t) for _ in range(dp)]
         dist.all_gather(parts, t, group=group)
         return torch.cat(parts).cpu()
 
     def _sum_dp(self, values: list[float]) -> list[float]:
         dp, _, group = self._dp()
-        t = torch.tensor(values, dtype=torch.float64, device=self.engine._device())
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
         if dp > 1:
             dist.all_reduce(t, group=group)
         return t.tolist()
@@ -216,7 +216,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
 
     def _max_dp(self, value: float) -> float:
         dp, _, group = self._dp()
-        t = torch.tensor([value], dtype=torch.float64, device=self.engine._device())
+        t = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
         if dp > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
