@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from oumi_megatron.config.grpo_params import MegatronGrpoParams
 from oumi_megatron.grpo.algorithm import aggregate, clipped_surrogate, group_advantages, kl_divergence
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 
@@ -131,7 +132,7 @@ def test_aggregations() -> None:
 
 
 def test_grpo_loss_fn_masks_prompt_and_padding_and_adds_kl() -> None:
-    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.1, kl_estimator="k1", tis_cap=None,
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.1, kl_estimator="k1", tis_cap=None,
                            loss_aggregation="token_mean", max_completion_length=4)
     lp = torch.log(torch.tensor([[0.9, 0.5, 0.5, 0.9]]))
     batch = {
@@ -162,7 +163,6 @@ def test_logprob_mismatch_sums() -> None:
 
 
 def test_truncated_importance_sampling_weights_and_loss() -> None:
-    from types import SimpleNamespace
 
     from oumi_megatron.grpo.algorithm import truncated_importance_weights
     from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -171,7 +171,7 @@ def test_truncated_importance_sampling_weights_and_loss() -> None:
     rollout = torch.tensor([[-1.0, -2.0, 0.0]])  # p_t/p_r = 1, e, 1/e
     w = truncated_importance_weights(trainer, rollout, cap=2.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, float(torch.exp(torch.tensor(-1.0)))]]))
-    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", loss_aggregation="token_mean",
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", loss_aggregation="token_mean",
                            max_completion_length=3, tis_cap=2.0)
     batch = {"completion_mask": torch.ones(1, 3), "old_logprobs": trainer, "advantages": torch.tensor([1.0]),
              "rollout_logprobs": rollout}
@@ -181,7 +181,7 @@ def test_truncated_importance_sampling_weights_and_loss() -> None:
     # at ratio 1 the gradient of -ratio * A is -A per token, scaled by the TIS weight
     assert torch.allclose(logprobs.grad, -w)
     assert metrics["tis_capped_tokens"] == 1 and int(count) == 3
-    off = SimpleNamespace(**{**vars(grpo), "tis_cap": None})
+    off = dataclasses.replace(grpo, tis_cap=None)
     plain, _, plain_metrics = make_grpo_loss_fn(off)(trainer.clone(), batch)
     assert "tis_weight_sum" not in plain_metrics and torch.isclose(plain, torch.tensor(-3.0))
 
@@ -193,7 +193,7 @@ def test_a_skipped_sample_changes_nothing_in_the_loss(mode: str, packed: bool) -
     loss or to the count it is normalized by: loss and count equal those of the batch without it."""
     from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
 
-    grpo = SimpleNamespace(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", tis_cap=None,
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", tis_cap=None,
                            loss_aggregation=mode, max_completion_length=6)
     loss_fn = make_grpo_loss_fn(grpo)
     seqs = [[5, 6, 7, 8, 9], [5, 6, 10, 11], [5, 12, 13, 14, 15, 16], [5, 6, 7, 17]]

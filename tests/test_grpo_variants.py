@@ -143,7 +143,7 @@ def test_a_user_module_registers_its_own_loss_and_validation_names_the_registere
                               check_bridge=False)
     assert "grpo.plugins" in missing.fields() and "no_such_module_here" in missing.format_problems()
     sys.modules.pop("my_grpo_variants", None)
-    POLICY_LOSSES.pop("plain_pg", None)
+    POLICY_LOSSES.remove("plain_pg")
 
 
 @pytest.mark.parametrize(("field", "value", "text"), [("scale_rewards", "tokens", "group, batch, none"),

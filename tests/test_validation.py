@@ -80,7 +80,7 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"inference_backend": "sglang"}, DENSE, 1, "megatron.inference_backend", "sglang rollouts are not implemented"),
         ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'vllm'"),
         ({"weight_sync_method": "rdma"}, DENSE, 1, "megatron.weight_sync_method", "'nccl', 'gloo', 'checkpoint'"),
-        ({"pipeline_schedule": "gpipe"}, DENSE, 1, "megatron.pipeline_schedule", "'1f1b', 'interleaved', 'zb_h1'"),
+        ({"pipeline_schedule": "gpipe"}, DENSE, 1, "megatron.pipeline_schedule", "Registered: '1f1b', 'interleaved', 'none', 'zb_h1'"),
         ({"pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved"}, DENSE, 2, "megatron.pipeline_schedule", "needs megatron.virtual_pipeline_model_parallel_size"),
         ({"optimizer_config": {"optimizer_offload_fraction": 1.5}}, DENSE, 1, "megatron.optimizer_config.optimizer_offload_fraction", "[0, 1]"),
         ({"optimizer_config": {"optimizer_offload_fraction": -0.1}}, DENSE, 1, "megatron.optimizer_config.optimizer_offload_fraction", "[0, 1]"),
@@ -140,7 +140,7 @@ def test_context_parallel_with_embedded_generation_warns_how_it_generates(make_c
 
 def test_expert_parallelism_runs_inside_data_parallelism(make_config) -> None:  # noqa: ANN001
     """EP splits experts over data-parallel ranks (Megatron-Core's expert groups): DP stays world / (TP x PP x CP)."""
-    from oumi_megatron.validation import default_world_size
+    from oumi_megatron.layout import default_world_size
 
     cfg = make_config(megatron={"expert_model_parallel_size": 2, "global_batch_size": 8})
     r = check(cfg, world_size=2, shape=MOE)
@@ -522,3 +522,61 @@ def test_eval_metric_prefixes_one_per_validation_dataset(make_config) -> None:  
     assert r.fields() == ["grpo.eval_metric_prefixes"] and "one prefix per validation dataset" in r.format_problems()
     bad = make_config(data={"validation": {"datasets": [dataset]}}, grpo={"eval_metric_prefixes": ["eval/unseen"]})
     assert check(bad).fields() == ["grpo.eval_metric_prefixes[0]"]
+
+
+def test_plugin_registered_schedule_and_rollout_backend_are_accepted(make_config, tmp_path: Path,  # noqa: ANN001
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation checks names against the live registries: what a grpo.plugins module registers is accepted like
+    a built-in, and an unknown name's message lists the registered ones."""
+    import sys
+
+    from oumi_megatron.engine.parallel.schedules import SCHEDULES
+    from oumi_megatron.rollout.registry import ROLLOUT_BACKENDS
+
+    (tmp_path / "my_seams.py").write_text(
+        "from oumi_megatron.engine.parallel.schedules import SCHEDULES, PipelineSchedule, schedule_function\n"
+        "from oumi_megatron.rollout.registry import register_rollout_backend, build_rollout_backend\n\n"
+        "SCHEDULES.add('my_1f1b', PipelineSchedule(lambda: schedule_function('1f1b')))\n\n"
+        "@register_rollout_backend('my_backend')\n"
+        "def build(ctx):\n    raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wanted = {"pipeline_schedule": "my_1f1b", "inference_backend": "my_backend", "pipeline_model_parallel_size": 2}
+    try:
+        bad = check(make_config(megatron=wanted), world_size=2)
+        assert set(problem_fields(bad)) == {"megatron.pipeline_schedule", "megatron.inference_backend"}, bad.format_problems()
+        assert "Registered: 'megatron', 'vllm'" in bad.format_problems()
+        good = check(make_config(megatron=wanted, grpo={"plugins": ["my_seams"]}), world_size=2)
+        assert good.ok, good.format_problems()
+        assert good.layout.pipeline_schedule == "my_1f1b"
+    finally:
+        SCHEDULES.remove("my_1f1b")
+        ROLLOUT_BACKENDS.remove("my_backend")
+        sys.modules.pop("my_seams", None)
+
+
+def test_registry_refuses_a_second_object_under_one_name_and_lists_names() -> None:
+    from oumi_megatron.utils.registry import Registry
+
+    reg: Registry[int] = Registry("thing", "section.thing", "register yours in a plugin")
+    one, two = object(), object()
+    reg.add("a", one)  # type: ignore[arg-type]
+    reg.add("a", one)  # type: ignore[arg-type]  # the same object again: a module imported twice
+    with pytest.raises(ValueError, match="a thing named 'a' is registered already"):
+        reg.add("a", two)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"section.thing: unknown value 'b'. Registered: 'a' \(register yours in a plugin\)"):
+        reg.get("b")
+    assert reg.get("a") is one and "a" in reg and list(reg) == ["a"] and len(reg) == 1
+
+
+def test_resolve_layout_alone_gives_validations_layout(make_config) -> None:  # noqa: ANN001
+    """plan.py resolves trial layouts without re-validating the config: the same layout, problems and fallbacks."""
+    from oumi_megatron.layout import resolve_layout
+
+    cfg = make_config(megatron={"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2,
+                                "ddp_config": {"overlap_grad_reduce": True}})
+    report = check(cfg, world_size=4)
+    alone = resolve_layout(cfg, 4, shape=DENSE)
+    assert alone.layout == report.layout and alone.layout.pipeline_schedule == "1f1b" and alone.layout.data_parallel == 2
+    assert [w for w in alone.warnings if "zb_h1" in w] == [w for w in report.warnings if "zb_h1" in w] != []
+    broken = resolve_layout(make_config(megatron={"tensor_model_parallel_size": 3}), 4, shape=DENSE)
+    assert broken.layout is None and {p.field for p in broken.problems} == {"megatron.tensor_model_parallel_size"}

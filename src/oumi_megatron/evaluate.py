@@ -28,7 +28,7 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
                              "dataset_path: data/arithmetic_eval_seen.jsonl).")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.training.eval_strategy = "no"  # this is the evaluation; the training schedule does not apply
-    validate_config(config, world_size=world_size).require_layout()
+    layout = validate_config(config, world_size=world_size).require_layout()
     eval_sets = load_eval_sets(config, log=log)
 
     from oumi.builders import build_tokenizer
@@ -40,7 +40,8 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
 
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
-    _, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust)
+    _, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust,
+                                       layout=layout)
     tokenizer = build_tokenizer(config.model)
     backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
                                                    work_dir=Path(config.training.output_dir) / "eval_vllm"))

@@ -27,12 +27,17 @@ persistent state (the optimizer step needs every weight).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 GIB = 2**30
 CUDA_OVERHEAD_GIB = 4.0
@@ -153,7 +158,7 @@ def _in_flight(layout: ParallelLayout, stage: int, microbatches: int) -> float:
     return float(min(pp - stage, microbatches))
 
 
-def estimate_memory(cfg: Any, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
+def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
                     overhead_gib: float = CUDA_OVERHEAD_GIB) -> MemoryPlan:
     """Per-GPU memory of ``cfg`` (a MegatronTrainingConfig) for ``shape`` on ``layout`` (from validation)."""
     m = cfg.megatron
@@ -208,7 +213,7 @@ def estimate_memory(cfg: Any, shape: ModelShape, layout: ParallelLayout, gpu_mem
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans)})
 
 
-def advice(plan: MemoryPlan, cfg: Any, layout: ParallelLayout) -> list[str]:
+def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout) -> list[str]:
     """What to change when the plan does not fit, largest lever first."""
     if plan.fits is not False:
         return []
@@ -239,15 +244,11 @@ class Suggestion:
     why: str
 
 
-def suggest_layouts(cfg: Any, shape: ModelShape, gpus: int, gpus_per_node: int | None, gpu_memory_gib: float,
+def suggest_layouts(cfg: MegatronTrainingConfig, shape: ModelShape, gpus: int, gpus_per_node: int | None, gpu_memory_gib: float,
                     top: int = 5) -> list[Suggestion]:
     """Valid TP x PP x CP x DP layouts of ``gpus`` GPUs ranked by fit, then by a simple throughput model:
     the pipeline bubble (PP - 1) / (m + PP - 1), TP's per-layer all-reduces (10% per doubling within a node,
     30% across nodes), CP's K/V all-gather (5% per doubling) and DP's gradient all-reduce (5% once DP > 1)."""
-    import copy
-
-    from oumi_megatron.validation import divisors, validate_config
-
     node = gpus_per_node or min(gpus, 8)
     out: list[Suggestion] = []
     for tp in divisors(min(gpus, node)):
@@ -259,18 +260,16 @@ def suggest_layouts(cfg: Any, shape: ModelShape, gpus: int, gpus_per_node: int |
             for cp in (1, 2, 4):
                 if gpus % (tp * pp * cp) or cfg.grpo.max_sequence_length % (2 * cp):
                     continue
-                trial = copy.deepcopy(cfg)
-                trial.megatron.tensor_model_parallel_size, trial.megatron.pipeline_model_parallel_size = tp, pp
-                trial.megatron.context_parallel_size = cp
-                trial.megatron.virtual_pipeline_model_parallel_size = None
-                trial.megatron.sequence_parallel = tp > 1
-                if trial.megatron.pipeline_schedule == "interleaved" or pp == 1:
-                    trial.megatron.pipeline_schedule = "1f1b"
-                report = validate_config(trial, world_size=gpus, gpus_per_node=gpus_per_node, model_shape=shape,
-                                         check_bridge=False)
-                if report.layout is None or not report.ok:
+                # only the layout changes between trials: resolve it alone (no re-validation of the config)
+                schedule = "1f1b" if cfg.megatron.pipeline_schedule == "interleaved" or pp == 1 else cfg.megatron.pipeline_schedule
+                trial = copy.copy(cfg)
+                trial.megatron = dataclasses.replace(
+                    cfg.megatron, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                    virtual_pipeline_model_parallel_size=None, sequence_parallel=tp > 1, pipeline_schedule=schedule)
+                resolution = resolve_layout(trial, gpus, gpus_per_node, shape)
+                if resolution.layout is None or resolution.problems:
                     continue
-                lay = report.layout
+                lay = resolution.layout
                 plan = estimate_memory(trial, shape, lay, gpu_memory_gib)
                 bubble = (pp - 1) / (lay.microbatches_per_step + pp - 1)
                 tp_cost = (0.1 if tp <= node else 0.3) * math.log2(tp)
@@ -305,7 +304,7 @@ class PlanResult:
         return out
 
 
-def plan_config(config: Any, gpus: int, gpus_per_node: int | None = None, gpu_memory_gib: float | None = None,
+def plan_config(config: MegatronTrainingConfig, gpus: int, gpus_per_node: int | None = None, gpu_memory_gib: float | None = None,
                 model_config_path: str | None = None, suggest: bool = False,
                 overhead_gib: float = CUDA_OVERHEAD_GIB) -> PlanResult:
     """Validate ``config`` (a MegatronTrainingConfig) for ``gpus`` GPUs and estimate per-GPU memory."""

@@ -1,9 +1,12 @@
-"""Validation of a MEGATRON_GRPO config against a world size and the model's shape.
+"""Validation of a MEGATRON_GRPO config: a list of field checks, plus the layout that layout.py resolves.
 
 Every rule appends to one report, so a user sees all problems at once. Each problem names the field
-and says how to fix it. Settings that cannot act in a given layout (ZB-H1 with PP=1, ModuleQueue on
-non-last stages) fall back with one warning, as the design documents say. ``oumi-megatron validate``
-prints the report; training runs the same function first, before any heavy work.
+and says how to fix it. The parallel layout, batch sizes and pipeline schedule are resolved (and their
+problems found) by ``layout.resolve_layout``; settings that cannot act in a given layout (ZB-H1 with PP=1,
+ModuleQueue on non-last stages) fall back there with one warning, as the design documents say. Names a config
+selects (schedules, losses, estimators, rollout backends) are checked against the live registries, after
+``grpo.plugins`` are imported. ``oumi-megatron validate`` prints the report; training runs the same function
+first, before any heavy work.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from oumi.exceptions import OumiConfigError
 
@@ -21,23 +24,23 @@ from oumi_megatron.config.grpo_params import ON_REWARD_ERROR
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
     CUDA_GRAPH_IMPLS,
-    INFERENCE_BACKENDS,
     PACKED_ATTENTIONS,
-    PIPELINE_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
-from oumi_megatron.engine.parallel.schedules import resolve_schedule
+from oumi_megatron.config.problems import Problem
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.layout import ParallelLayout, resolve_layout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
 
 if TYPE_CHECKING:
-    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+__all__ = ["MegatronConfigError", "Problem", "ValidationReport", "validate_config"]
 
 
 class MegatronConfigError(OumiConfigError):
@@ -46,17 +49,6 @@ class MegatronConfigError(OumiConfigError):
     def __init__(self, report: ValidationReport) -> None:
         self.report = report
         super().__init__(report.format_problems())
-
-
-@dataclass(frozen=True)
-class Problem:
-    field: str
-    """Dotted config path (``megatron.tensor_model_parallel_size``) or CLI flag (``--world-size``)."""
-    message: str
-    """What is wrong and how to fix it."""
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 @dataclass
@@ -102,11 +94,6 @@ class ValidationReport:
 
 def _fmt_choices(choices: tuple[str, ...]) -> str:
     return ", ".join(repr(c) for c in choices)
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending (the sizes a parallel dimension over ``n`` ranks may take)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +197,7 @@ def _check_positive(r: ValidationReport, name: str, value: int | None, allow_non
         r.add(name, f"must be a positive integer, got {value!r}.")
 
 
-def _check_plugins(g: Any, r: ValidationReport) -> None:
+def _check_plugins(g: MegatronGrpoParams, r: ValidationReport) -> None:
     """Import grpo.plugins first: they register the datasets, reward functions and GRPO variants checked below."""
     from oumi_megatron.plugins import load_plugins
 
@@ -222,17 +209,15 @@ def _check_plugins(g: Any, r: ValidationReport) -> None:
                                   "(on PYTHONPATH) that registers your functions.")
 
 
-def _check_registered_variants(g: Any, r: ValidationReport) -> None:
+def _check_registered_variants(g: MegatronGrpoParams, r: ValidationReport) -> None:
     """policy_loss / advantage_estimator name registered functions (the plugins are imported); scale_rewards,
     clip_ratio_c."""
     from oumi_megatron.grpo.algorithm import scale_rewards_mode
     from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
-    for field_name, table, value in (("grpo.policy_loss", POLICY_LOSSES, g.policy_loss),
-                                     ("grpo.advantage_estimator", ADVANTAGE_ESTIMATORS, g.advantage_estimator)):
-        if value not in table:
-            r.add(field_name, f"unknown value {value!r}. Registered: {_fmt_choices(tuple(sorted(table)))} "
-                              "(your own: a module in grpo.plugins, docs/grpo.md).")
+    for registry, value in ((POLICY_LOSSES, g.policy_loss), (ADVANTAGE_ESTIMATORS, g.advantage_estimator)):
+        if value not in registry:
+            r.add(registry.field, registry.unknown_message(value))
     try:
         scale_rewards_mode(g.scale_rewards)
     except ValueError as e:
@@ -243,17 +228,8 @@ def _check_registered_variants(g: Any, r: ValidationReport) -> None:
 
 
 def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
-    m = cfg.megatron
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
-        "module_queue_num_chunks",
-    ):
-        _check_positive(r, f"megatron.{name}", getattr(m, name))
-    for name in ("virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size"):
-        _check_positive(r, f"megatron.{name}", getattr(m, name), allow_none=True)
+    m = cfg.megatron  # the parallel and batch sizes are checked where they are resolved (layout.py)
+    _check_positive(r, "megatron.module_queue_num_chunks", m.module_queue_num_chunks)
 
     # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/parallel/context_parallel.py):
     # training and logprob passes split sequences (padded or packed rows), generation runs whole ones.
@@ -275,12 +251,11 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "once (averaging as well would divide twice). The gradient is the same average. Remove the setting."
         )
 
-    if m.inference_backend not in INFERENCE_BACKENDS:
-        hint = " (sglang rollouts are not implemented in oumi-megatron)" if m.inference_backend == "sglang" else ""
-        r.add(
-            "megatron.inference_backend",
-            f"unknown value {m.inference_backend!r}{hint}. Use one of {_fmt_choices(INFERENCE_BACKENDS)}.",
-        )
+    from oumi_megatron.rollout.registry import ROLLOUT_BACKENDS
+
+    if m.inference_backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
+        hint = " sglang rollouts are not implemented in oumi-megatron." if m.inference_backend == "sglang" else ""
+        r.add(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(m.inference_backend) + hint)
     if m.weight_sync_method not in WEIGHT_SYNC_METHODS:
         r.add(
             "megatron.weight_sync_method",
@@ -295,11 +270,6 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
     if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
         r.add("megatron.vllm_gpu_memory_utilization", f"must be in (0, 1], got {m.vllm_gpu_memory_utilization!r}.")
-    if m.pipeline_schedule not in PIPELINE_SCHEDULES:
-        r.add(
-            "megatron.pipeline_schedule",
-            f"unknown value {m.pipeline_schedule!r}. Use one of {_fmt_choices(PIPELINE_SCHEDULES)}.",
-        )
     if m.inference_backend == "vllm" and not m.enable_weight_sync:
         r.warn(
             "megatron.enable_weight_sync is False: vLLM keeps generating with the initial weights "
@@ -381,7 +351,7 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
 
 
-def _check_dapo_fields(g: Any, r: ValidationReport) -> None:
+def _check_dapo_fields(g: MegatronGrpoParams, r: ValidationReport) -> None:
     """Dynamic sampling's round limit and the overlong punishment's buffer and factor."""
     _check_positive(r, "grpo.dynamic_sampling_max_rounds", g.dynamic_sampling_max_rounds)
     buffer, longest = g.overlong_buffer_length, g.max_completion_length
@@ -461,214 +431,10 @@ def _registered_reward_functions() -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rules that need the world size and the model's shape
+# Rules that need the model's shape (how it splits over the layout: layout.py)
 # --------------------------------------------------------------------------------------------------
-def _resolve_batches(
-    cfg: MegatronTrainingConfig, dp: int
-) -> tuple[int, int]:
-    m = cfg.megatron
-    micro = m.micro_batch_size or cfg.training.per_device_train_batch_size
-    global_batch = m.global_batch_size or micro * cfg.training.gradient_accumulation_steps * dp
-    return micro, global_batch
-
-
-def _check_module_queue(m: MegatronParams, r: ValidationReport) -> None:
-    """ModuleQueue's rules (engine/parallel/module_queue.py): what it cannot run with is an error, where it acts a warning."""
-    t = m.transformer_config
-    if m.ddp_config.overlap_param_gather:
-        r.add("megatron.enable_module_queue",
-              "does not run with ddp_config.overlap_param_gather: true (the parameter all-gather would write into the "
-              "contiguous parameter buffer ModuleQueue detaches during the forward pass). Set overlap_param_gather: "
-              "false, or enable_module_queue: false.")
-    if t.cuda_graph_impl == "local":
-        r.add("megatron.enable_module_queue",
-              "does not run inside CUDA graphs (a graph replays fixed weight addresses; ModuleQueue frees and "
-              "reallocates them). Set cuda_graph_impl: none, or enable_module_queue: false.")
-    r.warn(
-        "megatron.enable_module_queue acts only where it can: on the last pipeline stage "
-        f"(post_process=True{'; the only stage here' if m.pipeline_model_parallel_size == 1 else ''}) "
-        "during training steps. Other stages build a plain GPTModel, and forward passes without gradients "
-        "(logprobs, rollout generation) run with every weight on the GPU."
-    )
-
-
-def _resolve_schedule(cfg: MegatronTrainingConfig, r: ValidationReport) -> str:
-    m = cfg.megatron
-    if m.pipeline_schedule == "interleaved" and not m.virtual_pipeline_model_parallel_size:
-        r.add(
-            "megatron.pipeline_schedule",
-            "'interleaved' needs megatron.virtual_pipeline_model_parallel_size (model chunks per "
-            "pipeline rank, e.g. 2). Set it, or use pipeline_schedule: 1f1b.",
-        )
-    schedule, why_not = resolve_schedule(m)  # the engine runs what this returns (engine/parallel/schedules.py)
-    if why_not is not None:
-        r.warn(f"megatron.pipeline_schedule {why_not}; using {schedule}.")
-    if schedule == "zb_h1" and m.transformer_config.gradient_accumulation_fusion is False:
-        r.add("megatron.transformer_config.gradient_accumulation_fusion",
-              "zb_h1 defers the weight-gradient GEMMs of the linear layers, which it takes from the gradient "
-              "accumulation fusion path. Set gradient_accumulation_fusion: null (zb_h1 turns it on), or pipeline_schedule: 1f1b.")
-    return schedule
-
-
-def _check_layout(
-    cfg: MegatronTrainingConfig, world_size: int, gpus_per_node: int | None, r: ValidationReport
-) -> ParallelLayout | None:
-    m = cfg.megatron
-    sizes = m.parallel_sizes
-    if any(not isinstance(s, int) or s < 1 for s in sizes):
-        return None  # already reported
-    mp = m.model_parallel_size
-    if world_size % mp != 0:
-        r.add(
-            "megatron.tensor_model_parallel_size",
-            f"world_size ({world_size}) must be divisible by the product of all model parallel sizes ({mp}): "
-            f"TP {sizes[0]} x PP {sizes[1]} x CP {sizes[2]}. Adjust the parallel sizes "
-            f"so that their product divides {world_size} (or run on a multiple of {mp} GPUs).",
-        )
-        return None
-    dp = world_size // mp
-    ep, stage_ranks = m.expert_model_parallel_size, world_size // m.pipeline_model_parallel_size
-    if stage_ranks % ep != 0:  # Megatron-Core's expert groups: EP x expert-DP ranks of one pipeline stage
-        r.add(
-            "megatron.expert_model_parallel_size",
-            f"{ep} must divide the ranks of a pipeline stage, TP x CP x DP = {stage_ranks} (experts are split over "
-            f"them). Use one of {divisors(stage_ranks)}.",
-        )
-        return None
-    vpp = m.virtual_pipeline_model_parallel_size
-
-    if vpp is not None and m.pipeline_model_parallel_size <= 1:
-        r.add(
-            "megatron.virtual_pipeline_model_parallel_size",
-            "needs pipeline_model_parallel_size > 1 (it splits each pipeline rank's layers into chunks). "
-            "Remove it or raise pipeline_model_parallel_size.",
-        )
-    if m.sequence_parallel and m.tensor_model_parallel_size <= 1:
-        r.add(
-            "megatron.sequence_parallel",
-            "needs tensor_model_parallel_size > 1 (it shards activations over the TP group). "
-            "Set sequence_parallel: False or raise tensor_model_parallel_size.",
-        )
-    if gpus_per_node is not None:
-        if gpus_per_node < 1:
-            r.add("--gpus-per-node", f"must be a positive integer, got {gpus_per_node}.")
-        elif world_size % gpus_per_node != 0:
-            r.add(
-                "--gpus-per-node",
-                f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs.",
-            )
-        elif m.tensor_model_parallel_size > gpus_per_node:
-            r.warn(
-                f"megatron.tensor_model_parallel_size {m.tensor_model_parallel_size} spans nodes of "
-                f"{gpus_per_node} GPUs: TP all-reduces every layer, keep it within a node (NVLink)."
-            )
-
-    seq = cfg.grpo.max_sequence_length
-    cp = m.context_parallel_size
-    if cp > 1 and seq % (2 * cp) != 0:
-        fixed = seq + (2 * cp - seq % (2 * cp))
-        r.add(
-            "grpo.max_completion_length",
-            f"context parallelism splits each sequence into 2 x CP = {2 * cp} chunks, but "
-            f"grpo.max_prompt_length + grpo.max_completion_length = {seq} is not divisible by {2 * cp}. "
-            f"Set grpo.max_completion_length to {cfg.grpo.max_completion_length + fixed - seq} "
-            f"(total {fixed}).",
-        )
-
-    micro, global_batch = _resolve_batches(cfg, dp)
-    if not isinstance(micro, int) or micro < 1:
-        r.add("megatron.micro_batch_size", f"resolves to {micro!r} (from training.per_device_train_batch_size); "
-                                           "set megatron.micro_batch_size to a positive integer.")
-        return None
-    if not isinstance(global_batch, int) or global_batch < 1:
-        r.add("megatron.global_batch_size", f"resolves to {global_batch!r} (micro_batch_size x training."
-                                            "gradient_accumulation_steps x DP); set megatron.global_batch_size to a "
-                                            "positive multiple of micro_batch_size x DP.")
-        return None
-    if global_batch % (micro * dp) != 0:
-        r.add(
-            "megatron.global_batch_size",
-            f"{global_batch} is not divisible by micro_batch_size x DP = {micro} x {dp} = {micro * dp}. "
-            f"Use a multiple of {micro * dp} (e.g. {max(1, global_batch // (micro * dp)) * micro * dp}).",
-        )
-    completions = global_batch * cfg.grpo.num_mini_batches
-    ng = cfg.grpo.num_generations
-    if isinstance(ng, int) and ng >= 2 and completions % ng != 0:
-        r.add(
-            "grpo.num_generations",
-            f"completions per GRPO step (megatron.global_batch_size x grpo.num_mini_batches = "
-            f"{completions}) must be a multiple of grpo.num_generations ({ng}) so that every prompt's "
-            "group is complete. Change either.",
-        )
-
-    schedule = _resolve_schedule(cfg, r)
-    if m.enable_module_queue:
-        _check_module_queue(m, r)
-    return ParallelLayout(
-        world_size=world_size,
-        tensor_parallel=m.tensor_model_parallel_size,
-        pipeline_parallel=m.pipeline_model_parallel_size,
-        context_parallel=cp,
-        expert_parallel=m.expert_model_parallel_size,
-        data_parallel=dp,
-        virtual_pipeline=vpp,
-        sequence_parallel=m.sequence_parallel,
-        micro_batch_size=micro,
-        global_batch_size=global_batch,
-        pipeline_schedule=schedule,
-        num_generations=ng if isinstance(ng, int) and ng > 0 else 1,
-        num_mini_batches=max(1, cfg.grpo.num_mini_batches),
-        gpus_per_node=gpus_per_node,
-    )
-
-
 def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: ValidationReport) -> None:
-    m = cfg.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if tp >= 1 and shape.num_attention_heads % tp != 0:
-        r.add(
-            "megatron.tensor_model_parallel_size",
-            f"{tp} does not divide the model's {shape.num_attention_heads} attention heads. "
-            f"Use a divisor of {shape.num_attention_heads}.",
-        )
-    if tp >= 1 and shape.num_key_value_heads % tp != 0:
-        r.add(
-            "megatron.tensor_model_parallel_size",
-            f"{tp} does not divide the model's {shape.num_key_value_heads} key/value heads (GQA groups). "
-            f"Use a divisor of {shape.num_key_value_heads}.",
-        )
-    vpp = m.virtual_pipeline_model_parallel_size or 1
-    if pp >= 1 and vpp >= 1:
-        t = m.transformer_config
-        extra = int(t.account_for_embedding_in_pipeline_split) + int(t.account_for_loss_in_pipeline_split)
-        slots = shape.num_layers + extra
-        stages = pp * vpp
-        counted = f"{shape.num_layers} layers" + (f" + {extra} (embedding/loss)" if extra else "")
-        if slots % stages != 0:
-            vpp_field = m.virtual_pipeline_model_parallel_size is not None
-            field_name = (
-                "megatron.virtual_pipeline_model_parallel_size" if vpp_field else "megatron.pipeline_model_parallel_size"
-            )
-            msg = f"{counted} = {slots} cannot be split evenly over PP {pp}" + (
-                f" x VPP {vpp} = {stages} virtual stages" if vpp_field else " stages"
-            )
-            hints = []
-            if vpp_field and slots % pp == 0:
-                per_rank = slots // pp
-                good = [d for d in range(1, per_rank + 1) if per_rank % d == 0 and d > 1]
-                hints.append(
-                    "virtual_pipeline_model_parallel_size is model chunks per pipeline rank (Megatron-Core's "
-                    f"meaning), so it must divide the {per_rank} layers per rank: use one of {good or [1]}"
-                )
-            if not extra and (shape.num_layers + 2) % stages == 0:
-                hints.append(
-                    "or set megatron.transformer_config.account_for_embedding_in_pipeline_split and "
-                    f"account_for_loss_in_pipeline_split: true ({shape.num_layers} + 2 = "
-                    f"{shape.num_layers + 2} slots split evenly)"
-                )
-            if not hints:
-                hints.append(f"use a pipeline size that divides {slots}")
-            r.add(field_name, f"{msg}. Fix: {'; '.join(hints)}.")
+    """What the model needs beyond the layout (layout.py checks the split): its own code, its context length."""
     if shape.remote_code and not cfg.model.trust_remote_code:
         r.add("model.trust_remote_code", f"{shape.source} needs its own code to load (config.json has an auto_map), "
                                          "which is not run unless you allow it. If you trust it, set "
@@ -680,23 +446,6 @@ def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: Valida
             f"grpo.max_prompt_length + grpo.max_completion_length = {cfg.grpo.max_prompt_length} + "
             f"{cfg.grpo.max_completion_length} = {seq} exceeds the model's max_position_embeddings ({limit}). "
             f"Lower them so that they sum to at most {limit}.",
-        )
-    ep = m.expert_model_parallel_size
-    if ep > 1 and not shape.is_moe:
-        r.add(
-            "megatron.expert_model_parallel_size",
-            f"is {ep}, but {shape.model_type} is a dense model (no experts). Set expert_model_parallel_size: 1.",
-        )
-    elif ep > 1 and shape.num_experts % ep != 0:
-        r.add(
-            "megatron.expert_model_parallel_size",
-            f"{ep} does not divide the model's {shape.num_experts} experts. Use a divisor of {shape.num_experts}.",
-        )
-    if shape.is_moe and tp > 1 and not m.sequence_parallel:
-        r.add(
-            "megatron.sequence_parallel",
-            f"must be true for {shape.model_type} (MoE layers) with tensor_model_parallel_size {tp}: Megatron-Core's MoE "
-            "layer refuses to train under TP without it. Set sequence_parallel: true.",
         )
 
 
@@ -716,16 +465,6 @@ def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> Non
                 f"{shape.source} is a {', '.join(shape.architectures)} model, which Megatron-Bridge cannot "
                 f"convert. Use a supported architecture, e.g. {', '.join(sorted(a for a in supported if a.endswith('ForCausalLM'))[:8])} ...",
             )
-
-
-def default_world_size(cfg: MegatronTrainingConfig) -> int:
-    """WORLD_SIZE under torchrun; otherwise the smallest world the layout fits: PP x lcm(TP x CP, EP)
-    (DP = 1 unless EP needs more ranks per stage)."""
-    env = os.environ.get("WORLD_SIZE")
-    if env:
-        return int(env)
-    tp, pp, cp, ep = (s if isinstance(s, int) and s > 0 else 1 for s in cfg.megatron.parallel_sizes)
-    return pp * math.lcm(tp * cp, ep)
 
 
 def validate_config(
@@ -758,16 +497,14 @@ def validate_config(
     r.warnings.extend(adoption.warnings)
     for field_name, message in adoption.problems:
         r.add(field_name, message)
-    world = world_size if world_size is not None else default_world_size(config)
-    if world < 1:
-        r.add("--world-size", f"must be a positive integer, got {world}.")
+    if world_size is not None and world_size < 1:
+        r.add("--world-size", f"must be a positive integer, got {world_size}.")
         return r
     _check_plugins(config.grpo, r)
     _check_trainer_and_incompatible(config, r)
     _check_training_fields(config, r)
     _check_megatron_fields(config, r)
     _check_grpo_fields(config, r)
-    r.layout = _check_layout(config, world, gpus_per_node, r)
 
     if model_shape is None and (model_config_path or (config.model.model_name or "").strip()):
         source = model_config_path or config.model.model_name
@@ -787,6 +524,10 @@ def validate_config(
                     f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
                     f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
                 )
+    resolution = resolve_layout(config, world_size, gpus_per_node, model_shape)
+    r.layout = resolution.layout
+    r.problems.extend(resolution.problems)
+    r.warnings.extend(resolution.warnings)
     if model_shape is not None:
         r.model_shape = model_shape
         _check_model_shape(config, model_shape, r)

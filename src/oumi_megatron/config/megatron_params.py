@@ -14,12 +14,10 @@ from dataclasses import dataclass, field
 
 from oumi_megatron.config.base import BaseParams
 
-INFERENCE_BACKENDS = ("megatron", "vllm")
-"""Rollout engines. ``sglang`` appears in the design document but is not implemented."""
-
+# Names selected from registries (pipeline_schedule, inference_backend) are checked against the live registries
+# (engine/parallel/schedules.py, rollout/registry.py); the fixed choices of plain fields are listed here.
 WEIGHT_SYNC_METHODS = ("nccl", "gloo", "checkpoint")
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
@@ -199,7 +197,8 @@ class MegatronParams(BaseParams):
     """Pack variable-length sequences into microbatches (no padding)."""
 
     pipeline_schedule: str = "1f1b"
-    """``1f1b``, ``interleaved`` (needs virtual_pipeline_model_parallel_size) or ``zb_h1``."""
+    """``1f1b``, ``interleaved`` (needs virtual_pipeline_model_parallel_size), ``zb_h1``, ``none`` (PP = 1) or a
+    schedule a plugin registers (engine/parallel/schedules.py). ``1f1b`` stands for the layout's natural schedule."""
 
     enable_module_queue: bool = False
     """Use ModuleQueue on the last pipeline stage (offload layers while loading the output layer)."""
@@ -225,7 +224,8 @@ class MegatronParams(BaseParams):
     """Tensors are streamed to the engines packed in buckets of about this many MiB."""
 
     inference_backend: str = "megatron"
-    """``megatron`` (embedded: generate with the policy's own weights) or ``vllm``."""
+    """``megatron`` (embedded: generate with the policy's own weights), ``vllm``, or a backend a plugin registers
+    (rollout/registry.py). ``sglang`` appears in the design document but is not implemented."""
 
     rollout_placement: str = "colocated"
     """vLLM engines: ``colocated`` (in the trainer's processes, sharing their GPUs, one engine per

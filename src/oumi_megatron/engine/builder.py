@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,11 +14,25 @@ from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_
 from oumi_megatron.engine.engine import MegatronEngine
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
-from oumi_megatron.engine.parallel.schedules import resolve_schedule
-from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.layout import ParallelLayout, resolve_schedule
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
+
+logger = logging.getLogger("oumi")
 
 
-def ddp_config_from_params(params: Any) -> Any:
+def _schedule(params: MegatronParams) -> str:
+    """The schedule for callers without a validated layout (benchmarks, tests, eval): layout.py's resolution."""
+    schedule, why_not, problems = resolve_schedule(params)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    if why_not:
+        logger.warning("megatron.pipeline_schedule %s; using %s.", why_not, schedule)
+    return schedule
+
+
+def ddp_config_from_params(params: MegatronParams) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     d = params.ddp_config
@@ -35,16 +50,16 @@ def ddp_config_from_params(params: Any) -> Any:
 
 def build_engine(
     checkpoint_dir: str | Path,
-    params: Any,
+    params: MegatronParams,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
     layout: ParallelLayout | None = None,
 ) -> tuple[Any, MegatronEngine]:
     """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule. The pipeline
-    schedule is the validated ``layout``'s (without one, resolved from ``params`` the same way)."""
+    schedule is the validated ``layout``'s (without one, resolved from ``params`` by the same function)."""
     dtype = dtype or default_dtype()
-    schedule = layout.pipeline_schedule if layout is not None else resolve_schedule(params)[0]
+    schedule = layout.pipeline_schedule if layout is not None else _schedule(params)
     bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params),
                                            trust_remote_code=trust_remote_code, schedule=schedule)
     optimizer = build_optimizer(chunks, params, settings, dtype)
@@ -54,12 +69,14 @@ def build_engine(
 
 def build_inference_engine(
     hf_path: str | Path,
-    params: Any,
+    params: MegatronParams,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    layout: ParallelLayout | None = None,
 ) -> tuple[Any, MegatronEngine]:
     """(bridge, engine) with an HF folder's weights loaded in memory by Megatron-Bridge, for generation
-    only (``oumi-megatron eval``): no conversion on disk, no DDP, no optimizer."""
+    only (``oumi-megatron eval``): no conversion on disk, no DDP, no optimizer. The schedule (forward-only passes
+    under PP) is the validated ``layout``'s, as in ``build_engine``."""
     dtype = dtype or default_dtype()
     init_model_parallel(ParallelSizes.from_params(params))
     bridge = load_bridge(hf_path, trust_remote_code=trust_remote_code)
@@ -67,12 +84,13 @@ def build_inference_engine(
     chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     for chunk in chunks:
         chunk.eval()
-    return bridge, MegatronEngine(chunks, None, None, params, schedule=resolve_schedule(params)[0])
+    schedule = layout.pipeline_schedule if layout is not None else _schedule(params)
+    return bridge, MegatronEngine(chunks, None, None, params, schedule=schedule)
 
 
 def build_engine_from_hf_config(
     hf_config: Any,
-    params: Any,
+    params: MegatronParams,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
 ) -> tuple[Any, MegatronEngine]:
@@ -85,7 +103,7 @@ def build_engine_from_hf_config(
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
-    schedule = resolve_schedule(params)[0]
+    schedule = _schedule(params)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype,
                                   cuda_graphs=cuda_graphs_enabled(params), schedule=schedule)
     chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)

@@ -173,7 +173,7 @@ def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
                      grpo: Any, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level importance ratios, PPO's clip (DAPO's clip-higher), optional dual clip."""
     return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
-                             getattr(grpo, "clip_ratio_c", None))
+                             grpo.clip_ratio_c)
 
 
 @register_policy_loss("gspo")
@@ -184,7 +184,7 @@ def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     paper's clip ranges are far smaller than GRPO's (3e-4 / 4e-4): set grpo.epsilon / epsilon_high for it."""
     log_ratio = sequence_mean(logprobs - old_logprobs, mask, segment_ids)
     return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
-                             getattr(grpo, "clip_ratio_c", None), log_ratio=log_ratio)
+                             grpo.clip_ratio_c, log_ratio=log_ratio)
 
 
 def _per_sequence_sums(masked: torch.Tensor, mask: torch.Tensor,

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from oumi_megatron.engine.engine import LossFn
 from oumi_megatron.grpo.algorithm import aggregate, kl_divergence, truncated_importance_weights
-from oumi_megatron.grpo.registry import POLICY_LOSSES, lookup
+from oumi_megatron.grpo.registry import POLICY_LOSSES
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
 
 
-def make_grpo_loss_fn(grpo: Any) -> LossFn:
+def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     """Per-token GRPO loss for ``MegatronEngine.train_step``, from the ``grpo:`` section: the policy-gradient term
     of ``grpo.policy_loss`` (grpo/registry.py), the KL term, ``grpo.loss_aggregation``.
 
@@ -23,7 +26,7 @@ def make_grpo_loss_fn(grpo: Any) -> LossFn:
     divides by ``completion_tokens``).
     """
 
-    policy_loss = lookup(POLICY_LOSSES, "grpo.policy_loss", getattr(grpo, "policy_loss", "grpo"))
+    policy_loss = POLICY_LOSSES.get(grpo.policy_loss)
 
     def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["completion_mask"].to(logprobs.dtype)

@@ -1,15 +1,25 @@
 """Rollout backends by ``megatron.inference_backend`` name: the one place that builds them (training, the
-trainer's default, ``oumi-megatron eval``). A new backend registers a builder here with
-``@register_rollout_backend("name")`` and implements rollout/base.py's ``RolloutBackend``."""
+trainer's default, ``oumi-megatron eval``). A new backend registers a builder with
+``@register_rollout_backend("name")`` (here, or in a ``grpo.plugins`` module) and implements rollout/base.py's
+``RolloutBackend``; validation checks ``megatron.inference_backend`` against this live table."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from oumi_megatron.rollout.base import RolloutBackend
+from oumi_megatron.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+    from oumi_megatron.engine.engine import MegatronEngine
 
 
 @dataclass
@@ -17,30 +27,26 @@ class RolloutContext:
     """What a backend may need: the training engine, the config, the tokenizer, the dtype and a folder for the
     backend's files. Weights reach a backend through ``sync_weights`` (the engine's exporter), never from here."""
 
-    engine: Any
-    config: Any  # MegatronTrainingConfig
-    tokenizer: Any
-    dtype: Any
+    engine: MegatronEngine
+    config: MegatronTrainingConfig
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
     work_dir: Path
 
 
-ROLLOUT_BACKENDS: dict[str, Callable[[RolloutContext], RolloutBackend]] = {}
+RolloutBuilder = Callable[[RolloutContext], RolloutBackend]
+
+ROLLOUT_BACKENDS: Registry[RolloutBuilder] = Registry(
+    "rollout backend", "megatron.inference_backend",
+    "your own: @register_rollout_backend('name') in a module named in grpo.plugins, docs/rollouts.md")
 
 
-def register_rollout_backend(name: str) -> Callable[[Callable[[RolloutContext], RolloutBackend]], Callable[[RolloutContext], RolloutBackend]]:
-    def decorate(builder: Callable[[RolloutContext], RolloutBackend]) -> Callable[[RolloutContext], RolloutBackend]:
-        ROLLOUT_BACKENDS[name] = builder
-        return builder
-
-    return decorate
+def register_rollout_backend(name: str) -> Callable[[RolloutBuilder], RolloutBuilder]:
+    return ROLLOUT_BACKENDS.register(name)
 
 
 def build_rollout_backend(ctx: RolloutContext) -> RolloutBackend:
-    name = ctx.config.megatron.inference_backend
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"megatron.inference_backend: no rollout backend named {name!r}; registered: "
-                         f"{', '.join(sorted(ROLLOUT_BACKENDS))}")
-    return ROLLOUT_BACKENDS[name](ctx)
+    return ROLLOUT_BACKENDS.get(ctx.config.megatron.inference_backend)(ctx)
 
 
 @register_rollout_backend("megatron")

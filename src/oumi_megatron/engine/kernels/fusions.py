@@ -69,10 +69,7 @@ def resolve_fusions(t: Any, cuda: bool, zero_bubble: bool = False) -> dict[str, 
     """{fusion: on} for ``megatron.transformer_config`` ``t`` (null = on with CUDA; gradient accumulation
     fusion also on the CPU under the zb_h1 schedule, which defers the weight gradients it computes)."""
     resolved = {name: cuda if getattr(t, name, None) is None else bool(getattr(t, name)) for name in FUSIONS}
-    if zero_bubble:
-        if getattr(t, "gradient_accumulation_fusion", None) is False:
-            raise ValueError("megatron.transformer_config.gradient_accumulation_fusion: false, but pipeline_schedule zb_h1 "
-                             "defers the weight gradients it computes; set it to null, or pipeline_schedule: 1f1b")
+    if zero_bubble:  # an explicit false under zb_h1 is refused where the schedule is resolved (engine/parallel/schedules.py)
         resolved["gradient_accumulation_fusion"] = True
     return resolved
 
