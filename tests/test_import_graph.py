@@ -126,6 +126,30 @@ def test_examples_stay_outside_the_core() -> None:
     assert {f"{PACKAGE}.examples.demo_task", f"{PACKAGE}.examples.tiny_models"} <= set(graph)
 
 
+ENGINE_CONTRACTS = {
+    # sub-package -> engine modules it must not import: kernels compute on one rank, parallel coordinates ranks,
+    # state moves weights; none of them knows the engine class that composes them, or the builder.
+    "engine.kernels": {"engine.engine", "engine.builder", "engine.model", "engine.state"},
+    "engine.parallel": {"engine.engine", "engine.builder", "engine.model", "engine.state", "engine.kernels"},
+    "engine.state": {"engine.engine", "engine.builder"},
+    "engine.engine": {"engine.builder", "engine.state"},
+}
+
+
+def test_engine_sub_packages_keep_their_contracts() -> None:
+    def within(module: str, prefix: str) -> bool:
+        name = module.removeprefix(f"{PACKAGE}.")
+        return name == prefix or name.startswith(prefix + ".")
+
+    graph = _graph()
+    assert {f"{PACKAGE}.engine.kernels.attention", f"{PACKAGE}.engine.parallel.schedules",
+            f"{PACKAGE}.engine.state.conversion"} <= set(graph)  # the sub-packages exist where the contracts say
+    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
+                   for sub, banned in ENGINE_CONTRACTS.items()
+                   if within(m, sub) and any(within(t, b) for b in banned))
+    assert wrong == []
+
+
 def test_the_reader_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> None:
     """The checks above can fail: a cycle through a function-level import is found, TYPE_CHECKING imports are not."""
     (tmp_path / PACKAGE).mkdir()

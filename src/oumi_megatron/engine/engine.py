@@ -160,6 +160,77 @@ def _on_device(value: Any, device: torch.device) -> torch.Tensor:
     return torch.full((), int(value), dtype=torch.int64, device=device)
 
 
+@dataclass
+class _RunSettings:
+    """What the forward steps and loss functions of one ``MegatronEngine._run`` call share."""
+
+    loss_fn: LossFn
+    temperature: float
+    widths: list[int]
+    """The caller's width of each microbatch: the loss function and what it returns see these, not the padding."""
+    micro_batch_size: int
+    cp: int
+    """The context-parallel size: each CP rank runs its part of every sequence, the loss sees whole ones."""
+    chunked: bool
+    """Logprobs straight from the last hidden states (engine/kernels/chunked_logprobs.py), not from full logits."""
+    chunk_tokens: int | None
+    with_entropy: bool
+    packing: dict[int, Any]
+    """Microbatch index -> PackedSeqParams of its packed rows (the varlen kernel)."""
+    keep_logits: dict[int, torch.Tensor] | None
+    inference_context: Any
+
+
+def _model_inputs(batch: dict[str, torch.Tensor], cp: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The model's inputs and attention mask: this CP rank's two chunks of each sequence
+    (engine/parallel/context_parallel.py)."""
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "target_ids")}
+    mask = batch.get("attention_mask")
+    if cp > 1:
+        from oumi_megatron.engine.parallel.context_parallel import cp_group, split_sequence
+
+        inputs = {k: split_sequence(v, 1, cp, cp_group().rank()) for k, v in inputs.items()}
+        if mask is not None:  # packed rows: this rank's queries against every key
+            mask = split_sequence(mask, 2, cp, cp_group().rank())
+    return inputs, mask
+
+
+def _loss_func(run: _RunSettings, batch: dict[str, torch.Tensor], index: int, targets: torch.Tensor,
+               processed: dict[str, Any]) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """Microbatch ``index``'s loss function: the caller's ``loss_fn`` on the logprobs (and entropy) of the whole
+    sequence, at the caller's width; ``targets`` are this CP rank's, ``processed`` the chunked path's context."""
+    from oumi_megatron.engine.parallel.context_parallel import cp_group, gather_sequence
+
+    cp = run.cp
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if run.chunked:  # the last stage returned logprobs [b, s]
+            logprobs = output
+            entropy = {"entropy": processed["entropy"]} if run.with_entropy else {}
+        else:  # logits [b, s, V/tp]
+            if run.keep_logits is not None:
+                # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
+                run.keep_logits[index] = output[:, run.widths[index] - 1, :].detach().float().clone()
+            # before the cross entropy, which overwrites ``logits``
+            entropy = {"entropy": token_entropy(output.detach(), run.temperature)} if run.with_entropy else {}
+            logprobs = token_logprobs(output, targets, run.temperature)
+        if cp > 1:  # the full sequence on every CP rank: the loss sees what CP = 1 sees
+            logprobs = gather_sequence(logprobs, 1, cp_group())
+            entropy = {k: gather_sequence(v, 1, cp_group(), differentiable=False) for k, v in entropy.items()}
+        # the padding off again: the loss (and what it returns) has the caller's width
+        width = run.widths[index]
+        unpadded = {k: _unpad_sequence(v, width) for k, v in {**batch, "logprobs": logprobs, **entropy}.items()}
+        logprobs = unpadded.pop("logprobs")
+        loss_sum, count, metrics = run.loss_fn(logprobs, unpadded)
+        count = _on_device(count, logprobs.device).to(torch.int)
+        # Megatron-Core sums this count over DP x CP to divide the gradients: one CP rank reports it
+        # (each CP rank's backward carries only its own tokens' share of the same loss)
+        grad_count = count if cp == 1 or cp_group().rank() == 0 else torch.zeros_like(count)
+        return loss_sum, grad_count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
+
+    return loss_func
+
+
 class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
@@ -219,7 +290,7 @@ class MegatronEngine:
     def _context_parallel_off(self) -> Iterator[None]:
         """Generation under CP: each CP rank runs whole sequences (a KV cache holds whole sequences), so the
         attention skips its K/V gather, the rotary table is not sliced per CP rank, and pipeline messages
-        carry whole sequences (``_run`` scales the length Megatron-Core divides by CP). The CP ranks of a
+        carry whole sequences (``_run_schedule`` scales the length Megatron-Core divides by CP). The CP ranks of a
         DP replica generate the same tokens (same seeds), redundantly."""
         cp = self.config.context_parallel_size
         if cp == 1:
@@ -285,7 +356,7 @@ class MegatronEngine:
 
     def logprob_chunk_tokens(self) -> int | None:
         """Tokens per chunk of the chunked logprob path (0 = auto-sized), or None for full logits."""
-        value = getattr(self.params, "logprob_chunk_tokens", None)
+        value = self.params.logprob_chunk_tokens
         if value is None:
             return 0 if torch.cuda.is_available() else None
         return int(value) or None
@@ -341,36 +412,13 @@ class MegatronEngine:
         """Run the schedule. ``keep_logits`` receives each microbatch's last-position logits;
         ``inference_context`` (a KV cache) is handed to the model, microbatch i using cache rows
         from i * micro_batch_size."""
-        graphs = not forward_only and cuda_graphs_enabled(self.params)
         # The caller's widths: _prepare pads every microbatch to one length (a multiple of 2 x CP, of TP under SP,
         # CUDA graphs' fixed length); the loss function and everything returned see these widths again.
         widths = [mb["input_ids"].shape[1] for mb in microbatches]
-        batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
-        if graphs:
-            if self._graph_mbs is not None and mbs != self._graph_mbs:
-                raise ValueError(f"CUDA graphs were captured for micro batch size {self._graph_mbs}; this step has {mbs}. "
-                                 "Keep megatron.micro_batch_size fixed, or set cuda_graph_impl: none")
-            self._graph_mbs = mbs
-        # Packed rows through the varlen kernel: sequence boundaries from the segment ids (on the host),
-        # and no [T x T] mask to move or read.
+        batches, seq_len, mbs = self._pad_microbatches(microbatches, forward_only)
         device = self.device
-        packing: dict[int, Any] = {}
-        if self.packed_attention == "varlen" and inference_context is None:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            from oumi_megatron.engine.kernels.attention import cumulative_seqlens
-
-            for i, b in enumerate(batches):
-                if "segment_ids" in b:
-                    cu = _to_device(cumulative_seqlens(b["segment_ids"]), device)
-                    # max_seqlen = the row length: an upper bound is all the kernel needs (no device sync
-                    # for the true longest), and GPTModel sizes its rotary table by it (RoPE runs over the
-                    # row's positions, as on the mask path: relative, so a sequence's offset cancels)
-                    packing[i] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                 max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
-                    b.pop("attention_mask", None)
+        packing = self._varlen_packing(batches, seq_len) if self.packed_attention == "varlen" and inference_context is None else {}
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
-
         # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
         # wanted (generation keeps the last position's) or a KV cache is in use.
         chunk = self.logprob_chunk_tokens()
@@ -378,64 +426,75 @@ class MegatronEngine:
         chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
         if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation: _context_parallel_off
             raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
-        from oumi_megatron.engine.parallel.context_parallel import cp_group, gather_sequence, split_sequence
+        run = _RunSettings(loss_fn=loss_fn, temperature=temperature, widths=widths, micro_batch_size=mbs, cp=cp,
+                           chunked=chunked, chunk_tokens=chunk, with_entropy=with_entropy, packing=packing,
+                           keep_logits=keep_logits, inference_context=inference_context)
+        return self._run_schedule(partial(self._forward_step, run), batches, seq_len, mbs, forward_only)
 
-        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-            batch = next(data_iterator)
-            index = int(batch["_index"])
-            extra: dict[str, Any] = {}
-            if inference_context is not None:
-                inference_context.batch_size_offset = index * mbs  # the cache rows of this microbatch
-                extra["inference_context"] = inference_context
-            if index in packing:
-                extra["packed_seq_params"] = packing[index]
-            # the model's inputs: this CP rank's two chunks of each sequence (engine/parallel/context_parallel.py)
-            inputs = {k: batch[k] for k in ("input_ids", "position_ids", "target_ids")}
-            mask = batch.get("attention_mask")
-            if cp > 1:
-                inputs = {k: split_sequence(v, 1, cp, cp_group().rank()) for k, v in inputs.items()}
-                if mask is not None:  # packed rows: this rank's queries against every key
-                    mask = split_sequence(mask, 2, cp, cp_group().rank())
-            if chunked:
-                from oumi_megatron.engine.kernels.chunked_logprobs import logprob_output_processor
+    def _pad_microbatches(self, microbatches: list[dict[str, torch.Tensor]],
+                          forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+        """``_prepare``, at CUDA graphs' fixed length where training runs through them (graphs also fix the
+        micro batch size: the one they were captured for)."""
+        graphs = not forward_only and cuda_graphs_enabled(self.params)
+        batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
+        if graphs:
+            if self._graph_mbs is not None and mbs != self._graph_mbs:
+                raise ValueError(f"CUDA graphs were captured for micro batch size {self._graph_mbs}; this step has {mbs}. "
+                                 "Keep megatron.micro_batch_size fixed, or set cuda_graph_impl: none")
+            self._graph_mbs = mbs
+        return batches, seq_len, mbs
 
-                extra["output_processor"] = logprob_output_processor
-                extra["output_processor_context"] = processed = {
-                    "targets": inputs["target_ids"], "temperature": temperature, "chunk_tokens": chunk, "with_entropy": with_entropy}
-            output = model(
-                input_ids=inputs["input_ids"],
-                position_ids=inputs["position_ids"],
-                attention_mask=mask,
-                **extra,
-            )
+    def _varlen_packing(self, batches: list[dict[str, torch.Tensor]], seq_len: int) -> dict[int, Any]:
+        """Packed rows through the varlen kernel: microbatch index -> PackedSeqParams, the sequence boundaries
+        from the segment ids (on the host). Their [T x T] masks are dropped from ``batches``: nothing to move or read."""
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                if chunked:  # the last stage returned logprobs [b, s]
-                    logprobs = output
-                    entropy = {"entropy": processed["entropy"]} if with_entropy else {}
-                else:  # logits [b, s, V/tp]
-                    if keep_logits is not None:
-                        # a copy: vocab_parallel_cross_entropy below works in place on ``logits``
-                        keep_logits[index] = output[:, widths[index] - 1, :].detach().float().clone()
-                    # before the cross entropy, which overwrites ``logits``
-                    entropy = {"entropy": token_entropy(output.detach(), temperature)} if with_entropy else {}
-                    logprobs = token_logprobs(output, inputs["target_ids"], temperature)
-                if cp > 1:  # the full sequence on every CP rank: the loss sees what CP = 1 sees
-                    logprobs = gather_sequence(logprobs, 1, cp_group())
-                    entropy = {k: gather_sequence(v, 1, cp_group(), differentiable=False) for k, v in entropy.items()}
-                # the padding off again: the loss (and what it returns) has the caller's width
-                width = widths[index]
-                unpadded = {k: _unpad_sequence(v, width) for k, v in {**batch, "logprobs": logprobs, **entropy}.items()}
-                logprobs = unpadded.pop("logprobs")
-                loss_sum, count, metrics = loss_fn(logprobs, unpadded)
-                count = _on_device(count, logprobs.device).to(torch.int)
-                # Megatron-Core sums this count over DP x CP to divide the gradients: one CP rank reports it
-                # (each CP rank's backward carries only its own tokens' share of the same loss)
-                grad_count = count if cp == 1 or cp_group().rank() == 0 else torch.zeros_like(count)
-                return loss_sum, grad_count, {"loss_sum": loss_sum.detach(), "count": count.detach(), **metrics}
+        from oumi_megatron.engine.kernels.attention import cumulative_seqlens
 
-            return output, loss_func
+        device = self.device
+        packing: dict[int, Any] = {}
+        for i, b in enumerate(batches):
+            if "segment_ids" in b:
+                cu = _to_device(cumulative_seqlens(b["segment_ids"]), device)
+                # max_seqlen = the row length: an upper bound is all the kernel needs (no device sync
+                # for the true longest), and GPTModel sizes its rotary table by it (RoPE runs over the
+                # row's positions, as on the mask path: relative, so a sequence's offset cancels)
+                packing[i] = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                             max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
+                b.pop("attention_mask", None)
+        return packing
 
+    def _forward_step(self, run: _RunSettings, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        """Megatron-Core's forward step: the next microbatch (this CP rank's part of it) through ``model``, and
+        the loss function the schedule applies to the last stage's output."""
+        batch = next(data_iterator)
+        index = int(batch["_index"])
+        extra: dict[str, Any] = {}
+        if run.inference_context is not None:
+            run.inference_context.batch_size_offset = index * run.micro_batch_size  # the cache rows of this microbatch
+            extra["inference_context"] = run.inference_context
+        if index in run.packing:
+            extra["packed_seq_params"] = run.packing[index]
+        inputs, mask = _model_inputs(batch, run.cp)
+        processed: dict[str, Any] = {}  # the chunked path's output processor leaves the entropy here
+        if run.chunked:
+            from oumi_megatron.engine.kernels.chunked_logprobs import logprob_output_processor
+
+            extra["output_processor"] = logprob_output_processor
+            extra["output_processor_context"] = processed = {
+                "targets": inputs["target_ids"], "temperature": run.temperature, "chunk_tokens": run.chunk_tokens,
+                "with_entropy": run.with_entropy}
+        output = model(
+            input_ids=inputs["input_ids"],
+            position_ids=inputs["position_ids"],
+            attention_mask=mask,
+            **extra,
+        )
+        return output, _loss_func(run, batch, index, inputs["target_ids"], processed)
+
+    def _run_schedule(self, forward_step: Callable, batches: list[dict[str, torch.Tensor]], seq_len: int, mbs: int,
+                      forward_only: bool) -> list[dict[str, Any]]:
+        """The pipeline schedule named at build time over ``batches``; what the last stage's loss functions returned."""
         # One iterator per model chunk (interleaved schedules pull from each).
         n = len(batches)
         iterators = [iter(batches) for _ in self.model] if len(self.model) > 1 else iter(batches)
@@ -489,7 +548,7 @@ class MegatronEngine:
 
     def _module_queue_stats(self) -> tuple[bool, float]:
         """(ModuleQueue ran on some rank, MiB it released over all ranks) for the step just run."""
-        if not getattr(self.params, "enable_module_queue", False):
+        if not self.params.enable_module_queue:
             return False, 0.0
         stats = torch.tensor([float(len(self._module_queues)),
                               sum(q.module_queue_offloaded_bytes for q, _ in self._module_queues) / 2**20],

@@ -24,16 +24,19 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from oumi_megatron.bridge_utils import have_transformer_engine
 
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
+
 WgradOp = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]]
 
 
-def zb_h1_unsupported_reason(params: Any) -> str | None:  # MegatronParams
+def zb_h1_unsupported_reason(params: MegatronParams) -> str | None:
     """Why ZB-H1 cannot run with these settings (seed 003's ``WeightGradStore.is_supported``), or None."""
     if params.pipeline_model_parallel_size <= 1:
         return "pipeline_model_parallel_size is 1 (no pipeline)"
@@ -57,7 +60,7 @@ class WeightGradStore:
     executed = 0
 
     @classmethod
-    def is_supported(cls, params: Any) -> bool:  # MegatronParams
+    def is_supported(cls, params: MegatronParams) -> bool:
         return zb_h1_unsupported_reason(params) is None
 
     @classmethod
@@ -144,98 +147,129 @@ def forward_backward_zb_h1(
 ) -> list[Any]:
     """Megatron-Core's forward-backward interface (as ``forward_backward_pipelining_without_interleaving``),
     running ZB-H1. Forward-only passes have no backward to split and run Megatron-Core's 1F1B."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.pipeline_parallel.schedules import (
-        _build_default_pg_collection,
-        backward_step,
-        deallocate_output_tensor,
-        forward_backward_pipelining_without_interleaving,
-        forward_step,
-        get_tensor_shapes,
-    )
-    from megatron.core.utils import get_model_config
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     if forward_only:
         return forward_backward_pipelining_without_interleaving(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             forward_only=True, **kwargs)
-    model = model[0] if isinstance(model, list) else model
-    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-    config = get_model_config(model)
-    if config.defer_embedding_wgrad_compute or config.overlap_p2p_comm:
-        raise ValueError("zb_h1 runs without defer_embedding_wgrad_compute and overlap_p2p_comm")
-    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
-    groups = _build_default_pg_collection()
-    shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
-                               config=config, tp_group=groups.tp, cp_group=groups.cp)
-    first, last = comm.is_pp_first_stage, comm.is_pp_last_stage
-    rank = comm.current_stage
-    warmup = min(comm.total_stages - rank - 1, num_microbatches)
-    steady = num_microbatches - warmup
-    store = WeightGradStore
-    store.reset()
-
-    outputs: list[Any] = []  # the loss-function outputs of the last stage, as Megatron's schedules return them
-    total_tokens = torch.zeros([], dtype=torch.int, device="cuda")
-    in_flight: deque[tuple[Any, Any]] = deque()  # (input, output) of microbatches awaiting backward
-
-    def forward(microbatch: int, input_tensor: Any) -> Any:
-        nonlocal total_tokens
-        with PhaseTimes.measure("F"):
-            output, tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, outputs,
-                                          config, cp_group_size=groups.cp.size(), is_first_microbatch=microbatch == 0,
-                                          current_microbatch=microbatch, is_last_stage=last)
-        total_tokens += tokens
-        return output
-
-    def backward(output_grad: Any) -> Any:
-        """B now, this microbatch's W queued as one group."""
-        input_tensor, output = in_flight.popleft()
-        with store.deferring(), PhaseTimes.measure("B"):
-            input_grad = backward_step(input_tensor, output, output_grad, config)
-        store.flush()
-        return input_grad
-
-    no_sync = (config.no_sync_func or contextlib.nullcontext)()
+    step = _ZbH1Step(forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size)
+    no_sync = (step.config.no_sync_func or contextlib.nullcontext)()
     no_sync.__enter__()  # one gradient reduce per step, after every W (finalize_model_grads below)
     try:
-        for i in range(warmup):
-            input_tensor = comm.recv_forward(shapes, first)
-            output = forward(i, input_tensor)
-            comm.send_forward(output, last)
-            in_flight.append((input_tensor, output))
-            deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+        step.warmup_forwards()
+        step.steady_1f1b()
+        step.cooldown_backwards()
+        WeightGradStore.pop_all()
+    except BaseException:
+        WeightGradStore.reset()
+        raise
+    finally:
+        no_sync.__exit__(None, None, None)
+    step.finalize_model_grads()
+    return step.outputs
 
+
+class _ZbH1Step:
+    """One ZB-H1 training step on this pipeline stage: the state its phases share. The phases run in order
+    (warm-up forwards, steady 1F1B, cool-down backwards); their p2p calls pair with the neighbouring stages'."""
+
+    def __init__(self, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.pipeline_parallel.schedules import _build_default_pg_collection, get_tensor_shapes
+        from megatron.core.utils import get_model_config
+
+        self.forward_step_func = forward_step_func
+        self.num_microbatches = num_microbatches
+        self.model = model[0] if isinstance(model, list) else model
+        self.data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        config = self.config = get_model_config(self.model)
+        if config.defer_embedding_wgrad_compute or config.overlap_p2p_comm:
+            raise ValueError("zb_h1 runs without defer_embedding_wgrad_compute and overlap_p2p_comm")
+        comm = self.comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+        groups = self.groups = _build_default_pg_collection()
+        self.shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
+                                        config=config, tp_group=groups.tp, cp_group=groups.cp)
+        self.first, self.last = comm.is_pp_first_stage, comm.is_pp_last_stage
+        self.rank = comm.current_stage
+        self.warmup = min(comm.total_stages - self.rank - 1, num_microbatches)
+        self.steady = num_microbatches - self.warmup
+        WeightGradStore.reset()
+
+        self.outputs: list[Any] = []  # the loss-function outputs of the last stage, as Megatron's schedules return them
+        self.total_tokens = torch.zeros([], dtype=torch.int, device="cuda")
+        self.in_flight: deque[tuple[Any, Any]] = deque()  # (input, output) of microbatches awaiting backward
+
+    def forward(self, microbatch: int, input_tensor: Any) -> Any:
+        """F of one microbatch; its output stays in ``in_flight`` (the caller's) until its backward."""
+        from megatron.core.pipeline_parallel.schedules import forward_step
+
+        with PhaseTimes.measure("F"):
+            output, tokens = forward_step(self.forward_step_func, self.data_iterator, self.model, self.num_microbatches,
+                                          input_tensor, self.outputs, self.config, cp_group_size=self.groups.cp.size(),
+                                          is_first_microbatch=microbatch == 0, current_microbatch=microbatch,
+                                          is_last_stage=self.last)
+        self.total_tokens += tokens
+        return output
+
+    def backward(self, output_grad: Any) -> Any:
+        """B of the oldest microbatch in flight now, its W queued as one group."""
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        input_tensor, output = self.in_flight.popleft()
+        with WeightGradStore.deferring(), PhaseTimes.measure("B"):
+            input_grad = backward_step(input_tensor, output, output_grad, self.config)
+        WeightGradStore.flush()
+        return input_grad
+
+    def warmup_forwards(self) -> None:
+        """Stage r runs ``p - r - 1`` forwards before its first backward (as 1F1B)."""
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        comm, shapes = self.comm, self.shapes
+        for i in range(self.warmup):
+            input_tensor = comm.recv_forward(shapes, self.first)
+            output = self.forward(i, input_tensor)
+            comm.send_forward(output, self.last)
+            self.in_flight.append((input_tensor, output))
+            deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+    def steady_1f1b(self) -> None:
+        """One forward, one B per microbatch (as 1F1B), and after each B the oldest deferred W, once this stage
+        has deferred the W of its first r backward passes."""
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        comm, shapes, first, last, steady = self.comm, self.shapes, self.first, self.last, self.steady
         input_tensor = comm.recv_forward(shapes, first) if steady > 0 else None
         for i in range(steady):
-            output = forward(warmup + i, input_tensor)
+            output = self.forward(self.warmup + i, input_tensor)
             output_grad = comm.send_forward_recv_backward(output, shapes, last)
-            in_flight.append((input_tensor, output))
-            deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
-            input_grad = backward(output_grad)
+            self.in_flight.append((input_tensor, output))
+            deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+            input_grad = self.backward(output_grad)
             if i == steady - 1:
                 comm.send_backward(input_grad, first)
                 input_tensor = None
             else:
                 input_tensor = comm.send_backward_recv_forward(input_grad, shapes, first)
-            if i >= rank:  # stage r has deferred the W of its first r backward passes
-                store.pop()
+            if i >= self.rank:  # stage r has deferred the W of its first r backward passes
+                WeightGradStore.pop()
 
-        for i in range(warmup):  # cool-down: the deferred W fill the wait for the next output gradient
-            output_grad = comm.recv_backward(shapes, last)
-            comm.send_backward(backward(output_grad), first)
-            if steady + i >= rank:
-                store.pop()
-        store.pop_all()
-    except BaseException:
-        store.reset()
-        raise
-    finally:
-        no_sync.__exit__(None, None, None)
+    def cooldown_backwards(self) -> None:
+        """The warm-up microbatches' backwards; the deferred W fill the wait for the next output gradient."""
+        comm = self.comm
+        for i in range(self.warmup):
+            output_grad = comm.recv_backward(self.shapes, self.last)
+            comm.send_backward(self.backward(output_grad), self.first)
+            if self.steady + i >= self.rank:
+                WeightGradStore.pop()
 
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None,
-                                         pg_collection=groups)
-    return outputs
+    def finalize_model_grads(self) -> None:
+        """The step's one gradient reduce (Megatron-Core's ``finalize_model_grads``), after every W ran."""
+        config = self.config
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func([self.model], self.total_tokens if config.calculate_per_token_loss else None,
+                                             pg_collection=self.groups)
