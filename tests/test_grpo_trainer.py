@@ -125,3 +125,17 @@ def test_two_rank_data_parallel_packed_moe_run_learns(tmp_path: Path, tiny_moe_d
     assert all(r["batch/tokens_saved_fraction"] >= 0.0 for r in rows), [r["batch/tokens_saved_fraction"] for r in rows]
     # entropy of the sampling distribution falls as the policy concentrates on one character class
     assert rows[-1]["entropy"] < rows[0]["entropy"], (rows[0]["entropy"], rows[-1]["entropy"])
+
+
+def test_a_dp_share_reaches_the_backend_as_prompt_groups() -> None:
+    """Each DP rank asks generate for distinct prompts and n completions each (trainer/collection.py): whole
+    GRPO groups when its share holds whole groups, else the largest equal runs that stay within one prompt."""
+    from oumi_megatron.trainer.collection import share_as_groups
+
+    assert share_as_groups(0, 32, 8) == ([0, 1, 2, 3], 8)  # one rank: every prompt once, n = num_generations
+    assert share_as_groups(16, 16, 8) == ([2, 3], 8)  # DP 2: rank 1's two whole groups
+    assert share_as_groups(6, 2, 8) == ([0], 2)  # DP 4 over one prompt: a quarter of its group each
+    assert share_as_groups(6, 6, 4) == ([1, 2, 2], 2)  # shares that split groups: runs within one prompt
+    for first, count, g in ((0, 32, 8), (16, 16, 8), (6, 2, 8), (6, 6, 4), (12, 12, 8)):
+        prompts, n = share_as_groups(first, count, g)
+        assert [p for p in prompts for _ in range(n)] == [i // g for i in range(first, first + count)]

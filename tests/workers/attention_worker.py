@@ -80,8 +80,8 @@ def main() -> None:
         core = core_attention_name(engine.model[0])
         padded = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))
         packed_lp, packed_entropy = engine.compute_logprobs_and_entropy([packed])
-        rollouts = MegatronRolloutBackend(engine, vocab_size=320).generate(
-            prompts, SamplingParams(greedy=True, max_new_tokens=8, pad_token_id=256))
+        rollouts = [group[0] for group in MegatronRolloutBackend(engine, vocab_size=320).generate(
+            prompts, SamplingParams(greedy=True, max_new_tokens=8, pad_token_id=256), 1)]
 
         def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
             return -logprobs[:, :-1].sum(), torch.tensor(logprobs[:, :-1].numel()), {}

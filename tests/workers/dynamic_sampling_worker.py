@@ -63,12 +63,13 @@ def main() -> None:
                                       reward_functions={"half_constant": reward})
     rank, G = dist.get_rank(), grpo.num_generations
     steps = []
-    collect = trainer._collect_and_score
+    collector = trainer.collector
+    collect = collector.collect
 
-    def recorded() -> object:  # what the score/filter phase hands to the update, kept for the checks below
-        start = trainer.data_position
-        batch = collect()
-        consumed = [trainer.dataset[trainer.order[i % len(rows)]]["target"] for i in range(start, trainer.data_position)]
+    def recorded(step: int) -> object:  # what the score/filter phase hands to the update, kept for the checks below
+        start = collector.data_position
+        batch = collect(step)
+        consumed = [collector.dataset[collector.order[i % len(rows)]]["target"] for i in range(start, collector.data_position)]
         groups = len(batch.group_rows)
         filler = batch.filler.view(groups, G)[:, 0].tolist()
         share = len(batch.rollouts)
@@ -88,7 +89,7 @@ def main() -> None:
         })
         return batch
 
-    trainer._collect_and_score = recorded
+    collector.collect = recorded
     metrics = []
     for step in range(5):
         if step == 3:

@@ -63,13 +63,13 @@ def main() -> None:
 
     # Sampling through the backend, same seed, with and without the cache
     probe = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=False)
-    first = probe.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256), num_generations=2)
-    eos = first[0].completion_ids[3]  # a token row 0 samples at step 4 (same seed below): rows end early
+    first = probe.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256), 2)
+    eos = first[0][0].completion_ids[3]  # a token row 0 samples at step 4 (same seed below): rows end early
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256, eos_token_id=eos)
     runs = {}
     for kv in (False, True):
         backend = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=kv)
-        runs[kv] = [r.completion_ids for r in backend.generate(PROMPTS, sampling, num_generations=2)]
+        runs[kv] = [r.completion_ids for group in backend.generate(PROMPTS, sampling, 2) for r in group]
 
     result = {
         "logits_max_abs_diff": worst,

@@ -74,7 +74,8 @@ def main() -> None:
                               reward_functions=[RewardFunctionParams(name="char_class")])
     out = work / "run"
     training = SimpleNamespace(output_dir=str(out), seed=42, max_steps=args.steps, save_steps=0,
-                               enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=False)
+                               enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=False,
+                               include_performance_metrics=False, enable_wandb=False, run_name=None)
     model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
     config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
     dp = world // (args.tp * args.pp)

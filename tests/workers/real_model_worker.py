@@ -90,7 +90,7 @@ def main() -> None:
         enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=True,
         eval_strategy=t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
-        include_performance_metrics=t.get("include_performance_metrics", False),
+        include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,
     )
     model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
     config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)

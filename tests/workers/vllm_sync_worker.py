@@ -55,7 +55,7 @@ def main() -> None:
 
     def mismatch(name: str) -> None:
         """result[name] = max |engine - trainer| logprob on completion tokens; result[name_mean] = the mean."""
-        rollouts = backend.generate(PROMPTS, sample, num_generations=2)
+        rollouts = [r for group in backend.generate(PROMPTS, sample, 2) for r in group]
         batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
                               torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
         layout = padded_layout(batch, 2, pad_id=256)
@@ -78,8 +78,8 @@ def main() -> None:
     stats = backend.sync_weights(weights)
     result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
     mismatch("after_sync")
-    greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256))
-    result["vllm_greedy"] = [r.completion_ids for r in greedy]
+    greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256), 1)
+    result["vllm_greedy"] = [group[0].completion_ids for group in greedy]
     export = out_dir / "hf_export"
     weights.save(export)
     if dist.get_rank() == 0:

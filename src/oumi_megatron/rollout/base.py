@@ -58,10 +58,12 @@ class PolicyWeights(Protocol):
 class RolloutBackend(Protocol):
     """Generates completions; ``sync_weights`` makes the next ``generate`` use the trainer's current weights."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
-                 seed: int | None = None) -> list[Rollout]:
-        """``num_generations`` completions per prompt, adjacent in the result (a GRPO group); ``seed``
-        makes the draw reproducible."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """``n`` completions of each of ``prompts`` (distinct prompts: a GRPO group is one prompt with
+        n = ``num_generations``), grouped per prompt in the prompts' order, as vLLM's ``SamplingParams(n=...)``:
+        an engine that samples n per prompt computes the prompt once. ``seed`` makes the draw reproducible
+        where the backend honours it (the embedded one does; vLLM's engines are seeded once at start)."""
         ...
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:

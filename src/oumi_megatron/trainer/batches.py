@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oumi_megatron.rollout.base import Rollout
+
 
 @dataclass
 class SequenceBatch:
@@ -37,6 +39,26 @@ class SequenceBatch:
     """[N] bool; False: the sequence is kept but no token is trained on (a skipped reward)."""
     rollout_logprobs: list[list[float]] | None = None
     """The rollout engine's logprobs of each sequence's completion tokens (for mismatch metrics / TIS)."""
+
+
+def mini_batches(rollouts: list[Rollout], advantages: torch.Tensor, trainable: torch.Tensor, first: int,
+                 per_mini: int, count: int) -> list[SequenceBatch]:
+    """This rank's sequences of each of ``count`` mini-batches (one optimizer step each): ``per_mini`` of
+    ``rollouts`` (this rank's share of the step's batch) apiece. ``advantages`` and ``trainable`` cover the whole
+    batch, in which this rank's share starts at ``first``."""
+    out = []
+    for m in range(count):
+        part = range(m * per_mini, (m + 1) * per_mini)
+        whole = [first + i for i in part]
+        logprobs = [rollouts[i].logprobs for i in part]
+        out.append(SequenceBatch(
+            token_ids=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in part],
+            prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
+            advantages=advantages[whole],
+            trainable=trainable[whole],
+            rollout_logprobs=logprobs if all(lp is not None for lp in logprobs) else None,
+        ))
+    return out
 
 
 @dataclass

@@ -87,7 +87,7 @@ class Evaluator:
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
             keep = max(0, min(len(rows), real - start))
-            rows, rollouts = rows[:keep], self.backend.generate(prompts, self.sampling)[:keep]
+            rows, rollouts = rows[:keep], [group[0] for group in self.backend.generate(prompts, self.sampling, 1)][:keep]
             if not rows:
                 continue
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]

@@ -69,7 +69,7 @@ def plan_start(training: Any) -> StartPoint:
                 "true to take the newest complete one."
             )
         return StartPoint(checkpoint, _step_of(checkpoint))
-    if getattr(training, "try_resume_from_last_checkpoint", False):
+    if training.try_resume_from_last_checkpoint:
         checkpoint = newest_valid_checkpoint(output_dir / "checkpoints")
         return StartPoint(checkpoint, _step_of(checkpoint) if checkpoint else 0)
     previous = _previous_run(output_dir)

@@ -1,0 +1,196 @@
+"""Rollout collection: the collect and score/filter phases of a GRPO step (``RolloutCollector.collect``).
+
+- Data order: a permutation of the dataset seeded by ``training.seed``, walked from ``data_position``, which
+  the checkpoint keeps, so a resumed run reads the prompts the uninterrupted one would have read.
+- A generation round: the next ``prompts_per_rollout`` prompts, rendered with the tokenizer's chat template and
+  left-truncated to ``grpo.max_prompt_length``. Each data-parallel rank generates its share of their
+  ``num_generations`` completions: the backend receives distinct prompts and how many completions each, so
+  an engine that samples n per prompt (vLLM) shares the prompt's prefill. The rank scores its share with the
+  reward functions; the round's scores are gathered over DP, so group advantages see whole groups.
+- Dynamic sampling (DAPO, ``grpo.dynamic_sampling``): groups whose rewards are all equal carry no signal;
+  they are dropped and further rounds refill the batch (up to ``dynamic_sampling_max_rounds``; groups without
+  signal fill what is left, untrained).
+
+Every draw is a function of (seed, step, DP rank, round), so a resumed run samples what the uninterrupted run
+sampled, and DP ranks sample differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from oumi_megatron.data import prompt_token_ids
+from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
+from oumi_megatron.grpo.rewards import RewardComputer, RewardResult
+from oumi_megatron.rollout.base import Rollout, RolloutBackend
+from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.trainer.dp import dp_size_and_rank, gather_dp, gather_objects_dp
+from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
+from oumi_megatron.utils.ranks import global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+
+logger = logging.getLogger("oumi")
+
+
+@dataclass
+class _Round:
+    """One round of generation: its prompts' rows (every rank), this rank's rollouts, the round's scores."""
+
+    rows: list[dict[str, Any]]
+    rollouts: list[Rollout]
+    scores: Scores
+    truncated: int
+    errors: list[str]
+    sample: dict[str, Any] | None
+
+
+def share_as_groups(first: int, count: int, group_size: int) -> tuple[list[int], int]:
+    """A DP rank's samples ``first .. first + count - 1`` (sample i is a completion of prompt i // group_size)
+    as generate's groups: the prompt index of each group, and the completions per group. Whole GRPO groups
+    when the share holds whole groups; a share that splits groups (more DP ranks than prompts, or shares
+    that are no multiple of a group) in the largest equal runs that stay within one prompt."""
+    n = math.gcd(group_size, count)  # shares start at multiples of count, groups at multiples of group_size
+    return [i // group_size for i in range(first, first + count, n)], n
+
+
+class RolloutCollector:
+    """Walks the dataset, generates and scores rollouts, and applies dynamic sampling; the trainer owns one.
+
+    ``seed``: ``training.seed`` (data order and rollout seeds). ``device``: where DP collectives run."""
+
+    def __init__(self, dataset: Any, tokenizer: Any, backend: RolloutBackend, rewards: RewardComputer,
+                 grpo: MegatronGrpoParams, sampling: SamplingParams, prompts_per_rollout: int, seed: int,
+                 device: torch.device) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.rewards = rewards
+        self.grpo = grpo
+        self.sampling = sampling
+        self.prompts_per_rollout = prompts_per_rollout
+        self.seed = seed
+        self.device = device
+        self.order = list(range(len(dataset)))
+        random.Random(seed).shuffle(self.order)
+        self.data_position = 0
+        """Prompts read so far (checkpointed)."""
+        self.warned_truncation = False
+
+    def collect(self, step: int) -> StepBatch:
+        """The batch of GRPO step ``step + 1``: one round of generation; under ``grpo.dynamic_sampling``, rounds
+        until the batch is full of groups whose rewards differ (or ``dynamic_sampling_max_rounds`` ran out: the
+        rest is filler, not trained on)."""
+        rounds = [self._generate_round(step, 0)]
+        if self.grpo.dynamic_sampling:
+            chosen = self._dynamic_sampling(step, rounds)
+        else:
+            first = rounds[0]
+            chosen = {"rollouts": first.rollouts, "scores": first.scores, "group_rows": first.rows,
+                      "filler": torch.zeros(len(first.scores), dtype=torch.bool)}
+        return StepBatch(**chosen, generated=Scores.cat([r.scores for r in rounds]),
+                         prompts_truncated=sum(r.truncated for r in rounds),
+                         prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
+                         reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample)
+
+    # -- data order -------------------------------------------------------------------------------------------------
+    def _next_rows(self, n: int) -> list[dict[str, Any]]:
+        rows = []
+        for _ in range(n):
+            rows.append(self.dataset[self.order[self.data_position % len(self.order)]])
+            self.data_position += 1
+        return rows
+
+    def _note_truncation(self, lengths: list[int], cut: int) -> None:
+        """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
+        if cut and not self.warned_truncation and global_rank() == 0:
+            self.warned_truncation = True
+            logger.warning(f"{cut} of {len(lengths)} prompts this step are longer than grpo.max_prompt_length "
+                           f"({self.grpo.max_prompt_length} tokens; longest {max(lengths)}) and lose their beginning. "
+                           "Raise grpo.max_prompt_length (metric prompt/truncated_fraction counts them every step).")
+
+    def rollout_seed(self, step: int, dp_rank: int, round_index: int = 0) -> int:
+        """Sampling seed of one step (and dynamic-sampling round) on one DP rank: a function of (seed, step, rank,
+        round), so a resumed run draws what the uninterrupted one drew, and DP ranks draw different samples."""
+        key = f"{self.seed}/{step}/{dp_rank}" + (f"/{round_index}" if round_index else "")
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+
+    # -- one round --------------------------------------------------------------------------------------------------
+    def _generate_round(self, step: int, index: int) -> _Round:
+        """The next ``prompts_per_rollout`` prompts: this rank's share of their completions, scored; the round's
+        scores gathered over DP (sample i belongs to prompt i // num_generations)."""
+        g, G = self.grpo, self.grpo.num_generations
+        dp, dp_rank = dp_size_and_rank()
+        rows = self._next_rows(self.prompts_per_rollout)
+        rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
+        full_lengths = [n for _, n in rendered]
+        truncated = sum(n > g.max_prompt_length for n in full_lengths)
+        self._note_truncation(full_lengths, truncated)
+        per_rank = len(rows) * G // dp
+        groups, n = share_as_groups(dp_rank * per_rank, per_rank, G)
+        grouped = self.backend.generate([rendered[p][0] for p in groups], self.sampling, n,
+                                        seed=self.rollout_seed(step, dp_rank, index))
+        rollouts = [r for group in grouped for r in group]
+        completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
+        prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+        rewards = self.rewards(prompts, completions, [rows[p] for p in groups for _ in range(n)])
+        sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
+        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), truncated, rewards.errors, sample)
+
+    def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
+        """The whole round's scores on every rank, with the overlong punishment (``grpo.overlong_buffer_length``)."""
+        g = self.grpo
+        names = list(rewards.per_function)
+        local = torch.stack([rewards.total, rewards.valid.double(), *(rewards.per_function[k] for k in names),
+                             torch.tensor([float(len(r.completion_ids)) for r in rollouts]),
+                             torch.tensor([float(r.finished) for r in rollouts])], dim=1)
+        stats = gather_dp(local, self.device)  # [n, k], the whole round, on every rank
+        total, valid, lengths = stats[:, 0], stats[:, 1] > 0.5, stats[:, -2]
+        penalty = torch.zeros_like(total)
+        if g.overlong_buffer_length:
+            penalty = torch.where(valid, overlong_penalty(lengths, g.max_completion_length, g.overlong_buffer_length,
+                                                          g.overlong_penalty_factor), 0.0)
+        return Scores(total + penalty, valid, {k: stats[:, 2 + j] for j, k in enumerate(names)}, penalty, lengths,
+                      stats[:, -1] > 0.5)
+
+    # -- dynamic sampling -------------------------------------------------------------------------------------------
+    def _dynamic_sampling(self, step: int, rounds: list[_Round]) -> dict[str, Any]:
+        """DAPO: further rounds (appended to ``rounds``) until ``prompts_per_rollout`` groups have reward variance;
+        the chosen groups' rollouts redistributed over DP (this rank's share), their scores, rows and filler mask."""
+        g, G, wanted = self.grpo, self.grpo.num_generations, self.prompts_per_rollout
+        signals = [groups_with_signal(rounds[0].scores.total, rounds[0].scores.valid, G)]
+        while sum(int(s.sum()) for s in signals) < wanted and len(rounds) < g.dynamic_sampling_max_rounds:
+            rounds.append(self._generate_round(step, len(rounds)))
+            signals.append(groups_with_signal(rounds[-1].scores.total, rounds[-1].scores.valid, G))
+        kept, filled = choose_groups(signals, wanted)
+        chosen = kept + filled
+        everything = self._gather_rollouts([r.rollouts for r in rounds])
+        whole = [everything[r][i] for r, grp in chosen for i in range(grp * G, (grp + 1) * G)]
+        dp, dp_rank = dp_size_and_rank()
+        per_rank = len(whole) // dp
+        if filled and global_rank() == 0:
+            logger.warning(f"GRPO step {step + 1}: dynamic sampling found {len(kept)} of {wanted} groups with "
+                           f"reward variance in {len(rounds)} rounds (grpo.dynamic_sampling_max_rounds); "
+                           f"{len(filled)} groups without it fill the batch and are not trained on.")
+        return {
+            "rollouts": whole[dp_rank * per_rank:(dp_rank + 1) * per_rank],
+            "scores": Scores.cat([rounds[r].scores.take(list(range(grp * G, (grp + 1) * G))) for r, grp in chosen]),
+            "group_rows": [rounds[r].rows[grp] for r, grp in chosen],
+            "filler": torch.tensor([False] * len(kept) + [True] * len(filled)).repeat_interleave(G),
+            "groups_dropped": sum(len(s) - int(s.sum()) for s in signals),
+            "groups_filled": len(filled),
+        }
+
+    @staticmethod
+    def _gather_rollouts(local: list[list[Rollout]]) -> list[list[Rollout]]:
+        """Per round, the whole round's rollouts on every rank (DP ranks' shares in rank order)."""
+        parts = gather_objects_dp(local)
+        return [[x for part in parts for x in part[r]] for r in range(len(local))]

@@ -1,0 +1,148 @@
+"""What one GRPO step reports: the rows of metrics.jsonl (and TensorBoard, W&B), built from the step's pieces.
+
+``reward_metrics``: rewards, completion lengths, dynamic sampling, over everything generated this step;
+``step_metrics``: those plus advantages, loss, KL, clipping, entropy, rollout/trainer logprob mismatch, token
+counts and timings (token sums reduced over DP, so rank 0 logs the whole batch); ``skipped_step_metrics``: a step
+that trained on nothing; ``performance_metrics``: ``training.include_performance_metrics``; ``wandb_settings``:
+``training.enable_wandb``. Where the metrics go is trainer/metrics.py (``MetricsLogger``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from oumi_megatron.engine.engine import StepResult
+from oumi_megatron.rollout.base import WeightSyncStats
+from oumi_megatron.trainer.batches import MicrobatchLayout
+from oumi_megatron.trainer.dp import max_dp, sum_dp
+from oumi_megatron.trainer.rollout_batch import StepBatch
+from oumi_megatron.utils.ranks import global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+
+def reward_metrics(batch: StepBatch, grpo: MegatronGrpoParams) -> dict[str, Any]:
+    """Rewards of everything generated this step (all rounds: an unfiltered sample of the policy), completion
+    lengths, and what dynamic sampling and the overlong options did."""
+    gen, g = batch.generated, grpo
+    valid = gen.valid
+    scored = gen.total[valid]  # skipped samples have no reward
+    out: dict[str, Any] = {
+        "reward/mean": scored.mean().item() if len(scored) else float("nan"),
+        "reward/std": scored.std().item() if len(scored) > 1 else 0.0,
+        **{f"reward/{k}": v[valid].mean().item() if len(scored) else float("nan") for k, v in gen.per_function.items()},
+        "reward/invalid_samples": int((~valid).sum()),
+        "prompt/truncated_fraction": batch.prompts_truncated / max(batch.prompts_used, 1),
+        "completion_length/mean": gen.lengths.mean().item(),
+        "completion_length/max": int(gen.lengths.max()),
+        "completion_length/truncated_fraction": float((~gen.finished).double().mean()),
+    }
+    if g.overlong_buffer_length:
+        out["reward/overlong_penalty"] = gen.overlong_penalty[valid].mean().item() if len(scored) else 0.0
+    if g.dynamic_sampling:
+        groups = len(gen) // g.num_generations
+        out.update({"dynamic_sampling/rounds": batch.rounds, "dynamic_sampling/groups_generated": groups,
+                    "dynamic_sampling/groups_dropped": batch.groups_dropped,
+                    "dynamic_sampling/groups_filled": batch.groups_filled,
+                    "dynamic_sampling/kept_fraction": (groups - batch.groups_dropped) / max(groups, 1)})
+    if g.log_completions and global_rank() == 0 and batch.sample is not None:
+        out["sample"] = batch.sample
+    return out
+
+
+def skipped_step_metrics(batch: StepBatch, grpo: MegatronGrpoParams, timings: dict[str, float],
+                         schedule: str) -> dict[str, Any]:
+    """A step that trained on nothing (no optimizer step): its rewards and timings."""
+    return {**reward_metrics(batch, grpo), **timings, "update_skipped": 1, "pipeline/schedule": schedule,
+            "pipeline/deferred_wgrad_ops": 0, "module_queue/active": False, "module_queue/offloaded_mib": 0.0}
+
+
+def _token_sums(layouts: list[MicrobatchLayout], lp: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The batch's token counts, entropy and mismatch sums, over every DP rank."""
+    keys = ("real", "processed", "padded", "entropy_sum", "scored", "mm_abs", "mm_exp", "mm_tokens")
+    sums = sum_dp([
+        float(sum(lo.real_tokens for lo in layouts)), float(sum(lo.processed_tokens for lo in layouts)),
+        float(sum(lo.padded_tokens for lo in layouts)),
+        lp["entropy_sum"], float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
+        lp["abs_diff_sum"], lp["exp_abs_diff_sum"], lp["tokens"],
+    ], device)
+    return {**dict(zip(keys, sums)), "mm_max": max_dp(lp["abs_diff_max"], device)}
+
+
+def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Tensor, layouts: list[MicrobatchLayout],
+                 lp: dict[str, float], results: list[StepResult], timings: dict[str, float],
+                 sync: WeightSyncStats | None, grpo: MegatronGrpoParams, device: torch.device) -> dict[str, Any]:
+    """A trained step's row. ``lp``: the old-logprob phase's sums; ``results``: every optimizer step's."""
+    s = _token_sums(layouts, lp, device)
+    last = results[-1]
+    tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
+    mm_tokens = max(s["mm_tokens"], 1.0)
+    return {
+        **reward_metrics(batch, grpo),
+        "advantage/mean": advantages.mean().item(),
+        "advantage/std": advantages.std().item() if len(advantages) > 1 else 0.0,
+        "advantage/max_abs": advantages.abs().max().item(),
+        "batch/untrained_samples": int((~trainable).sum()),
+        "loss": sum(r.loss for r in results) / len(results),
+        "kl": last.metrics.get("kl_sum", 0.0) / tokens,
+        "clip_fraction": last.metrics.get("clipped_tokens", 0.0) / tokens,
+        **({"tis/mean_weight": last.metrics["tis_weight_sum"] / tokens,
+            "tis/capped_fraction": last.metrics["tis_capped_tokens"] / tokens} if "tis_weight_sum" in last.metrics else {}),
+        "entropy": s["entropy_sum"] / max(s["scored"], 1.0),
+        # rollout engine vs trainer logprobs of the same tokens, before the update
+        "mismatch/mean_abs_diff": s["mm_abs"] / mm_tokens,
+        "mismatch/max_abs_diff": s["mm_max"],
+        "mismatch/exp_mean_abs_diff": math.exp(s["mm_abs"] / mm_tokens),
+        "mismatch/token_mult_prob_error": s["mm_exp"] / mm_tokens,
+        "grad_norm": last.grad_norm,
+        "lr": last.lr,
+        # the schedule that ran, and the weight-gradient GEMMs ZB-H1 deferred and ran (all ranks, all updates)
+        "pipeline/schedule": last.schedule,
+        "pipeline/deferred_wgrad_ops": sum(r.deferred_wgrad_ops for r in results),
+        # ModuleQueue on the last stage: whether it streamed weights, and the MiB it released (all updates)
+        "module_queue/active": any(r.module_queue_active for r in results),
+        "module_queue/offloaded_mib": sum(r.module_queue_offloaded_mib for r in results),
+        "batch/real_tokens": int(s["real"]),
+        "batch/processed_tokens": int(s["processed"]),
+        "batch/padding_fraction": 1.0 - s["real"] / max(s["processed"], 1.0),
+        # what packing saves against one sequence per row (0 when packing is off)
+        "batch/tokens_saved_fraction": 1.0 - s["processed"] / max(s["padded"], 1.0),
+        **timings,  # time/sync_s is 0 for the embedded backend: the rollout engine is the policy itself
+        **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps}
+           if sync is not None else {}),
+        "tokens_per_s": float(batch.generated.lengths.sum()) / max(timings["time/rollout_s"], 1e-9),
+    }
+
+
+def performance_metrics(metrics: dict[str, Any], step_s: float, completions_per_rollout: int,
+                        ppo_epochs: int) -> dict[str, float]:
+    """``training.include_performance_metrics``: throughput and memory on top of the step timings."""
+    import resource
+
+    trained = metrics.get("batch/processed_tokens", 0) * ppo_epochs
+    out = {
+        "perf/step_s": step_s,
+        "perf/completions_per_s": completions_per_rollout / max(step_s, 1e-9),
+        "perf/train_tokens_per_s": trained / max(metrics.get("time/train_s", 0.0), 1e-9),
+        # ru_maxrss is in KiB on Linux
+        "perf/peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+    if torch.cuda.is_available():
+        out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def wandb_settings(config: MegatronTrainingConfig) -> dict[str, Any] | None:
+    """``training.enable_wandb``: W&B run settings (project from WANDB_PROJECT, name from run_name)."""
+    t = config.training
+    if not t.enable_wandb:
+        return None
+    sections = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in (("megatron", config.megatron), ("grpo", config.grpo))}
+    return {"name": t.run_name, "config": sections}
