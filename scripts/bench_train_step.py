@@ -171,7 +171,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (--shape moe; DP = GPUs / (TP x PP x CP))")
-    p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size (K/V all-gathered, engine/parallel/context_parallel.py)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="megatron.context_parallel_size (K/V all-gathered, engine/parallel/context_parallel.py)")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel (TP > 1)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=2)
@@ -186,7 +187,8 @@ def main() -> None:
                    help="a megatron.transformer_config field, e.g. gradient_accumulation_fusion=false, or "
                         "SECTION.FIELD=VALUE, e.g. optimizer_config.fused_kernels=false (repeatable)")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (0 = full logits)")
-    p.add_argument("--compile-layers", action="store_true", help="experiment: torch.compile each transformer layer (measured slower on an H200: more host time per step)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="experiment: torch.compile each transformer layer (measured slower on an H200: more host time per step)")
     p.add_argument("--profile", default="", help="write the top CUDA kernels of one step to this file")
     p.add_argument("--hf-reference", action="store_true", help="also time plain transformers (1 GPU)")
     p.add_argument("--out", default="")
@@ -284,7 +286,6 @@ def main() -> None:
     dist.all_gather(mem_by_rank, mem)  # pipeline stages differ: the first holds the most microbatches, the last the logits
     mem = torch.stack(mem_by_rank).amax(0)
     from oumi_megatron.engine.kernels.attention import core_attention_name
-
     from oumi_megatron.engine.wrappers import unwrap
 
     core = core_attention_name(engine.model[0])
@@ -300,7 +301,8 @@ def main() -> None:
                   + (f" ({cfg.num_hidden_layers} layers)" if args.layers else ""), "gpus": world,
         "schedule": engine.schedule, "deferred_wgrad_ops": r.deferred_wgrad_ops, "card": name, "seq": args.seq,
         "attention": core, "fusions": "+".join(fusions) or "none",
-        "logprob_chunk_tokens": args.logprob_chunk, "logprobs": "chunked" if chunked else "full logits", "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
+        "logprob_chunk_tokens": args.logprob_chunk, "logprobs": "chunked" if chunked else "full logits",
+        "cuda_graphs": params.transformer_config.cuda_graph_impl, "tokens_per_step": tokens, "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "tokens_per_s_per_gpu": round(tokens / step_s / world, 1),
         "tflops_per_gpu": round(tflops_per_gpu, 1), "mfu": round(tflops_per_gpu / peak, 4),
         "peak_mem_gib": round(mem[0].item(), 2), "state_mem_gib": round(mem[1].item(), 2),

@@ -28,7 +28,6 @@ import torch
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
     torch.cuda.set_device(1)
-    from oumi_megatron.engine.state import hf_weights
     from oumi_megatron.rollout import weight_stream
 
     group = weight_stream.PairGroup("127.0.0.1", port, rank=1, backend="nccl")
@@ -69,6 +68,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
     from oumi_megatron.rollout import weight_stream
 
     spec = importlib.util.spec_from_file_location("bench_train_step", Path(__file__).with_name("bench_train_step.py"))
@@ -89,7 +89,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     raw_gbps = raw_bytes / sorted(times)[len(times) // 2] / 1e9
 
-    export = hf_weights.HFWeightExporter(bridge, engine.model)
+    export = HFWeightExporter(bridge, engine.model)
     export_s = []
     for _ in range(3):
         torch.cuda.synchronize()

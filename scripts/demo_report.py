@@ -29,7 +29,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(out / "hf_model")
     model = AutoModelForCausalLM.from_pretrained(out / "hf_model")
     for ask in ("Reply with digits only. Note abc.", "Reply with letters only. Note 123."):
-        ids = tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        chat = [{"role": "user", "content": ask}]
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
         gen = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         print(f"  transformers greedy on hf_model: {ask!r} -> {tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)!r}")
     if last - first < args.min_rise:

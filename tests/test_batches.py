@@ -75,7 +75,7 @@ def test_segment_aggregation_equals_one_row_per_sequence() -> None:
     def place(layout):  # noqa: ANN001, ANN202
         mb = layout.microbatches[0]
         values = torch.zeros_like(mb["completion_mask"])
-        for (m, r, s, n), v in zip(layout.placements, per_seq_values):
+        for (_, r, s, n), v in zip(layout.placements, per_seq_values):
             values[r, s : s + n] = v
         return values, mb
 

@@ -62,8 +62,8 @@ def test_rng_and_scheduler_state_round_trips_through_json(tmp_path: Path) -> Non
     import numpy as np
     import torch
 
-    from oumi_megatron.engine.state import checkpointing
     from oumi_megatron.engine.cpu_shims import install_cpu_shims
+    from oumi_megatron.engine.state import checkpointing
 
     install_cpu_shims()
     from megatron.core import tensor_parallel

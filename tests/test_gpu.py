@@ -259,9 +259,8 @@ def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layou
 def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DAPO dynamic sampling on DP=2 over NCCL (the filtered batch's rollouts are all-gathered as objects over the
     DP group): the CPU test's checks (tests/test_grpo_variants.py)."""
-    from test_grpo_variants import run_dynamic_sampling_worker
-
     from oumi_megatron.examples.tiny_models import build_tiny_model
+    from test_grpo_variants import run_dynamic_sampling_worker
 
     work = tmp_path_factory.mktemp("gpu_dynamic_sampling")
     run_dynamic_sampling_worker(build_tiny_model(work / "hf", arch="qwen2"), work)

@@ -102,7 +102,8 @@ def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path,
     stock = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", "-m", "oumi", "train", "-c", str(bad_yaml)],
                     env={"MASTER_PORT": str(free_port())})
     assert stock.returncode != 0
-    assert "MEGATRON_GRPO config has" in stock.stdout + stock.stderr and "megatron.tensor_model_parallel_size" in stock.stdout + stock.stderr
+    stock_output = stock.stdout + stock.stderr
+    assert "MEGATRON_GRPO config has" in stock_output and "megatron.tensor_model_parallel_size" in stock_output
     # a new output_dir (a used one is refused), with the conversion of the pp2 run copied in
     out_dir = tmp_path / "seed"
     shutil.copytree(good_yaml.parent / "out" / "megatron_checkpoint", out_dir / "megatron_checkpoint")

@@ -31,17 +31,20 @@ _LAZY_EXPORTS = {
 __all__ = sorted(_LAZY_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from oumi_megatron.bridge_utils import check_megatron_bridge_available
-    from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
-    from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.config.training_config import MegatronTrainingConfig
-    from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
-    from oumi_megatron.engine.engine import MegatronEngine
-    from oumi_megatron.layout import ParallelLayout
-    from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.validation import ValidationReport, validate_config
-
+    # ``X as X``: an explicit re-export for type checkers and linters (``__all__`` above is computed)
+    from oumi_megatron.bridge_utils import check_megatron_bridge_available as check_megatron_bridge_available
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams as MegatronGrpoParams
+    from oumi_megatron.config.grpo_params import RewardFunctionParams as RewardFunctionParams
+    from oumi_megatron.config.megatron_params import MegatronParams as MegatronParams
+    from oumi_megatron.config.training_config import MegatronTrainingConfig as MegatronTrainingConfig
+    from oumi_megatron.engine.builder import build_engine as build_engine
+    from oumi_megatron.engine.engine import MegatronEngine as MegatronEngine
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron as convert_hf_to_megatron
+    from oumi_megatron.engine.state.conversion import export_to_hf as export_to_hf
+    from oumi_megatron.layout import ParallelLayout as ParallelLayout
+    from oumi_megatron.model_shape import ModelShape as ModelShape
+    from oumi_megatron.validation import ValidationReport as ValidationReport
+    from oumi_megatron.validation import validate_config as validate_config
 
 def __getattr__(name: str) -> Any:
     module_name = _LAZY_EXPORTS.get(name)

@@ -4,7 +4,8 @@ megatron-bridge 0.6.2 imports ``transformer_engine.pytorch`` unconditionally (``
 even though nothing we use needs it, and TransformerEngine cannot be installed without CUDA. When TE
 is absent we import the bridge with a throw-away stand-in module for TE that only megatron.bridge
 modules can see (Megatron-Core modules imported meanwhile run with it hidden), then remove it and
-switch the bridge's ``HAVE_TE*`` flags back to False, so no code path believes TE exists. This is the only TE workaround in the project; with TE installed it does nothing.
+switch the bridge's ``HAVE_TE*`` flags back to False, so no code path believes TE exists. This is the
+only TE workaround in the project; with TE installed it does nothing.
 """
 
 from __future__ import annotations

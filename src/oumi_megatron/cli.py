@@ -126,7 +126,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     console.print(table)
     for note in plan.notes:
         console.print(f"note: {note}")
-    if plan.fits is None:
+    if plan.gpu_memory_gib is None:  # fits is None
         console.print("pass --gpu-memory-gib M (e.g. 80 for an H100) to check that it fits")
     elif plan.fits:
         console.print(f"[green]OK[/green]: {plan.gpu_memory_gib - plan.total:.1f} GiB of headroom")
@@ -182,9 +182,7 @@ def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.examples.arithmetic_task import write_splits
-
-    from oumi_megatron.examples.arithmetic_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES
+    from oumi_megatron.examples.arithmetic_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES, write_splits
 
     for name, value in (("--train", args.train), ("--eval", args.eval)):
         if value < 1:

@@ -12,10 +12,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.plugins import load_plugins
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 
 class DataError(UserInputError):
@@ -96,7 +99,7 @@ def _check_prompt(row: Any) -> str | None:
     return "has a 'prompt' that is neither text nor a list of chat messages ({'role': ..., 'content': ...})"
 
 
-def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDataset:
+def load_prompts(config: MegatronTrainingConfig, log: Any = None, split: str = "train") -> PromptDataset:
     """``data.train`` (or ``data.validation``, the eval prompts) through Oumi's dataset registry, every
     row transformed and checked once."""
     from oumi.core.registry import REGISTRY
@@ -154,7 +157,7 @@ def load_prompts(config: Any, log: Any = None, split: str = "train") -> PromptDa
     return prompts
 
 
-def load_eval_sets(config: Any, log: Any = None) -> dict[str, PromptDataset]:
+def load_eval_sets(config: MegatronTrainingConfig, log: Any = None) -> dict[str, PromptDataset]:
     """``data.validation`` as eval sets by metric prefix (``grpo.eval_metric_prefixes``; default: one set, ``eval``),
     each the datasets with that prefix, in order."""
     everything = load_prompts(config, log=log, split="validation")

@@ -10,8 +10,8 @@ from __future__ import annotations
 try:
     from oumi.exceptions import OumiConfigError as _Base
 except ImportError:  # pragma: no cover - engine-only machines (the lent GPU image has no Oumi)
-    _Base = ValueError  # type: ignore[misc,assignment]
+    _Base = ValueError
 
 
-class UserInputError(_Base):  # type: ignore[misc,valid-type]
+class UserInputError(_Base):
     """Bad input, reported with the field/file/row and the fix."""

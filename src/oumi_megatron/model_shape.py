@@ -51,7 +51,8 @@ class ModelShape:
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], source: str) -> ModelShape:
         # Multimodal configs nest the language model's settings.
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        nested = cfg.get("text_config")
+        text: dict[str, Any] = nested if isinstance(nested, dict) else cfg
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in text]
         if missing:
             # e.g. GPT-2 (n_layer, n_embd): not a GPT-style architecture Megatron-Bridge maps

@@ -38,6 +38,7 @@ from oumi_megatron.model_shape import ModelShape
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
+    from oumi_megatron.validation import ValidationReport
 
 GIB = 2**30
 CUDA_OVERHEAD_GIB = 4.0
@@ -193,7 +194,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         logits = 0.0
         if stage == pp - 1:
             vocab_shard = shape.vocab_size / layout.tensor_parallel
-            chunk = m.logprob_chunk_tokens
+            chunk: float | None = m.logprob_chunk_tokens
             if chunk is None:  # auto (CUDA): chunks of ~512 MiB of fp32 logits once a microbatch's would pass that
                 chunk = AUTO_CHUNK_LOGITS / vocab_shard if tokens * vocab_shard > AUTO_CHUNK_LOGITS else 0
             logits = 12 * min(chunk, tokens) * vocab_shard if chunk else 6 * tokens * vocab_shard
@@ -202,8 +203,11 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
                 saving = 2 * (params.layers - output / m.module_queue_num_chunks)
                 weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
         rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
-        parts = [weights, grads, optimizer, activations, logits, rollout, overhead_gib * GIB]
-        plan = MemoryPlan(*(x / GIB for x in parts), total=sum(parts) / GIB, stage=stage, gpu_memory_gib=gpu_memory_gib)
+        overhead = overhead_gib * GIB
+        total = weights + grads + optimizer + activations + logits + rollout + overhead
+        plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
+                          logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
+                          gpu_memory_gib=gpu_memory_gib)
         stage_plans.append(plan)
     best = max(stage_plans, key=lambda x: x.total)
     if colocated_vllm and not gpu_memory_gib:
@@ -287,7 +291,7 @@ class PlanResult:
     """``plan_config``'s answer: the validation report, the memory plan (None if the config or shape is not
     valid), what to change when it does not fit, and ranked layouts (``suggest``)."""
 
-    report: Any  # validation.ValidationReport
+    report: ValidationReport
     plan: MemoryPlan | None
     advice: list[str]
     suggestions: list[Suggestion]

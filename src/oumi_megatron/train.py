@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi.utils.logging import logger
 
 from oumi_megatron.data import load_eval_sets, load_prompts, steps_for_epochs
 from oumi_megatron.validation import validate_config
 
+if TYPE_CHECKING:
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
-def _as_megatron_config(config: Any) -> Any:
+
+def _as_megatron_config(config: Any) -> MegatronTrainingConfig:
     """A stock TrainingConfig that says MEGATRON_GRPO (built in Python) gets default megatron/grpo sections."""
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
@@ -61,8 +64,8 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
 
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import ensure_converted
 
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype

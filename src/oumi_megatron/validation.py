@@ -164,7 +164,8 @@ def _check_eval_metric_prefixes(cfg: MegatronTrainingConfig, r: ValidationReport
     datasets = len(cfg.data.validation.datasets)
     if len(prefixes) != datasets:
         r.add("grpo.eval_metric_prefixes", f"has {len(prefixes)} entries and data.validation.datasets has {datasets}: "
-                                           "give one prefix per validation dataset, in order (e.g. eval for the first, eval_unseen for the second).")
+                                           "give one prefix per validation dataset, in order "
+                                           "(e.g. eval for the first, eval_unseen for the second).")
     for i, prefix in enumerate(prefixes):
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", prefix):
             r.add(f"grpo.eval_metric_prefixes[{i}]", f"{prefix!r} is not a metric prefix: use letters, digits and _ "
@@ -319,14 +320,16 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         longest = cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length
         if not t.cuda_graph_seq_length or t.cuda_graph_seq_length <= 0:
             r.add("megatron.transformer_config.cuda_graph_seq_length",
-                  f"CUDA graphs have fixed shapes: set it to the longest prompt + completion ({longest}); every microbatch is padded to it.")
+                  f"CUDA graphs have fixed shapes: set it to the longest prompt + completion ({longest}); "
+                  "every microbatch is padded to it.")
         elif t.cuda_graph_seq_length < longest:
             r.add("megatron.transformer_config.cuda_graph_seq_length",
                   f"{t.cuda_graph_seq_length} is shorter than grpo.max_prompt_length + grpo.max_completion_length = {longest}. "
                   f"Set cuda_graph_seq_length: {longest}.")
         if m.enable_sequence_packing:
             r.add("megatron.enable_sequence_packing",
-                  "packed rows (block-diagonal masks) are not supported with CUDA graphs. Set enable_sequence_packing: False, or cuda_graph_impl: none.")
+                  "packed rows (block-diagonal masks) are not supported with CUDA graphs. "
+                  "Set enable_sequence_packing: False, or cuda_graph_impl: none.")
         if m.pipeline_model_parallel_size > 1:
             r.add("megatron.transformer_config.cuda_graph_impl",
                   "local CUDA graphs are tested with pipeline_model_parallel_size 1 only. Set cuda_graph_impl: none for PP > 1.")
@@ -460,10 +463,11 @@ def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> Non
     if shape is not None and shape.architectures:
         supported = set(import_megatron_bridge().AutoBridge.list_supported_models())
         if not any(arch in supported for arch in shape.architectures):
+            examples = sorted(a for a in supported if a.endswith("ForCausalLM"))[:8]
             r.add(
                 "model.model_name",
                 f"{shape.source} is a {', '.join(shape.architectures)} model, which Megatron-Bridge cannot "
-                f"convert. Use a supported architecture, e.g. {', '.join(sorted(a for a in supported if a.endswith('ForCausalLM'))[:8])} ...",
+                f"convert. Use a supported architecture, e.g. {', '.join(examples)} ...",
             )
 
 

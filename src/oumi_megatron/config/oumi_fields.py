@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 # Oumi's GrpoParams fields with the same meaning in our grpo: section.
 SHARED_GRPO_FIELDS = ("num_generations", "temperature", "epsilon", "max_prompt_length", "max_completion_length",
@@ -127,7 +130,7 @@ def _default(cls: type, name: str) -> Any:
 
 
 class _Adopter:
-    def __init__(self, config: Any, explicit: set[str] | None) -> None:
+    def __init__(self, config: MegatronTrainingConfig, explicit: set[str] | None) -> None:
         self.config = config
         self.explicit = explicit
         self.out = Adoption()
@@ -264,12 +267,15 @@ class _Adopter:
         counts completions: global_batch_size per optimizer step x num_mini_batches per step."""
         prompts = flat.get("data.train_batch_size")
         mini = flat.get("actor_rollout_ref.actor.ppo_mini_batch_size")
-        if prompts is None and mini is None:
-            return
+        if prompts is None:
+            if mini is None:
+                return
+            prompts = mini
+        elif mini is None:
+            mini = prompts
         used.update({"data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"})
         n = self.config.grpo.num_generations
-        prompts = int(prompts if prompts is not None else mini)
-        mini = int(mini if mini is not None else prompts)
+        prompts, mini = int(prompts), int(mini)
         if prompts % mini:
             self.out.problems.append((source + "data.train_batch_size", f"{prompts} prompts per step is not a "
                                       f"multiple of actor_rollout_ref.actor.ppo_mini_batch_size {mini}."))
@@ -304,8 +310,8 @@ class _Adopter:
 
         names = [d.dataset_name for d in self.config.data.train.datasets]
         rewards = {DEFAULT_REWARDS.get(n) for n in names}
-        if len(rewards) == 1 and None not in rewards:
-            reward = rewards.pop()
+        reward = rewards.pop() if len(rewards) == 1 else None  # one default reward shared by every dataset
+        if reward is not None:
             self.config.grpo.reward_functions = [RewardFunctionParams(name=reward)]
             self.out.notes.append(f"grpo.reward_functions = [{reward!r}] (no reward function configured; "
                                   f"{reward!r} is the reward of {names[0]!r})")
@@ -333,7 +339,7 @@ class _Adopter:
                 self.out.warnings.append(f"training.{name} is not used by MEGATRON_GRPO and is ignored.")
 
 
-def adopt_oumi_fields(config: Any) -> Adoption:
+def adopt_oumi_fields(config: MegatronTrainingConfig) -> Adoption:
     """Takes over Oumi's fields into the megatron:/grpo: sections (once; later calls return the record)."""
     done = config.__dict__.get("_oumi_adoption")
     if done is not None:

@@ -21,7 +21,8 @@ def add_megatron_grpo(trainer_type: type[Enum]) -> None:
     member = object.__new__(trainer_type)
     member._name_ = MEGATRON_GRPO
     member._value_ = MEGATRON_GRPO_VALUE
-    member._sort_order_ = len(trainer_type._member_names_)
+    # EnumType sets _sort_order_ on every member (CPython 3.12); typeshed's Enum does not declare it
+    member._sort_order_ = len(trainer_type._member_names_)  # type: ignore[attr-defined]
     member.__doc__ = "Megatron-Core GRPO trainer from the oumi-megatron package (TP/PP/CP/EP/DP)."
     type.__setattr__(trainer_type, MEGATRON_GRPO, member)
     trainer_type._member_map_[MEGATRON_GRPO] = member

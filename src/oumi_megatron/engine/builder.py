@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.engine.state.conversion import build_from_checkpoint
-from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
-from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.engine import MegatronEngine
+from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
+from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
+from oumi_megatron.engine.state.conversion import build_from_checkpoint
 from oumi_megatron.layout import ParallelLayout, resolve_schedule
 
 if TYPE_CHECKING:

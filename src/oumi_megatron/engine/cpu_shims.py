@@ -36,7 +36,7 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
@@ -97,13 +97,13 @@ class _NoopEvent:
 
 
 def _patch_torch_cuda() -> None:
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # its functions and classes replaced by CPU stand-ins (of other types than torch's)
     cuda.current_device = lambda: 0
     cuda.synchronize = lambda device=None: None
     cuda.current_stream = lambda device=None: _NoopStream()
     cuda.default_stream = lambda device=None: _NoopStream()
-    cuda.Stream = _NoopStream  # type: ignore[misc,assignment]
-    cuda.Event = _NoopEvent  # type: ignore[misc,assignment]
+    cuda.Stream = _NoopStream
+    cuda.Event = _NoopEvent
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.set_stream = lambda stream: None
     cuda.set_device = lambda device: None

@@ -257,8 +257,8 @@ class MegatronEngine:
         self.config = config
         from oumi_megatron.engine.kernels.attention import core_attention_name, resolve_packed_attention
 
-        requested = getattr(getattr(params, "transformer_config", None), "packed_attention", "auto")
-        self.packed_attention, why = resolve_packed_attention(requested, core_attention_name(model[0]), config.params_dtype,
+        self.packed_attention, why = resolve_packed_attention(params.transformer_config.packed_attention,
+                                                              core_attention_name(model[0]), config.params_dtype,
                                                               torch.cuda.is_available(), cp=config.context_parallel_size > 1)
         logger.info("packed rows attend through: %s", why)
         chunk = self.logprob_chunk_tokens()
@@ -324,7 +324,8 @@ class MegatronEngine:
                 r.cp_group = g
             clear_rotary_cache()
 
-    def _prepare(self, microbatches: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+    def _prepare(self, microbatches: list[dict[str, torch.Tensor]],
+                 pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
         or ``pad_to`` (CUDA graphs' fixed length); a multiple of 2 x CP under context parallelism and of TP
         under sequence parallelism (each rank holds equal parts; the padding is out of the loss)."""
@@ -516,7 +517,8 @@ class MegatronEngine:
         """One optimizer step over this DP rank's microbatches (each: ``input_ids`` [mbs, seq] + loss inputs)."""
         for chunk in self.model:
             chunk.train()
-            chunk.zero_grad_buffer()
+            # Megatron-Core's DDP wrapper method; torch types a Module's attributes as Tensor | Module
+            chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         for queue, param_buffers in self._module_queues:
             queue.begin_step(param_buffers)

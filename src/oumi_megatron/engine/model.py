@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from oumi_megatron.bridge_utils import have_transformer_engine, import_megatron_bridge
 from oumi_megatron.engine.kernels.cuda_graphs import check_cuda_graphs
 from oumi_megatron.errors import UserInputError
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -83,7 +86,7 @@ def load_bridge(hf_path: str | Path, trust_remote_code: bool = False, config_onl
 
 def configure_provider(
     provider: Any,
-    params: Any,  # MegatronParams
+    params: MegatronParams,
     dtype: torch.dtype,
     seq_length: int | None = None,
     cuda_graphs: bool = False,
@@ -152,8 +155,8 @@ def configure_provider(
         check_cuda_graphs(params, torch.cuda.is_available())
     # ModuleQueue (seed 000): read from the model's config, as in the seed; the stage with post_process
     # gets the ModuleQueue class (engine/parallel/module_queue.py asks which class each stage gets)
-    provider.enable_module_queue = bool(getattr(params, "enable_module_queue", False))
-    provider.module_queue_num_chunks = int(getattr(params, "module_queue_num_chunks", 4))
+    provider.enable_module_queue = bool(params.enable_module_queue)
+    provider.module_queue_num_chunks = int(params.module_queue_num_chunks)
     if provider.enable_module_queue:
         from oumi_megatron.engine.parallel.module_queue import module_queue_pre_wrap_hook
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 logger = logging.getLogger("oumi")
 
@@ -48,7 +51,7 @@ class OptimSettings:
         )
 
 
-def build_optimizer(model_chunks: list[torch.nn.Module], params: Any, settings: OptimSettings, dtype: torch.dtype) -> Any:
+def build_optimizer(model_chunks: list[torch.nn.Module], params: MegatronParams, settings: OptimSettings, dtype: torch.dtype) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt = params.optimizer_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("qwen3_moe",)
@@ -55,7 +56,7 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     heads = 4 if gqa else 2
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=heads * head_dim,
         intermediate_size=4 * head_dim,
@@ -67,15 +68,18 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
         bos_token_id=None,
         eos_token_id=258,  # <|im_end|> in build_byte_tokenizer
         pad_token_id=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     if arch == "llama":
-        return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, **common)
     if arch == "qwen2":
-        return Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **common)
+        return Qwen2Config(tie_word_embeddings=True, **common)
     if arch == "qwen3":
-        return Qwen3Config(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        return Qwen3Config(head_dim=head_dim, tie_word_embeddings=False, **common)
     if arch == "qwen3_moe":  # every layer a mixture of 4 experts, 2 per token (EP = 2: two experts per rank)
-        return Qwen3MoeConfig(head_dim=head_dim, tie_word_embeddings=False, rope_theta=10000.0, num_experts=4,
+        # head_dim is missing from Qwen3MoeConfig's signature, but it is kept like any extra field (in config.json too)
+        # and the model reads it
+        return Qwen3MoeConfig(head_dim=head_dim, tie_word_embeddings=False, num_experts=4,  # type: ignore[call-arg]
                               num_experts_per_tok=2, moe_intermediate_size=2 * head_dim, decoder_sparse_step=1,
                               mlp_only_layers=[], norm_topk_prob=True, **common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES + MOE_ARCHITECTURES}")

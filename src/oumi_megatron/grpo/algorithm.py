@@ -9,11 +9,14 @@ NaNs on degenerate inputs (a group with identical rewards, an all-masked row).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from oumi_megatron.grpo.registry import register_advantage_estimator, register_policy_loss
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
@@ -99,12 +102,12 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
 
 
 @register_advantage_estimator("grpo")
-def grpo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: Any) -> torch.Tensor:
+def grpo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: MegatronGrpoParams) -> torch.Tensor:
     return group_advantages(rewards, grpo.num_generations, grpo.scale_rewards, valid=valid)
 
 
 @register_advantage_estimator("rloo")
-def rloo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: Any) -> torch.Tensor:
+def rloo_advantage_estimator(rewards: torch.Tensor, valid: torch.Tensor, grpo: MegatronGrpoParams) -> torch.Tensor:
     return leave_one_out_advantages(rewards, grpo.num_generations, valid=valid)
 
 
@@ -170,7 +173,7 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.T
 
 @register_policy_loss("grpo")
 def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                     grpo: Any, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     grpo: MegatronGrpoParams, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level importance ratios, PPO's clip (DAPO's clip-higher), optional dual clip."""
     return clipped_surrogate(logprobs, old_logprobs, advantages, grpo.epsilon, grpo.epsilon_high,
                              grpo.clip_ratio_c)
@@ -178,7 +181,7 @@ def grpo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
 
 @register_policy_loss("gspo")
 def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                     grpo: Any, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     grpo: MegatronGrpoParams, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025; TRL's ``importance_sampling_level="sequence"``): one importance ratio per sequence,
     exp(mean over its tokens of log(p / p_old)), clipped as PPO's; every token of a sequence gets its loss. The
     paper's clip ranges are far smaller than GRPO's (3e-4 / 4e-4): set grpo.epsilon / epsilon_high for it."""

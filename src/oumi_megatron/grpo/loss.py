@@ -32,11 +32,13 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
         mask = batch["completion_mask"].to(logprobs.dtype)
         pg_loss, was_clipped = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, grpo,
                                            batch.get("segment_ids"))
-        tis = None
+        tis_metrics: dict[str, torch.Tensor] = {}
         if grpo.tis_cap is not None and "rollout_logprobs" in batch:
             # old_logprobs are the trainer's, before any update: the behaviour policy as the trainer sees it
             tis = truncated_importance_weights(batch["old_logprobs"], batch["rollout_logprobs"], grpo.tis_cap)
             pg_loss = pg_loss * tis
+            tis_metrics = {"tis_weight_sum": (tis * mask).sum(),
+                           "tis_capped_tokens": ((tis >= grpo.tis_cap) * mask).sum()}
         per_token = pg_loss
         kl = torch.zeros_like(logprobs)
         if grpo.beta > 0:
@@ -49,10 +51,8 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
             "kl_sum": (kl * mask).sum().detach(),
             "clipped_tokens": (was_clipped * mask).sum().detach(),
             "ratio_sum": (torch.exp(logprobs - batch["old_logprobs"]) * mask).sum().detach(),
+            **tis_metrics,
         }
-        if tis is not None:
-            metrics["tis_weight_sum"] = (tis * mask).sum()
-            metrics["tis_capped_tokens"] = ((tis >= grpo.tis_cap) * mask).sum()
         return loss_sum, count, metrics
 
     return loss_fn

@@ -12,7 +12,7 @@ import inspect
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -70,8 +70,9 @@ class RewardComputer:
         ]
         self.on_error = on_error
 
-    def _fail(self, name: str, index: int | None, completion: str | None, why: str) -> None:
-        where = f"sample {index} (completion {completion[:80]!r})" if index is not None else "a batch"
+    def _fail(self, name: str, index: int | None, completion: str | None, why: str) -> NoReturn:
+        # a sample's failure comes with its index and completion, a whole batch's with neither
+        where = "a batch" if index is None or completion is None else f"sample {index} (completion {completion[:80]!r})"
         raise RewardFunctionError(
             f"reward function {name!r} {why} on {where}. Fix the function, or set "
             "grpo.on_reward_error: skip to drop and count such samples."

@@ -80,7 +80,8 @@ def _without_training_rewards(config_path: Any, arg_list: list[str]) -> Iterator
     temporary copy of the YAML; yields its path, the remaining overrides and what was taken out) and
     handed to config/oumi_fields.py, which moves them to grpo.reward_functions."""
     raw = _raw_yaml(config_path)
-    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    raw_training = raw.get("training")
+    training: dict[str, Any] = raw_training if isinstance(raw_training, dict) else {}
     taken = {k: training.pop(k) for k in _REWARD_KEYS if k in training}
     rest = []
     for arg in arg_list or []:
@@ -131,7 +132,7 @@ def patch_training_config(module: types.ModuleType) -> None:
         return MegatronTrainingConfig
 
     @functools.wraps(orig_from_yaml_and_arg_list)
-    def from_yaml_and_arg_list(cls, config_path, arg_list, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def from_yaml_and_arg_list(cls: type, config_path: Any, arg_list: list[str], *args: Any, **kwargs: Any) -> Any:
         target = _target_cls(cls, config_path, arg_list)
         if not _is_ours(target):
             return orig_from_yaml_and_arg_list(target, config_path, arg_list, *args, **kwargs)
@@ -140,7 +141,7 @@ def patch_training_config(module: types.ModuleType) -> None:
         return _adopt_oumi_fields(config, config_path, arg_list, taken)
 
     @functools.wraps(orig_from_yaml)
-    def from_yaml(cls, config_path, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def from_yaml(cls: type, config_path: Any, *args: Any, **kwargs: Any) -> Any:
         target = _target_cls(cls, config_path, [])
         if not _is_ours(target):
             return orig_from_yaml(target, config_path, *args, **kwargs)
@@ -172,7 +173,7 @@ def patch_train(module: types.ModuleType) -> None:
         return orig_train(config, *args, **kwargs)
 
     setattr(train, _PATCHED, True)
-    module.train = train
+    module.train = train  # type: ignore[attr-defined]  # oumi.train's function replaced: ModuleType declares no attributes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,4 +253,4 @@ def patch_distributed_torchrun(module: types.ModuleType) -> None:
         module._run_subprocess(cmds, rank=0)
 
     setattr(torchrun, _PATCHED, True)
-    module.torchrun = torchrun
+    module.torchrun = torchrun  # type: ignore[attr-defined]  # Oumi's CLI command replaced: ModuleType declares no attributes

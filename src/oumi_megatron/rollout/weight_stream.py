@@ -4,8 +4,8 @@ Torch only (no vLLM import), so the trainer side stays light.
 
 Source: the engine's exporter (engine/state/hf_weights.py ``HFWeightExporter``, handed to the rollout backend's
 ``sync_weights`` by the trainer) yields ``(hf_name, tensor)`` for the whole model. Buckets: consecutive tensors
-packed into one contiguous byte buffer of about ``bucket_bytes`` (fewer, larger messages). Wire format, over a 2-process group (rank 0 = trainer,
-rank 1 = engine), self-describing so the receiver needs nothing up front:
+packed into one contiguous byte buffer of about ``bucket_bytes`` (fewer, larger messages). Wire format, over a
+2-process group (rank 0 = trainer, rank 1 = engine), self-describing so the receiver needs nothing up front:
 ``int64[2] = (len(meta), len(buffer))`` (``(0, 0)`` ends the stream), ``uint8[len(meta)]`` = JSON list of
 ``[name, dtype, shape, offset]``, then the buffer.
 """
@@ -53,7 +53,7 @@ def pack(pairs: list[tuple[str, torch.Tensor]], device: torch.device | None = No
         meta.append(_meta_entry(name, t, offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     buffer = torch.empty(offset, dtype=torch.uint8, device=device or pairs[0][1].device)
-    for (name, t), (_, _, _, o) in zip(pairs, meta):
+    for (_, t), (_, _, _, o) in zip(pairs, meta):
         n = t.numel() * t.element_size()
         buffer[o : o + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
     return Bucket(meta, buffer)
@@ -105,12 +105,14 @@ class PairGroup:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
         prefix = dist.PrefixStore("oumi_megatron_weight_sync", self.store)
+        self.group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
         elif backend == "nccl":
             if device is not None:
                 torch.cuda.set_device(device)
-            self.group = dist.ProcessGroupNCCL(prefix, rank, 2)
+            # options has a default in the binding; torch's stub makes it required
+            self.group = dist.ProcessGroupNCCL(prefix, rank, 2)  # type: ignore[call-arg]
         else:
             raise ValueError(f"unknown weight-sync backend {backend!r}")
         self.rank = rank
@@ -124,7 +126,8 @@ class PairGroup:
         """Started, not waited for: keep ``tensor`` alive until ``.wait()`` (the group holds a reference too)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self.group.broadcast([tensor], opts)
+        # the backends' broadcast binding is missing from torch's stub (Backend declares no collectives)
+        return self.group.broadcast([tensor], opts)  # type: ignore[union-attr]
 
 
 @dataclass

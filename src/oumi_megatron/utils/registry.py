@@ -9,12 +9,9 @@ table (so what a ``grpo.plugins`` module registers is accepted like a built-in).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
 
 
-class Registry(Generic[T]):
+class Registry[T]:
     """Objects by name for the config field ``field`` (e.g. ``grpo.policy_loss``)."""
 
     def __init__(self, kind: str, field: str, hint: str = "") -> None:

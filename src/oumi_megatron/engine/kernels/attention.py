@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -151,6 +151,7 @@ class SdpaCoreAttention(torch.nn.Module):
         from oumi_megatron.engine.kernels.chunk_attention import flash_chunk_attention_applies, prefix_causal_attention
         from oumi_megatron.engine.parallel.context_parallel import chunk_attention_bounds, gather_keys_values
 
+        assert self.cp_group is not None  # cp_size > 1: built with a CP group
         sq, b = query.shape[:2]
         key, value = gather_keys_values(key, value, self.cp_group)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -181,8 +182,9 @@ class SdpaCoreAttention(torch.nn.Module):
             raise ValueError("SdpaCoreAttention: packed rows need PackedSeqParams(qkv_format='sbhd') and no attention dropout")
         sq, b = query.shape[:2]
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
-        out = varlen_attn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q, packed.max_seqlen_kv,
-                          scale=self.softmax_scale, window_size=(-1, 0))  # (-1, 0): causal
+        # window (-1, 0): causal; a tensor without return_aux (torch's signature has no overloads for its two returns)
+        out = cast(torch.Tensor, varlen_attn(q, k, v, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q,
+                                             packed.max_seqlen_kv, scale=self.softmax_scale, window_size=(-1, 0)))
         return out.view(b, sq, self.heads * out.shape[-1]).transpose(0, 1).contiguous()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:

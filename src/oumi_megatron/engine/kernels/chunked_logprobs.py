@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 AUTO_CHUNK_LOGITS = 1 << 27  # fp32 logits per auto-sized chunk: 512 MiB (4096 tokens at a 32k vocabulary)
 
 
@@ -80,10 +79,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group, world)
             z.sub_(m[:, None])
             e = z.exp()
-            sums = [e.sum(dim=-1), target]
+            parts = [e.sum(dim=-1), target]
             if with_entropy:
-                sums.append((e * z).sum(dim=-1))
-            sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group, world)
+                parts.append((e * z).sum(dim=-1))
+            sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group, world)
             log_s = sums[0].log()
             lse[i : i + chunk] = m + log_s
             logprobs[i : i + chunk] = sums[1] - m - log_s
@@ -102,7 +101,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         group, world, _ = _tp()
         vocab, start, t = weight.shape[0], ctx.start, ctx.temperature
         fused = ctx.fuse_wgrad and hasattr(weight, "main_grad")
-        grad_w = None if fused else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # the fp32 weight gradient the chunks add to: Megatron-Core's main_grad when fused, else our own
+        wgrad = weight.main_grad if fused else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_hidden = torch.empty_like(hidden)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[i : i + ctx.chunk]
@@ -117,7 +117,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 dz.div_(t)
             dz = dz.to(hidden.dtype)
             grad_hidden[i : i + ctx.chunk] = dz @ weight
-            accumulate_wgrad(h, dz, weight.main_grad if fused else grad_w)
+            accumulate_wgrad(h, dz, wgrad)
         _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, world)  # each rank holds a vocabulary shard's part
         if fused:  # Megatron-Core's convention (tensor_parallel/layers.py) for a wgrad already in main_grad
             if getattr(weight, "zero_out_wgrad", False):  # tied embedding: the embedding's own grad still flows
@@ -127,7 +127,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
         else:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = wgrad.to(weight.dtype)
         return grad_hidden, grad_w, None, None, None, None, None
 
 

@@ -19,17 +19,19 @@ What it needs, and what the engine does for it:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.engine.wrappers import unwrap
 
-
-def cuda_graphs_enabled(params: Any) -> bool:  # MegatronParams
-    t = getattr(params, "transformer_config", None)
-    return getattr(t, "cuda_graph_impl", "none") == "local"
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 
-def check_cuda_graphs(params: Any, cuda: bool) -> None:
+def cuda_graphs_enabled(params: MegatronParams) -> bool:
+    return params.transformer_config.cuda_graph_impl == "local"
+
+
+def check_cuda_graphs(params: MegatronParams, cuda: bool) -> None:
     if cuda_graphs_enabled(params) and not cuda:
         raise ValueError("megatron.transformer_config.cuda_graph_impl: local needs a CUDA GPU; set it to none on the CPU")
 

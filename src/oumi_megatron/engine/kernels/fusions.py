@@ -81,7 +81,8 @@ def unsupported_reason(name: str, config: Any) -> str | None:  # TransformerConf
     if name == "bias_activation_fusion":
         if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not F.silu:
             return "the MLP is not SwiGLU"
-        if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
+        offset = getattr(config, "glu_linear_offset", 0.0)
+        if getattr(config, "activation_func_clamp_value", None) is not None or offset:
             return "a clamped or offset SwiGLU"
         if getattr(config, "add_bias_linear", False):
             return "biased linear layers"

@@ -28,19 +28,25 @@ def _torch_norm(config: Any, hidden_size: int, eps: float) -> torch.nn.Module:
 
 
 class TorchNorm:
-    """torch's LayerNorm / RMSNorm for ``config.normalization``, built like Megatron-Core's norms (no mark)."""
+    """torch's LayerNorm / RMSNorm for ``config.normalization``, built like Megatron-Core's norms (no mark).
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+    A class whose ``__new__`` returns torch's norm, not an instance: Megatron-Core's specs build classes (a plain
+    function in a spec is returned as it is, not called)."""
+
+    # misc: mypy wants __new__ to return an instance of the class; returning torch's norm is the point
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
         return _torch_norm(config, hidden_size, eps)
 
 
 class SequenceParallelTorchNorm:
-    """torch's norm whose parameters Megatron-Core treats as sequence-parallel (gradients summed over TP)."""
+    """torch's norm whose parameters Megatron-Core treats as sequence-parallel (gradients summed over TP); a factory
+    like ``TorchNorm``."""
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
         norm = _torch_norm(config, hidden_size, eps)
         for p in norm.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
+            # Megatron-Core's mark, read by its gradient all-reduce; torch's Parameter does not declare it
+            p.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
         return norm
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -108,6 +108,7 @@ class StreamedWeights:
                 p.data.untyped_storage().resize_(p.numel() * p.element_size())
             self.resident = True
             self._loading_rows = (0, num_chunks)
+        assert self._loading_rows is not None  # set above, or by the chunked load under way
         done, total = self._loading_rows
         if chunk < done:
             return
@@ -115,6 +116,7 @@ class StreamedWeights:
             h2d.wait_stream(torch.cuda.current_stream())  # the memory was allocated on the compute stream
             if self._stored is not None:
                 h2d.wait_event(self._stored)
+        assert self._host is not None  # released before (release or adopt_host), so the host copy exists
         with torch.cuda.stream(h2d) if h2d is not None else contextlib.nullcontext():
             for c in range(done, chunk + 1):
                 for h, p in zip(self._host, self.params):
@@ -193,7 +195,7 @@ class ModuleQueue(GPTModel):
             self.decoder.register_forward_hook(self._decoder_hook)
 
     # -- step boundaries (the engine's train_step) ------------------------------------------------
-    def begin_step(self, param_buffers: list[Any] = ()) -> None:
+    def begin_step(self, param_buffers: Iterable[Any] = ()) -> None:
         """A training step starts: the optimizer changed the weights, so the host copies are stale.
         ``param_buffers``: DDP's parameter buffers of this model chunk; under the distributed optimizer
         the parameters are views into them and are detached for the step (``_detach_from_buffers``)."""
@@ -296,29 +298,30 @@ class ModuleQueue(GPTModel):
             if not self._mq_active():
                 return
             h2d = self._mq_streams[1]
-            self._mq_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
+            self._streamed_layers[i].ensure(h2d)  # resident already unless the step began with every layer released
             if self._mq_backward:  # full recompute re-runs this forward inside the backward pass
                 nxt = self._next_released_for_backward(i)
                 if nxt is not None:
-                    self._mq_layers[nxt].load(h2d)
-            elif i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
-                self._mq_layers[i + 1].load(h2d)
+                    self._streamed_layers[nxt].load(h2d)
+            elif i + 1 < self.num_layers and not self._streamed_layers[i + 1].resident:
+                self._streamed_layers[i + 1].load(h2d)
 
         return hook
 
     def _next_released_for_backward(self, i: int) -> int | None:
         """The layer the backward pass needs after layer ``i``'s recomputed forward: the next one of the same
         recompute block (re-run upward) or else the top of the block below (the layers above are resident)."""
-        if i + 1 < self.num_layers and not self._mq_layers[i + 1].resident:
+        layers = self._streamed_layers
+        if i + 1 < self.num_layers and not layers[i + 1].resident:
             return i + 1
-        return next((j for j in range(i - 1, -1, -1) if not self._mq_layers[j].resident), None)
+        return next((j for j in range(i - 1, -1, -1) if not layers[j].resident), None)
 
     def _make_layer_hook(self, i: int) -> Callable:
         def hook(_module: Any, _inputs: Any, output: Any) -> Any:
             if not self._mq_active() or self._mq_backward:  # a recomputed layer stays for its backward
                 return output
             d2h, h2d = self._mq_streams
-            self.module_queue_offloaded_bytes += self._mq_layers[i].release(d2h)
+            self.module_queue_offloaded_bytes += self._streamed_layers[i].release(d2h)
             if self._mq_output is not None:  # the output layer's chunks due after layer i
                 last_due = (i + 1) * self.num_chunks // self.num_layers - 1
                 if last_due >= 0:
@@ -342,7 +345,7 @@ class ModuleQueue(GPTModel):
         h2d = self._mq_streams[1]
         if self._mq_output is not None:
             self._mq_output.ensure(h2d)
-        self._mq_layers[-1].load(h2d)  # arrives while the output layer runs its backward
+        self._streamed_layers[-1].load(h2d)  # arrives while the output layer runs its backward
 
     def _after_output_backward(self) -> None:
         if self._mq_output is not None:
@@ -350,11 +353,17 @@ class ModuleQueue(GPTModel):
 
     def _before_layer_backward(self, i: int) -> None:
         h2d = self._mq_streams[1]
-        self._mq_layers[i].ensure(h2d)
+        self._streamed_layers[i].ensure(h2d)
         if i > 0:
-            self._mq_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
+            self._streamed_layers[i - 1].load(h2d)  # prefetch while layer i runs its backward
 
     # -- bookkeeping ------------------------------------------------------------------------------
+    @property
+    def _streamed_layers(self) -> list[StreamedWeights]:
+        """The decoder layers' weights; built by ``begin_step``, so present whenever a hook is active."""
+        assert self._mq_layers is not None, "ModuleQueue: begin_step builds the streamed layers"
+        return self._mq_layers
+
     def _build_streamed(self, check_owned: bool = True) -> None:
         if self._mq_layers is not None:
             return

@@ -31,22 +31,24 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.engine.state.checkpoint_io import (
     load_model,
     load_strategy,
     model_sharded_state_dict,
-    save_model,
     save_strategy,
 )
-from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.utils import atomic
 from oumi_megatron.utils.ranks import global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.engine import MegatronEngine
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -62,7 +64,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, incomplete or damaged); the message names it."""
 
 
-def _fully_parallel(engine: Any) -> bool:
+def _fully_parallel(engine: MegatronEngine) -> bool:
     return bool(engine.params.checkpoint_config.use_fully_parallel_strategy)
 
 
@@ -101,7 +103,9 @@ def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy tuple: numpy's global RandomState is an MT19937 (the dict form is for other bit generators)
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": [version, list(words), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -304,7 +308,7 @@ class AsyncCheckpointWriter:
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: MegatronEngine,
     root: str | Path,
     step: int,
     trainer_state: dict[str, Any],
@@ -362,7 +366,7 @@ def save_checkpoint(
         if dist.is_initialized():
             dist.barrier()
 
-    if background:
+    if async_writer is not None:  # background
         requests[0].add_finalize_fn(lambda: None)
         async_writer.schedule(requests[0])
         requests[1].add_finalize_fn(commit)
@@ -372,7 +376,7 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
+def load_checkpoint(engine: MegatronEngine, checkpoint: str | Path) -> dict[str, Any]:
     """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state. A missing,
     incomplete or damaged checkpoint raises ``CheckpointError`` naming it (checked before any load)."""
     checkpoint = Path(checkpoint)
@@ -390,7 +394,7 @@ def load_checkpoint(engine: Any, checkpoint: str | Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def _load_tensors(engine: Any, checkpoint: Path) -> None:
+def _load_tensors(engine: MegatronEngine, checkpoint: Path) -> None:
     from megatron.core import dist_checkpointing
 
     fully_parallel = _fully_parallel(engine)

@@ -15,18 +15,21 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
-from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
+from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
+from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.engine.wrappers import unwrap
 from oumi_megatron.utils.atomic import atomic_directory
 from oumi_megatron.utils.ranks import global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 META_FILE = "oumi_megatron.json"
 FORMAT_VERSION = 1
@@ -63,7 +66,7 @@ def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _default_params() -> Any:
+def _default_params() -> MegatronParams:
     from oumi_megatron.config.megatron_params import MegatronParams
 
     return MegatronParams()
@@ -72,7 +75,7 @@ def _default_params() -> Any:
 def convert_hf_to_megatron(
     hf_path: str | Path,
     out_dir: str | Path,
-    params: Any | None = None,
+    params: MegatronParams | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
 ) -> Path:
@@ -124,7 +127,7 @@ def checkpoint_matches_source(checkpoint_dir: str | Path, hf_path: str | Path) -
     return True, "matches"
 
 
-def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: Any, dtype: torch.dtype | None = None,
+def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: MegatronParams | None, dtype: torch.dtype | None = None,
                      trust_remote_code: bool = False) -> Path:
     """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
     ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
@@ -146,7 +149,7 @@ def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bo
     return load_bridge(Path(checkpoint_dir) / "hf", trust_remote_code=trust_remote_code, config_only=True)
 
 
-def build_from_checkpoint(checkpoint_dir: str | Path, params: Any, dtype: torch.dtype | None = None,
+def build_from_checkpoint(checkpoint_dir: str | Path, params: MegatronParams, dtype: torch.dtype | None = None,
                           ddp_config: Any | None = None, trust_remote_code: bool = False,
                           schedule: str = "none") -> tuple[Any, list[torch.nn.Module]]:
     """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``
@@ -206,7 +209,7 @@ def _drop_tied_output_weight(folder: Path) -> None:
         index.write_text(json.dumps(data, indent=2))
 
 
-def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: Any | None = None) -> Path:
+def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: MegatronParams | None = None) -> Path:
     """Exports a converted (or trained) Megatron checkpoint to an HF folder.
 
     ``checkpoint_dir`` is a ``megatron_checkpoint/`` folder or a training checkpoint (which holds the
