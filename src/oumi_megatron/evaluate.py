@@ -2,8 +2,8 @@
 
 The same prompts (``data.validation``), rewards, generation limits and rollout backend as the
 evaluation during training (trainer/evaluation.py), so the base model, an exported ``hf_model`` and the
-run's own ``eval/`` metrics (and those of every eval set, ``grpo.eval_metric_prefixes``) are directly comparable. The weights are read in memory by
-Megatron-Bridge (nothing is converted on disk); the layout is the config's (TP/PP under torchrun).
+run's own ``eval/`` metrics (and those of every eval set, ``grpo.eval_metric_prefixes``) are directly comparable.
+The weights are read in memory by Megatron-Bridge (nothing is converted on disk); the layout is the config's (TP/PP under torchrun).
 """
 
 from __future__ import annotations

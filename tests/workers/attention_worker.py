@@ -38,15 +38,15 @@ def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.kernels.fusions import FUSIONS
-    from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
+    from oumi_megatron.engine.wrappers import unwrap
+    from oumi_megatron.examples.tiny_models import build_tiny_model
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.examples.tiny_models import build_tiny_model
     from oumi_megatron.trainer.batches import block_causal_mask
 
     src = build_tiny_model(workdir / "hf_gqa", arch="llama", gqa=True)

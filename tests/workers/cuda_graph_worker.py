@@ -22,10 +22,10 @@ def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.wrappers import unwrap
-    from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.examples.tiny_models import build_tiny_model
 
     src = build_tiny_model(workdir / "hf_gqa", arch="llama", gqa=True)

@@ -30,10 +30,10 @@ def main() -> None:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.data import prompt_token_ids
-    from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 

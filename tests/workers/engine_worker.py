@@ -70,10 +70,10 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import save_hf
+    from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import save_hf
 
     params = MegatronParams(
         tensor_model_parallel_size=args.tp,

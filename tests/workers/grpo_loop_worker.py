@@ -26,7 +26,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--packing", action="store_true")
-    p.add_argument("--unfused", action="store_true", help="fusions, chunked logprobs and fused optimizer kernels off (the engine before issue 12)")
+    p.add_argument("--unfused", action="store_true",
+                   help="fusions, chunked logprobs and fused optimizer kernels off (the engine before issue 12)")
     p.add_argument("--graphs", action="store_true", help="cuda_graph_impl: local, microbatches padded to prompt + completion")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     args = p.parse_args()
@@ -36,12 +37,12 @@ def main() -> None:
 
     from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.examples.tiny_models import build_tiny_model
+    from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     work = Path(args.work)

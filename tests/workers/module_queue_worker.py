@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 tests/workers/module_queue_worker.py CKPT OUT --chunks 3
 
 Builds the engine from CKPT (with the distributed optimizer if asked: ModuleQueue then detaches the
-parameters from DDP's contiguous buffer for each step): plain, then with ModuleQueue (saving a checkpoint after step 2), then with ModuleQueue resumed
-from that checkpoint. Each trains 3 optimizer steps on 4 microbatches (the engine worker's data and loss)
+parameters from DDP's contiguous buffer for each step): plain, then with ModuleQueue (saving a checkpoint after step 2),
+then with ModuleQueue resumed from that checkpoint. Each trains 3 optimizer steps on 4 microbatches (the engine worker's data and loss)
 and, after every step, compares on every rank each parameter's main_grad and value with the plain run's.
 During the ModuleQueue run a probe before the final norm records how many bytes of the last stage's layer
 weights are still on the device (0 when ModuleQueue released them all). Exports both trained models to
@@ -15,10 +15,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from engine_worker import global_batch, masked_microbatches, parameter_state, token_mean_nll
 
 
@@ -35,10 +35,10 @@ def main() -> None:
     ckpt, out = Path(args.ckpt), Path(args.out)
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.state.conversion import save_hf
     from oumi_megatron.engine.wrappers import unwrap
-    from oumi_megatron.engine.optimizer import OptimSettings
 
     def engine_for(module_queue: bool):  # noqa: ANN202
         params = MegatronParams(pipeline_model_parallel_size=int(os.environ["WORLD_SIZE"]),
@@ -98,7 +98,7 @@ def main() -> None:
 
         probe: list[int] = []
         if model.post_process:  # bytes of layer weights on the device when the final norm runs (training passes)
-            def count(*_: object) -> None:
+            def count(*_: object, probe: list[int] = probe, model: Any = model) -> None:  # this run's probe and model
                 if torch.is_grad_enabled():
                     probe.append(resident_bytes(model.decoder.layers.parameters()))
             model.decoder.final_layernorm.register_forward_pre_hook(count)

@@ -25,8 +25,8 @@ def main() -> None:
 
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.examples.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
 
     results = {}

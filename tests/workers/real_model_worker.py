@@ -66,8 +66,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from oumi_megatron.engine.builder import build_engine, build_inference_engine
-    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from engine_worker import masked_microbatches, parameter_state, token_mean_nll
 
 
@@ -24,8 +23,8 @@ def main() -> None:
     ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
 
     def engine_for(schedule: str):  # noqa: ANN202
         params = MegatronParams(pipeline_model_parallel_size=int(os.environ["WORLD_SIZE"]), pipeline_schedule=schedule)

@@ -37,8 +37,8 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.rollout.sampling import SamplingParams
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.rollout.sampling import SamplingParams
     from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
     from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
 

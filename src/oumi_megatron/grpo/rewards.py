@@ -25,9 +25,9 @@ class RewardFunctionError(RuntimeError):
 class RewardResult:
     total: torch.Tensor
     """[N] weighted sum of the functions' rewards (0 for invalid samples)."""
-    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
-    valid: torch.Tensor | None = None
+    valid: torch.Tensor
     """[N] False for samples dropped under grpo.on_reward_error: skip."""
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     """Why samples were dropped (the first few), for the warning a skipped step logs."""
 

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from oumi_megatron.engine.parallel.distributed import free_port
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from oumi_megatron.rollout.vllm_engine import VllmEngineHost  # imports vLLM: only where an engine is built
 
 
 class WeightSyncError(RuntimeError):
@@ -194,6 +197,18 @@ class VllmRolloutBackend:
             self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0, backend=self.method)
             self.process.wait("init_transfer")
 
+    @property
+    def _colocated_host(self) -> VllmEngineHost:
+        """This rank's in-process engine (colocated placement builds one on every rank)."""
+        assert self.host is not None, "colocated placement builds an engine on every rank"
+        return self.host
+
+    @property
+    def _owned_process(self) -> _EngineProcess:
+        """The replica's engine process (separate placement; only the replica's first rank owns one)."""
+        assert self.process is not None, "only the owner of a separate engine talks to its process"
+        return self.process
+
     # -- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
@@ -233,9 +248,10 @@ class VllmRolloutBackend:
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
         if self.process is not None:  # a separate engine keeps its GPU: nothing to wake
             return self.process.call("generate", prompts, sampling)
-        self.host.wake_up()
-        outputs = self.host.generate(prompts, sampling)
-        self.host.sleep()
+        host = self._colocated_host
+        host.wake_up()
+        outputs = host.generate(prompts, sampling)
+        host.sleep()
         return outputs
 
     # -- weights --------------------------------------------------------------------------------------
@@ -262,19 +278,22 @@ class VllmRolloutBackend:
         if not self.is_owner:
             n = sum(1 for _ in pairs)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, 0.0)
-        self.process.send("receive_update")
-        self.process.wait("receive_update (opening the session)")
+        process = self._owned_process
+        assert self.pair is not None, "a streaming engine opens its pair group when it starts"
+        process.send("receive_update")
+        process.wait("receive_update (opening the session)")
         sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
-        self.process.wait("receive_update")
+        process.wait("receive_update")
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
     def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
         """colocated: every rank loads the export into its engine, bucket by bucket, in one session
         (the engine's weights are awake only meanwhile)."""
         counted = weight_stream.Counted(weight_stream.buckets(weights(), self.bucket_bytes))
-        self.host.wake_up()
-        self.host.load_in_process(counted)
-        self.host.sleep()
+        host = self._colocated_host
+        host.wake_up()
+        host.load_in_process(counted)
+        host.sleep()
         return WeightSyncStats("in_memory", counted.tensors, counted.bytes, 0.0)
 
     def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:

@@ -63,6 +63,8 @@ def register_stream_engine() -> None:
         init_info_cls = StreamInitInfo
         update_info_cls = StreamUpdateInfo
 
+        pair: weight_stream.PairGroup | None = None  # opened by init_transfer_engine, closed by shutdown
+
         def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
             device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
             self.pair = weight_stream.PairGroup(init_info.host, init_info.port, rank=1, backend=init_info.backend,
@@ -85,8 +87,9 @@ def register_stream_engine() -> None:
                 torch.cuda.synchronize(self.pair.device)
 
         def receive_weights(self, update_info: StreamUpdateInfo) -> None:
+            assert self.pair is not None, "init_transfer_engine opens the pair group before any update"
             for pairs in weight_stream.receive(self.pair):
-                self.model.load_weights(pairs)
+                self.model.load_weights(pairs)  # type: ignore[operator]  # torch types module attributes as Tensor | Module
 
         def shutdown(self) -> None:
             self.pair = None
@@ -239,7 +242,8 @@ def serve(conn: Any, spec: EngineSpec) -> None:
             return
         try:
             if op == "receive_update":  # two replies: the session is open, then it is done
-                conn.send(("ok", host.receive_update(ready=lambda: conn.send(("ok", "ready")))))
+                host.receive_update(ready=lambda: conn.send(("ok", "ready")))
+                conn.send(("ok", None))
                 continue
             conn.send(("ok", getattr(host, op)(*args)))
         except Exception:  # noqa: BLE001

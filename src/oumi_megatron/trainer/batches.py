@@ -50,13 +50,13 @@ def mini_batches(rollouts: list[Rollout], advantages: torch.Tensor, trainable: t
     for m in range(count):
         part = range(m * per_mini, (m + 1) * per_mini)
         whole = [first + i for i in part]
-        logprobs = [rollouts[i].logprobs for i in part]
+        logprobs = [lp for i in part if (lp := rollouts[i].logprobs) is not None]  # all or none (one backend)
         out.append(SequenceBatch(
             token_ids=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in part],
             prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
             advantages=advantages[whole],
             trainable=trainable[whole],
-            rollout_logprobs=logprobs if all(lp is not None for lp in logprobs) else None,
+            rollout_logprobs=logprobs if len(logprobs) == len(part) else None,
         ))
     return out
 

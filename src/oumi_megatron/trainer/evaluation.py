@@ -93,7 +93,7 @@ class Evaluator:
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
             scored = self.rewards(texts, completions, rows)
-            valid = scored.valid if scored.valid is not None else torch.ones(len(rows), dtype=torch.bool)
+            valid = scored.valid
             sums[0] += float(valid.sum())
             sums[1] += float(scored.total[valid].sum())
             sums[2] += sum(bool(GSM8K_ANSWER.search(c)) for c in completions)

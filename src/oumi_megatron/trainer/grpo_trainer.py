@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.engine.engine import StepResult
-from oumi_megatron.engine.state.checkpointing import (AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint,
-                                                      save_checkpoint)
+from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter
 from oumi_megatron.grpo.algorithm import logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -34,8 +33,7 @@ from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
 from oumi_megatron.plugins import load_plugins
 from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.batches import (MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches,
-                                           packed_layout, padded_layout)
+from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches, packed_layout, padded_layout
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
 from oumi_megatron.trainer.evaluation import build_evaluators, eval_schedule
@@ -57,7 +55,7 @@ MAX_ALL_SKIPPED_STEPS = 3
 try:  # Oumi's trainer interface (absent on engine-only machines)
     from oumi.core.trainers.base_trainer import BaseTrainer
 except ImportError:  # pragma: no cover
-    BaseTrainer = object  # type: ignore[misc,assignment]
+    BaseTrainer = object
 
 
 class OumiMegatronGrpoTrainer(BaseTrainer):

@@ -70,8 +70,8 @@ def plan_start(training: Any) -> StartPoint:
             )
         return StartPoint(checkpoint, _step_of(checkpoint))
     if training.try_resume_from_last_checkpoint:
-        checkpoint = newest_valid_checkpoint(output_dir / "checkpoints")
-        return StartPoint(checkpoint, _step_of(checkpoint) if checkpoint else 0)
+        newest = newest_valid_checkpoint(output_dir / "checkpoints")
+        return StartPoint(newest, _step_of(newest) if newest else 0)
     previous = _previous_run(output_dir)
     if previous:
         raise OutputDirInUseError(
