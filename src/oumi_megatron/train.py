@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from oumi.utils.logging import logger
 
 from oumi_megatron.data import load_eval_sets, load_prompts, steps_for_epochs
+from oumi_megatron.utils.options import option_value
 from oumi_megatron.validation import validate_config
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
 
     # The data before the model: a bad file is reported now, not after minutes of conversion.
     dataset = load_prompts(config, log=logger if rank == 0 else None)
-    evaluating = str(getattr(config.training.eval_strategy, "value", config.training.eval_strategy)) != "no"
+    evaluating = option_value(config.training.eval_strategy, "no") != "no"
     eval_dataset = load_eval_sets(config, log=logger if rank == 0 else None) if evaluating else None
     if config.training.max_steps <= 0:
         config.training.max_steps = steps_for_epochs(config.training.num_train_epochs, len(dataset),

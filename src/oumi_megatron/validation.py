@@ -35,6 +35,7 @@ from oumi_megatron.config.problems import Problem
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from oumi_megatron.layout import ParallelLayout, resolve_layout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
+from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
@@ -146,7 +147,7 @@ def _check_training_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
         r.add("training.warmup_steps", f"must be >= 0, got {t.warmup_steps!r}.")
     if t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
         r.add("training.warmup_ratio", f"must be in [0, 1], got {t.warmup_ratio!r}.")
-    strategy = str(getattr(t.eval_strategy, "value", t.eval_strategy) or "no")
+    strategy = option_value(t.eval_strategy, "no")
     if strategy == "steps" and not (isinstance(t.eval_steps, (int, float)) and t.eval_steps > 0):
         r.add("training.eval_steps", f"must be > 0 with eval_strategy 'steps' (GRPO steps between evaluations, or a "
                                      f"fraction of max_steps below 1), got {t.eval_steps!r}.")

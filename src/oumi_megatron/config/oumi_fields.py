@@ -34,6 +34,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.utils.options import option_value
+
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
@@ -326,7 +328,7 @@ class _Adopter:
             self.out.problems.append(("training.optimizer", f"{optimizer!r}: MEGATRON_GRPO trains with Megatron-Core's "
                                       "Adam (decoupled weight decay, i.e. AdamW). Use adamw_torch."))
         eval_set = bool(getattr(data, "validation", None) and data.validation.datasets)
-        eval_strategy = str(getattr(t.eval_strategy, "value", t.eval_strategy) or "no")
+        eval_strategy = option_value(t.eval_strategy, "no")
         if eval_strategy != "no" and not eval_set:
             self.out.problems.append(("training.eval_strategy", f"{eval_strategy!r} evaluates on data.validation, which "
                                       "has no datasets. Add the held-out prompts under data.validation.datasets, or "

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oumi_megatron.utils.options import option_value
+
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
 
@@ -36,7 +38,7 @@ class OptimSettings:
         num_mini_batches), so both are scaled by it."""
         total = max(1, int(training.max_steps)) * updates_per_step
         warmup = int(training.warmup_steps or 0) * updates_per_step or int(round((training.warmup_ratio or 0.0) * total))
-        scheduler = str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type) or "constant")
+        scheduler = option_value(training.lr_scheduler_type, "constant")
         style = {"linear": "linear", "cosine": "cosine", "cosine_with_restarts": "cosine"}.get(scheduler, "constant")
         return cls(
             lr=float(training.learning_rate),

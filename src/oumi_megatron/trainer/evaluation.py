@@ -34,6 +34,7 @@ from oumi_megatron.engine.parallel.distributed import data_parallel
 from oumi_megatron.grpo.rewards import RewardComputer
 from oumi_megatron.rollout.base import RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.utils.options import option_value
 
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 """The answer format Oumi's (verl's) strict gsm8k reward extracts."""
@@ -142,7 +143,7 @@ def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[in
     """The GRPO steps after which to evaluate (0 = before training), from Oumi's ``eval_strategy`` /
     ``eval_steps``: ``steps`` every eval_steps (an int, or a fraction of max_steps as in HF/TRL),
     ``epoch`` every epoch; both at step 0 and at the end. ``no``: never."""
-    strategy = str(getattr(training.eval_strategy, "value", training.eval_strategy) or "no")
+    strategy = option_value(training.eval_strategy, "no")
     if strategy == "no":
         return set()
     if strategy == "epoch":
