@@ -7,12 +7,15 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.cpu_shims import install_cpu_shims
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.megatron_params import MegatronParams
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class ParallelSizes:
     virtual_pipeline: int | None = None
 
     @classmethod
-    def from_params(cls, params) -> ParallelSizes:  # noqa: ANN001 - MegatronParams
+    def from_params(cls, params: MegatronParams) -> ParallelSizes:
         return cls(
             tensor=params.tensor_model_parallel_size,
             pipeline=params.pipeline_model_parallel_size,
