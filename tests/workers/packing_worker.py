@@ -11,7 +11,6 @@ parameter's gradient. Writes the worst differences and the token counts of both 
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +38,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
@@ -85,8 +85,8 @@ def main() -> None:
         "aggregations": {},
     }
     for mode in ("token_mean", "seq_mean", "seq_mean_token_sum_norm"):
-        grpo = SimpleNamespace(epsilon=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_aggregation=mode, tis_cap=None,
-                               max_completion_length=32)
+        grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_aggregation=mode,
+                                  tis_cap=None, max_completion_length=32)
         loss_fn = make_grpo_loss_fn(grpo)
         runs = {}
         for name, layout in layouts.items():
