@@ -35,6 +35,7 @@ from oumi_megatron.config.problems import Problem
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from oumi_megatron.layout import ParallelLayout, resolve_layout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
+from oumi_megatron.rollout.registry import ROLLOUT_BACKENDS
 from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
@@ -230,9 +231,31 @@ def _check_registered_variants(g: MegatronGrpoParams, r: ValidationReport) -> No
 
 
 def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
-    m = cfg.megatron  # the parallel and batch sizes are checked where they are resolved (layout.py)
+    """The megatron: section, field by field (the parallel and batch sizes: layout.py, where they are resolved)."""
+    m = cfg.megatron
     _check_positive(r, "megatron.module_queue_num_chunks", m.module_queue_num_chunks)
+    if m.ddp_config.average_in_collective:
+        r.warn(
+            "megatron.ddp_config.average_in_collective: True is not used: GRPO losses are normalized by the global "
+            "token/sequence count, which Megatron-Core does by summing gradients in the collective and dividing "
+            "once (averaging as well would divide twice). The gradient is the same average. Remove the setting."
+        )
+    if m.logprob_chunk_tokens is not None and m.logprob_chunk_tokens < 0:
+        r.add("megatron.logprob_chunk_tokens",
+              f"must be null (auto), 0 (off: full logits) or a positive token count, got {m.logprob_chunk_tokens}.")
+    keep = m.checkpoint_config.keep_last_n_checkpoints
+    if not isinstance(keep, int) or keep < 0:
+        r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
+    _check_context_parallel(cfg, r)
+    _check_rollout_fields(cfg, r)
+    _check_optimizer_fields(cfg, r)
+    _check_recompute_fields(cfg, r)
+    _check_attention_and_graphs(cfg, r)
 
+
+def _check_context_parallel(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """What context parallelism runs with."""
+    m = cfg.megatron
     # Context parallelism runs on the SDPA core attention with K/V all-gathered (engine/parallel/context_parallel.py):
     # training and logprob passes split sequences (padded or packed rows), generation runs whole ones.
     if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1:
@@ -246,15 +269,11 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
                    "logprob passes split sequences over CP ranks; generation (KV cache) runs whole sequences on each "
                    f"CP rank, the {cp} ranks of a replica generating the same rollouts. inference_backend: vllm "
                    "generates on its own engines.")
-    if m.ddp_config.average_in_collective:
-        r.warn(
-            "megatron.ddp_config.average_in_collective: True is not used: GRPO losses are normalized by the global "
-            "token/sequence count, which Megatron-Core does by summing gradients in the collective and dividing "
-            "once (averaging as well would divide twice). The gradient is the same average. Remove the setting."
-        )
 
-    from oumi_megatron.rollout.registry import ROLLOUT_BACKENDS
 
+def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """The rollout backend (live registry), weight sync and vLLM placement."""
+    m = cfg.megatron
     if m.inference_backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
         hint = " sglang rollouts are not implemented in oumi-megatron." if m.inference_backend == "sglang" else ""
         r.add(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(m.inference_backend) + hint)
@@ -278,6 +297,10 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "(rollouts use stale weights and GRPO is off-policy)."
         )
 
+
+def _check_optimizer_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """Optimizer offload."""
+    m = cfg.megatron
     frac = m.optimizer_config.optimizer_offload_fraction
     if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
         r.add(
@@ -290,7 +313,10 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "megatron.optimizer_config.optimizer_cpu_offload is True."
         )
 
-    t = m.transformer_config
+
+def _check_recompute_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """Activation recompute."""
+    t = cfg.megatron.transformer_config
     if t.recompute_granularity is not None and t.recompute_granularity not in RECOMPUTE_GRANULARITIES:
         r.add(
             "megatron.transformer_config.recompute_granularity",
@@ -306,6 +332,21 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             "megatron.transformer_config.recompute_method",
             "full recompute needs a method. Set recompute_method: uniform (or block).",
         )
+    bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
+    if bad_modules:
+        r.add(
+            "megatron.transformer_config.recompute_modules",
+            f"unknown module(s) {bad_modules}. Choose from {_fmt_choices(RECOMPUTE_MODULES)}.",
+        )
+    _check_positive(
+        r, "megatron.transformer_config.recompute_num_layers", t.recompute_num_layers, allow_none=True
+    )
+
+
+def _check_attention_and_graphs(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """Core attention, packed attention and CUDA graphs."""
+    m = cfg.megatron
+    t = m.transformer_config
     if t.attention_backend not in ATTENTION_BACKENDS:
         r.add(
             "megatron.transformer_config.attention_backend",
@@ -338,22 +379,6 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
             # Megatron-Core refuses full recompute under graphs and skips selective recompute while capturing
             r.add("megatron.transformer_config.recompute_granularity",
                   "activation recompute does not run inside CUDA graphs. Set recompute_granularity: null, or cuda_graph_impl: none.")
-    if m.logprob_chunk_tokens is not None and m.logprob_chunk_tokens < 0:
-        r.add("megatron.logprob_chunk_tokens",
-              f"must be null (auto), 0 (off: full logits) or a positive token count, got {m.logprob_chunk_tokens}.")
-    bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
-    if bad_modules:
-        r.add(
-            "megatron.transformer_config.recompute_modules",
-            f"unknown module(s) {bad_modules}. Choose from {_fmt_choices(RECOMPUTE_MODULES)}.",
-        )
-    _check_positive(
-        r, "megatron.transformer_config.recompute_num_layers", t.recompute_num_layers, allow_none=True
-    )
-    keep = m.checkpoint_config.keep_last_n_checkpoints
-    if not isinstance(keep, int) or keep < 0:
-        r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
-
 
 def _check_dapo_fields(g: MegatronGrpoParams, r: ValidationReport) -> None:
     """Dynamic sampling's round limit and the overlong punishment's buffer and factor."""
