@@ -5,7 +5,10 @@
 Left-padded prompts of different lengths. Records (rank 0):
 - the max abs difference of last-token logits, KV cache vs re-running the prefix, over greedy steps;
 - greedy tokens with the cache (to compare across layouts and with transformers' generate, --hf);
-- sampled completions (same seed) with and without the cache, with an EOS that ends some rows early.
+- sampled completions (same seed) with and without the cache, with an EOS that ends some rows early;
+- the static-cache path (rollout/decoding/) against Megatron-Core's schedule path: greedy tokens of 64
+  prompts of mixed lengths with an EOS, their logprobs, a sampled run twice with one seed, and a GRPO-style
+  batch (16 prompts x 4 completions) whose groups share one prefill against one prefill per row.
 """
 
 import argparse
@@ -62,14 +65,15 @@ def main() -> None:
     greedy_tokens = torch.stack(greedy, 1)
 
     # Sampling through the backend, same seed, with and without the cache
-    probe = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=False)
+    probe = MegatronRolloutBackend(engine, vocab, seed=1, path="recompute")
     first = probe.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256), 2)
     eos = first[0][0].completion_ids[3]  # a token row 0 samples at step 4 (same seed below): rows end early
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, pad_token_id=256, eos_token_id=eos)
     runs = {}
     for kv in (False, True):
-        backend = MegatronRolloutBackend(engine, vocab, seed=1, kv_cache=kv)
+        backend = MegatronRolloutBackend(engine, vocab, seed=1, path="schedule" if kv else "recompute")
         runs[kv] = [r.completion_ids for group in backend.generate(PROMPTS, sampling, 2) for r in group]
+    static = static_path_checks(engine, vocab)
 
     result = {
         "logits_max_abs_diff": worst,
@@ -77,6 +81,7 @@ def main() -> None:
         "sampled_no_cache": runs[False],
         "sampled_kv_cache": runs[True],
         "rows_ended_early": sum(1 for c in runs[True] if c and c[-1] == eos and len(c) < NEW_TOKENS),
+        **static,
     }
     if args.hf and dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
@@ -91,6 +96,43 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
+
+
+def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
+    """The static-cache decoder against the schedule path, greedy with an EOS, and its own reproducibility."""
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    rng = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=rng)),), generator=rng).tolist()
+               for _ in range(64)]
+    new = 16
+    schedule = MegatronRolloutBackend(engine, vocab, path="schedule")
+    static = MegatronRolloutBackend(engine, vocab, path="static")
+    probe = schedule.generate(prompts, SamplingParams(max_new_tokens=new, pad_token_id=256, greedy=True), 1)
+    # an EOS that some rows produce early: the most common token at step 3 of the probe
+    eos = int(torch.tensor([g[0].completion_ids[2] for g in probe]).mode().values)
+    greedy = SamplingParams(max_new_tokens=new, pad_token_id=256, greedy=True, eos_token_id=eos)
+    ref = [g[0] for g in schedule.generate(prompts, greedy, 1)]
+    got = [g[0] for g in static.generate(prompts, greedy, 1)]
+    # GRPO shape: 16 prompts x 4 completions, the groups sharing their prompt's prefill, vs one prefill per row
+    sampled = SamplingParams(max_new_tokens=new, pad_token_id=256, eos_token_id=eos, temperature=0.9, top_p=0.95)
+    grouped = [[r.completion_ids for r in g] for g in static.generate(prompts[:16], greedy, 4)]
+    per_row = [[g[0].completion_ids for g in static.generate([p for p in prompts[:16] for _ in range(4)], greedy, 1)][i * 4:(i + 1) * 4]
+               for i in range(16)]
+    draws = [[[r.completion_ids for r in g] for g in static.generate(prompts[:16], sampled, 4, seed=11)] for _ in range(2)]
+    return {
+        "static_path": static.path,
+        "static_greedy_tokens": [r.completion_ids for r in got],
+        "schedule_greedy_tokens": [r.completion_ids for r in ref],
+        "static_rows_ended_early": sum(1 for r in got if r.finished and len(r.completion_ids) < new),
+        "static_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)),
+        "static_grouped_tokens": grouped,
+        "static_per_row_tokens": per_row,
+        "static_sampled_runs": draws,
+        "static_sampled_distinct_in_groups": sum(len({tuple(c) for c in g}) for g in draws[0]),
+        "static_stats_tokens": static.last_stats.tokens if static.last_stats else -1,
+    }
 
 
 if __name__ == "__main__":

@@ -324,6 +324,15 @@ class MegatronEngine:
                 r.cp_group = g
             clear_rotary_cache()
 
+    @contextlib.contextmanager
+    def generation_mode(self) -> Iterator[None]:
+        """The model as token-by-token generation runs it (rollout/decoding/): eval mode, no autograd, no sequence
+        parallelism, whole sequences on every CP rank (``_context_parallel_off``)."""
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad(), self._sequence_parallel_off(), self._context_parallel_off():
+            yield
+
     def _prepare(self, microbatches: list[dict[str, torch.Tensor]],
                  pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,

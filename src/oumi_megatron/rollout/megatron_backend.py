@@ -1,68 +1,67 @@
 """The embedded rollout backend: batched sampling from the policy's own Megatron-Core model.
 
 No copy of the weights and no extra process: generation calls the same model chunks the optimizer
-updates, through Megatron-Core's forward-only schedule, so it works under every TP/PP/VPP layout
-(every rank of a model replica takes part; tokens are drawn from a generator seeded identically on
-each of them, so all agree). Prompts are left-padded and masked.
+updates, so it works under every TP/PP/VPP/CP/EP layout (every rank of a model replica takes part; tokens
+are drawn from a generator seeded identically on each of them, so all agree). Prompts are left-padded and
+masked. Three paths (``path``):
 
-KV cache: a Megatron-Core ``StaticInferenceContext`` per batch. The prompt is run once (prefill),
-then each step runs only the new token against the cached keys/values, with a [b, 1, 1, S] mask that
-hides each row's left padding (and the pad tokens of rows that already ended). Rotary positions are
-the cache slots, so a left-padded row is shifted by a constant, which RoPE (relative) ignores.
-``kv_cache=False`` re-runs the whole prefix per token (the reference the tests compare against).
+- ``static`` (default): rollout/decoding/, a static KV cache with the decode position on the device, each
+  distinct prompt prefilled once, sampling and bookkeeping on the device, decode steps replayed as a CUDA
+  graph where they can be (``megatron.rollout_cuda_graphs``). Models it does not cover (decoding/policy_stages.py
+  ``unsupported_reason``) take ``schedule``, and the log says why.
+- ``schedule``: each token through Megatron-Core's forward-only pipeline schedule with its
+  ``StaticInferenceContext`` (the prompt once, then the newest token against the cached keys/values); the
+  logits and tokens visit the host every token. The reference the static path is tested against.
+- ``recompute``: the whole prefix again for every token, no cache (the reference of the cache itself).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
-from oumi_megatron.rollout.sampling import SamplingParams, sample
+from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder
+from oumi_megatron.rollout.decoding.padding import left_pad, left_padded_batch, positions_and_mask
+from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
 
+logger = logging.getLogger("oumi")
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] left-padded with ``pad_id``, and where the real tokens are (pad may be a real token too)."""
-    length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    real = torch.zeros((len(prompts), length), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
-        real[i, length - len(p):] = True
-    return ids, real
-
-
-def left_padded_batch(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [B, L], position ids (0 at each row's first real token) and a [B, 1, L, L] mask
-    (True = may not attend) combining causality with the left padding."""
-    ids, real = _left_pad(prompts, pad_id)
-    return ids, *_positions_and_mask(real)
-
-
-def _positions_and_mask(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = (real.long().cumsum(dim=-1) - 1).clamp(min=0)
-    length = real.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = causal[None] & real[:, None, :]
-    # a padding row attends to itself only (its output is never used), so softmax has no empty row
-    allowed |= torch.eye(length, dtype=torch.bool)[None] & ~real[:, :, None]
-    return positions, ~allowed[:, None]
+PATHS = ("static", "schedule", "recompute")
+__all__ = ["MegatronRolloutBackend", "PATHS", "left_padded_batch"]
 
 
 class MegatronRolloutBackend:
     """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
 
-    def __init__(self, engine: MegatronEngine, vocab_size: int, seed: int = 0, kv_cache: bool = True) -> None:
+    def __init__(self, engine: MegatronEngine, vocab_size: int, seed: int = 0, path: str = "static",
+                 cuda_graphs: str = "auto") -> None:
+        if path not in PATHS:
+            raise ValueError(f"MegatronRolloutBackend: path must be one of {PATHS}, got {path!r}")
         self.engine = engine
         self.vocab_size = vocab_size
-        # on the model's device: sampling reads the logits where they are (a [rows, vocab] copy to the
-        # host per token, and a host multinomial over it, cost 2/3 of the rollout time on an H200)
+        # on the model's device: the draw happens where the logits are, the same on every rank for a seed
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
-        self.kv_cache = kv_cache
+        self.decoder: StaticCacheDecoder | None = None
+        if path == "static":
+            decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs)
+            why_not = decoder.stages.unsupported_reason()
+            if why_not is None:
+                self.decoder = decoder
+            else:
+                path = "schedule"
+                logger.info("rollout: Megatron-Core's schedule path (the static-cache decoder does not cover %s)", why_not)
+        self.path = path
+        if self.decoder is not None:
+            logger.info("rollout: %s", self.decoder.path)
+        self.last_stats: GenerationStats | None = None
+        """The last ``generate`` call's path, tokens, prefill and decode times (the trainer logs them)."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -71,20 +70,40 @@ class MegatronRolloutBackend:
         ``n`` adjacent rows (the draw depends on the rows, so the same prompts, n and seed give the same rollouts)."""
         if seed is not None:
             self.generator.manual_seed(seed)
-        expanded = [p for p in prompts for _ in range(n)]
-        ids, real = _left_pad(expanded, params.pad_token_id)
+        rows = len(prompts) * n
+        if params.max_new_tokens == 0 or rows == 0:
+            tokens, logprobs = torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0)
+        elif self.decoder is not None:
+            tokens, logprobs, self.last_stats = self.decoder.generate(prompts, n, params, self.generator)
+        else:
+            started = time.perf_counter()
+            tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
+            self.last_stats = GenerationStats(path=self.path, rows=rows, tokens=int(tokens.numel()), prefill_s=0.0,
+                                              decode_steps=tokens.shape[1], decode_s=time.perf_counter() - started)
+        out = []
+        for i in range(rows):
+            toks = tokens[i].tolist()
+            done = params.eos_token_id is not None and params.eos_token_id in toks
+            if done:
+                toks = toks[: toks.index(params.eos_token_id) + 1]
+            out.append(Rollout(prompt_ids=list(prompts[i // n]), completion_ids=toks, finished=done,
+                               logprobs=logprobs[i, : len(toks)].tolist()))
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``schedule`` and ``recompute`` paths: tokens [rows, T] and their logprobs, on the host."""
+        ids, real = left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
         new_tokens: list[torch.Tensor] = []
         new_logprobs: list[torch.Tensor] = []
-        cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.kv_cache else None
+        cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.path == "schedule" else None
         for step in range(params.max_new_tokens):
             if cache is not None and step > 0:  # only the newest token, against the cached ones
                 ids_in, positions, mask = ids[:, -1:], (real.long().sum(-1, keepdim=True) - 1).clamp(min=0), (~real)[:, None, None, :]
             else:
-                ids_in, (positions, mask) = ids, _positions_and_mask(real)
+                ids_in, (positions, mask) = ids, positions_and_mask(real)
             full = self.engine.last_token_logits(ids_in, positions, mask, cache)
-            nxt = sample(full[:, : self.vocab_size], params, self.generator)
-            logprob = torch.log_softmax(full.float() / params.temperature, dim=-1).gather(1, nxt[:, None])[:, 0]
+            nxt, logprob = pick_tokens(full, params, self.vocab_size, self.generator)
             nxt, logprob = nxt.cpu(), logprob.cpu()
             nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
             new_tokens.append(nxt)
@@ -95,16 +114,7 @@ class MegatronRolloutBackend:
                 finished |= nxt == params.eos_token_id
             if self.engine.forward_peers_done(bool(finished.all())):  # under EP, when every expert peer is done too
                 break
-        generated = torch.stack(new_tokens, dim=1) if new_tokens else torch.zeros(len(expanded), 0, dtype=torch.long)
-        logprobs = torch.stack(new_logprobs, dim=1) if new_logprobs else torch.zeros(len(expanded), 0)
-        out = []
-        for i, p in enumerate(expanded):
-            toks = generated[i].tolist()
-            done = params.eos_token_id is not None and params.eos_token_id in toks
-            if done:
-                toks = toks[: toks.index(params.eos_token_id) + 1]
-            out.append(Rollout(prompt_ids=list(p), completion_ids=toks, finished=done, logprobs=logprobs[i, : len(toks)].tolist()))
-        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return torch.stack(new_tokens, dim=1), torch.stack(new_logprobs, dim=1)
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:
         """Nothing to sync: generation reads the weights the optimizer just updated."""

@@ -18,16 +18,27 @@ class SamplingParams:
     """Take the most likely token (for tests and evaluation); GRPO samples."""
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V]."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    # on the logits' device, with a generator of that device (the same seed draws the same on every rank)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V >= vocab_size] (fp32; columns past ``vocab_size`` are Megatron's vocab
+    padding, never drawn) and its log-probability under softmax(logits / T) over the full vocabulary (before
+    top-p: the quantity the trainer recomputes).
+
+    Device-side and shape-static (a CUDA graph can hold it): a draw from ``probs`` is the argmax of
+    ``probs / E`` with E ~ Exponential(1) per entry (the exponential race; the same distribution as
+    ``torch.multinomial``, without its host-side checks), drawn from ``generator`` on the logits' device, so a
+    seed draws the same on every rank."""
+    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    if params.greedy:  # on the logits: log_softmax's rounding could merge two near-equal neighbours
+        tokens = logits[:, :vocab_size].argmax(dim=-1)
+    else:
+        probs = logprobs[:, :vocab_size].exp()
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        # never 0: a zero probability over a zero draw would be NaN, which argmax picks
+        race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
+        tokens = (probs / race).argmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]

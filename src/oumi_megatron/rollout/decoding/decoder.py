@@ -1,0 +1,235 @@
+"""Generation on the policy's own weights without a host round trip per token.
+
+One call (``StaticCacheDecoder.generate``):
+1. **Prefill once per prompt.** The distinct prompts, left-padded to one width, run once; each layer copies a
+   prompt's keys/values into the cache rows of its ``n`` completions (static_cache.py).
+2. **Decode steps with fixed shapes.** Every step feeds each row's newest token at one cache slot (a device
+   tensor), attends under a [rows, slots] validity mask kept on the device, picks the next tokens on the device
+   (rollout/sampling.py ``pick_tokens``) and writes them, their log-probabilities and the finished flags into
+   preallocated buffers. The host only counts steps; it reads "has every row finished?" every
+   ``check_every`` steps, and the tokens once at the end.
+3. **CUDA graphs** (``megatron.rollout_cuda_graphs``): with one pipeline stage, dense layers and a CUDA device
+   the whole decode step (embedding -> layers -> output layer -> sampling -> bookkeeping) is captured once
+   per generation after one eager step and replayed; it reads the engine's parameters in place, so an
+   optimizer step needs no re-capture. Pipeline stages (p2p per token) and MoE layers (token dispatch
+   sizes go through the host) run the same step eagerly.
+
+Positions: rotary angles are those of the cache slot (as Megatron-Core's static inference does), so a
+left-padded row is shifted by a constant, which RoPE (relative) ignores; learned absolute position
+embeddings get each row's own positions. Every rank of a model replica runs the same steps and draws from a
+generator seeded the same, so all agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
+from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
+from oumi_megatron.rollout.decoding.static_cache import StaticKVCache
+from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.engine import MegatronEngine
+
+logger = logging.getLogger("oumi")
+
+CUDA_GRAPH_CHOICES = ("auto", "true", "false")
+
+
+@dataclass
+class GenerationStats:
+    """One ``generate`` call of the embedded backend (this rank)."""
+
+    path: str
+    rows: int
+    tokens: int
+    """Generated tokens up to and including each row's EOS."""
+    prefill_s: float
+    decode_steps: int
+    decode_s: float
+    kv_cache_bytes: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / max(self.decode_steps, 1)
+
+
+def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str]:
+    """(replay decode steps as a CUDA graph, why) for ``megatron.rollout_cuda_graphs``."""
+    if requested not in CUDA_GRAPH_CHOICES:
+        raise ValueError(f"megatron.rollout_cuda_graphs must be one of {CUDA_GRAPH_CHOICES}, got {requested!r}")
+    if requested == "false":
+        return False, "megatron.rollout_cuda_graphs: false"
+    blocker = ("no CUDA device" if stages.device.type != "cuda" else
+               "pipeline stages exchange activations every token (PP > 1)" if stages.pp > 1 else
+               "MoE layers size their token dispatch on the host" if stages.is_moe else None)
+    if blocker is None:
+        return True, f"megatron.rollout_cuda_graphs: {requested}"
+    if requested == "true":
+        raise ValueError(f"megatron.rollout_cuda_graphs: true, but decode steps cannot be captured here: {blocker}. "
+                         "Set megatron.rollout_cuda_graphs: auto (eager decode steps where graphs cannot run).")
+    return False, f"auto: {blocker}"
+
+
+class StaticCacheDecoder:
+    """Generation through ``PolicyStages`` and a static KV cache (the embedded backend's default path)."""
+
+    def __init__(self, engine: MegatronEngine, vocab_size: int, cuda_graphs: str = "auto", check_every: int = 16) -> None:
+        self.engine = engine
+        self.stages = PolicyStages(engine)
+        self.vocab_size = vocab_size
+        self.graphs, why = resolve_cuda_graphs(cuda_graphs, self.stages)
+        self.check_every = check_every
+        self.path = "static KV cache, " + ("CUDA-graph decode steps" if self.graphs else "eager decode steps") + f" ({why})"
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
+        """``n`` completions of each prompt (rows ``i * n .. i * n + n - 1``): tokens [rows, T] (``pad_token_id`` after
+        a row's EOS) and their log-probabilities, on the host, with the call's stats."""
+        with self.engine.generation_mode():
+            run = _Generation(self.stages, prompts, n, params, self.vocab_size, generator)
+            started = time.perf_counter()
+            run.prefill()
+            run.synchronize()
+            prefill_s = time.perf_counter() - started
+            steps = run.decode(self.graphs, self.check_every, self.engine.forward_peers_done)
+            tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
+            decode_s = time.perf_counter() - started - prefill_s
+            path = self.path if run.graphs_ran or not self.graphs else self.path.replace("CUDA-graph", "eager (capture failed)")
+            stats = GenerationStats(path=path, rows=tokens.shape[0], tokens=_generated(tokens, params), prefill_s=prefill_s,
+                                    decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes)
+        return tokens, logprobs, stats
+
+
+def _generated(tokens: torch.Tensor, params: SamplingParams) -> int:
+    if params.eos_token_id is None:
+        return tokens.numel()
+    ended = (tokens == params.eos_token_id).int()
+    # a row counts its tokens up to its first EOS (inclusive); after it only padding
+    after_eos = (ended.cumsum(1) - ended) > 0
+    return int((~after_eos).sum())
+
+
+class _Generation:
+    """The device state of one ``generate`` call."""
+
+    def __init__(self, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams, vocab_size: int,
+                 generator: torch.Generator) -> None:
+        self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
+        device = stages.device
+        ids, real = left_pad(prompts, params.pad_token_id)
+        self.width = ids.shape[1]
+        rows, new = len(prompts) * n, max(params.max_new_tokens, 1)
+        slots = self.width + new
+        self.prompt_ids, self.prompt_real = ids.to(device), real
+        self.tokens = torch.full((rows, new), params.pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, new, dtype=torch.float32, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        """Which cache slots each row attends to: its real prompt tokens and its tokens up to its EOS."""
+        self.valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(device)
+        self.current = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.picked = torch.zeros(rows, dtype=torch.long, device=device)
+        self.picked_logprob = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
+        self.cursor = self.cache.cursor
+        self.rotary = stages.rotary_table(slots)
+        self.graphs_ran = False
+
+    def synchronize(self) -> None:
+        if self.stages.device.type == "cuda":
+            torch.cuda.synchronize(self.stages.device)
+
+    # -- the steps ---------------------------------------------------------------------------------------------------
+    def prefill(self) -> None:
+        positions, mask = positions_and_mask(self.prompt_real)
+        rotary = None if self.rotary is None else self.rotary[:self.width]
+        self.cursor.prefill_repeat = self.n
+        with self.cache.attached():
+            logits = self.stages.forward(self.prompt_ids, positions.to(self.prompt_ids.device),
+                                         mask.to(self.prompt_ids.device), rotary)
+        self.cursor.prefill_repeat = 0
+        self.cursor.slot.fill_(self.width)  # token 0 is fed at the first slot after the prompts
+        self._record(None if logits is None else logits.repeat_interleave(self.n, dim=0))
+
+    def decode_step(self, kv_len: int | None) -> None:
+        """Feed the newest token of every row at ``cursor.slot``; pick and record the next one."""
+        valid = self.valid if kv_len is None else self.valid[:, :kv_len]
+        positions = valid.sum(dim=-1, keepdim=True) - 1  # each row's own (learned absolute embeddings)
+        rotary = None if self.rotary is None else self.rotary.index_select(0, self.cursor.slot)
+        self.cursor.kv_len = kv_len
+        logits = self.stages.forward(self.current, positions, ~valid[:, None, None, :], rotary)
+        self.cursor.slot += 1
+        self._record(logits)
+
+    def _record(self, logits: torch.Tensor | None) -> None:
+        """The next token of every row (pad after its EOS), from the last stage's logits, into the buffers."""
+        if logits is not None:
+            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator)
+            self.picked.copy_(tokens)
+            self.picked_logprob.copy_(logprobs)
+        self.stages.share_from_last_stage(self.picked, self.picked_logprob)
+        token = torch.where(self.finished, self.params.pad_token_id, self.picked)
+        self.tokens.index_copy_(1, self.step, token[:, None])
+        self.logprobs.index_copy_(1, self.step, self.picked_logprob[:, None])
+        self.valid.index_copy_(1, self.cursor.slot, (~self.finished)[:, None])  # the slot ``token`` is fed at
+        if self.params.eos_token_id is not None:
+            self.finished |= token == self.params.eos_token_id
+        self.current.copy_(token[:, None])
+        self.step += 1
+
+    # -- the loop ------------------------------------------------------------------------------------------------------
+    def decode(self, graphs: bool, check_every: int, peers_done: Callable[[bool], bool]) -> int:
+        """Decode steps after the prefill's token until ``max_new_tokens`` or every row (and every expert peer,
+        ``peers_done``) has finished; the number of tokens per row generated."""
+        total = self.params.max_new_tokens
+        step, graph = 1, None
+        with self.cache.attached():
+            while step < total:
+                if graph is not None:
+                    graph.replay()
+                elif graphs:
+                    graph = self._capture()  # runs this step eagerly, then captures one for the next ones
+                    graphs = graph is not None
+                else:
+                    self.decode_step(self.width + step)
+                step += 1
+                if step % check_every == 0 and step < total and peers_done(bool(self.finished.all())):
+                    break
+        return step
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        """One eager step on a side stream (it warms up the kernels of these shapes), then the capture of one step.
+        None if capture fails (logged; the run continues eagerly)."""
+        stream = torch.cuda.Stream(device=self.stages.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.decode_step(None)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        try:
+            with torch.cuda.graph(graph):
+                self.decode_step(None)
+        except RuntimeError as e:
+            logger.warning("rollout: a CUDA graph of the decode step could not be captured (%s); decoding eagerly", e)
+            self.cursor.kv_len = None
+            return None
+        self.graphs_ran = True
+        return graph

@@ -1,0 +1,122 @@
+"""The policy's model chunks run as one model for generation: embedding -> layers -> output layer, across the
+pipeline ranks, on the weights the optimizer updates (nothing copied).
+
+This is ``GPTModel.forward`` without its schedule and inference context, so that a decode step has fixed
+shapes and no host decisions: the caller gives the rotary angles of the positions it runs (a row of a
+precomputed table, picked on the device) and the attention mask, and each layer is Megatron-Core's own
+``TransformerLayer`` (norms, projections, RoPE, MLP or MoE, residuals), its core attention reading the static
+cache (static_cache.py). Under pipeline parallelism the hidden states travel stage to stage (and around the
+ring for virtual stages) by point-to-point messages; the last stage returns the last position's logits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from oumi_megatron.engine.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.engine import MegatronEngine
+
+
+def unsupported_reason(model: Any) -> str | None:  # a GPTModel chunk
+    """Why the static-cache decoder cannot run this model (then the backend uses Megatron-Core's schedule path)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    config = model.config
+    if getattr(config, "multi_latent_attention", False):
+        return "multi-latent attention"
+    if getattr(config, "use_mup", False):
+        return "MuP logit scaling"
+    if getattr(config, "no_rope_freq", None):
+        return "layers without RoPE (no_rope_freq)"
+    if model.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        return f"position_embedding_type={model.position_embedding_type}"
+    if getattr(model, "mtp_process", False):
+        return "multi-token prediction layers"
+    for layer in model.decoder.layers:
+        attention = getattr(layer, "self_attention", None)
+        if not isinstance(attention, SelfAttention) or not hasattr(attention, "core_attention"):
+            return f"a layer without Megatron-Core's SelfAttention ({type(attention).__name__})"
+        if getattr(attention.config, "attention_output_gate", False):
+            return "gated attention output"
+        if not isinstance(getattr(layer, "cross_attention", IdentityOp()), IdentityOp):
+            return "cross-attention"
+    return None
+
+
+class PolicyStages:
+    """This rank's chunks of the policy, run front to back for generation."""
+
+    def __init__(self, engine: MegatronEngine) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.engine = engine
+        self.chunks = [unwrap(c) for c in engine.model]
+        self.config = self.chunks[0].config
+        self.device = engine.device
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.attentions = [layer.self_attention for c in self.chunks for layer in c.decoder.layers]
+        self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        if self.pp > 1:
+            self.pp_group = ps.get_pipeline_model_parallel_group()
+            self.next_rank = ps.get_pipeline_model_parallel_next_rank()
+            self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+            self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+
+    def unsupported_reason(self) -> str | None:
+        return next((r for r in (unsupported_reason(c) for c in self.chunks) if r), None)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(getattr(self.config, "num_moe_experts", None))
+
+    def rotary_table(self, slots: int) -> torch.Tensor | None:
+        """[slots, 1, 1, dim] fp32 rotary angles of positions 0 .. slots - 1 (the whole table: under CP too)."""
+        rotary = getattr(self.chunks[0], "rotary_pos_emb", None)
+        return None if rotary is None else rotary.get_emb(slots).to(self.device)
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rotary: torch.Tensor | None) -> torch.Tensor | None:
+        """fp32 logits [rows, vocab] (the whole vocabulary, every TP rank) at the last of ``ids``' positions on the
+        last pipeline stage; None on the others. ``mask``: True where attention is not allowed."""
+        rows, width = ids.shape
+        hidden: torch.Tensor | None = None
+        for i, chunk in enumerate(self.chunks):
+            if chunk.pre_process:
+                hidden = chunk.embedding(input_ids=ids, position_ids=position_ids)
+            else:
+                hidden = torch.empty(width, rows, self.config.hidden_size, dtype=self.config.pipeline_dtype,
+                                     device=self.device)
+                dist.recv(hidden, src=self.prev_rank, group=self.pp_group)
+            assert hidden is not None
+            for layer in chunk.decoder.layers:
+                # nn.Module.__call__, not MegatronModule.__call__: with training CUDA graphs (cuda_graph_impl: local)
+                # the latter would replay the layer's fixed-shape training graph
+                hidden, _ = torch.nn.Module.__call__(layer, hidden, attention_mask=mask, rotary_pos_emb=rotary)
+            if chunk.post_process:
+                return self._logits(chunk, hidden[-1:])
+            dist.send(hidden.contiguous(), dst=self.next_rank, group=self.pp_group)
+        return None
+
+    def _logits(self, chunk: Any, hidden: torch.Tensor) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        if chunk.decoder.final_layernorm is not None:
+            hidden = chunk.decoder.final_layernorm(hidden)
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        logits, _ = chunk.output_layer(hidden, weight=weight)
+        if self.tp_group is not None:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())
+        return logits[0].float()
+
+    def share_from_last_stage(self, *tensors: torch.Tensor) -> None:
+        """The last stage's values of ``tensors`` (in place) on every rank of the pipeline."""
+        if self.pp > 1:
+            for t in tensors:
+                dist.broadcast(t, src=self.last_rank, group=self.pp_group)
