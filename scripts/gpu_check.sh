@@ -10,6 +10,7 @@
 # one-GPU training benchmark (HF reference, the engine before issue 12, the fast path, the fast path + CUDA graphs,
 # in one call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
+# =rollout generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT,
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
@@ -97,6 +98,14 @@ if want bisect; then  # the fast path + CUDA graphs with one piece off at a time
 fi
 if want 1 || want logprobs; then  # vocab 152k, seq 4096: full logits vs chunked
   python3 scripts/bench_logprobs.py --out "$RESULTS/logprobs.json" 2>&1 | tail -3
+fi
+if want rollout; then  # rollout generation: static-cache decoder (graphs / eager), the schedule path, transformers generate
+  for job in ${GPU_CHECK_ROLLOUT:-smollm2-135m:128x128 qwen2.5-1.5b:128x128}; do
+    IFS=: read -r -a parts <<< "$job"; set -- "${parts[@]}"
+    python3 scripts/bench_rollout.py --shape "$1" --batch "$2" ${3:+--paths "$3"} --out "$RESULTS/rollout_$1_$2.json" \
+      > "$RESULTS/rollout_$1_$2.log" 2>&1 || tail -30 "$RESULTS/rollout_$1_$2.log"
+    grep -A6 "^| $1" "$RESULTS/rollout_$1_$2.log"
+  done
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do

@@ -20,7 +20,7 @@ class SamplingParams:
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V >= vocab_size] (fp32; columns past ``vocab_size`` are Megatron's vocab
+    """One token per row of ``logits`` [B, V >= vocab_size] (any float dtype; columns past ``vocab_size`` are Megatron's vocab
     padding, never drawn) and its log-probability under softmax(logits / T) over the full vocabulary (before
     top-p: the quantity the trainer recomputes).
 
@@ -28,7 +28,8 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
     ``probs / E`` with E ~ Exponential(1) per entry (the exponential race; the same distribution as
     ``torch.multinomial``, without its host-side checks), drawn from ``generator`` on the logits' device, so a
     seed draws the same on every rank."""
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    scaled = logits if params.temperature == 1.0 else logits.float() / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)  # bf16 logits: converted inside, no fp32 copy
     if params.greedy:  # on the logits: log_softmax's rounding could merge two near-equal neighbours
         tokens = logits[:, :vocab_size].argmax(dim=-1)
     else:

@@ -110,7 +110,7 @@ class SdpaCoreAttention(torch.nn.Module):
         query: torch.Tensor,  # [sq, b, heads, d]
         key: torch.Tensor,  # [sk, b, groups, d]
         value: torch.Tensor,
-        attention_mask: torch.Tensor | None,  # bool [b or 1, 1, sq, sk], True = masked out
+        attention_mask: torch.Tensor | None,  # bool [b or 1, 1, sq, sk], True = masked out (or a float additive bias)
         attn_mask_type: Any = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
@@ -131,7 +131,9 @@ class SdpaCoreAttention(torch.nn.Module):
         causal = attention_mask is None and mask_type == AttnMaskType.causal and sq > 1
         if causal and sq != sk:
             raise ValueError("SdpaCoreAttention: a causal mask needs as many queries as keys")
-        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = takes part
+        # SDPA: True = takes part; a float mask is an additive bias, used as it is (rollout/decoding/ builds one per
+        # decode step instead of every layer converting the same boolean mask)
+        mask = None if attention_mask is None else attention_mask if attention_mask.is_floating_point() else ~attention_mask
         dropout = self.dropout_p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
             out = torch.nn.functional.scaled_dot_product_attention(

@@ -69,6 +69,13 @@ class PolicyStages:
             self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
             self.last_rank = ps.get_pipeline_model_parallel_last_rank()
 
+    @property
+    def takes_additive_masks(self) -> bool:
+        """Every core attention is the SDPA one, which takes a float additive mask as it is."""
+        from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
+
+        return all(isinstance(a.core_attention, SdpaCoreAttention) for a in self.attentions)
+
     def unsupported_reason(self) -> str | None:
         return next((r for r in (unsupported_reason(c) for c in self.chunks) if r), None)
 
@@ -83,11 +90,11 @@ class PolicyStages:
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 rotary: torch.Tensor | None) -> torch.Tensor | None:
-        """fp32 logits [rows, vocab] (the whole vocabulary, every TP rank) at the last of ``ids``' positions on the
+        """Logits [rows, vocab] (the model's dtype; the whole vocabulary, every TP rank) at the last of ``ids``' positions on the
         last pipeline stage; None on the others. ``mask``: True where attention is not allowed."""
         rows, width = ids.shape
         hidden: torch.Tensor | None = None
-        for i, chunk in enumerate(self.chunks):
+        for chunk in self.chunks:
             if chunk.pre_process:
                 hidden = chunk.embedding(input_ids=ids, position_ids=position_ids)
             else:
@@ -113,7 +120,7 @@ class PolicyStages:
         logits, _ = chunk.output_layer(hidden, weight=weight)
         if self.tp_group is not None:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())
-        return logits[0].float()
+        return logits[0]
 
     def share_from_last_stage(self, *tensors: torch.Tensor) -> None:
         """The last stage's values of ``tensors`` (in place) on every rank of the pipeline."""

@@ -1,0 +1,210 @@
+"""Rollout generation on one GPU: the embedded backend's paths against transformers ``generate``, same call.
+
+    python scripts/bench_rollout.py --shape smollm2-135m --batch 128x128 --out result.json
+
+Shapes (random weights, bf16): SmolLM2-135M (Llama, 30 layers, hidden 576, 3 KV heads, vocab 49,152) and
+Qwen2.5-1.5B (28 layers, hidden 1536, 2 KV heads, QKV bias, vocab 151,936). Batches ``ROWSxNEW``: ROWS / 8
+prompts of 64 random tokens, 8 completions each (a GRPO group shares its prompt), NEW new tokens, no EOS
+(every row runs to the end), temperature 1.
+
+Paths (``--paths``):
+- ``graphs``: the static-cache decoder with CUDA-graph decode steps (rollout/decoding/, the default on CUDA);
+- ``static``: the same decoder, eager decode steps (``megatron.rollout_cuda_graphs: false``);
+- ``schedule``: the embedded backend before issue 30 (Megatron-Core's forward-only schedule per token);
+- ``hf``: ``transformers`` ``generate`` (plain, SDPA attention) on an HF model of the same shape.
+
+For each: generated tokens/s (wall time of the call, capture included), decode ms per step, prefill s, peak
+memory above the model, and the fraction of the HBM roofline: (weights + the KV cache a step must read) /
+bandwidth over the measured decode step. Greedy parity (bf16): the static paths' greedy tokens against the
+schedule path's on the same prompts, the first position where a row differs and the logprob gap there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Any
+
+import torch
+
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s of HBM (SXM parts)
+
+
+def hf_config(shape: str) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    if shape == "smollm2-135m":
+        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                           tie_word_embeddings=True, rope_theta=100000.0, architectures=["LlamaForCausalLM"])
+    if shape == "qwen2.5-1.5b":
+        return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                           num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                           tie_word_embeddings=True, rope_theta=1000000.0, architectures=["Qwen2ForCausalLM"])
+    raise SystemExit(f"--shape: smollm2-135m or qwen2.5-1.5b, not {shape}")
+
+
+def bandwidth() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+def measure(fn: Any) -> tuple[Any, float, float]:
+    """(result, seconds, peak GiB above what was allocated before)."""
+    torch.cuda.synchronize()
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: list[str], repeat: int,
+                 profile: bool = False) -> tuple[dict, dict]:
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.rollout.decoding.static_cache import kv_bytes_per_token
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    params = MegatronParams()
+    params.transformer_config.recompute_granularity = None
+    _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=10), dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for c in engine.model for p in c.parameters())
+    kv_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, 2)
+    rows, width = len(prompts) * n, len(prompts[0])
+    # a decode step must read every weight once and each row's keys/values so far (mean over the steps)
+    step_bytes = weight_bytes + rows * kv_token * (width + new / 2)
+    bw = bandwidth()
+    sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
+    results: dict[str, dict] = {}
+    backends = {"graphs": ("static", "true"), "static": ("static", "false"), "schedule": ("schedule", "false")}
+    for name in [p for p in paths if p in backends]:
+        path, graphs = backends[name]
+        backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path=path, cuda_graphs=graphs)
+        backend.generate(prompts[:2], SamplingParams(max_new_tokens=4, pad_token_id=0), n)  # warm-up (kernels, allocator)
+        best = None
+        for _ in range(repeat):
+            groups, seconds, peak = measure(lambda b=backend: b.generate(prompts, sampling, n, seed=1))
+            tokens = sum(len(r.completion_ids) for g in groups for r in g)
+            stats = backend.last_stats
+            assert stats is not None
+            row = {"tokens_per_s": tokens / seconds, "seconds": seconds, "decode_ms_per_step": stats.decode_ms_per_step,
+                   "prefill_s": stats.prefill_s, "peak_gib": peak, "kv_cache_gib": stats.kv_cache_bytes / 2**30,
+                   "capture_s": stats.capture_s, "path": stats.path}
+            if bw:
+                row["hbm_roofline_fraction"] = step_bytes / bw / (stats.decode_ms_per_step / 1e3)
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+        results[name] = best  # type: ignore[assignment]
+    if profile:
+        profile_decode(engine, cfg, prompts, n)
+    parity = greedy_parity(engine, cfg, prompts, n, min(new, 64)) if {"graphs", "schedule"} <= set(paths) else {}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results, {**parity, "weight_gib": weight_bytes / 2**30, "step_bytes_gib": step_bytes / 2**30}
+
+
+def profile_decode(engine: Any, cfg: Any, prompts: list[list[int]], n: int) -> None:
+    """The GPU kernels of eager decode steps (the ones a graph replays), heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    backend = MegatronRolloutBackend(engine, cfg.vocab_size, path="static", cuda_graphs="false")
+    sampling = SamplingParams(max_new_tokens=9, pad_token_id=0)
+    backend.generate(prompts, sampling, n)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backend.generate(prompts, sampling, n)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def greedy_parity(engine: Any, cfg: Any, prompts: list[list[int]], n: int, new: int) -> dict:
+    """The CUDA-graph path's greedy tokens against the schedule path's (one completion per prompt, bf16)."""
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=new, pad_token_id=0, greedy=True)
+    ref = [g[0] for g in MegatronRolloutBackend(engine, cfg.vocab_size, path="schedule").generate(prompts, greedy, 1)]
+    got = [g[0] for g in MegatronRolloutBackend(engine, cfg.vocab_size, path="static", cuda_graphs="true").generate(prompts, greedy, 1)]
+    first, gaps = [], []
+    for a, b in zip(got, ref):
+        d = next((i for i, (x, y) in enumerate(zip(a.completion_ids, b.completion_ids)) if x != y), None)
+        if d is not None:
+            first.append(d)
+            assert a.logprobs is not None and b.logprobs is not None
+            gaps.append(abs(a.logprobs[d] - b.logprobs[d]))
+    return {"parity_rows": len(ref), "parity_rows_identical": len(ref) - len(first), "parity_new_tokens": new,
+            "parity_first_difference": min(first) if first else None,
+            "parity_logprob_gap_at_difference": max(gaps) if gaps else None}
+
+
+def hf_generate(cfg: Any, prompts: list[list[int]], n: int, new: int, repeat: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    ids = torch.tensor([p for p in prompts for _ in range(n)], device="cuda")
+
+    def run(tokens: int, model: Any = model) -> Any:
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                              do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
+
+    run(4)
+    best = None
+    for _ in range(repeat):
+        out, seconds, peak = measure(lambda: run(new))
+        tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        if best is None or tokens / seconds > best["tokens_per_s"]:
+            best = {"tokens_per_s": tokens / seconds, "seconds": seconds, "decode_ms_per_step": 1e3 * seconds / new,
+                    "peak_gib": peak, "path": "transformers generate (sdpa)"}
+    model = None  # freed below (run holds it as a default argument: deleted with this frame)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return best  # type: ignore[return-value]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--batch", default="128x128", help="ROWSxNEW_TOKENS")
+    p.add_argument("--paths", default="graphs,static,schedule,hf")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--out", default="")
+    p.add_argument("--profile", action="store_true", help="print the kernels of 8 eager decode steps")
+    args = p.parse_args()
+    rows, new = (int(x) for x in args.batch.split("x"))
+    cfg = hf_config(args.shape)
+    n = 8
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, cfg.vocab_size, (rows // n, 64), generator=g).tolist()
+    paths = args.paths.split(",")
+    results, extra = engine_paths(cfg, prompts, n, new, paths, args.repeat, args.profile)
+    if "hf" in paths:
+        results["hf"] = hf_generate(cfg, prompts, n, new, args.repeat)
+    out = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+           "batch": args.batch, "results": results, **extra}
+    for r in results.values():
+        rel = {f"x_{ref}": r["tokens_per_s"] / results[ref]["tokens_per_s"] for ref in ("schedule", "hf") if ref in results}
+        r.update(rel)
+    print(json.dumps(out, indent=1))
+    print(f"\n| {args.shape} {args.batch} | tok/s | decode ms/step | prefill s | peak GiB | roofline | vs schedule | vs HF |")
+    for name, r in results.items():
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {r.get('prefill_s', float('nan')):.3f} | "
+              f"{r['peak_gib']:.2f} | {r.get('hbm_roofline_fraction', float('nan')):.2f} | {r.get('x_schedule', float('nan')):.2f} | "
+              f"{r.get('x_hf', float('nan')):.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
