@@ -28,6 +28,7 @@ from oumi_megatron.config.megatron_params import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
+    ROLLOUT_CUDA_GRAPHS,
     ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
@@ -287,6 +288,13 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
             "megatron.rollout_placement",
             f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
         )
+    graphs = str(m.rollout_cuda_graphs).lower()  # YAML may read true/false as booleans
+    if graphs not in ROLLOUT_CUDA_GRAPHS:
+        r.add("megatron.rollout_cuda_graphs",
+              f"unknown value {m.rollout_cuda_graphs!r}. Use one of {_fmt_choices(ROLLOUT_CUDA_GRAPHS)}.")
+    elif graphs == "true" and m.inference_backend != "megatron":
+        r.add("megatron.rollout_cuda_graphs", f"true applies to the embedded backend (inference_backend: megatron), "
+              f"not {m.inference_backend!r}, which runs its own decode loop. Remove it or set it to auto.")
     if not m.weight_sync_bucket_mb > 0:
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
     if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:

@@ -18,6 +18,7 @@ from oumi_megatron.config.base import BaseParams
 # (engine/parallel/schedules.py, rollout/registry.py); the fixed choices of plain fields are listed here.
 WEIGHT_SYNC_METHODS = ("nccl", "gloo", "checkpoint")
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
+ROLLOUT_CUDA_GRAPHS = ("auto", "true", "false")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
@@ -226,6 +227,11 @@ class MegatronParams(BaseParams):
     inference_backend: str = "megatron"
     """``megatron`` (embedded: generate with the policy's own weights), ``vllm``, or a backend a plugin registers
     (rollout/registry.py). ``sglang`` appears in the design document but is not implemented."""
+
+    rollout_cuda_graphs: str = "auto"
+    """The embedded backend's decode steps as CUDA graphs (rollout/decoding/): ``auto`` where they can run (CUDA,
+    one pipeline stage, dense layers; otherwise eager steps, and the log says why), ``true`` (an error where they
+    cannot), ``false`` (eager steps). vLLM engines capture their own graphs."""
 
     rollout_placement: str = "colocated"
     """vLLM engines: ``colocated`` (in the trainer's processes, sharing their GPUs, one engine per

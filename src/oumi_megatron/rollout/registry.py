@@ -53,7 +53,8 @@ def build_rollout_backend(ctx: RolloutContext) -> RolloutBackend:
 def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
-    return MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed)
+    return MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
+                                  cuda_graphs=str(ctx.config.megatron.rollout_cuda_graphs).lower())
 
 
 @register_rollout_backend("vllm")

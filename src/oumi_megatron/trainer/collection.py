@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,8 @@ class _Round:
     truncated: int
     errors: list[str]
     sample: dict[str, Any] | None
+    generation_s: float = 0.0
+    decode_ms_per_step: float | None = None
 
 
 def share_as_groups(first: int, count: int, group_size: int) -> tuple[list[int], int]:
@@ -99,7 +102,9 @@ class RolloutCollector:
         return StepBatch(**chosen, generated=Scores.cat([r.scores for r in rounds]),
                          prompts_truncated=sum(r.truncated for r in rounds),
                          prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
-                         reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample)
+                         reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample,
+                         generation_s=sum(r.generation_s for r in rounds),
+                         decode_ms_per_step=rounds[-1].decode_ms_per_step)
 
     # -- data order -------------------------------------------------------------------------------------------------
     def _next_rows(self, n: int) -> list[dict[str, Any]]:
@@ -136,14 +141,18 @@ class RolloutCollector:
         self._note_truncation(full_lengths, truncated)
         per_rank = len(rows) * G // dp
         groups, n = share_as_groups(dp_rank * per_rank, per_rank, G)
+        started = time.perf_counter()
         grouped = self.backend.generate([rendered[p][0] for p in groups], self.sampling, n,
                                         seed=self.rollout_seed(step, dp_rank, index))
+        generation_s = time.perf_counter() - started
+        stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
         rollouts = [r for group in grouped for r in group]
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
         rewards = self.rewards(prompts, completions, [rows[p] for p in groups for _ in range(n)])
         sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
-        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), truncated, rewards.errors, sample)
+        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), truncated, rewards.errors, sample,
+                      generation_s, None if stats is None else stats.decode_ms_per_step)
 
     def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
         """The whole round's scores on every rank, with the overlong punishment (``grpo.overlong_buffer_length``)."""

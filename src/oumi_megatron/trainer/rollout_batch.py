@@ -72,6 +72,10 @@ class StepBatch:
     reward_errors: list[str] = field(default_factory=list)
     sample: dict[str, Any] | None = None
     """This rank's first prompt, completion and reward (``grpo.log_completions``)."""
+    generation_s: float = 0.0
+    """This rank's time in the backend's ``generate`` (every round); the DP ranks generate at the same time."""
+    decode_ms_per_step: float | None = None
+    """The embedded backend's decode step time (its ``last_stats``); None for backends that do not report it."""
 
 
 def choose_groups(signal_per_round: list[torch.Tensor], wanted: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

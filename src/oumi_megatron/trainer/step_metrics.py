@@ -42,7 +42,11 @@ def reward_metrics(batch: StepBatch, grpo: MegatronGrpoParams) -> dict[str, Any]
         "completion_length/mean": gen.lengths.mean().item(),
         "completion_length/max": int(gen.lengths.max()),
         "completion_length/truncated_fraction": float((~gen.finished).double().mean()),
+        # generated tokens (every DP rank's) over the time in generate alone (no scoring, no weight sync)
+        "rollout/tokens_per_s": float(gen.lengths.sum()) / max(batch.generation_s, 1e-9),
     }
+    if batch.decode_ms_per_step is not None:
+        out["rollout/decode_ms_per_step"] = batch.decode_ms_per_step
     if g.overlong_buffer_length:
         out["reward/overlong_penalty"] = gen.overlong_penalty[valid].mean().item() if len(scored) else 0.0
     if g.dynamic_sampling:

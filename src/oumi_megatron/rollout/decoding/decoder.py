@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
 from oumi_megatron.rollout.decoding.static_cache import StaticKVCache
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("oumi")
 
-CUDA_GRAPH_CHOICES = ("auto", "true", "false")
 
 
 @dataclass
@@ -75,8 +75,8 @@ class GenerationStats:
 
 def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str]:
     """(replay decode steps as a CUDA graph, why) for ``megatron.rollout_cuda_graphs``."""
-    if requested not in CUDA_GRAPH_CHOICES:
-        raise ValueError(f"megatron.rollout_cuda_graphs must be one of {CUDA_GRAPH_CHOICES}, got {requested!r}")
+    if requested not in ROLLOUT_CUDA_GRAPHS:
+        raise ValueError(f"megatron.rollout_cuda_graphs must be one of {ROLLOUT_CUDA_GRAPHS}, got {requested!r}")
     if requested == "false":
         return False, "megatron.rollout_cuda_graphs: false"
     blocker = ("no CUDA device" if stages.device.type != "cuda" else

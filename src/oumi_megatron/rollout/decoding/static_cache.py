@@ -70,7 +70,7 @@ class CachedCoreAttention(torch.nn.Module):
 class StaticKVCache:
     """Keys and values of every attention layer of this rank for ``rows`` sequences of up to ``slots`` tokens."""
 
-    def __init__(self, attentions: list[torch.nn.Module], rows: int, slots: int, dtype: torch.dtype,
+    def __init__(self, attentions: list[Any], rows: int, slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.attentions = attentions
         self.cursor = CacheCursor(slot=torch.zeros(1, dtype=torch.long, device=device))
