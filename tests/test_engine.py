@@ -271,9 +271,31 @@ def test_kv_cache_generation_matches_recompute_and_hf(generation: dict) -> None:
     assert r["greedy_tokens"] == r["hf_greedy_tokens"]  # left-padded batch vs transformers, one prompt at a time
     assert r["sampled_kv_cache"] == r["sampled_no_cache"]  # same seed, same completions
     assert r["rows_ended_early"] >= 1  # EOS ends rows at different steps; their padding stays masked
+    _check_static_path(r)
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2", "--vpp", "2"]], ids=["pp2_vpp2"])  # TP: the layout tests' last-token logits
+STATIC_LOGPROB_ATOL = 1e-5  # fp32, static-cache decoder vs the schedule path; seen 0.0
+
+
+def _check_static_path(r: dict, reference: dict | None = None) -> None:
+    """The static-cache decoder (rollout/decoding/) against Megatron-Core's schedule path on 64 prompts of mixed
+    lengths with an EOS (greedy, fp32): the same tokens, the same logprobs; its groups' shared prefill equal to a
+    prefill per row; a seed's draw reproducible (and the same under another layout: ``reference``)."""
+    assert r["static_path"] == "static"  # the model is covered: no fallback to the schedule path
+    assert len(r["static_greedy_tokens"]) == 64
+    assert r["static_greedy_tokens"] == r["schedule_greedy_tokens"]
+    assert r["static_rows_ended_early"] >= 1
+    assert r["static_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL
+    assert r["static_grouped_tokens"] == r["static_per_row_tokens"]
+    assert r["static_sampled_runs"][0] == r["static_sampled_runs"][1]
+    assert r["static_sampled_distinct_in_groups"] > 16  # sampling, not one completion copied into every row
+    assert r["static_stats_tokens"] > 0
+    if reference is not None:
+        assert r["static_greedy_tokens"] == reference["static_greedy_tokens"]
+        assert r["static_sampled_runs"][0] == reference["static_sampled_runs"][0]
+
+
+@pytest.mark.parametrize("layout", [["--pp", "2", "--vpp", "2"], ["--tp", "2"]], ids=["pp2_vpp2", "tp2"])
 def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted: Path, workdir: Path, layout: list[str]) -> None:
     out = workdir / f"generation_{'_'.join(layout)}.json"
     _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
@@ -282,6 +304,7 @@ def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted:
     assert r["logits_max_abs_diff"] <= KV_ATOL
     assert r["greedy_tokens"] == generation["greedy_tokens"]
     assert r["sampled_kv_cache"] == r["sampled_no_cache"] == generation["sampled_kv_cache"]
+    _check_static_path(r, reference=generation)
 
 
 PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradients

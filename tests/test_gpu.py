@@ -220,7 +220,8 @@ def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactor
 
 
 def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """fp32 on the GPU: KV-cached generation equals re-running the prefix and transformers' greedy."""
+    """fp32 on the GPU: KV-cached generation equals re-running the prefix and transformers' greedy; the static-cache
+    decoder's CUDA graphs give the schedule path's tokens."""
     from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_kv")
@@ -233,6 +234,13 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
     assert r["logits_max_abs_diff"] <= 1e-4, r["logits_max_abs_diff"]  # TF32-free fp32 matmuls; seen on CPU 3e-7
     assert r["greedy_tokens"] == r["hf_greedy_tokens"]
     assert r["sampled_kv_cache"] == r["sampled_no_cache"]
+    # the static-cache decoder with CUDA-graph decode steps (issue 30) against the schedule path, fp32
+    assert "CUDA-graph decode steps" in r["static_decoder"], r["static_decoder"]
+    assert r["static_greedy_tokens"] == r["schedule_greedy_tokens"]
+    assert r["static_logprob_max_abs_diff"] <= 1e-4, r["static_logprob_max_abs_diff"]
+    assert r["static_grouped_tokens"] == r["static_per_row_tokens"]
+    assert r["static_sampled_runs"][0] == r["static_sampled_runs"][1]  # replayed graphs draw what a seed says
+    assert r["static_sampled_distinct_in_groups"] > 16
 
 
 @pytest.mark.parametrize(

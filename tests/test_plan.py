@@ -107,3 +107,18 @@ def test_plan_cli_prints_the_parts_and_says_whether_it_fits() -> None:
     proc = run_cli([*base, "--megatron.optimizer_config.optimizer_cpu_offload", "false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "will not fit" in proc.stdout and "optimizer_cpu_offload: true" in proc.stdout, proc.stdout
+
+
+def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_training_and_generation() -> None:
+    """TINY on PP 2, 128 completions of 32 tokens per step: the last stage's 2 layers cache K and V for 2 KV heads of 16
+    (bf16) per token, 2 x 2 x 2 x 16 x 2 x 128 x 32 = 1,048,576 B, plus four fp32 [128, 320] sampling buffers
+    (655,360 B); generation and training take turns, so the total counts the larger, not both."""
+    plan = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64)
+    assert plan.stage == 1
+    assert plan.rollout * GIB == pytest.approx(1_048_576 + 655_360, rel=1e-9)
+    assert plan.rollout > plan.activations + plan.logits  # many rows, short sequences: generation is the peak here
+    persistent = plan.weights + plan.grads + plan.optimizer
+    assert plan.total == pytest.approx(persistent + plan.rollout, rel=1e-9)
+    assert plan.training_peak == pytest.approx(persistent + plan.activations + plan.logits, rel=1e-9)
+    few = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=1)  # 2 completions: training's activations are the peak
+    assert few.total == pytest.approx(few.training_peak, rel=1e-9)

@@ -18,7 +18,10 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   1F1B's plus its deferred weight-gradient inputs, +10% as measured);
 - **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
   / TP); chunked logprobs keep about three fp32 chunks;
-- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU;
+- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU (held whole); embedded
+  rollouts: the static KV cache of the stage's layers (2 x layers x KV heads / TP x head dim x bf16, for this rank's
+  completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
+  It lives while generating, when no training activations or logits do: the total takes the larger of the two;
 - **overhead**: the CUDA context, NCCL buffers and allocator reserve outside ``max_memory_allocated`` (measured).
 
 ModuleQueue (last stage) subtracts seed 000's saving from the weights held during the passes, never below the
@@ -72,7 +75,7 @@ class MemoryPlan:
     @property
     def training_peak(self) -> float:
         """What ``torch.cuda.max_memory_allocated()`` of a training step should read (no rollout, no overhead)."""
-        return self.total - self.rollout - self.overhead
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
 
     @property
     def fits(self) -> bool | None:
@@ -159,6 +162,18 @@ def _in_flight(layout: ParallelLayout, stage: int, microbatches: int) -> float:
     return float(min(pp - stage, microbatches))
 
 
+def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, stage: int) -> float:
+    """The embedded backend's generation memory on one GPU of ``stage`` (rollout/decoding/): the static KV cache of
+    its layers for this rank's completions, and the last stage's fp32 logits-sized sampling buffers."""
+    rows = layout.completions_per_rollout / layout.data_parallel
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+    kv_heads = max(shape.num_key_value_heads / layout.tensor_parallel, 1)
+    layers = shape.num_layers / layout.pipeline_parallel
+    cache = 2 * layers * kv_heads * head_dim * 2 * rows * cfg.grpo.max_sequence_length
+    sampling = 4 * 4 * rows * shape.vocab_size if stage == layout.pipeline_parallel - 1 else 0.0
+    return cache + sampling
+
+
 def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
                     overhead_gib: float = CUDA_OVERHEAD_GIB) -> MemoryPlan:
     """Per-GPU memory of ``cfg`` (a MegatronTrainingConfig) for ``shape`` on ``layout`` (from validation)."""
@@ -202,9 +217,13 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
                 output = shape.vocab_size * shape.hidden_size / layout.tensor_parallel
                 saving = 2 * (params.layers - output / m.module_queue_num_chunks)
                 weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
-        rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
         overhead = overhead_gib * GIB
-        total = weights + grads + optimizer + activations + logits + rollout + overhead
+        if m.inference_backend == "megatron":  # generation and training take turns on the same memory
+            rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
+            total = weights + grads + optimizer + max(activations + logits, rollout) + overhead
+        else:
+            rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
+            total = weights + grads + optimizer + activations + logits + rollout + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
                           logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
                           gpu_memory_gib=gpu_memory_gib)
@@ -213,7 +232,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     if colocated_vllm and not gpu_memory_gib:
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
     if m.inference_backend == "megatron":
-        notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (not added)")
+        notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans)})
 
 

@@ -123,6 +123,7 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     draws = [[[r.completion_ids for r in g] for g in static.generate(prompts[:16], sampled, 4, seed=11)] for _ in range(2)]
     return {
         "static_path": static.path,
+        "static_decoder": static.last_stats.path if static.last_stats else None,  # graphs or eager steps, and why
         "static_greedy_tokens": [r.completion_ids for r in got],
         "schedule_greedy_tokens": [r.completion_ids for r in ref],
         "static_rows_ended_early": sum(1 for r in got if r.finished and len(r.completion_ids) < new),

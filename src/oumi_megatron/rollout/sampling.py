@@ -35,6 +35,7 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
     else:
         probs = logprobs[:, :vocab_size].exp()
         if params.top_p < 1.0:
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # the nucleus is a share of the usable vocabulary's mass
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least the top token)
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p

@@ -1,0 +1,76 @@
+"""The static-cache decoder's pieces that need no model: device-side token picking and the CUDA-graph decision.
+(The decoder itself against Megatron-Core's schedule path, under 1 rank, TP=2 and PP=2 x VPP=2:
+tests/test_engine.py, tests/workers/generation_worker.py.)"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oumi_megatron.rollout.decoding.decoder import resolve_cuda_graphs
+from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
+
+FREQ_ATOL = 0.015  # 40,000 draws: a frequency's standard error is <= 0.0025
+
+
+def _logits() -> torch.Tensor:
+    # 5 usable tokens and 3 columns of Megatron's vocab padding, the largest logits of all (never drawn)
+    return torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 9.0, 9.0, 9.0]])
+
+
+def test_greedy_takes_the_best_usable_token_and_reports_its_full_vocab_logprob() -> None:
+    tokens, logprobs = pick_tokens(_logits(), SamplingParams(greedy=True), vocab_size=5)
+    assert tokens.tolist() == [0]
+    assert logprobs.item() == pytest.approx(torch.log_softmax(_logits(), -1)[0, 0].item(), abs=1e-6)
+
+
+def test_sampling_follows_softmax_over_the_usable_vocab() -> None:
+    logits = _logits().expand(40_000, -1).contiguous()
+    params = SamplingParams(temperature=0.7)
+    tokens, logprobs = pick_tokens(logits, params, vocab_size=5, generator=torch.Generator().manual_seed(0))
+    assert int(tokens.max()) < 5
+    want = torch.softmax(logits[0, :5] / 0.7, -1)
+    got = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    assert (got - want.double()).abs().max().item() <= FREQ_ATOL
+    full = torch.log_softmax(logits[0] / 0.7, -1)  # the full vocabulary, padding included, as the trainer computes
+    assert torch.allclose(logprobs, full[tokens], atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    logits = _logits().expand(20_000, -1).contiguous()
+    # softmax over the 5 usable tokens: 0.563, 0.207, 0.126, 0.076, 0.028 -> top_p 0.75 keeps the first two
+    tokens, _ = pick_tokens(logits, SamplingParams(top_p=0.75), vocab_size=5, generator=torch.Generator().manual_seed(1))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_a_seed_draws_the_same_tokens() -> None:
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
+    draw = [pick_tokens(logits, SamplingParams(), 50, torch.Generator().manual_seed(5))[0] for _ in range(2)]
+    other = pick_tokens(logits, SamplingParams(), 50, torch.Generator().manual_seed(6))[0]
+    assert torch.equal(draw[0], draw[1])
+    assert not torch.equal(draw[0], other)
+
+
+def _stages(device: str, pp: int = 1, moe: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(device=torch.device(device), pp=pp, is_moe=moe)
+
+
+@pytest.mark.parametrize(("stages", "requested", "graphs", "why"), [
+    (_stages("cuda"), "auto", True, "auto"),
+    (_stages("cpu"), "auto", False, "no CUDA device"),
+    (_stages("cuda", pp=2), "auto", False, "PP > 1"),
+    (_stages("cuda", moe=True), "auto", False, "MoE"),
+    (_stages("cuda"), "false", False, "rollout_cuda_graphs: false"),
+    (_stages("cuda"), "true", True, "true"),
+])
+def test_cuda_graph_decision(stages: SimpleNamespace, requested: str, graphs: bool, why: str) -> None:
+    got, reason = resolve_cuda_graphs(requested, stages)  # type: ignore[arg-type]
+    assert got is graphs
+    assert why in reason
+
+
+def test_cuda_graphs_true_where_they_cannot_run_is_an_error_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"megatron.rollout_cuda_graphs: true.*PP > 1.*Set megatron.rollout_cuda_graphs: auto"):
+        resolve_cuda_graphs("true", _stages("cuda", pp=2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_cuda_graphs("sometimes", _stages("cuda"))  # type: ignore[arg-type]
