@@ -46,7 +46,8 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
     assert [r["step"] for r in rows] == list(range(1, 61))
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     for key in ("reward/char_class", "advantage/std", "kl", "clip_fraction", "completion_length/mean",
-                "completion_length/truncated_fraction", "tokens_per_s", "time/rollout_s", "time/train_s", "grad_norm", "entropy",
+                "completion_length/truncated_fraction", "tokens_per_s", "rollout/tokens_per_s", "rollout/decode_ms_per_step",
+                "time/rollout_s", "time/train_s", "grad_norm", "entropy",
                 "batch/padding_fraction", "perf/step_s", "perf/train_tokens_per_s", "perf/peak_host_memory_gib"):
         assert key in rows[-1], key
     # the embedded backend samples from the trainer's own weights (fp32): its logprobs (KV cache) equal
