@@ -114,7 +114,7 @@ class StaticCacheDecoder:
             steps = run.decode(self.graphs, self.check_every, self.engine.forward_peers_done)
             tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
             decode_s = time.perf_counter() - started - prefill_s
-            path = self.path if run.graphs_ran or not self.graphs else self.path.replace("CUDA-graph", "eager (capture failed)")
+            path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path
             stats = GenerationStats(path=path, rows=tokens.shape[0], tokens=_generated(tokens, params), prefill_s=prefill_s,
                                     decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes,
                                     capture_s=run.capture_s)
@@ -155,7 +155,7 @@ class _Generation:
         self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
         self.cursor = self.cache.cursor
         self.rotary = stages.rotary_table(slots)
-        self.graphs_ran = False
+        self.capture_failed = False
         self.capture_s = 0.0
         dtype = stages.config.params_dtype
         self.zero = torch.zeros((), dtype=dtype, device=device)
@@ -246,8 +246,8 @@ class _Generation:
         except RuntimeError as e:
             logger.warning("rollout: a CUDA graph of the decode step could not be captured (%s); decoding eagerly", e)
             self.cursor.kv_len = None
+            self.capture_failed = True
             return None
         torch.cuda.synchronize(self.stages.device)
         self.capture_s = time.perf_counter() - started
-        self.graphs_ran = True
         return graph
