@@ -1,0 +1,169 @@
+"""TRL's GRPOTrainer on the settings of configs/smollm2_arithmetic_gpu.yaml: the TRL rows of issue 31's comparison.
+
+    python scripts/bench_grpo_trl.py --model HF_DIR --rows ROWS_DIR --steps 20 --out trl.json [--vllm]
+
+Groundwork for ``scripts/bench_grpo.py`` (issue 31, in progress): the same model, rows (Oumi's gsm8k-transformed
+rows, scripts/prepare_gpu_real_model.py), reward (Oumi's ``gsm8k`` with ``format_score`` 0.1), 16 prompts x 8
+completions per GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5 constant, no KL,
+token-mean loss (TRL's ``dapo``), group-scaled advantages, no gradient checkpointing (ours runs without recompute),
+bf16 on CUDA. TRL counts optimizer steps, so ``max_steps`` is 2 x ``--steps``. ``--vllm``: TRL's
+``use_vllm=True, vllm_mode="colocate"``.
+
+Per GRPO step: wall time, the time in TRL's generate-and-score, prompt + completion tokens processed (TRL's
+``num_tokens``), reward; peak memory; written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_rows(rows_dir: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Oumi's gsm8k rows as TRL dataset rows: the chat prompt and the reward's columns."""
+    out = []
+    for line in (rows_dir / "train.rows.jsonl").read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.append({"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+                        "data_source": r["data_source"]})
+    return out[:limit] if limit else out
+
+
+def gsm8k_reward_for_trl(rows_dir: Path, format_score: float) -> Any:
+    """Oumi's gsm8k reward (its own source, as tests/workers/real_model_worker.py loads it) in TRL's signature."""
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    from real_model_worker import oumi_gsm8k_reward
+
+    score = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
+
+    def gsm8k(prompts: list, completions: list, ground_truth: list[str], data_source: list[str], **_: Any) -> list[float]:
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(score(d, t, g, None, format_score=format_score)) for d, t, g in zip(data_source, texts, ground_truth)]
+
+    return gsm8k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--rows", required=True)
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps (16 prompts x 8 completions each)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM rollouts")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step")
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args()
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows_dir = Path(args.rows)
+    completions = args.prompts * args.generations
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=str(Path(args.out).with_suffix("")) + "_trl_run",
+        per_device_train_batch_size=completions // 4,  # 32: two micro-batches per optimizer step of 64
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,  # one generation of 128 completions feeds two optimizer steps
+        num_generations=args.generations,
+        max_completion_length=args.max_new_tokens,
+        temperature=0.7,
+        top_p=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=2 * args.steps,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=42,
+        use_vllm=args.vllm,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=args.vllm,
+    )
+    dataset = Dataset.from_list(load_rows(rows_dir, limit=args.prompts * (args.steps + 1)))
+    trainer = GRPOTrainer(model=args.model, reward_funcs=gsm8k_reward_for_trl(rows_dir, 0.1), args=config,
+                          train_dataset=dataset)
+
+    # generation time: TRL's own generate-and-score, timed around the bound method
+    generation_s: list[float] = []
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        out = generate(*a, **k)
+        if cuda:
+            torch.cuda.synchronize()
+        generation_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
+
+    generation_logs: list[dict[str, float]] = []
+    step_ends: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            step_ends.append(time.perf_counter())
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **k: Any) -> None:
+            if logs and "reward" in logs:  # once per generation (GRPO step): its reward and cumulative num_tokens
+                generation_logs.append(dict(logs))
+
+    trainer.add_callback(Record())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    # per GRPO step = two optimizer steps
+    ends = [started, *step_ends]
+    step_s = [ends[i + 2] - ends[i] for i in range(0, len(ends) - 2, 2)]
+    seen = [0.0] + [float(g["num_tokens"]) for g in generation_logs]
+    tokens = [b - a for a, b in zip(seen, seen[1:])]  # prompt + completion tokens of each GRPO step
+    rewards = [float(g["reward"]) for g in generation_logs]
+    steady = slice(1, None) if len(step_s) > 1 else slice(None)  # step 1 warms up (compilation, allocator)
+    result = {
+        "name": "trl_vllm_colocate" if args.vllm else "trl_hf_generate",
+        "card": torch.cuda.get_device_name() if cuda else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "trl": __import__("trl").__version__,
+        "grpo_steps": len(step_s),
+        "step_s": step_s,
+        "generation_s": generation_s,
+        "tokens": tokens,
+        "tokens_per_s_per_gpu": sum(tokens[steady]) / sum(step_s[steady]),
+        "reward": rewards,
+        "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
+        "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "settings": {k: getattr(config, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                       "steps_per_generation", "num_generations", "max_completion_length",
+                                                       "temperature", "loss_type", "scale_rewards", "learning_rate",
+                                                       "use_vllm", "vllm_mode", "gradient_checkpointing")},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("step_s", "generation_s", "tokens", "reward")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
