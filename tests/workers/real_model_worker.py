@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint interval (default: the config's): a run "
                    "cut off by a device call's time limit resumes from its last checkpoint")
     p.add_argument("--eval-base", action="store_true", help="also evaluate the base model with `eval`'s path")
+    p.add_argument("--no-eval", action="store_true", help="throughput runs (scripts/bench_grpo.py): no held-out "
+                   "evaluation during training or of the exported model")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -88,7 +90,7 @@ def main() -> None:
     training = SimpleNamespace(
         output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
         enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=True,
-        eval_strategy=t["eval_strategy"], eval_steps=t["eval_steps"],
+        eval_strategy="no" if args.no_eval else t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
         include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,
     )
@@ -133,10 +135,15 @@ def main() -> None:
         result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.split("/")[0] in eval_sets}
                                 for m in metrics if "eval/reward_mean" in m]
         result["train"] = [{k: m.get(k) for k in ("step", "reward/mean", "completion_length/mean", "time/rollout_s",
-                                                   "time/train_s", "time/logprob_s", "tokens_per_s",
-                                                   "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
+                                                   "time/train_s", "time/logprob_s", "time/sync_s", "tokens_per_s",
+                                                   "perf/step_s", "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
+                                                   "batch/real_tokens", "rollout/tokens_per_s", "rollout/decode_ms_per_step",
                                                    "mismatch/mean_abs_diff", "mismatch/max_abs_diff")}
                            for m in metrics if "reward/mean" in m]
+    if args.no_eval:
+        if dist.get_rank() == 0:
+            (work / "result.json").write_text(json.dumps(result, indent=1))
+        return
     result["hf_model_eval"] = held_out(out / "hf_model")
     if dist.get_rank() == 0:
         (work / "result.json").write_text(json.dumps(result, indent=1))
