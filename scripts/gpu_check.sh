@@ -11,6 +11,8 @@
 # in one call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =rollout generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT,
+# =grpo whole GRPO runs of the real task, this project vs TRL (scripts/bench_grpo.py; GPU_CHECK_REAL_MODEL, GPU_CHECK_GRPO_STEPS,
+# GPU_CHECK_GRPO_PATHS; trl, datasets, dill, multiprocess wheels in .whl/),
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
@@ -106,6 +108,11 @@ if want rollout; then  # rollout generation: static-cache decoder (graphs / eage
       > "$RESULTS/rollout_$1_$2.log" 2>&1 || tail -30 "$RESULTS/rollout_$1_$2.log"
     grep -A6 "^| $1" "$RESULTS/rollout_$1_$2.log"
   done
+fi
+if want grpo; then  # whole GRPO runs against TRL (scripts/bench_grpo.py; the real task: GPU_CHECK_REAL_MODEL names the GGUF)
+  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -2
+  python3 scripts/bench_grpo.py --model output/smollm2_135m_instruct --rows .gpu_real/rows --steps "${GPU_CHECK_GRPO_STEPS:-20}" \
+    --paths "${GPU_CHECK_GRPO_PATHS:-embedded,trl}" --out "$RESULTS/grpo" 2>&1 | tail -8
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do
