@@ -68,7 +68,8 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.rollout.decoding.static_cache import kv_bytes_per_token
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import kv_cache_bytes_per_token
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
@@ -76,7 +77,8 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
     params.transformer_config.recompute_granularity = None
     _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=10), dtype=torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for c in engine.model for p in c.parameters())
-    kv_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, 2)
+    shape = ModelShape.from_config_dict(cfg.to_dict(), "bench_rollout")
+    kv_token = kv_cache_bytes_per_token(shape, shape.num_layers)
     rows, width = len(prompts) * n, len(prompts[0])
     # a decode step must read every weight once and each row's keys/values so far (mean over the steps)
     step_bytes = weight_bytes + rows * kv_token * (width + new / 2)

@@ -48,6 +48,11 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def head_size(self) -> int:
+        """Per-head size: ``head_dim``, or hidden_size / num_attention_heads where config.json has none."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], source: str) -> ModelShape:
         # Multimodal configs nest the language model's settings.

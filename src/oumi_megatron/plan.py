@@ -107,8 +107,7 @@ class _Params:
 def _widths(shape: ModelShape) -> tuple[int, int, int, int, int]:
     """(hidden, query width, key/value width, dense FFN, one expert's FFN), with config.json's defaults
     (head_dim = hidden / heads, FFN 4 x hidden)."""
-    h = shape.hidden_size
-    d = shape.head_dim or h // shape.num_attention_heads
+    h, d = shape.hidden_size, shape.head_size
     ffn = shape.intermediate_size or 4 * h
     return h, d * shape.num_attention_heads, d * shape.num_key_value_heads, ffn, shape.moe_intermediate_size or ffn
 
@@ -162,14 +161,18 @@ def _in_flight(layout: ParallelLayout, stage: int, microbatches: int) -> float:
     return float(min(pp - stage, microbatches))
 
 
+def kv_cache_bytes_per_token(shape: ModelShape, layers: float, tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:
+    """Keys and values one token keeps in the embedded backend's static cache on one GPU holding ``layers`` layers
+    (the KV heads split over TP, one each at least)."""
+    return 2 * layers * max(shape.num_key_value_heads / tensor_parallel, 1) * shape.head_size * dtype_bytes
+
+
 def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, stage: int) -> float:
     """The embedded backend's generation memory on one GPU of ``stage`` (rollout/decoding/): the static KV cache of
     its layers for this rank's completions, and the last stage's fp32 logits-sized sampling buffers."""
     rows = layout.completions_per_rollout / layout.data_parallel
-    head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
-    kv_heads = max(shape.num_key_value_heads / layout.tensor_parallel, 1)
-    layers = shape.num_layers / layout.pipeline_parallel
-    cache = 2 * layers * kv_heads * head_dim * 2 * rows * cfg.grpo.max_sequence_length
+    per_token = kv_cache_bytes_per_token(shape, shape.num_layers / layout.pipeline_parallel, layout.tensor_parallel)
+    cache = per_token * rows * cfg.grpo.max_sequence_length
     sampling = 4 * 4 * rows * shape.vocab_size if stage == layout.pipeline_parallel - 1 else 0.0
     return cache + sampling
 

@@ -288,7 +288,7 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
             "megatron.rollout_placement",
             f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
         )
-    graphs = str(m.rollout_cuda_graphs).lower()  # YAML may read true/false as booleans
+    graphs = m.rollout_cuda_graphs_choice
     if graphs not in ROLLOUT_CUDA_GRAPHS:
         r.add("megatron.rollout_cuda_graphs",
               f"unknown value {m.rollout_cuda_graphs!r}. Use one of {_fmt_choices(ROLLOUT_CUDA_GRAPHS)}.")

@@ -36,7 +36,8 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend, left_padded_batch
+    from oumi_megatron.rollout.decoding.padding import left_padded_batch
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,

@@ -47,7 +47,7 @@ def main() -> None:
         ref_lp = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))[:, :-1]
         # generation's path: last-position logits of left-padded prompts with an explicit mask
-        from oumi_megatron.rollout.megatron_backend import left_padded_batch
+        from oumi_megatron.rollout.decoding.padding import left_padded_batch
 
         prompts = [ids[0, :20].tolist(), ids[1, :32].tolist()]
         pid, ppos, pmask = left_padded_batch(prompts, pad_id=0)

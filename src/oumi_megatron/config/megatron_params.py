@@ -242,6 +242,12 @@ class MegatronParams(BaseParams):
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
 
     @property
+    def rollout_cuda_graphs_choice(self) -> str:
+        """``rollout_cuda_graphs`` spelled as in ROLLOUT_CUDA_GRAPHS: YAML reads true/false as booleans, which the
+        string field then holds as 'True'/'False'."""
+        return str(self.rollout_cuda_graphs).lower()
+
+    @property
     def parallel_sizes(self) -> tuple[int, int, int, int]:
         """(TP, PP, CP, EP)."""
         return (

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
-from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder
-from oumi_megatron.rollout.decoding.padding import left_pad, left_padded_batch, positions_and_mask
+from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
+from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("oumi")
 
 PATHS = ("static", "schedule", "recompute")
-__all__ = ["MegatronRolloutBackend", "PATHS", "left_padded_batch"]
 
 
 class MegatronRolloutBackend:
@@ -78,7 +77,7 @@ class MegatronRolloutBackend:
         else:
             started = time.perf_counter()
             tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
-            self.last_stats = GenerationStats(path=self.path, rows=rows, tokens=int(tokens.numel()), prefill_s=0.0,
+            self.last_stats = GenerationStats(path=self.path, tokens=generated_tokens(tokens, params), prefill_s=0.0,
                                               decode_steps=tokens.shape[1], decode_s=time.perf_counter() - started)
         out = []
         for i in range(rows):

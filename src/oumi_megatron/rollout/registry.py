@@ -54,7 +54,7 @@ def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
     return MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
-                                  cuda_graphs=str(ctx.config.megatron.rollout_cuda_graphs).lower())
+                                  cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice)
 
 
 @register_rollout_backend("vllm")

@@ -42,13 +42,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("oumi")
 
 
-
 @dataclass
 class GenerationStats:
     """One ``generate`` call of the embedded backend (this rank)."""
 
     path: str
-    rows: int
     tokens: int
     """Generated tokens up to and including each row's EOS."""
     prefill_s: float
@@ -57,14 +55,6 @@ class GenerationStats:
     kv_cache_bytes: int = 0
     capture_s: float = 0.0
     """Of ``decode_s``: the eager step and the capture of the CUDA graph (once per call)."""
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
 
     @property
     def decode_ms_per_step(self) -> float:
@@ -115,13 +105,14 @@ class StaticCacheDecoder:
             tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
             decode_s = time.perf_counter() - started - prefill_s
             path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path
-            stats = GenerationStats(path=path, rows=tokens.shape[0], tokens=_generated(tokens, params), prefill_s=prefill_s,
+            stats = GenerationStats(path=path, tokens=generated_tokens(tokens, params), prefill_s=prefill_s,
                                     decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes,
                                     capture_s=run.capture_s)
         return tokens, logprobs, stats
 
 
-def _generated(tokens: torch.Tensor, params: SamplingParams) -> int:
+def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
+    """Tokens of ``tokens`` [rows, T] a generation produced: each row's up to and including its first EOS."""
     if params.eos_token_id is None:
         return tokens.numel()
     ended = (tokens == params.eos_token_id).int()
@@ -180,7 +171,8 @@ class _Generation:
     def decode_step(self, kv_len: int | None) -> None:
         """Feed the newest token of every row at ``cursor.slot``; pick and record the next one."""
         valid = self.valid if kv_len is None else self.valid[:, :kv_len]
-        positions = valid.sum(dim=-1, keepdim=True) - 1  # each row's own (learned absolute embeddings)
+        # each row's own position, for learned absolute embeddings only (RoPE uses the cache slot)
+        positions = valid.sum(dim=-1, keepdim=True) - 1 if self.stages.learned_positions else None
         rotary = None if self.rotary is None else self.rotary.index_select(0, self.cursor.slot)
         self.cursor.kv_len = kv_len
         logits = self.stages.forward(self.current, positions, self._mask(valid), rotary)
@@ -245,7 +237,6 @@ class _Generation:
                 self.decode_step(None)
         except RuntimeError as e:
             logger.warning("rollout: a CUDA graph of the decode step could not be captured (%s); decoding eagerly", e)
-            self.cursor.kv_len = None
             self.capture_failed = True
             return None
         torch.cuda.synchronize(self.stages.device)

@@ -55,12 +55,12 @@ class PolicyStages:
     def __init__(self, engine: MegatronEngine) -> None:
         from megatron.core import parallel_state as ps
 
-        self.engine = engine
         self.chunks = [unwrap(c) for c in engine.model]
         self.config = self.chunks[0].config
         self.device = engine.device
         self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.learned_positions = self.chunks[0].position_embedding_type == "learned_absolute"
+        """The embedding adds learned absolute position embeddings (it reads position ids; RoPE models do not)."""
         self.attentions = [layer.self_attention for c in self.chunks for layer in c.decoder.layers]
         self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         if self.pp > 1:
@@ -88,7 +88,7 @@ class PolicyStages:
         rotary = getattr(self.chunks[0], "rotary_pos_emb", None)
         return None if rotary is None else rotary.get_emb(slots).to(self.device)
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor,
                 rotary: torch.Tensor | None) -> torch.Tensor | None:
         """Logits [rows, vocab] (the model's dtype; the whole vocabulary, every TP rank) at the last of ``ids``' positions on the
         last pipeline stage; None on the others. ``mask``: True where attention is not allowed."""

@@ -97,7 +97,3 @@ class StaticKVCache:
             for a, inner in zip(self.attentions, originals):
                 a.core_attention = inner
 
-
-def kv_bytes_per_token(num_layers: int, num_query_groups: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes of cache one token takes on one rank holding ``num_layers`` layers (keys and values)."""
-    return 2 * num_layers * max(num_query_groups // tp, 1) * head_dim * dtype_bytes
