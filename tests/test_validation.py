@@ -84,6 +84,8 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"rollout_cuda_graphs": "always"}, DENSE, 1, "megatron.rollout_cuda_graphs", "'auto', 'true', 'false'"),
         ({"rollout_cuda_graphs": "true", "inference_backend": "vllm"}, DENSE, 1, "megatron.rollout_cuda_graphs",
          "applies to the embedded backend"),
+        ({"rollout_cuda_graphs": "true", "pipeline_model_parallel_size": 2}, DENSE, 2, "megatron.rollout_cuda_graphs",
+         "pipeline_model_parallel_size > 1"),
         ({"pipeline_schedule": "gpipe"}, DENSE, 1, "megatron.pipeline_schedule", "Registered: '1f1b', 'interleaved', 'none', 'zb_h1'"),
         ({"pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved"}, DENSE, 2,
          "megatron.pipeline_schedule", "needs megatron.virtual_pipeline_model_parallel_size"),

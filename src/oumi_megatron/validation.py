@@ -295,6 +295,9 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
     elif graphs == "true" and m.inference_backend != "megatron":
         r.add("megatron.rollout_cuda_graphs", f"true applies to the embedded backend (inference_backend: megatron), "
               f"not {m.inference_backend!r}, which runs its own decode loop. Remove it or set it to auto.")
+    elif graphs == "true" and m.pipeline_model_parallel_size > 1:
+        r.add("megatron.rollout_cuda_graphs", "true cannot run with pipeline_model_parallel_size > 1: pipeline stages "
+              "exchange activations every token, so decode steps run eagerly. Set it to auto.")
     if not m.weight_sync_bucket_mb > 0:
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
     if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
