@@ -1,16 +1,25 @@
-"""Whole GRPO runs, this project against TRL, same task and settings, one GPU, one call (issue 31, in progress).
+"""Whole GRPO runs, this project against TRL, same task and settings, one GPU, one call (issue 31).
 
     python scripts/bench_grpo.py --model HF_DIR --rows ROWS_DIR --steps 20 --out DIR [--paths embedded,vllm,trl,trl_vllm]
+    python scripts/bench_grpo.py --task scale --model DIR --rows DIR --out DIR   # builds the model and rows if missing
 
-Rows (each in its own process, one after another):
-- ``embedded``: this project, configs/smollm2_arithmetic_gpu.yaml's settings, the embedded backend
-  (tests/workers/real_model_worker.py --no-eval: the same trainer as ``oumi train``);
+Tasks:
+- ``real``: configs/smollm2_arithmetic_gpu.yaml's model (SmolLM2-135M-Instruct), rows and reward (Oumi's gsm8k);
+- ``scale``: a random-weight Qwen2.5-1.5B-shaped model with fixed-length completions and a cheap reward
+  (examples/scale_task.py), built into ``--model`` / ``--rows`` when they are missing.
+
+Rows (each in its own process, one after another), all at the real task's settings (16 prompts x 8 completions per
+GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5 constant, no KL, bf16):
+- ``embedded``: this project with the embedded backend (tests/workers/real_model_worker.py --no-eval: the same
+  trainer as ``oumi train``);
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
 - ``trl``: TRL's GRPOTrainer with HF ``generate`` rollouts (scripts/bench_grpo_trl.py, the settings written there);
 - ``trl_vllm``: TRL with ``use_vllm=True, vllm_mode="colocate"``.
 
 Per row: tokens/s/GPU (prompt + completion tokens of the step's batch over the step time, NeMo-RL's definition;
-step 1, the warm-up, left out), step time and its split, peak memory, reward at the first and last 10 steps.
+step 1, the warm-up, left out), step time and its split (ours: weight sync, wake, rollout, sleep, logprobs, train;
+TRL: generate-and-score, which includes its old-logprob pass, and the rest), peak memory (PyTorch's allocator: a
+vLLM engine's own pool is not in it), mean completion length, reward at the first and last 10 steps.
 ``--prompts/--generations/--max-new-tokens`` shrink the run (CPU smoke tests).
 """
 
@@ -19,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,24 +41,27 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_arithmetic_gpu.yaml"
 
 
-def ours_config(out: Path, steps: int, backend: str, prompts: int, generations: int, new_tokens: int) -> Path:
+def ours_config(out: Path, args: argparse.Namespace, backend: str) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end."""
     raw = yaml.safe_load(CONFIG.read_text())
-    completions = prompts * generations
-    raw["training"].update(max_steps=steps, save_steps=0)
+    completions = args.prompts * args.generations
+    raw["training"].update(max_steps=args.steps, save_steps=0)
     raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4)
-    raw["grpo"].update(num_generations=generations, max_completion_length=new_tokens)
-    path = out / f"{backend}.yaml"
+    raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
+    if args.task == "scale":
+        raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
+    path = out / f"{args.task}_{backend}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
 def run_ours(args: argparse.Namespace, out: Path, backend: str) -> dict[str, Any]:
-    work = out / f"ours_{backend}"
-    cfg = ours_config(out, args.steps, backend, args.prompts, args.generations, args.max_new_tokens)
+    work = out / f"{args.task}_ours_{backend}"
+    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
+    cfg = ours_config(out, args, backend)
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
-           "--model", args.model, "--no-eval"]
-    _run(cmd, out / f"ours_{backend}.log")
+           "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
+    _run(cmd, out / f"{args.task}_ours_{backend}.log")
     train = json.loads((work / "result.json").read_text())["train"]
     steady = train[1:] if len(train) > 1 else train
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
@@ -58,28 +72,34 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str) -> dict[str, Any
         "step_s": sum(step_s) / len(step_s),
         "rollout_s": _mean(steady, "time/rollout_s"), "logprob_s": _mean(steady, "time/logprob_s"),
         "train_s": _mean(steady, "time/train_s"), "sync_s": _mean(steady, "time/sync_s"),
+        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
+        "completion_length": _mean(train, "completion_length/mean"),
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]), "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "steps": len(train),
     }
 
 
 def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
-    name = "trl_vllm" if vllm else "trl"
+    name = f"{args.task}_trl_vllm" if vllm else f"{args.task}_trl"
     result = out / f"{name}.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo_trl.py"), "--model", args.model, "--rows", args.rows,
            "--steps", str(args.steps), "--out", str(result), "--prompts", str(args.prompts), "--generations",
-           str(args.generations), "--max-new-tokens", str(args.max_new_tokens), *(["--vllm"] if vllm else [])]
+           str(args.generations), "--max-new-tokens", str(args.max_new_tokens), "--task", args.task,
+           *(["--vllm"] if vllm else [])]
     _run(cmd, out / f"{name}.log")
     r = json.loads(result.read_text())
     steady = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
-    gen = r["generation_s"][steady]
+    gen, step_s = r["generation_s"][steady], r["step_s"][steady]
+    lengths = [x for x in r.get("completion_length", []) if x == x]
     return {
         "name": f"TRL {r['trl']} ({'vLLM colocate' if vllm else 'HF generate'})",
         "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
-        "step_s": sum(r["step_s"][steady]) / len(r["step_s"][steady]),
+        "step_s": sum(step_s) / len(step_s),
         "rollout_s": sum(gen) / max(len(gen), 1),
+        "train_s": (sum(step_s) - sum(gen)) / len(step_s),  # the two optimizer steps and TRL's bookkeeping
         "peak_gib": r["peak_gib"], "reward_first10": r["reward_first10"], "reward_last10": r["reward_last10"],
+        "completion_length": sum(lengths) / len(lengths) if lengths else None,
         "steps": r["grpo_steps"],
     }
 
@@ -89,16 +109,55 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+class RowFailed(RuntimeError):
+    """A row's process failed; its log's tail is the message."""
+
+
 def _run(cmd: list[str], log: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd[:3])} failed ({proc.returncode}); its log: {log}\n" + log.read_text()[-3000:])
+        tail = log.read_text()[-3000:]
+        print(f"{' '.join(cmd[:3])} failed ({proc.returncode}); its log: {log}\n{tail}", flush=True)
+        raise RowFailed(f"exit {proc.returncode}: " + tail[-600:].replace("\n", " | "))
+
+
+def prepare_scale(args: argparse.Namespace) -> None:
+    """The scale task's model and rows, built where they are missing (examples/scale_task.py)."""
+    from oumi_megatron.examples.scale_task import build_scale_model, write_scale_rows
+
+    if not (Path(args.model) / "config.json").is_file():  # a folder already there is used as it is (smoke tests: small)
+        build_scale_model(args.model)
+    if not (Path(args.rows) / "train.rows.jsonl").is_file():
+        write_scale_rows(args.rows)
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The markdown table of docs/benchmarks.md, with each row's ratio to TRL's best mode (tokens/s/GPU)."""
+    trl = [r["tokens_per_s_per_gpu"] for r in rows if r["name"].startswith("TRL")]
+    best_trl = max(trl) if trl else None
+    lines = [f"| {args.task}: {args.steps} GRPO steps of {args.prompts} x {args.generations}, {args.max_new_tokens} new tokens "
+             "| tokens/s/GPU | vs TRL's best | step s | sync + wake + sleep s | rollout s | logprobs s | train s "
+             "| peak GiB | completion tokens | reward first 10 -> last 10 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        memory = [float(r[k]) for k in ("sync_s", "wake_s", "sleep_s") if r.get(k) is not None]
+        ratio = f"{r['tokens_per_s_per_gpu'] / best_trl:.2f}x" if best_trl else "-"
+        lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.2f} | "
+                     f"{_fmt(sum(memory) if memory else None, '.3f')} | {_fmt(r.get('rollout_s'))} | "
+                     f"{_fmt(r.get('logprob_s'))} | {_fmt(r.get('train_s'))} | {_fmt(r.get('peak_gib'), '.1f')} | "
+                     f"{_fmt(r.get('completion_length'), '.0f')} | {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--task", default="real", choices=("real", "scale"))
     p.add_argument("--model", required=True)
     p.add_argument("--rows", required=True)
     p.add_argument("--steps", type=int, default=20)
@@ -110,22 +169,27 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    if args.task == "scale":
+        prepare_scale(args)
+    rows, failed = [], []
     for path in args.paths.split(","):
-        if path in ("embedded", "vllm"):
-            rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm"))
-        elif path in ("trl", "trl_vllm"):
-            rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
-        else:
+        if path not in ("embedded", "vllm", "trl", "trl_vllm"):
             raise SystemExit(f"--paths: embedded, vllm, trl or trl_vllm, not {path!r}")
-    (out / "result.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n| {args.steps} GRPO steps, {args.prompts} x {args.generations} | tokens/s/GPU | step s | rollout s | peak GiB "
-          "| reward first 10 -> last 10 |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-        print(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {peak} | "
-              f"{r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
+        try:  # one row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers
+            if path in ("embedded", "vllm"):
+                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm"))
+            else:
+                rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
+        except RowFailed as e:
+            failed.append(f"{path}: {e}")
+        (out / f"{args.task}_result.json").write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+    import torch
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{time.strftime('%Y-%m-%d')}, {card}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`\n")
+    print(table(rows, args))
+    for f in failed:
+        print(f"FAILED {f}")
 
 
 if __name__ == "__main__":

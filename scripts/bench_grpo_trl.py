@@ -10,7 +10,10 @@ bf16 on CUDA. TRL counts optimizer steps, so ``max_steps`` is 2 x ``--steps``. `
 ``use_vllm=True, vllm_mode="colocate"``.
 
 Per GRPO step: wall time, the time in TRL's generate-and-score, prompt + completion tokens processed (TRL's
-``num_tokens``), reward; peak memory; written to ``--out``.
+``num_tokens``), reward, mean completion length; peak memory; written to ``--out``. ``--task scale``: the
+random-weight Qwen2.5-1.5B-shaped model of examples/scale_task.py and its cheap reward.
+The model loads in fp32 and trains under bf16 autocast (TRL's default: mixed precision, as this project's fp32 main
+weights); colocated vLLM gets this project's memory fraction (0.4) and maximum length (256 + new tokens).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ def gsm8k_reward_for_trl(rows_dir: Path, format_score: float) -> Any:
     return gsm8k
 
 
+def scale_reward() -> Any:
+    """The scale task's cheap reward (examples/scale_task.py), the same function this project's run scores with."""
+    from oumi_megatron.examples.scale_task import char_diversity
+
+    return char_diversity
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -62,6 +72,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step")
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--task", default="real", choices=("real", "scale"),
+                   help="real: Oumi's gsm8k reward; scale: the random-weight model's cheap reward (examples/scale_task.py)")
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.4, help="this project's default, for parity")
     args = p.parse_args()
 
     from datasets import Dataset
@@ -97,11 +110,13 @@ def main() -> None:
         seed=42,
         use_vllm=args.vllm,
         vllm_mode="colocate",
-        vllm_enable_sleep_mode=args.vllm,
+        vllm_enable_sleep_mode=args.vllm and cuda,  # vLLM has no sleep mode on CPU
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_max_model_length=256 + args.max_new_tokens,  # this project's engine: max_prompt_length + completion
     )
     dataset = Dataset.from_list(load_rows(rows_dir, limit=args.prompts * (args.steps + 1)))
-    trainer = GRPOTrainer(model=args.model, reward_funcs=gsm8k_reward_for_trl(rows_dir, 0.1), args=config,
-                          train_dataset=dataset)
+    reward = gsm8k_reward_for_trl(rows_dir, 0.1) if args.task == "real" else scale_reward()
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=dataset)
 
     # generation time: TRL's own generate-and-score, timed around the bound method
     generation_s: list[float] = []
@@ -127,7 +142,7 @@ def main() -> None:
             step_ends.append(time.perf_counter())
 
         def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **k: Any) -> None:
-            if logs and "reward" in logs:  # once per generation (GRPO step): its reward and cumulative num_tokens
+            if logs and "reward" in logs:  # once per generation (GRPO step): its reward, cumulative num_tokens, lengths
                 generation_logs.append(dict(logs))
 
     trainer.add_callback(Record())
@@ -153,6 +168,7 @@ def main() -> None:
         "tokens": tokens,
         "tokens_per_s_per_gpu": sum(tokens[steady]) / sum(step_s[steady]),
         "reward": rewards,
+        "completion_length": [float(g.get("completions/mean_length", float("nan"))) for g in generation_logs],
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
         "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -162,7 +178,8 @@ def main() -> None:
                                                        "use_vllm", "vllm_mode", "gradient_checkpointing")},
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("step_s", "generation_s", "tokens", "reward")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("step_s", "generation_s", "tokens", "reward", "completion_length")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
 # in one call),
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =rollout generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT,
-# =grpo whole GRPO runs of the real task, this project vs TRL (scripts/bench_grpo.py; GPU_CHECK_REAL_MODEL, GPU_CHECK_GRPO_STEPS,
-# GPU_CHECK_GRPO_PATHS; trl, datasets, dill, multiprocess wheels in .whl/),
+# =grpo whole GRPO runs, this project vs TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS ("real scale";
+# real needs GPU_CHECK_REAL_MODEL), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS (embedded,vllm,trl,trl_vllm); trl,
+# datasets, dill, multiprocess wheels in .whl/),
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
@@ -61,18 +62,21 @@ fi
 # The real-model run (configs/smollm2_arithmetic_gpu.yaml) when GPU_CHECK_REAL_MODEL names the GGUF file:
 # rows and Oumi's gsm8k reward from .gpu_real/rows (scripts/prepare_gpu_real_model.py), GGUF -> HF here.
 # GPU_CHECK_REAL_STEPS caps the steps (a run resumes from output/ on a machine still warm);
+# GPU_CHECK_REAL_BACKEND=vllm runs it with vLLM rollouts (output/real_gpu_vllm);
 # GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back; GPU_CHECK_REAL_SAVE_STEPS checkpoints more
 # often than the config (a run stopped by the budget resumes from its last checkpoint in the next call).
 if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
   [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -4
-  timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml output/real_gpu \
+  REAL_OUT=output/real_gpu${GPU_CHECK_REAL_BACKEND:+_$GPU_CHECK_REAL_BACKEND}
+  timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml "$REAL_OUT" \
       --rows .gpu_real/rows ${GPU_CHECK_REAL_STEPS:+--max-steps "$GPU_CHECK_REAL_STEPS"} ${GPU_CHECK_REAL_BASE:+--eval-base} \
+      ${GPU_CHECK_REAL_BACKEND:+--inference-backend "$GPU_CHECK_REAL_BACKEND"} \
       ${GPU_CHECK_REAL_SAVE_STEPS:+--save-steps "$GPU_CHECK_REAL_SAVE_STEPS"} \
       > "$RESULTS/real_model.log" 2>&1
-  echo "real-model run exit $? ($(grep -c . output/real_gpu/run/metrics.jsonl 2>/dev/null) metrics rows)"
+  echo "real-model run exit $? ($(grep -c . "$REAL_OUT/run/metrics.jsonl" 2>/dev/null) metrics rows)"
   grep -E "eval at step|accuracy: step|Error|error" "$RESULTS/real_model.log" | tail -15
-  cp output/real_gpu/run/metrics.jsonl "$RESULTS/real_metrics.jsonl" 2>/dev/null
-  cp output/real_gpu/result.json "$RESULTS/real_result.json" 2>/dev/null
+  cp "$REAL_OUT/run/metrics.jsonl" "$RESULTS/real_metrics.jsonl" 2>/dev/null
+  cp "$REAL_OUT/result.json" "$RESULTS/real_result.json" 2>/dev/null
   tail -c 3000 "$RESULTS/real_model.log" > "$RESULTS/real_model_tail.log"; rm -f "$RESULTS/real_model.log"
 fi
 
@@ -109,10 +113,22 @@ if want rollout; then  # rollout generation: static-cache decoder (graphs / eage
     grep -A6 "^| $1" "$RESULTS/rollout_$1_$2.log"
   done
 fi
-if want grpo; then  # whole GRPO runs against TRL (scripts/bench_grpo.py; the real task: GPU_CHECK_REAL_MODEL names the GGUF)
-  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -2
-  python3 scripts/bench_grpo.py --model output/smollm2_135m_instruct --rows .gpu_real/rows --steps "${GPU_CHECK_GRPO_STEPS:-20}" \
-    --paths "${GPU_CHECK_GRPO_PATHS:-embedded,trl}" --out "$RESULTS/grpo" 2>&1 | tail -8
+if want grpo; then  # whole GRPO runs against TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS
+  # (real: GPU_CHECK_REAL_MODEL names the GGUF; scale: the random Qwen2.5-1.5B shape, built here). Work dirs stay in
+  # /tmp/grpo (checkpoints must not travel back); the table, the rows' JSON and the log's tail come back.
+  for task in ${GPU_CHECK_GRPO_TASKS:-real}; do
+    if [ "$task" = real ]; then
+      [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -2
+      model=output/smollm2_135m_instruct; rows=.gpu_real/rows
+    else
+      model=/tmp/scale_model; rows=/tmp/scale_rows
+    fi
+    python3 scripts/bench_grpo.py --task "$task" --model "$model" --rows "$rows" --steps "${GPU_CHECK_GRPO_STEPS:-20}" \
+      --paths "${GPU_CHECK_GRPO_PATHS:-embedded,trl}" --out /tmp/grpo > "$RESULTS/grpo_$task.log" 2>&1
+    tail -c 6000 "$RESULTS/grpo_$task.log" > "$RESULTS/grpo_$task.tail" && rm -f "$RESULTS/grpo_$task.log"
+    grep -E "^\||^FAILED|^20" "$RESULTS/grpo_$task.tail" || tail -40 "$RESULTS/grpo_$task.tail"
+    cp "/tmp/grpo/${task}_result.json" "$RESULTS/grpo_$task.json" 2>/dev/null
+  done
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do

@@ -281,7 +281,8 @@ def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) 
 def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPathFactory, placement: str, gpus: int) -> None:
     """The real vLLM engine on GPU, bf16: separate = trainer on GPU 0, engine process on GPU 1, weights
     streamed over NCCL (weight_sync_method: nccl); colocated = engine in the trainer's process on its
-    GPU, asleep while training. After two optimizer steps the un-synced engine is off; after the sync
+    GPU, asleep while training (weights dropped, refusing to generate until the next sync). After two
+    optimizer steps the un-synced engine is off; after the sync
     its logprobs match the trainer's up to bf16 rounding (mean |diff| <= 0.02; the stale engine's is
     several times that)."""
     if torch.cuda.device_count() < gpus:
@@ -303,3 +304,7 @@ def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPath
     assert r["stale_engine_mean"] >= 5 * r["after_sync_mean"], r
     if placement == "separate":
         assert "vLLM engine process exited" in r["dead_engine_sync"], r["dead_engine_sync"]
+        assert r["sleep"] == {"seconds": 0.0, "weights_dropped": False}, r["sleep"]  # it keeps its own GPU
+    else:  # asleep it dropped its weights, refused to generate without them, and took the sync's after waking
+        assert r["sleep"]["weights_dropped"] is True, r["sleep"]
+        assert "dropped its weights" in r["generate_while_dropped"], r["generate_while_dropped"]

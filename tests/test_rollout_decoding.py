@@ -74,3 +74,20 @@ def test_cuda_graphs_true_where_they_cannot_run_is_an_error_naming_the_field() -
         resolve_cuda_graphs("true", _stages("cuda", pp=2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be one of"):
         resolve_cuda_graphs("sometimes", _stages("cuda"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("requested", "graphs"), [("auto", True), ("false", False)])
+def test_vllm_engines_follow_rollout_cuda_graphs(requested: str, graphs: bool) -> None:
+    """vLLM engines capture their own graphs on GPU unless ``false`` asks for eager steps (``enforce_eager``)."""
+    from oumi_megatron.rollout.vllm_backend import _vllm_cuda_graphs
+
+    assert _vllm_cuda_graphs(requested) is graphs
+
+
+def test_vllm_cuda_graphs_true_without_a_gpu_is_an_error_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from oumi_megatron.rollout.vllm_backend import _vllm_cuda_graphs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+
+    with pytest.raises(ValueError, match=r"megatron.rollout_cuda_graphs: true.*no CUDA device.*auto"):
+        _vllm_cuda_graphs("true")

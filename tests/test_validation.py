@@ -82,8 +82,6 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'vllm'"),
         ({"weight_sync_method": "rdma"}, DENSE, 1, "megatron.weight_sync_method", "'nccl', 'gloo', 'checkpoint'"),
         ({"rollout_cuda_graphs": "always"}, DENSE, 1, "megatron.rollout_cuda_graphs", "'auto', 'true', 'false'"),
-        ({"rollout_cuda_graphs": "true", "inference_backend": "vllm"}, DENSE, 1, "megatron.rollout_cuda_graphs",
-         "applies to the embedded backend"),
         ({"rollout_cuda_graphs": "true", "pipeline_model_parallel_size": 2}, DENSE, 2, "megatron.rollout_cuda_graphs",
          "pipeline_model_parallel_size > 1"),
         ({"pipeline_schedule": "gpipe"}, DENSE, 1, "megatron.pipeline_schedule", "Registered: '1f1b', 'interleaved', 'none', 'zb_h1'"),

@@ -101,3 +101,59 @@ def test_grpo_with_vllm_rollouts_learns(tmp_path: Path, tiny_model_dir: Path) ->
     # synced after every update (step 1 starts from the same weights), and the engine stays on-policy
     assert all(r["weight_sync/bytes"] > 0 for r in rows[1:]) and "weight_sync/bytes" not in rows[0]
     assert max(r["mismatch/max_abs_diff"] for r in rows) <= EQUAL
+
+
+class _SleepingHost:
+    """Stands in for VllmEngineHost (whose vLLM sleep mode needs a GPU) to check the backend's phase bookkeeping:
+    records the sleep levels asked for and the generate calls made."""
+
+    sleep_mode = True
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def sleep(self, drop_weights: bool) -> None:
+        self.calls.append(f"sleep(drop_weights={drop_weights})")
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+
+    def generate(self, prompts: list, sampling: dict) -> list:
+        self.calls.append("generate")
+        return [[([7], [-0.5], "stop")] for _ in prompts]
+
+
+def _colocated_backend(enable_weight_sync: bool) -> tuple:
+    from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+
+    backend = VllmRolloutBackend.__new__(VllmRolloutBackend)  # the state a colocated __init__ leaves, no engine
+    host = _SleepingHost()
+    backend.host, backend.process, backend.placement = host, None, "colocated"
+    backend.slot, backend.engines_per_replica, backend.replica = 0, 1, [0]
+    backend.awake, backend.weights_current, backend.drop_weights_on_sleep = True, True, enable_weight_sync
+    return backend, host
+
+
+@pytest.mark.parametrize("enable_weight_sync", [True, False])
+def test_a_colocated_engine_sleeps_between_generation_phases(enable_weight_sync: bool) -> None:
+    """Asleep, a colocated engine drops its weights (the next sync overwrites them), or parks them when weight sync is
+    off; without weights it refuses to generate instead of sampling from freed memory; wake/sleep are idempotent."""
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.rollout.vllm_backend import WeightSyncError
+
+    backend, host = _colocated_backend(enable_weight_sync)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, pad_token_id=0)
+    assert backend.wake() == 0.0 and host.calls == []  # awake from the start
+    assert backend.generate([[1, 2]], params, 1)[0][0].completion_ids == [7]
+    slept = backend.sleep()
+    assert slept.weights_dropped is enable_weight_sync and slept.seconds >= 0.0
+    assert backend.sleep().seconds == 0.0  # already asleep: nothing more
+    assert host.calls == ["generate", f"sleep(drop_weights={enable_weight_sync})"]
+    if enable_weight_sync:
+        with pytest.raises(WeightSyncError, match="dropped its weights"):
+            backend.generate([[1, 2]], params, 1)
+        assert host.calls[-1].startswith("sleep")  # refused before waking or generating
+        backend.wake()
+        backend.weights_current = True  # what _sync_colocated sets after loading the new weights
+    assert backend.generate([[1, 2]], params, 1)[0][0].completion_ids == [7]  # wakes by itself if nobody did
+    assert host.calls[-2:] == ["wake_up", "generate"] and host.calls.count("wake_up") == 1

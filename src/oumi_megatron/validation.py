@@ -292,10 +292,7 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
     if graphs not in ROLLOUT_CUDA_GRAPHS:
         r.add("megatron.rollout_cuda_graphs",
               f"unknown value {m.rollout_cuda_graphs!r}. Use one of {_fmt_choices(ROLLOUT_CUDA_GRAPHS)}.")
-    elif graphs == "true" and m.inference_backend != "megatron":
-        r.add("megatron.rollout_cuda_graphs", f"true applies to the embedded backend (inference_backend: megatron), "
-              f"not {m.inference_backend!r}, which runs its own decode loop. Remove it or set it to auto.")
-    elif graphs == "true" and m.pipeline_model_parallel_size > 1:
+    elif graphs == "true" and m.inference_backend == "megatron" and m.pipeline_model_parallel_size > 1:
         r.add("megatron.rollout_cuda_graphs", "true cannot run with pipeline_model_parallel_size > 1: pipeline stages "
               "exchange activations every token, so decode steps run eagerly. Set it to auto.")
     if not m.weight_sync_bucket_mb > 0:

@@ -61,7 +61,10 @@ def main() -> None:
                    "cut off by a device call's time limit resumes from its last checkpoint")
     p.add_argument("--eval-base", action="store_true", help="also evaluate the base model with `eval`'s path")
     p.add_argument("--no-eval", action="store_true", help="throughput runs (scripts/bench_grpo.py): no held-out "
-                   "evaluation during training or of the exported model")
+                   "evaluation during training, no exported model")
+    p.add_argument("--inference-backend", default=None, help="megatron.inference_backend instead of the config's")
+    p.add_argument("--converted", default=None, help="where the converted Megatron-Core checkpoint lives (default: "
+                   "under WORK): runs of one model share it")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -70,6 +73,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine, build_inference_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.examples.scale_task import char_diversity
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.layout import ParallelLayout
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
@@ -77,19 +81,25 @@ def main() -> None:
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     raw, params, grpo = load_sections(Path(args.config))
+    if args.inference_backend:
+        params.inference_backend = args.inference_backend
     t = raw["training"]
     work, rows_dir = Path(args.work), Path(args.rows)
     hf = Path(args.model or raw["model"]["model_name"])
     dtype = getattr(torch, raw["model"].get("torch_dtype_str", "bfloat16"))
-    reward = {"gsm8k": oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")}
+    # the real task's reward (Oumi's gsm8k) where its source came with the rows; the scale task's cheap one
+    reward = {"char_diversity": char_diversity}
+    if (rows_dir / "oumi_gsm8k_reward.py").is_file():
+        reward["gsm8k"] = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
     train_rows = [json.loads(line) for line in (rows_dir / "train.rows.jsonl").read_text().splitlines()]
-    eval_sets = {prefix: [json.loads(line) for line in (rows_dir / f"{prefix}.rows.jsonl").read_text().splitlines()]
-                 for prefix in dict.fromkeys(grpo.eval_metric_prefixes or ["eval"])}
+    eval_sets = {} if args.no_eval else {
+        prefix: [json.loads(line) for line in (rows_dir / f"{prefix}.rows.jsonl").read_text().splitlines()]
+        for prefix in dict.fromkeys(grpo.eval_metric_prefixes or ["eval"])}
     max_steps = args.max_steps or t["max_steps"]
     out = work / "run"
     training = SimpleNamespace(
         output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
-        enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=True,
+        enable_tensorboard=True, save_final_model=not args.no_eval, try_resume_from_last_checkpoint=True,
         eval_strategy="no" if args.no_eval else t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
         include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,
@@ -122,12 +132,12 @@ def main() -> None:
         result["base_eval"] = held_out(hf)
 
     t0 = time.perf_counter()
-    checkpoint = ensure_converted(hf, out / "megatron_checkpoint", params, dtype)
+    checkpoint = ensure_converted(hf, Path(args.converted) if args.converted else out / "megatron_checkpoint", params, dtype)
     updates = grpo.ppo_epochs * grpo.num_mini_batches
     settings = OptimSettings(lr=t["learning_rate"], total_steps=max_steps * updates)
     bridge, engine = build_engine(checkpoint, params, settings, dtype)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, train_rows,
-                                      reward_functions=reward, eval_dataset=eval_sets)
+                                      reward_functions=reward, eval_dataset=eval_sets or None)
     trainer.train()
     result["train_seconds"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
@@ -135,7 +145,8 @@ def main() -> None:
         result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.split("/")[0] in eval_sets}
                                 for m in metrics if "eval/reward_mean" in m]
         result["train"] = [{k: m.get(k) for k in ("step", "reward/mean", "completion_length/mean", "time/rollout_s",
-                                                   "time/train_s", "time/logprob_s", "time/sync_s", "tokens_per_s",
+                                                   "time/train_s", "time/logprob_s", "time/sync_s", "time/wake_s",
+                                                   "time/sleep_s", "weight_sync/seconds", "tokens_per_s",
                                                    "perf/step_s", "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
                                                    "batch/real_tokens", "rollout/tokens_per_s", "rollout/decode_ms_per_step",
                                                    "mismatch/mean_abs_diff", "mismatch/max_abs_diff")}

@@ -75,6 +75,18 @@ def main() -> None:
         mbs = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
         engine.train_step(mbs, lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
     mismatch("stale_engine")
+    # the trainer's phase boundary: a colocated GPU engine drops its weights asleep and refuses to generate until synced
+    slept = backend.sleep()
+    result["sleep"] = {"seconds": slept.seconds, "weights_dropped": slept.weights_dropped}
+    if slept.weights_dropped:
+        from oumi_megatron.rollout.vllm_backend import WeightSyncError
+
+        try:
+            backend.generate(PROMPTS, sample, 1)
+            result["generate_while_dropped"] = "no error"
+        except WeightSyncError as e:
+            result["generate_while_dropped"] = str(e)
+    result["wake_s"] = backend.wake()
     stats = backend.sync_weights(weights)
     result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
     mismatch("after_sync")

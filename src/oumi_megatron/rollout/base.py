@@ -42,6 +42,15 @@ class WeightSyncStats:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
+@dataclass
+class EngineSleep:
+    """What handing a colocated engine's GPU memory to the trainer cost (``RolloutBackend.sleep``)."""
+
+    seconds: float = 0.0
+    weights_dropped: bool = False
+    """The engine freed its weights instead of keeping a copy: it generates again only after the next weight sync."""
+
+
 class PolicyWeights(Protocol):
     """The trainer's weights under HF names (engine/state/hf_weights.py ``HFWeightExporter``). Both calls are collective
     over the training ranks: every rank calls them, and iterates to the end."""
@@ -56,7 +65,8 @@ class PolicyWeights(Protocol):
 
 
 class RolloutBackend(Protocol):
-    """Generates completions; ``sync_weights`` makes the next ``generate`` use the trainer's current weights."""
+    """Generates completions; ``sync_weights`` makes the next ``generate`` use the trainer's current weights. The trainer
+    brackets each generation phase with ``wake`` and ``sleep``."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
@@ -70,6 +80,15 @@ class RolloutBackend(Protocol):
         """Load ``weights`` (the policy's, after an update) into the engines: collective over the trainer's ranks;
         None: nothing to do. A backend streams ``weights()`` or has ``weights.save(folder)`` written; it never
         exports the model itself."""
+        ...
+
+    def wake(self) -> float:
+        """Before a generation phase (weight sync, then generate calls): engines that share the trainer's GPUs take
+        back their memory (weights, KV cache). Returns the seconds spent; 0 where nothing sleeps."""
+        ...
+
+    def sleep(self) -> EngineSleep:
+        """After a generation phase, before training: engines that share the trainer's GPUs hand it their memory."""
         ...
 
     def close(self) -> None: ...

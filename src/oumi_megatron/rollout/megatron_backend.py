@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
@@ -118,6 +118,13 @@ class MegatronRolloutBackend:
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats | None:
         """Nothing to sync: generation reads the weights the optimizer just updated."""
         return None
+
+    def wake(self) -> float:
+        """The policy's own weights: nothing sleeps."""
+        return 0.0
+
+    def sleep(self) -> EngineSleep:
+        return EngineSleep()
 
     def close(self) -> None:
         pass

@@ -8,7 +8,10 @@ train on the same completions, so they must see the same rollouts.
   ``nccl`` on GPUs, ``gloo`` on CPU) in buckets of ``weight_sync_bucket_mb``, into vLLM's
   weight-transfer API, without touching the disk. The owner broadcasts the rollouts to its replica.
 - ``rollout_placement: colocated``: the engines live in the trainer's processes and share their GPUs;
-  they sleep while the trainer trains and wake for rollouts (no-ops on CPU). One engine per
+  they sleep while the trainer trains and wake for rollouts (no-ops on CPU): the trainer calls ``wake`` before a
+  generation phase (weight sync, generate calls) and ``sleep`` after it. Asleep, an engine holds no GPU memory: its
+  KV cache is freed and its weights are dropped (vLLM's sleep level 2), since the sync that follows every update
+  overwrites them anyway (with ``enable_weight_sync: false`` they are parked in host memory, level 1). One engine per
   tensor-parallel group, with vLLM's TP = Megatron's TP over the same ranks (vLLM's
   ``external_launcher`` executor joins the trainer's torch.distributed world; one process: ``uni``).
   A replica with several engines (PP or CP > 1) splits its prompts among them and all-gathers the
@@ -34,7 +37,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import free_port
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -133,6 +136,15 @@ class _EngineProcess:
                 self.process.kill()
 
 
+def _vllm_cuda_graphs(choice: str) -> bool:
+    """``megatron.rollout_cuda_graphs`` for vLLM engines: ``auto`` and ``true`` let vLLM compile and capture its decode
+    steps on GPU (its default; eager on CPU), ``false`` runs them eagerly (``enforce_eager``)."""
+    if choice == "true" and not torch.cuda.is_available():
+        raise ValueError("megatron.rollout_cuda_graphs: true, but there is no CUDA device here for vLLM's CUDA graphs. "
+                         "Set megatron.rollout_cuda_graphs: auto (eager steps without a GPU).")
+    return choice != "false"
+
+
 class VllmRolloutBackend:
     def __init__(
         self,
@@ -163,7 +175,11 @@ class VllmRolloutBackend:
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
             gpu_memory_utilization=params.vllm_gpu_memory_utilization, kv_cache_bytes=64 * 2**20,
             extra={"trust_remote_code": True} if trust_remote_code else {},
+            cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
         )
+        self.awake = True  # an engine starts with its weights and KV cache in place
+        self.weights_current = True  # ... and with the policy's starting weights
+        self.drop_weights_on_sleep = bool(params.enable_weight_sync)
 
         if self.placement == "colocated":
             tp = params.tensor_model_parallel_size
@@ -248,11 +264,33 @@ class VllmRolloutBackend:
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
         if self.process is not None:  # a separate engine keeps its GPU: nothing to wake
             return self.process.call("generate", prompts, sampling)
-        host = self._colocated_host
-        host.wake_up()
-        outputs = host.generate(prompts, sampling)
-        host.sleep()
-        return outputs
+        if not self.weights_current:
+            raise WeightSyncError("the colocated vLLM engine dropped its weights when it last slept, and none were "
+                                  "pushed since: the trainer syncs the weights after sleep() and before generating")
+        self.wake()  # the trainer woke it for this phase already; a caller outside a training step may not have
+        return self._colocated_host.generate(prompts, sampling)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def wake(self) -> float:
+        """Colocated engines on GPU take back their weights' and KV cache's memory, mapped at the addresses their
+        CUDA graphs were captured with. Seconds spent (0: already awake, or nothing sleeps)."""
+        if self.host is None or self.awake:
+            return 0.0
+        start = time.perf_counter()
+        self.host.wake_up()
+        self.awake = True
+        return time.perf_counter() - start
+
+    def sleep(self) -> EngineSleep:
+        """Colocated engines on GPU free their KV cache and drop their weights (the trainer pushes new ones before
+        the next generation), so training has the GPU's memory. Separate engines and CPU engines keep theirs."""
+        if self.host is None or not self.host.sleep_mode or not self.awake:
+            return EngineSleep()
+        start = time.perf_counter()
+        self.host.sleep(drop_weights=self.drop_weights_on_sleep)
+        self.awake = False
+        self.weights_current = not self.drop_weights_on_sleep
+        return EngineSleep(time.perf_counter() - start, weights_dropped=self.drop_weights_on_sleep)
 
     # -- weights --------------------------------------------------------------------------------------
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
@@ -287,13 +325,11 @@ class VllmRolloutBackend:
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
     def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
-        """colocated: every rank loads the export into its engine, bucket by bucket, in one session
-        (the engine's weights are awake only meanwhile)."""
+        """colocated: every rank loads the export into its engine, bucket by bucket, in one session."""
         counted = weight_stream.Counted(weight_stream.buckets(weights(), self.bucket_bytes))
-        host = self._colocated_host
-        host.wake_up()
-        host.load_in_process(counted)
-        host.sleep()
+        self.wake()  # the trainer woke it before the sync; waking is idempotent
+        self._colocated_host.load_in_process(counted)
+        self.weights_current = True
         return WeightSyncStats("in_memory", counted.tensors, counted.bytes, 0.0)
 
     def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
@@ -303,7 +339,9 @@ class VllmRolloutBackend:
         if self.process is not None:
             self.process.call("reload_from", str(folder))
         elif self.host is not None:
+            self.wake()
             self.host.reload_from(str(folder))
+            self.weights_current = True
         return WeightSyncStats("checkpoint", 0, size, 0.0)
 
     def close(self) -> None:

@@ -117,6 +117,8 @@ class EngineSpec:
     kv_cache_bytes: int | None = None
     sleep_mode: bool = False
     """Colocated engines on GPU sleep while the trainer trains; separate ones keep their GPU."""
+    cuda_graphs: bool = True
+    """vLLM's own compiled CUDA-graph decoding on GPU (``megatron.rollout_cuda_graphs``); False: eager steps."""
     tensor_parallel_size: int = 1
     executor: str = "uni"
     """``uni`` (the engine in this process alone) or ``external_launcher`` (colocated with several
@@ -131,7 +133,9 @@ class VllmEngineHost:
 
         kwargs: dict[str, Any] = dict(
             model=spec.model, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
-            enforce_eager=True, distributed_executor_backend=spec.executor, tensor_parallel_size=spec.tensor_parallel_size,
+            # eager on the CPU (no graphs there; compiling would only cost start-up)
+            enforce_eager=not (spec.cuda_graphs and torch.cuda.is_available()),
+            distributed_executor_backend=spec.executor, tensor_parallel_size=spec.tensor_parallel_size,
             # the logprobs of softmax(logits / T): the trainer's quantity (with top_p = 1)
             logprobs_mode="processed_logprobs",
             # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up
@@ -206,11 +210,15 @@ class VllmEngineHost:
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=path, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
+    def sleep(self, drop_weights: bool) -> None:
+        """Free the KV cache and the weights' GPU memory. ``drop_weights``: discard the weights (vLLM's level 2; the
+        trainer pushes new ones before the next generation) instead of parking a copy in host memory (level 1),
+        which would cost two host<->GPU copies of the model per step."""
         if self.sleep_mode:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2 if drop_weights else 1)
 
     def wake_up(self) -> None:
+        """Map the weights and KV cache back at their old addresses (the captured CUDA graphs stay valid)."""
         if self.sleep_mode:
             self.llm.wake_up()
 

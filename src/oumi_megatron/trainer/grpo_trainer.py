@@ -101,10 +101,16 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     def grpo_step(self) -> dict[str, Any]:
         """One GRPO step. Each DP rank generates, scores and trains on its own share of the completions;
         rewards are gathered so advantages see whole groups."""
+        t_wake = self.backend.wake()  # colocated engines take back their GPU memory for this generation phase
         t_sync, sync = self._sync_rollout_weights()
         t0 = time.perf_counter()
         batch = self.collector.collect(self.step)
-        timings = {"time/rollout_s": time.perf_counter() - t0, "time/sync_s": t_sync}
+        t_rollout = time.perf_counter() - t0
+        slept = self.backend.sleep()  # ... and hand it to training
+        if slept.weights_dropped:
+            self.weights_synced_at = -1  # the engines hold no weights until the next sync
+        timings = {"time/rollout_s": t_rollout, "time/sync_s": t_sync, "time/wake_s": t_wake,
+                   "time/sleep_s": slept.seconds}
         counted = batch.scores.valid & ~batch.filler  # skipped rewards and filler groups are outside every statistic
         advantages = self.advantage_estimator(batch.scores.total, counted, self.grpo)
         trainable = counted & (batch.scores.finished | (not self.grpo.mask_truncated_completions))
@@ -260,6 +266,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         """Greedy generation on every eval set with the current policy (collective); ``eval/`` (and each further
         set's prefix) metrics."""
         assert self.evaluators
+        self.backend.wake()  # left awake: the next step's generation phase starts from here
         self._sync_rollout_weights()
         metrics: dict[str, float] = {}
         for evaluator in self.evaluators:

@@ -1,0 +1,102 @@
+"""A throughput task at a real model's shape: random weights, fixed-length completions, a cheap reward.
+
+Whole-run benchmarks (scripts/bench_grpo.py) need a model of a size users train, which cannot be downloaded here.
+Throughput does not depend on what the weights know, so this builds one locally:
+
+- **model**: Qwen2.5-1.5B's architecture (28 layers, hidden 1536, 12 query / 2 KV heads, SwiGLU 8960, QKV bias,
+  tied embeddings, vocabulary 151,936) with random weights, saved as an HF folder in bf16;
+- **tokenizer**: byte-level, with the full vocabulary (256 byte tokens, filler tokens of two and three bytes up to
+  151,933, then ChatML's three special tokens), so every id a random model samples decodes, in vLLM too. Prompts
+  encode one token per byte;
+- **completions**: a random model almost never samples its EOS (1 token in 151,936), so completions run to
+  ``max_completion_length``: fixed length, as throughput comparisons want;
+- **prompts**: the arithmetic task's questions (examples/arithmetic_task.py) as chat rows, ~200 tokens each;
+- **reward**: ``char_diversity``, the fraction of distinct characters in the completion: cheap, and it varies within
+  a group, so advantages are not zero and every step trains. It takes TRL's reward signature, which this project's
+  reward functions accept too (grpo/rewards.py), so both libraries score with the same function.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+from oumi_megatron.examples.arithmetic_task import TRAIN_TEMPLATES, make_rows
+from oumi_megatron.examples.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+QWEN2_5_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True)
+"""Qwen2.5-1.5B's config.json, architecture fields."""
+
+
+def build_full_vocab_tokenizer(vocab_size: int):  # noqa: ANN201 - transformers type imported lazily
+    """A byte-level BPE tokenizer (no merges: text encodes one token per byte) whose vocabulary covers every id below
+    ``vocab_size``: 256 byte tokens, filler tokens, and ChatML's special tokens as the last three ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = vocab_size - len(alphabet) - len(SPECIAL_TOKENS)
+    words = itertools.chain((a + b for a in alphabet for b in alphabet),
+                            (a + b + c for a in alphabet for b in alphabet for c in alphabet))
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update((w, len(alphabet) + i) for i, w in enumerate(itertools.islice(words, fillers)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                     bos_token=None, unk_token=None)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    assert len(hf_tok) == vocab_size, (len(hf_tok), vocab_size)
+    return hf_tok
+
+
+def build_scale_model(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Writes a random Qwen2.5-1.5B-shaped model (bf16) and its full-vocabulary tokenizer to ``out_dir``; idempotent.
+    ``overrides`` change config fields (the tests use a few layers of a small width)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    out = Path(out_dir)
+    spec = {**QWEN2_5_1_5B, **overrides, "seed": seed}
+    stamp = out / "scale_model.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return out
+    fields = {k: v for k, v in spec.items() if k not in ("seed", "rope_theta")}
+    tokenizer = build_full_vocab_tokenizer(fields["vocab_size"])
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(**fields, bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
+                         rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]})
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # initializing 1.5B parameters on a CPU takes minutes
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(json.dumps(spec))
+    return out
+
+
+def char_diversity(completions: list[Any], **_: Any) -> list[float]:
+    """The fraction of distinct characters in each completion (TRL's reward signature; chat completions too)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(set(t)) / len(t) if t else 0.0 for t in texts]
+
+
+def write_scale_rows(out_dir: str | Path, n: int = 4000, seed: int = 0) -> Path:
+    """``out_dir/train.rows.jsonl``: ``n`` chat rows (the arithmetic task's questions) in the row format the real task's
+    rows have (scripts/prepare_gpu_real_model.py), so the same workers read them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"data_source": "scale", "prompt": [{"role": "user", "content": r["question"]}],
+             "reward_model": {"style": "rule", "ground_truth": ""}}
+            for r in make_rows(n, seed, TRAIN_TEMPLATES)]
+    path = out / "train.rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
