@@ -13,6 +13,8 @@ GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5
 - ``embedded``: this project with the embedded backend (tests/workers/real_model_worker.py --no-eval: the same
   trainer as ``oumi train``);
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
+- ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
+  completions x (256 + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
 - ``trl``: TRL's GRPOTrainer with HF ``generate`` rollouts (scripts/bench_grpo_trl.py, the settings written there);
 - ``trl_vllm``: TRL with ``use_vllm=True, vllm_mode="colocate"``.
 
@@ -38,36 +40,49 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PATHS = ("embedded", "vllm", "vllm_kv", "trl", "trl_vllm")
 CONFIG = REPO / "configs" / "smollm2_arithmetic_gpu.yaml"
 
 
-def ours_config(out: Path, args: argparse.Namespace, backend: str) -> Path:
+def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
+    """The KV cache a step's rollouts fill (every completion at full length), with a quarter more for vLLM's blocks."""
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import GIB, kv_cache_bytes_per_token
+
+    shape = ModelShape.from_file(model)
+    return 1.25 * completions * max_len * kv_cache_bytes_per_token(shape, shape.num_layers) / GIB
+
+
+def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib: float = 0.0) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end."""
     raw = yaml.safe_load(CONFIG.read_text())
     completions = args.prompts * args.generations
     raw["training"].update(max_steps=args.steps, save_steps=0)
-    raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4)
+    raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4,
+                           vllm_kv_cache_gib=kv_cache_gib)
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
-    path = out / f"{args.task}_{backend}.yaml"
+    path = out / f"{args.task}_{backend}{'_kv' if kv_cache_gib else ''}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def run_ours(args: argparse.Namespace, out: Path, backend: str) -> dict[str, Any]:
-    work = out / f"{args.task}_ours_{backend}"
+def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False) -> dict[str, Any]:
+    kv = rollout_kv_cache_gib(args.model, args.prompts * args.generations, 256 + args.max_new_tokens) if sized_kv else 0.0
+    tag = f"{backend}_kv" if sized_kv else backend
+    work = out / f"{args.task}_ours_{tag}"
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
-    cfg = ours_config(out, args, backend)
+    cfg = ours_config(out, args, backend, kv)
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
            "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
-    _run(cmd, out / f"{args.task}_ours_{backend}.log")
+    _run(cmd, out / f"{args.task}_ours_{tag}.log")
     train = json.loads((work / "result.json").read_text())["train"]
     steady = train[1:] if len(train) > 1 else train
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
     rewards = [t["reward/mean"] for t in train]
     return {
-        "name": f"oumi-megatron ({backend})",
+        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB)" if kv else ")"),
         "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s),
         "step_s": sum(step_s) / len(step_s),
         "rollout_s": _mean(steady, "time/rollout_s"), "logprob_s": _mean(steady, "time/logprob_s"),
@@ -161,7 +176,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--rows", required=True)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="work folders (checkpoints: keep them off what a device call returns)")
+    p.add_argument("--results", default=None, help="where TASK_result.json is rewritten after every row (default: --out)")
     p.add_argument("--paths", default="embedded,trl")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--generations", type=int, default=8)
@@ -169,20 +185,23 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results or args.out)
     if args.task == "scale":
         prepare_scale(args)
     rows, failed = [], []
     for path in args.paths.split(","):
-        if path not in ("embedded", "vllm", "trl", "trl_vllm"):
-            raise SystemExit(f"--paths: embedded, vllm, trl or trl_vllm, not {path!r}")
+        if path not in PATHS:
+            raise SystemExit(f"--paths: {', '.join(PATHS)}, not {path!r}")
         try:  # one row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers
-            if path in ("embedded", "vllm"):
-                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm"))
+            if path in ("embedded", "vllm", "vllm_kv"):
+                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm", sized_kv=path == "vllm_kv"))
             else:
                 rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
+            print(f"row done: {json.dumps(rows[-1])}", flush=True)  # a call cut off later keeps what is done
         except RowFailed as e:
             failed.append(f"{path}: {e}")
-        (out / f"{args.task}_result.json").write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"{args.task}_result.json").write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
     import torch
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -12,7 +12,7 @@
 # =bisect the fast path + CUDA graphs with each piece off in turn, =logprobs the 152k-vocabulary logprob benchmark,
 # =rollout generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT,
 # =grpo whole GRPO runs, this project vs TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS ("real scale";
-# real needs GPU_CHECK_REAL_MODEL), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS (embedded,vllm,trl,trl_vllm); trl,
+# real needs GPU_CHECK_GGUF), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS (embedded,vllm,vllm_kv,trl,trl_vllm); trl,
 # datasets, dill, multiprocess wheels in .whl/),
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
@@ -114,20 +114,21 @@ if want rollout; then  # rollout generation: static-cache decoder (graphs / eage
   done
 fi
 if want grpo; then  # whole GRPO runs against TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS
-  # (real: GPU_CHECK_REAL_MODEL names the GGUF; scale: the random Qwen2.5-1.5B shape, built here). Work dirs stay in
+  # (real: GPU_CHECK_GGUF names the GGUF, not GPU_CHECK_REAL_MODEL, which would also start the 120-step real run above;
+  # scale: the random Qwen2.5-1.5B shape, built here). Work dirs stay in
   # /tmp/grpo (checkpoints must not travel back); the table, the rows' JSON and the log's tail come back.
   for task in ${GPU_CHECK_GRPO_TASKS:-real}; do
     if [ "$task" = real ]; then
-      [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_REAL_MODEL" --out output/smollm2_135m_instruct 2>&1 | tail -2
+      [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_GGUF" --out output/smollm2_135m_instruct 2>&1 | tail -2
       model=output/smollm2_135m_instruct; rows=.gpu_real/rows
     else
       model=/tmp/scale_model; rows=/tmp/scale_rows
     fi
     python3 scripts/bench_grpo.py --task "$task" --model "$model" --rows "$rows" --steps "${GPU_CHECK_GRPO_STEPS:-20}" \
-      --paths "${GPU_CHECK_GRPO_PATHS:-embedded,trl}" --out /tmp/grpo > "$RESULTS/grpo_$task.log" 2>&1
+      --paths "${GPU_CHECK_GRPO_PATHS:-embedded,trl}" --out /tmp/grpo --results "$RESULTS" > "$RESULTS/grpo_$task.log" 2>&1
+    # the log (row lines as they finish) and RESULTS/TASK_result.json come back even when the call is cut off
     tail -c 6000 "$RESULTS/grpo_$task.log" > "$RESULTS/grpo_$task.tail" && rm -f "$RESULTS/grpo_$task.log"
     grep -E "^\||^FAILED|^20" "$RESULTS/grpo_$task.tail" || tail -40 "$RESULTS/grpo_$task.tail"
-    cp "/tmp/grpo/${task}_result.json" "$RESULTS/grpo_$task.json" 2>/dev/null
   done
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs

@@ -31,11 +31,14 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     params.ddp_config.use_distributed_optimizer = megatron.pop("distributed_optimizer", True)
     params.optimizer_config.optimizer_cpu_offload = megatron.pop("offload", 0) > 0
     params.optimizer_config.optimizer_offload_fraction = float(params.optimizer_config.optimizer_cpu_offload)
+    params.inference_backend = megatron.pop("inference_backend", "megatron")
+    params.vllm_kv_cache_gib = megatron.pop("vllm_kv_cache_gib", 0.0)
+    gpu_memory_gib = megatron.pop("gpu_memory_gib", None)
     assert not megatron, megatron
     layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
                             ("interleaved" if vpp else "1f1b") if pp > 1 else "none", 2, 1)
     cfg = SimpleNamespace(megatron=params, grpo=SimpleNamespace(max_sequence_length=seq))
-    return estimate_memory(cfg, shape, layout, overhead_gib=0.0)
+    return estimate_memory(cfg, shape, layout, overhead_gib=0.0, gpu_memory_gib=gpu_memory_gib)
 
 
 # Llama-3.1-70B by hand: a layer = QKV 8192 x (8192 + 2 x 1024) + output 8192 x 8192 + 2 norms + MLP 3 x 8192 x 28672
@@ -122,3 +125,16 @@ def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_tra
     assert plan.training_peak == pytest.approx(persistent + plan.activations + plan.logits, rel=1e-9)
     few = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=1)  # 2 completions: training's activations are the peak
     assert few.total == pytest.approx(few.training_peak, rel=1e-9)
+
+
+def test_colocated_vllm_engine_by_hand_sleeps_while_training() -> None:
+    """A colocated vLLM engine on TP 2: its bf16 weights are the whole TINY model over TP (4 layers of 64 x 128 (QKV)
+    + 64 x 64 (output) + 2 x 64 (norms) + 3 x 64 x 128 (MLP) = 36,992, plus input and output embeddings 2 x 320 x 64
+    = 40,960: 188,928 parameters, 377,856 B over 2 = 188,928 B) plus vllm_kv_cache_gib; or its
+    vllm_gpu_memory_utilization share of the GPU. It sleeps while the trainer trains: the total counts the larger."""
+    plan = _plan(TINY, tp=2, inference_backend="vllm", vllm_kv_cache_gib=0.5)
+    assert plan.rollout * GIB == pytest.approx(188_928 + 0.5 * GIB, rel=1e-9)
+    persistent = plan.weights + plan.grads + plan.optimizer
+    assert plan.total == pytest.approx(persistent + max(plan.rollout, plan.activations + plan.logits), rel=1e-9)
+    share = _plan(TINY, tp=2, inference_backend="vllm", gpu_memory_gib=80.0)
+    assert share.rollout == pytest.approx(0.4 * 80.0, rel=1e-9)  # vllm_gpu_memory_utilization's default

@@ -81,6 +81,7 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"inference_backend": "sglang"}, DENSE, 1, "megatron.inference_backend", "sglang rollouts are not implemented"),
         ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'vllm'"),
         ({"weight_sync_method": "rdma"}, DENSE, 1, "megatron.weight_sync_method", "'nccl', 'gloo', 'checkpoint'"),
+        ({"vllm_kv_cache_gib": -1.0}, DENSE, 1, "megatron.vllm_kv_cache_gib", "must be >= 0"),
         ({"rollout_cuda_graphs": "always"}, DENSE, 1, "megatron.rollout_cuda_graphs", "'auto', 'true', 'false'"),
         ({"rollout_cuda_graphs": "true", "pipeline_model_parallel_size": 2}, DENSE, 2, "megatron.rollout_cuda_graphs",
          "pipeline_model_parallel_size > 1"),

@@ -18,7 +18,8 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   1F1B's plus its deferred weight-gradient inputs, +10% as measured);
 - **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
   / TP); chunked logprobs keep about three fp32 chunks;
-- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU (held whole); embedded
+- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU, or its bf16 weights plus
+  ``vllm_kv_cache_gib`` where that is set; it sleeps (holding nothing) while the trainer trains; embedded
   rollouts: the static KV cache of the stage's layers (2 x layers x KV heads / TP x head dim x bf16, for this rank's
   completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
   It lives while generating, when no training activations or logits do: the total takes the larger of the two;
@@ -136,6 +137,14 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_
                    layers=layers * dense / tp + layers * experts / expert_split)
 
 
+def _vllm_engine_weight_bytes(shape: ModelShape, tp: int) -> float:
+    """A colocated vLLM engine's weights in bf16: the whole model (every layer, whatever the pipeline stage), split over
+    vLLM's TP, which is Megatron's."""
+    dense, experts = _layer_params(shape)
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return 2 * (shape.num_layers * (dense + experts) + embeddings) / tp
+
+
 def _token_bytes(shape: ModelShape, layout: ParallelLayout) -> tuple[float, float]:
     """(bytes per token per layer of the activations a layer keeps for its backward, of its input alone), bf16,
     per GPU: TP splits what lies between the sequence-parallel regions, all of it with SP."""
@@ -223,16 +232,18 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         overhead = overhead_gib * GIB
         if m.inference_backend == "megatron":  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
-            total = weights + grads + optimizer + max(activations + logits, rollout) + overhead
+        elif colocated_vllm and m.vllm_kv_cache_gib:  # the engine's bf16 weights (its TP shard) and its KV cache
+            rollout = _vllm_engine_weight_bytes(shape, layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
         else:
             rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
-            total = weights + grads + optimizer + activations + logits + rollout + overhead
+        # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too
+        total = weights + grads + optimizer + max(activations + logits, rollout) + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
                           logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
                           gpu_memory_gib=gpu_memory_gib)
         stage_plans.append(plan)
     best = max(stage_plans, key=lambda x: x.total)
-    if colocated_vllm and not gpu_memory_gib:
+    if colocated_vllm and not gpu_memory_gib and not m.vllm_kv_cache_gib:
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
     if m.inference_backend == "megatron":
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")

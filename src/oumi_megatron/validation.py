@@ -297,6 +297,9 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
               "exchange activations every token, so decode steps run eagerly. Set it to auto.")
     if not m.weight_sync_bucket_mb > 0:
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
+    if not m.vllm_kv_cache_gib >= 0.0:
+        r.add("megatron.vllm_kv_cache_gib", f"must be >= 0 (0: sized from vllm_gpu_memory_utilization), got "
+              f"{m.vllm_kv_cache_gib!r}.")
     if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
         r.add("megatron.vllm_gpu_memory_utilization", f"must be in (0, 1], got {m.vllm_gpu_memory_utilization!r}.")
     if m.inference_backend == "vllm" and not m.enable_weight_sync:

@@ -241,6 +241,12 @@ class MegatronParams(BaseParams):
     vllm_gpu_memory_utilization: float = 0.4
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
 
+    vllm_kv_cache_gib: float = 0.0
+    """A vLLM engine's KV cache on GPU, in GiB per GPU (vLLM's ``kv_cache_memory_bytes``); 0: what
+    ``vllm_gpu_memory_utilization`` leaves after the weights. A colocated engine maps its KV cache back at every wake
+    and unmaps it at every sleep, so a cache sized to the rollout batch (``oumi-megatron plan`` prints the embedded
+    backend's, the same bytes per token) wakes faster than most of a GPU."""
+
     @property
     def rollout_cuda_graphs_choice(self) -> str:
         """``rollout_cuda_graphs`` spelled as in ROLLOUT_CUDA_GRAPHS: YAML reads true/false as booleans, which the

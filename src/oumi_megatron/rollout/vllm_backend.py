@@ -173,7 +173,9 @@ class VllmRolloutBackend:
         spec = EngineSpec(
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
-            gpu_memory_utilization=params.vllm_gpu_memory_utilization, kv_cache_bytes=64 * 2**20,
+            gpu_memory_utilization=params.vllm_gpu_memory_utilization,
+            # CPU engines: a small fixed cache (start-up profiles it); GPU: vllm_kv_cache_gib when set
+            kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
             extra={"trust_remote_code": True} if trust_remote_code else {},
             cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
         )
@@ -277,6 +279,9 @@ class VllmRolloutBackend:
         if self.host is None or self.awake:
             return 0.0
         start = time.perf_counter()
+        if self.host.sleep_mode:
+            # the memory training freed is still cached by PyTorch's allocator: give it back so the engine can map it
+            torch.cuda.empty_cache()
         self.host.wake_up()
         self.awake = True
         return time.perf_counter() - start

@@ -115,6 +115,7 @@ class EngineSpec:
     """The GPU(s) of an engine process (``separate`` placement on GPUs), as CUDA_VISIBLE_DEVICES."""
     gpu_memory_utilization: float = 0.4
     kv_cache_bytes: int | None = None
+    """vLLM's ``kv_cache_memory_bytes`` (None or 0: sized from ``gpu_memory_utilization``)."""
     sleep_mode: bool = False
     """Colocated engines on GPU sleep while the trainer trains; separate ones keep their GPU."""
     cuda_graphs: bool = True
@@ -145,7 +146,7 @@ class VllmEngineHost:
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleep_mode
-        elif spec.kv_cache_bytes:
+        if spec.kv_cache_bytes:  # vLLM then ignores gpu_memory_utilization for the KV cache
             kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
         if spec.transfer_backend:
             from vllm.config import WeightTransferConfig
