@@ -9,6 +9,7 @@ learning breaks.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -140,3 +141,89 @@ def test_a_dp_share_reaches_the_backend_as_prompt_groups() -> None:
     for first, count, g in ((0, 32, 8), (16, 16, 8), (6, 2, 8), (6, 6, 4), (12, 12, 8)):
         prompts, n = share_as_groups(first, count, g)
         assert [p for p in prompts for _ in range(n)] == [i // g for i in range(first, first + count)]
+
+
+PHASED_BACKEND = '''
+"""A rollout backend that behaves like a colocated vLLM engine on GPU: it drops its weights at every sleep and refuses to
+generate until they are pushed again; it logs every call, one per line, to PHASE_LOG."""
+import os
+
+from oumi_megatron.rollout.base import EngineSleep, WeightSyncStats
+from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+from oumi_megatron.rollout.registry import register_rollout_backend
+
+
+class Phased:
+    def __init__(self, ctx):
+        self.inner = MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed)
+        self.fresh = True
+
+    def log(self, what):
+        with open(os.environ["PHASE_LOG"], "a") as f:
+            f.write(what + "\\n")
+
+    def generate(self, prompts, params, n, seed=None):
+        if not self.fresh:
+            raise RuntimeError("generate without weights: the trainer did not sync after sleep")
+        self.log("generate")
+        return self.inner.generate(prompts, params, n, seed)
+
+    def sync_weights(self, weights):
+        tensors = sum(1 for _ in weights())  # the real export, as an engine would receive it
+        self.fresh = True
+        self.log("sync")
+        return WeightSyncStats("phased", tensors, 0, 0.0)
+
+    def wake(self):
+        self.log("wake")
+        return 0.0
+
+    def sleep(self):
+        self.fresh = False
+        self.log("sleep")
+        return EngineSleep(0.0, weights_dropped=True)
+
+    def close(self):
+        self.log("close")
+
+
+register_rollout_backend("phased")(Phased)
+'''
+
+
+def test_the_trainer_brackets_generation_with_wake_and_sleep_and_syncs_after_dropped_weights(tmp_path: Path,
+                                                                                            tiny_model_dir: Path) -> None:
+    """A backend that drops its weights when it sleeps (colocated vLLM on GPU) gets, from `oumi train`: wake before each
+    generation phase, sleep after each step's rollouts (before the logprob and training passes), a weight sync before
+    any generation that follows a sleep, and none where the engine still holds the current weights (the first step,
+    the step after an evaluation). Evaluations (steps 0, 2, 3) leave it awake."""
+    from conftest import base_config_dict, write_yaml
+
+    (tmp_path / "phased_backend.py").write_text(PHASED_BACKEND)
+    log = tmp_path / "phases.log"
+    out = tmp_path / "run"
+    cfg = base_config_dict(
+        tiny_model_dir,
+        data={"train": {"datasets": [{"dataset_name": "oumi-megatron/char-class",
+                                      "dataset_path": str(REPO / "data/char_class_train.jsonl")}]},
+              "validation": {"datasets": [{"dataset_name": "oumi-megatron/char-class",
+                                           "dataset_path": str(REPO / "data/char_class_train.jsonl"), "sample_count": 4}]}},
+        training={"trainer_type": "MEGATRON_GRPO", "max_steps": 3, "output_dir": str(out), "eval_strategy": "steps",
+                  "eval_steps": 2, "per_device_eval_batch_size": 4, "learning_rate": 1e-3, "save_steps": 0},
+        megatron={"micro_batch_size": 2, "global_batch_size": 8, "inference_backend": "phased"},
+        grpo={"plugins": ["oumi_megatron.examples.demo_task", "phased_backend"], "num_generations": 4,
+              "max_prompt_length": 64, "max_completion_length": 4, "reward_functions": [{"name": "char_class"}]},
+    )
+    proc = run_cli(["oumi", "train", "-c", str(write_yaml(tmp_path / "cfg.yaml", cfg))],
+                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+                        "PHASE_LOG": str(log)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    calls = log.read_text().split()
+    phases = [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]  # an eval's several generate calls as one
+    assert phases == ["wake", "generate",  # eval at step 0: the engine holds the starting weights
+                      "wake", "generate", "sleep",  # step 1: no sync needed yet
+                      "wake", "sync", "generate", "sleep",  # step 2: the weights were dropped at step 1's sleep
+                      "wake", "sync", "generate",  # eval at step 2, left awake
+                      "wake", "generate", "sleep",  # step 3: still holds step 2's weights
+                      "wake", "sync", "generate",  # eval at step 3 (the end)
+                      "close"], calls
