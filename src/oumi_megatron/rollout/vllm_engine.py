@@ -139,11 +139,13 @@ class VllmEngineHost:
             distributed_executor_backend=spec.executor, tensor_parallel_size=spec.tensor_parallel_size,
             # the logprobs of softmax(logits / T): the trainer's quantity (with top_p = 1)
             logprobs_mode="processed_logprobs",
-            # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up
-            max_num_batched_tokens=max(256, spec.max_model_len),
         )
         self.sleep_mode = spec.sleep_mode and torch.cuda.is_available()
-        if torch.cuda.is_available():
+        if not torch.cuda.is_available():
+            # CPU warm-up profiles a batch of this many tokens: 2048 (default) costs ~30 s more start-up. On GPU vLLM's
+            # default stands: a step's prompts prefill in one batch (this many tokens would split them into chunks)
+            kwargs["max_num_batched_tokens"] = max(256, spec.max_model_len)
+        else:
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleep_mode
         if spec.kv_cache_bytes:  # vLLM then ignores gpu_memory_utilization for the KV cache
