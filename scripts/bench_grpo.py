@@ -90,6 +90,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
         "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
         "completion_length": _mean(train, "completion_length/mean"),
+        "reward_per_step": rewards, "completion_length_per_step": [t["completion_length/mean"] for t in train],
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]), "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "steps": len(train),
     }
@@ -115,6 +116,7 @@ def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
         "train_s": (sum(step_s) - sum(gen)) / len(step_s),  # the two optimizer steps and TRL's bookkeeping
         "peak_gib": r["peak_gib"], "reward_first10": r["reward_first10"], "reward_last10": r["reward_last10"],
         "completion_length": sum(lengths) / len(lengths) if lengths else None,
+        "reward_per_step": r["reward"], "completion_length_per_step": r.get("completion_length", []),
         "steps": r["grpo_steps"],
     }
 
