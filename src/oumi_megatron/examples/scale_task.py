@@ -18,41 +18,17 @@ Throughput does not depend on what the weights know, so this builds one locally:
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 from oumi_megatron.examples.arithmetic_task import TRAIN_TEMPLATES, make_rows
-from oumi_megatron.examples.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS
+from oumi_megatron.examples.tiny_models import build_byte_tokenizer
 
 QWEN2_5_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
                     rms_norm_eps=1e-6, tie_word_embeddings=True)
 """Qwen2.5-1.5B's config.json, architecture fields."""
-
-
-def build_full_vocab_tokenizer(vocab_size: int):  # noqa: ANN201 - transformers type imported lazily
-    """A byte-level BPE tokenizer (no merges: text encodes one token per byte) whose vocabulary covers every id below
-    ``vocab_size``: 256 byte tokens, filler tokens, and ChatML's special tokens as the last three ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    fillers = vocab_size - len(alphabet) - len(SPECIAL_TOKENS)
-    words = itertools.chain((a + b for a in alphabet for b in alphabet),
-                            (a + b + c for a in alphabet for b in alphabet for c in alphabet))
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab.update((w, len(alphabet) + i) for i, w in enumerate(itertools.islice(words, fillers)))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     bos_token=None, unk_token=None)
-    hf_tok.chat_template = CHAT_TEMPLATE
-    assert len(hf_tok) == vocab_size, (len(hf_tok), vocab_size)
-    return hf_tok
 
 
 def build_scale_model(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
@@ -67,7 +43,8 @@ def build_scale_model(out_dir: str | Path, seed: int = 0, **overrides: Any) -> P
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return out
     fields = {k: v for k, v in spec.items() if k not in ("seed", "rope_theta")}
-    tokenizer = build_full_vocab_tokenizer(fields["vocab_size"])
+    tokenizer = build_byte_tokenizer(fields["vocab_size"])
+    assert len(tokenizer) == fields["vocab_size"], (len(tokenizer), fields["vocab_size"])
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(**fields, bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
                          rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]})

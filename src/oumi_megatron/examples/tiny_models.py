@@ -25,13 +25,22 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def build_byte_tokenizer():  # noqa: ANN201 - transformers type imported lazily
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens + ChatML special tokens."""
+def build_byte_tokenizer(vocab_size: int | None = None):  # noqa: ANN201 - transformers type imported lazily
+    """A byte-level BPE tokenizer with no merges (text encodes one token per byte): 256 byte tokens + ChatML special
+    tokens. ``vocab_size``: filler tokens of two and three bytes between the two, so that every id below it decodes
+    (the special tokens then take the last three ids)."""
+    import itertools
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    if vocab_size is not None:
+        fillers = itertools.chain((a + b for a in alphabet for b in alphabet),
+                                  (a + b + c for a in alphabet for b in alphabet for c in alphabet))
+        count = vocab_size - len(alphabet) - len(SPECIAL_TOKENS)
+        vocab.update((w, len(alphabet) + i) for i, w in enumerate(itertools.islice(fillers, count)))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -276,12 +276,11 @@ class VllmRolloutBackend:
     def wake(self) -> float:
         """Colocated engines on GPU take back their weights' and KV cache's memory, mapped at the addresses their
         CUDA graphs were captured with. Seconds spent (0: already awake, or nothing sleeps)."""
-        if self.host is None or self.awake:
+        if self.host is None or self.awake:  # only a sleep (sleep mode, on GPU) leaves an engine not awake
             return 0.0
         start = time.perf_counter()
-        if self.host.sleep_mode:
-            # the memory training freed is still cached by PyTorch's allocator: give it back so the engine can map it
-            torch.cuda.empty_cache()
+        # the memory training freed is still cached by PyTorch's allocator: give it back so the engine can map it
+        torch.cuda.empty_cache()
         self.host.wake_up()
         self.awake = True
         return time.perf_counter() - start
