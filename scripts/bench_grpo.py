@@ -14,7 +14,7 @@ GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5
   trainer as ``oumi train``);
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
 - ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
-  completions x (256 + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
+  completions x (max_prompt_length + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
 - ``trl``: TRL's GRPOTrainer with HF ``generate`` rollouts (scripts/bench_grpo_trl.py, the settings written there);
 - ``trl_vllm``: TRL with ``use_vllm=True, vllm_mode="colocate"``.
 
@@ -42,6 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PATHS = ("embedded", "vllm", "vllm_kv", "trl", "trl_vllm")
 CONFIG = REPO / "configs" / "smollm2_arithmetic_gpu.yaml"
+MAX_PROMPT_LENGTH = yaml.safe_load(CONFIG.read_text())["grpo"]["max_prompt_length"]  # both libraries' engines get it
 
 
 def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
@@ -69,7 +70,8 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib:
 
 
 def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False) -> dict[str, Any]:
-    kv = rollout_kv_cache_gib(args.model, args.prompts * args.generations, 256 + args.max_new_tokens) if sized_kv else 0.0
+    completions, max_len = args.prompts * args.generations, MAX_PROMPT_LENGTH + args.max_new_tokens
+    kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
     tag = f"{backend}_kv" if sized_kv else backend
     work = out / f"{args.task}_ours_{tag}"
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
@@ -102,6 +104,7 @@ def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
     cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo_trl.py"), "--model", args.model, "--rows", args.rows,
            "--steps", str(args.steps), "--out", str(result), "--prompts", str(args.prompts), "--generations",
            str(args.generations), "--max-new-tokens", str(args.max_new_tokens), "--task", args.task,
+           "--max-prompt-length", str(MAX_PROMPT_LENGTH),
            *(["--vllm"] if vllm else [])]
     _run(cmd, out / f"{name}.log")
     r = json.loads(result.read_text())

@@ -13,7 +13,7 @@ Per GRPO step: wall time, the time in TRL's generate-and-score, prompt + complet
 ``num_tokens``), reward, mean completion length; peak memory; written to ``--out``. ``--task scale``: the
 random-weight Qwen2.5-1.5B-shaped model of examples/scale_task.py and its cheap reward.
 The model loads in fp32 and trains under bf16 autocast (TRL's default: mixed precision, as this project's fp32 main
-weights); colocated vLLM gets this project's memory fraction (0.4) and maximum length (256 + new tokens).
+weights); colocated vLLM gets this project's memory fraction (0.4) and maximum length (max prompt length + new tokens).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--task", default="real", choices=("real", "scale"),
                    help="real: Oumi's gsm8k reward; scale: the random-weight model's cheap reward (examples/scale_task.py)")
+    p.add_argument("--max-prompt-length", type=int, default=256, help="the config's grpo.max_prompt_length: with "
+                   "--max-new-tokens, colocated vLLM's maximum length, as this project's engine has it")
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.4, help="this project's default, for parity")
     args = p.parse_args()
 
@@ -112,7 +114,7 @@ def main() -> None:
         vllm_mode="colocate",
         vllm_enable_sleep_mode=args.vllm and cuda,  # vLLM has no sleep mode on CPU
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        vllm_max_model_length=256 + args.max_new_tokens,  # this project's engine: max_prompt_length + completion
+        vllm_max_model_length=args.max_prompt_length + args.max_new_tokens,
     )
     dataset = Dataset.from_list(load_rows(rows_dir, limit=args.prompts * (args.steps + 1)))
     reward = gsm8k_reward_for_trl(rows_dir, 0.1) if args.task == "real" else scale_reward()
