@@ -90,6 +90,10 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
         "rollout_s": _mean(steady, "time/rollout_s"), "logprob_s": _mean(steady, "time/logprob_s"),
         "train_s": _mean(steady, "time/train_s"), "sync_s": _mean(steady, "time/sync_s"),
         "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
+        "sync_export_s": _mean(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
+        # the engine's sampling logprobs against the trainer's (NeMo-RL's token_mult_prob_error; 1 = equal)
+        "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
+        "step_s_per_step": step_s, "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
         "completion_length": _mean(train, "completion_length/mean"),
         "reward_per_step": rewards, "completion_length_per_step": [t["completion_length/mean"] for t in train],
@@ -120,7 +124,7 @@ def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
         "peak_gib": r["peak_gib"], "reward_first10": r["reward_first10"], "reward_last10": r["reward_last10"],
         "completion_length": sum(lengths) / len(lengths) if lengths else None,
         "reward_per_step": r["reward"], "completion_length_per_step": r.get("completion_length", []),
-        "steps": r["grpo_steps"],
+        "step_s_per_step": step_s, "steps": r["grpo_steps"],
     }
 
 
@@ -162,14 +166,15 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     trl = [r["tokens_per_s_per_gpu"] for r in rows if r["name"].startswith("TRL")]
     best_trl = max(trl) if trl else None
     lines = [f"| {args.task}: {args.steps} GRPO steps of {args.prompts} x {args.generations}, {args.max_new_tokens} new tokens "
-             "| tokens/s/GPU | vs TRL's best | step s | sync + wake + sleep s | rollout s | logprobs s | train s "
+             "| tokens/s/GPU | vs TRL's best | step s | sync (export) / wake / sleep ms | rollout s | logprobs s | train s "
              "| peak GiB | completion tokens | reward first 10 -> last 10 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        memory = [float(r[k]) for k in ("sync_s", "wake_s", "sleep_s") if r.get(k) is not None]
+        ms = {k: f"{1e3 * r[k]:.0f}" if r.get(k) is not None else "-" for k in ("sync_s", "sync_export_s", "wake_s", "sleep_s")}
+        engine = f"{ms['sync_s']} ({ms['sync_export_s']}) / {ms['wake_s']} / {ms['sleep_s']}" if (r.get("sync_s") or 0) > 1e-4 else "-"
         ratio = f"{r['tokens_per_s_per_gpu'] / best_trl:.2f}x" if best_trl else "-"
         lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.2f} | "
-                     f"{_fmt(sum(memory) if memory else None, '.3f')} | {_fmt(r.get('rollout_s'))} | "
+                     f"{engine} | {_fmt(r.get('rollout_s'))} | "
                      f"{_fmt(r.get('logprob_s'))} | {_fmt(r.get('train_s'))} | {_fmt(r.get('peak_gib'), '.1f')} | "
                      f"{_fmt(r.get('completion_length'), '.0f')} | {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
     return "\n".join(lines)
@@ -197,11 +202,13 @@ def main() -> None:
     for path in args.paths.split(","):
         if path not in PATHS:
             raise SystemExit(f"--paths: {', '.join(PATHS)}, not {path!r}")
+        started = time.perf_counter()
         try:  # one row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers
             if path in ("embedded", "vllm", "vllm_kv"):
                 rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm", sized_kv=path == "vllm_kv"))
             else:
                 rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
+            rows[-1]["row_wall_s"] = time.perf_counter() - started  # the process: start-up, model load, the steps
             print(f"row done: {json.dumps(rows[-1])}", flush=True)  # a call cut off later keeps what is done
         except RowFailed as e:
             failed.append(f"{path}: {e}")

@@ -62,7 +62,7 @@ fi
 # The real-model run (configs/smollm2_arithmetic_gpu.yaml) when GPU_CHECK_REAL_MODEL names the GGUF file:
 # rows and Oumi's gsm8k reward from .gpu_real/rows (scripts/prepare_gpu_real_model.py), GGUF -> HF here.
 # GPU_CHECK_REAL_STEPS caps the steps (a run resumes from output/ on a machine still warm);
-# GPU_CHECK_REAL_BACKEND=vllm runs it with vLLM rollouts (output/real_gpu_vllm);
+# GPU_CHECK_REAL_BACKEND=vllm runs it with vLLM rollouts (output/real_gpu_vllm), GPU_CHECK_REAL_KV_GIB sizes their KV cache;
 # GPU_CHECK_REAL_BUDGET_S stops it in time for its metrics to come back; GPU_CHECK_REAL_SAVE_STEPS checkpoints more
 # often than the config (a run stopped by the budget resumes from its last checkpoint in the next call).
 if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
@@ -71,6 +71,7 @@ if [ -n "${GPU_CHECK_REAL_MODEL:-}" ]; then
   timeout "${GPU_CHECK_REAL_BUDGET_S:-540}" python3 tests/workers/real_model_worker.py configs/smollm2_arithmetic_gpu.yaml "$REAL_OUT" \
       --rows .gpu_real/rows ${GPU_CHECK_REAL_STEPS:+--max-steps "$GPU_CHECK_REAL_STEPS"} ${GPU_CHECK_REAL_BASE:+--eval-base} \
       ${GPU_CHECK_REAL_BACKEND:+--inference-backend "$GPU_CHECK_REAL_BACKEND"} \
+      ${GPU_CHECK_REAL_KV_GIB:+--vllm-kv-cache-gib "$GPU_CHECK_REAL_KV_GIB"} \
       ${GPU_CHECK_REAL_SAVE_STEPS:+--save-steps "$GPU_CHECK_REAL_SAVE_STEPS"} \
       > "$RESULTS/real_model.log" 2>&1
   echo "real-model run exit $? ($(grep -c . "$REAL_OUT/run/metrics.jsonl" 2>/dev/null) metrics rows)"

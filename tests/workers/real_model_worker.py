@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--no-eval", action="store_true", help="throughput runs (scripts/bench_grpo.py): no held-out "
                    "evaluation during training, no exported model")
     p.add_argument("--inference-backend", default=None, help="megatron.inference_backend instead of the config's")
+    p.add_argument("--vllm-kv-cache-gib", type=float, default=None, help="megatron.vllm_kv_cache_gib instead of the "
+                   "config's (a colocated engine maps and unmaps this much at each wake and sleep)")
     p.add_argument("--converted", default=None, help="where the converted Megatron-Core checkpoint lives (default: "
                    "under WORK): runs of one model share it")
     args = p.parse_args()
@@ -83,6 +85,8 @@ def main() -> None:
     raw, params, grpo = load_sections(Path(args.config))
     if args.inference_backend:
         params.inference_backend = args.inference_backend
+    if args.vllm_kv_cache_gib is not None:
+        params.vllm_kv_cache_gib = args.vllm_kv_cache_gib
     t = raw["training"]
     work, rows_dir = Path(args.work), Path(args.rows)
     hf = Path(args.model or raw["model"]["model_name"])

@@ -36,6 +36,9 @@ class WeightSyncStats:
     tensors: int
     bytes: int
     seconds: float
+    export_seconds: float = 0.0
+    """Of ``seconds``, the time spent producing the HF tensors (the exporter), where the sync measures it
+    (colocated): the rest is the engine loading them."""
 
     @property
     def gbps(self) -> float:

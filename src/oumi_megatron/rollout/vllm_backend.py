@@ -329,12 +329,13 @@ class VllmRolloutBackend:
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
     def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
-        """colocated: every rank loads the export into its engine, bucket by bucket, in one session."""
-        counted = weight_stream.Counted(weight_stream.buckets(weights(), self.bucket_bytes))
+        """colocated: every rank loads the export into its engine, tensor by tensor as the exporter yields them
+        (same process, same GPU: no packing into buckets)."""
+        pairs = weight_stream.TimedPairs(weights())
         self.wake()  # the trainer woke it before the sync; waking is idempotent
-        self._colocated_host.load_in_process(counted)
+        self._colocated_host.load_in_process(pairs)
         self.weights_current = True
-        return WeightSyncStats("in_memory", counted.tensors, counted.bytes, 0.0)
+        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
 
     def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
         folder = self.work_dir / "rollout_weights"

