@@ -79,7 +79,8 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
            "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
     _run(cmd, out / f"{args.task}_ours_{tag}.log")
-    train = json.loads((work / "result.json").read_text())["train"]
+    result = json.loads((work / "result.json").read_text())
+    train = result["train"]
     steady = train[1:] if len(train) > 1 else train
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
     rewards = [t["reward/mean"] for t in train]
@@ -94,6 +95,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
         # the engine's sampling logprobs against the trainer's (NeMo-RL's token_mult_prob_error; 1 = equal)
         "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
         "step_s_per_step": step_s, "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
+        "decode_ms_per_step": _mean(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
         "completion_length": _mean(train, "completion_length/mean"),
         "reward_per_step": rewards, "completion_length_per_step": [t["completion_length/mean"] for t in train],

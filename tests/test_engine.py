@@ -422,6 +422,31 @@ def test_packed_rows_give_the_varlen_kernel_one_sequence_per_segment() -> None:
     assert resolve_packed_attention("mask", "SdpaCoreAttention", torch.bfloat16, cuda=True)[0] == "mask"
 
 
+def test_sdpa_runs_torchs_default_kernels_whatever_another_library_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's import turns cuDNN SDPA off process-wide; our attention calls still get it, and the flag is left as found."""
+    from oumi_megatron.engine.kernels import attention
+
+    seen: list[tuple[bool, bool, bool, bool]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # what `import vllm.platforms.cuda` does
+        q, kv = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+        out = attention.sdpa(q, kv, kv, enable_gqa=True)
+        assert seen == [(True, True, True, True)]
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # restored for the library that set it
+        torch.testing.assert_close(out, real(q, kv, kv, enable_gqa=True), rtol=0, atol=0)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 ZB_RTOL = 1e-6  # ZB-H1 vs 1F1B: the same GEMMs, each parameter's gradient accumulated in the same order
 LINEARS_PER_MICROBATCH = 4 * 4 + 1  # qkv, proj, fc1, fc2 in each of the 4 layers, and the output layer
 

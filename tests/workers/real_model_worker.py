@@ -153,8 +153,12 @@ def main() -> None:
                                                    "time/sleep_s", "weight_sync/seconds", "tokens_per_s",
                                                    "perf/step_s", "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
                                                    "batch/real_tokens", "rollout/tokens_per_s", "rollout/decode_ms_per_step",
-                                                   "mismatch/mean_abs_diff", "mismatch/max_abs_diff")}
+                                                   "mismatch/mean_abs_diff", "mismatch/max_abs_diff",
+                                                   "mismatch/token_mult_prob_error", "weight_sync/export_s")}
                            for m in metrics if "reward/mean" in m]
+        # which generation path ran (e.g. whether the embedded decoder's CUDA graphs were captured)
+        last = getattr(trainer.backend, "last_stats", None)
+        result["rollout_path"] = last.path if last is not None else type(trainer.backend).__name__
     if args.no_eval:
         if dist.get_rank() == 0:
             (work / "result.json").write_text(json.dumps(result, indent=1))

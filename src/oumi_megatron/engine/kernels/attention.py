@@ -32,9 +32,23 @@ from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS, PACKED_ATTENTIONS
 from oumi_megatron.engine.wrappers import unwrap
+
+# torch's own SDPA kernel set, named for every call: vLLM's CUDA platform module turns cuDNN SDPA off process-wide when
+# it is imported (vllm/platforms/cuda.py, 0.26), and Megatron-Bridge imports vLLM through ModelOpt's vLLM plugin
+# wherever vLLM is installed. Masked GQA calls (generation's prefill and decode steps) would then lose their fused
+# kernel: flash takes no mask and memory-efficient no GQA, so the math kernel repeats K/V and upcasts to fp32.
+_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` with torch's default kernels, whatever another library
+    set process-wide (see ``_SDPA_BACKENDS``)."""
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
 
 
 def sdpa_unsupported_reason(config: Any) -> str | None:  # TransformerConfig
@@ -136,7 +150,7 @@ class SdpaCoreAttention(torch.nn.Module):
         mask = None if attention_mask is None else attention_mask if attention_mask.is_floating_point() else ~attention_mask
         dropout = self.dropout_p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
-            out = torch.nn.functional.scaled_dot_product_attention(
+            out = sdpa(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
             )
@@ -170,7 +184,7 @@ class SdpaCoreAttention(torch.nn.Module):
             else:  # packed rows: [b, 1, local queries, all keys], causal within each sequence already
                 allowed = ~attention_mask[:, :, rows, :keys]
             with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext():
-                outs.append(torch.nn.functional.scaled_dot_product_attention(
+                outs.append(sdpa(
                     q[:, :, rows], k[:, :, :keys], v[:, :, :keys], attn_mask=allowed, dropout_p=dropout,
                     scale=self.softmax_scale, enable_gqa=self.groups != self.heads))
         out = torch.cat(outs, dim=2)
