@@ -7,7 +7,8 @@ rows, scripts/prepare_gpu_real_model.py), reward (Oumi's ``gsm8k`` with ``format
 completions per GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5 constant, no KL,
 token-mean loss (TRL's ``dapo``), group-scaled advantages, no gradient checkpointing (ours runs without recompute),
 bf16 on CUDA. TRL counts optimizer steps, so ``max_steps`` is 2 x ``--steps``. ``--vllm``: TRL's
-``use_vllm=True, vllm_mode="colocate"``.
+``use_vllm=True, vllm_mode="colocate"`` with TRL's default ``vllm_enable_sleep_mode=False`` (``--vllm-sleep`` turns
+it on; with vLLM 0.26 TRL then generates from the base model, see below).
 
 Per GRPO step: wall time, the time in TRL's generate-and-score, prompt + completion tokens processed (TRL's
 ``num_tokens``), reward, mean completion length; peak memory; written to ``--out``. ``--task scale``: the
@@ -76,6 +77,8 @@ def main() -> None:
                    help="real: Oumi's gsm8k reward; scale: the random-weight model's cheap reward (examples/scale_task.py)")
     p.add_argument("--max-prompt-length", type=int, default=256, help="the config's grpo.max_prompt_length: with "
                    "--max-new-tokens, colocated vLLM's maximum length, as this project's engine has it")
+    p.add_argument("--vllm-sleep", action="store_true", help="TRL's vllm_enable_sleep_mode (off by default: see the "
+                   "GRPOConfig below for why its rollouts then come from the base model)")
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.4, help="this project's default, for parity")
     args = p.parse_args()
 
@@ -112,7 +115,11 @@ def main() -> None:
         seed=42,
         use_vllm=args.vllm,
         vllm_mode="colocate",
-        vllm_enable_sleep_mode=args.vllm and cuda,  # vLLM has no sleep mode on CPU
+        # TRL's default (off). With sleep mode on, TRL 1.6's generate() wakes the engine and calls vLLM's
+        # reload_weights() with no path (a workaround for vllm#29341), which in vLLM 0.26 reloads the model's files
+        # from disk over the weights sync_weights() just loaded: every rollout then comes from the base model (the
+        # real task's reward stayed at 0.010 over 20 steps, docs/benchmarks.md) and each step pays a reload.
+        vllm_enable_sleep_mode=args.vllm_sleep and cuda,  # vLLM has no sleep mode on CPU
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         vllm_max_model_length=args.max_prompt_length + args.max_new_tokens,
     )
