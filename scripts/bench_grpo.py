@@ -15,6 +15,7 @@ GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
 - ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
   completions x (max_prompt_length + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
+- ``vllm_awake``: ``vllm_kv`` with ``megatron.vllm_sleep: false`` (the engine stays resident: no wake or sleep);
 - ``trl``: TRL's GRPOTrainer with HF ``generate`` rollouts (scripts/bench_grpo_trl.py, the settings written there);
 - ``trl_vllm``: TRL with ``use_vllm=True, vllm_mode="colocate"``.
 
@@ -40,7 +41,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PATHS = ("embedded", "vllm", "vllm_kv", "trl", "trl_vllm")
+PATHS = ("embedded", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
 CONFIG = REPO / "configs" / "smollm2_arithmetic_gpu.yaml"
 MAX_PROMPT_LENGTH = yaml.safe_load(CONFIG.read_text())["grpo"]["max_prompt_length"]  # both libraries' engines get it
 
@@ -54,28 +55,28 @@ def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
     return 1.25 * completions * max_len * kv_cache_bytes_per_token(shape, shape.num_layers) / GIB
 
 
-def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib: float = 0.0) -> Path:
+def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib: float = 0.0, sleep: bool = True) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end."""
     raw = yaml.safe_load(CONFIG.read_text())
     completions = args.prompts * args.generations
     raw["training"].update(max_steps=args.steps, save_steps=0)
     raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4,
-                           vllm_kv_cache_gib=kv_cache_gib)
+                           vllm_kv_cache_gib=kv_cache_gib, vllm_sleep=sleep)
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
-    path = out / f"{args.task}_{backend}{'_kv' if kv_cache_gib else ''}.yaml"
+    path = out / f"{args.task}_{backend}{'_kv' if kv_cache_gib else ''}{'' if sleep else '_awake'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False, sleep: bool = True) -> dict[str, Any]:
     completions, max_len = args.prompts * args.generations, MAX_PROMPT_LENGTH + args.max_new_tokens
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
-    tag = f"{backend}_kv" if sized_kv else backend
+    tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake")
     work = out / f"{args.task}_ours_{tag}"
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
-    cfg = ours_config(out, args, backend, kv)
+    cfg = ours_config(out, args, backend, kv, sleep)
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
            "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
     _run(cmd, out / f"{args.task}_ours_{tag}.log")
@@ -85,7 +86,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
     rewards = [t["reward/mean"] for t in train]
     return {
-        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB)" if kv else ")"),
+        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake") + ")",
         "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s),
         "step_s": sum(step_s) / len(step_s),
         "rollout_s": _mean(steady, "time/rollout_s"), "logprob_s": _mean(steady, "time/logprob_s"),
@@ -206,8 +207,9 @@ def main() -> None:
             raise SystemExit(f"--paths: {', '.join(PATHS)}, not {path!r}")
         started = time.perf_counter()
         try:  # one row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers
-            if path in ("embedded", "vllm", "vllm_kv"):
-                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm", sized_kv=path == "vllm_kv"))
+            if path in ("embedded", "vllm", "vllm_kv", "vllm_awake"):
+                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm",
+                                     sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake"))
             else:
                 rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
             rows[-1]["row_wall_s"] = time.perf_counter() - started  # the process: start-up, model load, the steps

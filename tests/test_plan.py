@@ -33,6 +33,7 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     params.optimizer_config.optimizer_offload_fraction = float(params.optimizer_config.optimizer_cpu_offload)
     params.inference_backend = megatron.pop("inference_backend", "megatron")
     params.vllm_kv_cache_gib = megatron.pop("vllm_kv_cache_gib", 0.0)
+    params.vllm_sleep = megatron.pop("vllm_sleep", True)
     gpu_memory_gib = megatron.pop("gpu_memory_gib", None)
     assert not megatron, megatron
     layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
@@ -138,3 +139,8 @@ def test_colocated_vllm_engine_by_hand_sleeps_while_training() -> None:
     assert plan.total == pytest.approx(persistent + max(plan.rollout, plan.activations + plan.logits), rel=1e-9)
     share = _plan(TINY, tp=2, inference_backend="vllm", gpu_memory_gib=80.0)
     assert share.rollout == pytest.approx(0.4 * 80.0, rel=1e-9)  # vllm_gpu_memory_utilization's default
+    # awake while training (vllm_sleep: false): the engine's memory adds to training's
+    awake = _plan(TINY, tp=2, inference_backend="vllm", vllm_kv_cache_gib=0.5, vllm_sleep=False)
+    assert awake.rollout == pytest.approx(plan.rollout, rel=1e-9)
+    assert awake.total == pytest.approx(persistent + plan.rollout + plan.activations + plan.logits, rel=1e-9)
+    assert awake.total > plan.total

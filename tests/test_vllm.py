@@ -134,6 +134,41 @@ def _colocated_backend(enable_weight_sync: bool) -> tuple:
     return backend, host
 
 
+@pytest.mark.parametrize("vllm_sleep", [True, False])
+def test_vllm_sleep_decides_whether_a_colocated_engine_sleeps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              vllm_sleep: bool) -> None:
+    """megatron.vllm_sleep reaches the colocated engine's spec (its vLLM sleep mode); an engine without sleep mode
+    never sleeps, so it keeps its weights and no sync is forced after a generation phase."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.rollout import vllm_backend, vllm_engine
+
+    specs: list = []
+
+    class RecordingHost(_SleepingHost):
+        def __init__(self, spec: object) -> None:
+            super().__init__()
+            specs.append(spec)
+            self.sleep_mode = spec.sleep_mode and torch.cuda.is_available()  # as VllmEngineHost: a GPU feature
+
+    monkeypatch.setattr(vllm_engine, "VllmEngineHost", RecordingHost)
+    monkeypatch.setattr(vllm_backend, "_replica", lambda: (None, [0]))
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    params = MegatronParams(inference_backend="vllm", rollout_placement="colocated", vllm_sleep=vllm_sleep)
+    grpo = SimpleNamespace(max_prompt_length=8, max_completion_length=4)
+    backend = vllm_backend.VllmRolloutBackend("unused-model-dir", torch.bfloat16, params, grpo, seed=0, work_dir=tmp_path)
+    assert [s.sleep_mode for s in specs] == [vllm_sleep] and specs[0].executor == "uni"
+    if not vllm_sleep or not torch.cuda.is_available():
+        slept = backend.sleep()
+        assert (slept.seconds, slept.weights_dropped) == (0.0, False) and backend.awake and backend.weights_current
+        assert backend.wake() == 0.0 and backend.host.calls == []
+
+
 @pytest.mark.parametrize("enable_weight_sync", [True, False])
 def test_a_colocated_engine_sleeps_between_generation_phases(enable_weight_sync: bool) -> None:
     """Asleep, a colocated engine drops its weights (the next sync overwrites them), or parks them when weight sync is

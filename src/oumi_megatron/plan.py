@@ -19,7 +19,8 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
 - **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
   / TP); chunked logprobs keep about three fp32 chunks;
 - **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU, or its bf16 weights plus
-  ``vllm_kv_cache_gib`` where that is set; it sleeps (holding nothing) while the trainer trains; embedded
+  ``vllm_kv_cache_gib`` where that is set; it sleeps (holding nothing) while the trainer trains, or, with
+  ``vllm_sleep: false``, holds it beside training's activations and logits (the total adds the two); embedded
   rollouts: the static KV cache of the stage's layers (2 x layers x KV heads / TP x head dim x bf16, for this rank's
   completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
   It lives while generating, when no training activations or logits do: the total takes the larger of the two;
@@ -236,8 +237,11 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
             rollout = _vllm_engine_weight_bytes(shape, layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
         else:
             rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
-        # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too
-        total = weights + grads + optimizer + max(activations + logits, rollout) + overhead
+        # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;
+        # one that stays awake (vllm_sleep: false) holds its memory beside training's
+        resident = colocated_vllm and not m.vllm_sleep
+        training = activations + logits
+        total = weights + grads + optimizer + (training + rollout if resident else max(training, rollout)) + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
                           logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
                           gpu_memory_gib=gpu_memory_gib)
@@ -265,6 +269,8 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
     if t.recompute_granularity != "full" and plan.activations > 0.15 * plan.total:
         tips.append("megatron.transformer_config.recompute_granularity: full (keeps one input per layer)")
     if plan.rollout:
+        if cfg.megatron.inference_backend == "vllm" and m.rollout_placement == "colocated" and not m.vllm_sleep:
+            tips.append("megatron.vllm_sleep: true (the colocated engine hands its memory to training)")
         tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
     tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")
     return tips

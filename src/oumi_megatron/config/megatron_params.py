@@ -241,6 +241,14 @@ class MegatronParams(BaseParams):
     vllm_gpu_memory_utilization: float = 0.4
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
 
+    vllm_sleep: bool = True
+    """Colocated vLLM engines sleep while the trainer trains: ``true`` frees their KV cache and drops their weights
+    (the next sync refills them), so training has the whole GPU, at the cost of a wake and a sleep per step
+    (``time/wake_s``, ``time/sleep_s``); ``false`` keeps both resident (no wake or sleep; the engine's memory stays
+    taken while training, as TRL's default ``vllm_enable_sleep_mode=False`` and verl's ``free_cache_engine=False``
+    have it). ``oumi-megatron plan`` counts the engine beside training when it stays awake. Separate engines never
+    sleep."""
+
     vllm_kv_cache_gib: float = 0.0
     """A vLLM engine's KV cache on GPU, in GiB per GPU (vLLM's ``kv_cache_memory_bytes``); 0: what
     ``vllm_gpu_memory_utilization`` leaves after the weights. A colocated engine maps its KV cache back at every wake

@@ -191,7 +191,7 @@ class VllmRolloutBackend:
             spec.seed = seed + me // tp  # one seed per engine: its TP ranks must sample alike
             spec.tensor_parallel_size = tp
             spec.executor = "external_launcher" if world > 1 else "uni"
-            spec.sleep_mode = True
+            spec.sleep_mode = bool(params.vllm_sleep)
             self.is_owner = True  # every rank holds (a TP shard of) an engine
             self.host = VllmEngineHost(spec)
             return
