@@ -26,6 +26,7 @@
 # bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
 # GPU_CHECK_TESTS="expr" selects tests (pytest -k). vLLM travels in parts (scripts/gpu_vllm_install.sh).
+# GPU_CHECK_JOBS runs several of these settings at once, one GPU each (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +53,27 @@ printf '#!/usr/bin/env bash\nexec python3 -m oumi_megatron "$@"\n' > /tmp/bin/ou
 export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 NGPU=$(nvidia-smi -L | wc -l)
+
+# GPU_CHECK_JOBS="JOB | JOB": one job per GPU, in parallel, after the installs above (one call, e.g. on 2 x H200, runs
+# two benchmarks side by side). A JOB is this script's settings, shell-quoted: GPU_CHECK_BENCH=grpo GPU_CHECK_TESTS='a or b'.
+# Job i runs with CUDA_VISIBLE_DEVICES=i, its own MASTER_PORT and its results in $RESULTS/jobI; its log's tail is
+# printed at the end. GPU_CHECK_GGUF set outside the jobs is converted once, before they start.
+if [ -n "${GPU_CHECK_JOBS:-}" ]; then
+  if [ -n "${GPU_CHECK_GGUF:-}" ] && [ ! -f output/smollm2_135m_instruct/config.json ]; then
+    python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_GGUF" --out output/smollm2_135m_instruct 2>&1 | tail -1
+  fi
+  IFS='|' read -r -a JOBS <<< "$GPU_CHECK_JOBS"
+  [ "${#JOBS[@]}" -le "$NGPU" ] || { echo "GPU_CHECK_JOBS: ${#JOBS[@]} jobs for $NGPU GPU(s)"; exit 1; }
+  for i in "${!JOBS[@]}"; do
+    mkdir -p "$RESULTS/job$i"
+    eval "env -u GPU_CHECK_JOBS CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29500 + 111 * i)) OUT=$RESULTS/job$i ${JOBS[$i]} bash $0" \
+      > "/tmp/gpu_job$i.log" 2>&1 &
+  done
+  JOB_RC=0
+  for i in "${!JOBS[@]}"; do wait -n || JOB_RC=1; done
+  for i in "${!JOBS[@]}"; do echo "== job $i:${JOBS[$i]}"; tail -30 "/tmp/gpu_job$i.log"; done
+  exit $JOB_RC
+fi
 
 TEST_RC=0
 if [ "${GPU_CHECK_TESTS:-}" != "none" ]; then
