@@ -97,6 +97,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
         "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
         "step_s_per_step": step_s, "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
         "decode_ms_per_step": _mean(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
+        "vllm_imported": result.get("vllm_imported"), "cudnn_sdp_enabled": result.get("cudnn_sdp_enabled"),
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
         "completion_length": _mean(train, "completion_length/mean"),
         "reward_per_step": rewards, "completion_length_per_step": [t["completion_length/mean"] for t in train],

@@ -159,6 +159,9 @@ def main() -> None:
         # which generation path ran (e.g. whether the embedded decoder's CUDA graphs were captured)
         last = getattr(trainer.backend, "last_stats", None)
         result["rollout_path"] = last.path if last is not None else type(trainer.backend).__name__
+        # vLLM, once imported (Megatron-Bridge's ModelOpt plugin imports it where it is installed), turns cuDNN SDPA off
+        # process-wide; the engine's attention names its kernels per call (engine/kernels/attention.sdpa)
+        result["vllm_imported"], result["cudnn_sdp_enabled"] = "vllm" in sys.modules, torch.backends.cuda.cudnn_sdp_enabled()
     if args.no_eval:
         if dist.get_rank() == 0:
             (work / "result.json").write_text(json.dumps(result, indent=1))
