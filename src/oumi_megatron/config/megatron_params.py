@@ -222,7 +222,8 @@ class MegatronParams(BaseParams):
     engines otherwise load the weights in memory."""
 
     weight_sync_bucket_mb: float = 256.0
-    """Tensors are streamed to the engines packed in buckets of about this many MiB."""
+    """Tensors are streamed to separate engines packed in buckets of about this many MiB (a colocated engine loads
+    them one by one as they are exported)."""
 
     inference_backend: str = "megatron"
     """``megatron`` (embedded: generate with the policy's own weights), ``vllm``, or a backend a plugin registers
