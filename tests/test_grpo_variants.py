@@ -190,7 +190,7 @@ def run_dynamic_sampling_worker(model_dir: Path, work: Path, backend: str = "meg
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     ranks = [json.loads((work / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     timed = ("time/", "tokens_per_s", "rollout/tokens_per_s", "rollout/decode_ms_per_step", "weight_sync/seconds",
-             "weight_sync/gbps")  # wall-clock readings differ by rank
+             "weight_sync/gbps", "weight_sync/export_s")  # wall-clock readings differ by rank
     untimed = [[{k: v for k, v in m.items() if not k.startswith(timed)} for m in r["metrics"]] for r in ranks]
     assert untimed[0] == untimed[1]  # every rank saw the same filtered batch (loss, rewards, counts)
     for steps in (r["steps"] for r in ranks):
