@@ -55,8 +55,10 @@ def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
     return 1.25 * completions * max_len * kv_cache_bytes_per_token(shape, shape.num_layers) / GIB
 
 
-def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib: float = 0.0, sleep: bool = True) -> Path:
-    """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end."""
+def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_cache_gib: float = 0.0,
+                sleep: bool = True) -> Path:
+    """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end;
+    written as TASK_TAG.yaml (``tag``: the row's, see ``run_ours``)."""
     raw = yaml.safe_load(CONFIG.read_text())
     completions = args.prompts * args.generations
     raw["training"].update(max_steps=args.steps, save_steps=0)
@@ -65,7 +67,7 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, kv_cache_gib:
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
-    path = out / f"{args.task}_{backend}{'_kv' if kv_cache_gib else ''}{'' if sleep else '_awake'}.yaml"
+    path = out / f"{args.task}_{tag}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -76,7 +78,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake")
     work = out / f"{args.task}_ours_{tag}"
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
-    cfg = ours_config(out, args, backend, kv, sleep)
+    cfg = ours_config(out, args, backend, tag, kv, sleep)
     cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
            "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
     _run(cmd, out / f"{args.task}_ours_{tag}.log")
