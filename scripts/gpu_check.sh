@@ -307,8 +307,9 @@ for name, r in vl:
     s = r["sync"]
     print(f"| {name} | {s['method']} | {s['tensors']} | {s['bytes']/1e6:.1f} | {s['seconds']:.3f} | {r['stale_engine_mean']:.3f} / {r['stale_engine']:.3f} | {r['after_sync_mean']:.4f} / {r['after_sync']:.4f} |")
 real = pathlib.Path(sys.argv[1]) / "real_result.json"
-if real.is_file():
-    r = json.loads(real.read_text())
+# the real-model run's file; bench_grpo's real-task rows (GPU_CHECK_BENCH=grpo) share the name and hold "rows" instead
+r = json.loads(real.read_text()) if real.is_file() else {}
+if "eval_curve" in r:
     c, t = r["eval_curve"], r["train"]
     print("\n| real model (SmolLM2-135M, arithmetic) | eval set | card | steps | accuracy first -> last eval | exported hf_model | format | rollout s / train s (last step) | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -255,6 +255,21 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, request: pytest.
     assert max((ref_w[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
 
 
+def test_on_policy_first_update_reports_what_the_old_logprob_pass_would(converted: Path, workdir: Path) -> None:
+    """The trainer skips the old-logprob pass for a step's first mini-batch (one PPO epoch): the GRPO loss takes
+    this forward's logprobs as the old ones, and the train step's metrics carry the entropy and rollout mismatch
+    the skipped pass would have given. DP=2, two microbatches per rank: sums add, ``mismatch_abs_max`` is the
+    max over microbatches and ranks (0.04: rank 1's second microbatch), and the training forward's logprobs are
+    the forward-only ones (fp32; the mismatch sum equals the known offsets only if they are)."""
+    got = _engine_run(converted, workdir / "on_policy", ["--on-policy-check"], nproc=2)
+    expected, train = got["expected"], got["train_step"]
+    assert expected["mismatch_abs_max"] == pytest.approx(0.04) and train["mismatch_abs_max"] == pytest.approx(0.04, abs=1e-5)
+    assert train["mismatch_tokens"] == expected["mismatch_tokens"] == got["completion_tokens"] > 0
+    assert train["mismatch_abs_sum"] == pytest.approx(expected["mismatch_abs_sum"], rel=1e-4)
+    assert train["entropy_sum"] == pytest.approx(expected["entropy_sum"], rel=1e-5)
+    assert got["ratio_sum"] == got["completion_tokens"]  # old logprobs = this forward's: the ratio is exactly 1
+
+
 KV_ATOL = 1e-5  # fp32 last-token logits, KV cache vs re-running the prefix; seen <= 3e-7
 
 

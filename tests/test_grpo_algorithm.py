@@ -149,6 +149,31 @@ def test_grpo_loss_fn_masks_prompt_and_padding_and_adds_kl() -> None:
     assert m["completion_tokens"].item() == 2 and m["ratio_sum"].item() == pytest.approx(2.0)
 
 
+def test_grpo_loss_without_old_logprobs_is_the_on_policy_loss() -> None:
+    """A microbatch without ``old_logprobs`` (the step's first update, trained on by the policy that generated it):
+    the loss and gradient equal those with ``old_logprobs`` = the logprobs themselves, detached; TIS weighs against
+    the same; and the metrics carry the entropy and mismatch sums the skipped old-logprob pass would have given."""
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", tis_cap=2.0,
+                              loss_aggregation="token_mean", max_completion_length=4)
+    lp = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
+    batch = {"completion_mask": torch.tensor([[0, 1, 1, 0]]), "advantages": torch.tensor([1.5]),
+             "rollout_logprobs": torch.tensor([[-1.0, -0.7, -1.9, -5.0]]), "entropy": torch.tensor([[9.0, 1.0, 2.0, 9.0]])}
+    fn = make_grpo_loss_fn(grpo)
+    a = lp.clone().requires_grad_(True)
+    loss_a, count_a, m_a = fn(a, batch)
+    loss_a.backward()
+    b = lp.clone().requires_grad_(True)
+    loss_b, count_b, m_b = fn(b, {**batch, "old_logprobs": lp.clone()})
+    loss_b.backward()
+    assert loss_a.item() == pytest.approx(loss_b.item()) and int(count_a) == int(count_b) == 2
+    assert torch.allclose(a.grad, b.grad) and a.grad.abs().sum() > 0
+    assert m_a["ratio_sum"].item() == 2.0 and m_a["tis_weight_sum"].item() == pytest.approx(m_b["tis_weight_sum"].item())
+    assert m_a["entropy_sum"].item() == pytest.approx(3.0)  # masked tokens only
+    assert m_a["mismatch_abs_sum"].item() == pytest.approx(0.3) and m_a["mismatch_abs_max"].item() == pytest.approx(0.2)
+    assert m_a["mismatch_tokens"].item() == 2
+    assert "entropy_sum" not in m_b and "mismatch_abs_sum" not in m_b  # the old-logprob pass reported those
+
+
 def test_logprob_mismatch_sums() -> None:
     from oumi_megatron.grpo.algorithm import logprob_mismatch
 

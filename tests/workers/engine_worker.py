@@ -43,6 +43,48 @@ def parameter_state(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # 
             for chunk in engine.model for n, p in unwrap(chunk).named_parameters()}
 
 
+def on_policy_check(engine, out: Path) -> None:  # noqa: ANN001
+    """The trainer's on-policy first update: the GRPO loss without ``old_logprobs``, in a train step with the entropy
+    output. Records, next to the forward-only pass's entropy and logprobs of the same microbatches (same weights),
+    what the train step's metrics say: the entropy sum, and the mismatch against "rollout" logprobs set to the
+    forward-only ones plus a known offset per rank and microbatch (sums add, ``mismatch_abs_max`` is the max)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.grpo.loss import make_grpo_loss_fn
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs = [{"input_ids": m["input_ids"], "completion_mask": m["loss_mask"]}
+           for m in masked_microbatches(0, 2)]
+    mbs = mbs[dp_rank * len(mbs) // dp:(dp_rank + 1) * len(mbs) // dp]
+    old, entropy = engine.compute_logprobs_and_entropy(mbs)
+    expected = {"entropy_sum": 0.0, "mismatch_abs_sum": 0.0, "mismatch_tokens": 0.0, "mismatch_abs_max": 0.0}
+    for i, (mb, lp, ent) in enumerate(zip(mbs, old, entropy)):
+        offset = 0.01 * (dp_rank + 1) * (i + 1)
+        mask = mb["completion_mask"].float()
+        mb["rollout_logprobs"] = lp + offset
+        mb["advantages"] = torch.zeros(mb["input_ids"].shape[0])  # no gradient: the weights stay as they are
+        expected["entropy_sum"] += float((ent * mask).sum())
+        expected["mismatch_abs_sum"] += offset * float(mask.sum())
+        expected["mismatch_tokens"] += float(mask.sum())
+        expected["mismatch_abs_max"] = max(expected["mismatch_abs_max"], offset)
+    totals = torch.tensor([expected[k] for k in ("entropy_sum", "mismatch_abs_sum", "mismatch_tokens")], dtype=torch.float64)
+    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    top = torch.tensor([expected["mismatch_abs_max"]], dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    grpo = MegatronGrpoParams(beta=0.0, tis_cap=None, loss_aggregation="token_mean", max_completion_length=24)
+    r = engine.train_step(mbs, make_grpo_loss_fn(grpo), with_entropy=True)
+    result = {"expected": {**dict(zip(("entropy_sum", "mismatch_abs_sum", "mismatch_tokens"), totals.tolist())),
+                           "mismatch_abs_max": float(top)},
+              "train_step": {k: r.metrics[k] for k in expected}, "ratio_sum": r.metrics["ratio_sum"],
+              "completion_tokens": r.metrics["completion_tokens"]}
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
@@ -64,6 +106,8 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel: true (TP > 1)")
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
+    p.add_argument("--on-policy-check", action="store_true",
+                   help="only the GRPO loss's on-policy first update against the forward-only pass (no training)")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -93,6 +137,9 @@ def main() -> None:
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
 
+    if args.on_policy_check:
+        on_policy_check(engine, Path(args.out))
+        return
     from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, save_checkpoint
 
     writer = AsyncCheckpointWriter() if args.async_save else None

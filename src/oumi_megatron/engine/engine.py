@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -522,8 +523,10 @@ class MegatronEngine:
     # ----------------------------------------------------------------------------------------------
     # Public API
     # ----------------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn, temperature: float = 1.0) -> StepResult:
-        """One optimizer step over this DP rank's microbatches (each: ``input_ids`` [mbs, seq] + loss inputs)."""
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn, temperature: float = 1.0,
+                   with_entropy: bool = False) -> StepResult:
+        """One optimizer step over this DP rank's microbatches (each: ``input_ids`` [mbs, seq] + loss inputs).
+        ``with_entropy``: the loss function also sees ``entropy`` [b, T] (no gradient) in its batch."""
         for chunk in self.model:
             chunk.train()
             # Megatron-Core's DDP wrapper method; torch types a Module's attributes as Tensor | Module
@@ -532,7 +535,7 @@ class MegatronEngine:
         for queue, param_buffers in self._module_queues:
             queue.begin_step(param_buffers)
         try:
-            outputs = self._run(microbatches, loss_fn, temperature, forward_only=False)
+            outputs = self._run(microbatches, loss_fn, temperature, forward_only=False, with_entropy=with_entropy)
         finally:  # every weight back on the GPU before the optimizer step (also after an error)
             for queue, _ in self._module_queues:
                 queue.end_step()
@@ -690,16 +693,25 @@ class MegatronEngine:
         return tensor
 
     def _reduce_metrics(self, outputs: list[dict[str, Any]]) -> dict[str, float]:
-        """Sum metric dicts over microbatches (last stage), then over DP, then share with all PP ranks."""
+        """Sum metric dicts over microbatches (last stage), then over DP, then share with all PP ranks. Keys
+        ending in ``_max`` are maxima instead (over microbatches and DP)."""
         from megatron.core import parallel_state as ps
 
         keys = sorted(outputs[0].keys()) if outputs else []
         n_keys = self._from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self.device))
-        values = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self.device)
+        maxima = torch.full_like(sums, -math.inf)
         if outputs:
             for out in outputs:
-                values += torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=values.device) for k in keys])
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
+                v = torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=sums.device) for k in keys])
+                sums += v
+                maxima = torch.maximum(maxima, v)
+        # both collectives on every rank (a first stage does not know the keys); a non-last stage's result is
+        # replaced by the last stage's below
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        is_max = torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool, device=sums.device)
+        values = torch.where(is_max, maxima, sums) if outputs else sums
         self._from_last_stage(values)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             keys = self._broadcast_keys(keys)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oumi_megatron.engine.engine import LossFn
-from oumi_megatron.grpo.algorithm import aggregate, kl_divergence, truncated_importance_weights
+from oumi_megatron.grpo.algorithm import aggregate, kl_divergence, logprob_mismatch, truncated_importance_weights
 from oumi_megatron.grpo.registry import POLICY_LOSSES
 
 if TYPE_CHECKING:
@@ -24,18 +24,26 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     (see ``trainer/batches.py``). With ``grpo.tis_cap`` set, ``rollout_logprobs`` [b, T] (the rollout
     engine's logprobs of the sampled tokens) turn on truncated importance sampling. Metrics are sums over the microbatch (the trainer
     divides by ``completion_tokens``).
+
+    A microbatch without ``old_logprobs`` is trained on by the policy that generated it (the step's first
+    optimizer step): its old logprobs are this forward's, detached (TRL's on-policy shortcut), so the ratio is
+    exactly 1, and the metrics the old-logprob pass would have given come from here: ``entropy_sum`` (the
+    batch's ``entropy``, from ``train_step(with_entropy=True)``) and, with ``rollout_logprobs``, the mismatch
+    sums ``mismatch_abs_sum``, ``mismatch_exp_abs_sum``, ``mismatch_tokens``, ``mismatch_abs_max``.
     """
 
     policy_loss = POLICY_LOSSES.get(grpo.policy_loss)
 
     def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["completion_mask"].to(logprobs.dtype)
-        pg_loss, was_clipped = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, grpo,
+        on_policy = "old_logprobs" not in batch
+        old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
+        pg_loss, was_clipped = policy_loss(logprobs, old_logprobs, batch["advantages"], mask, grpo,
                                            batch.get("segment_ids"))
         tis_metrics: dict[str, torch.Tensor] = {}
         if grpo.tis_cap is not None and "rollout_logprobs" in batch:
             # old_logprobs are the trainer's, before any update: the behaviour policy as the trainer sees it
-            tis = truncated_importance_weights(batch["old_logprobs"], batch["rollout_logprobs"], grpo.tis_cap)
+            tis = truncated_importance_weights(old_logprobs, batch["rollout_logprobs"], grpo.tis_cap)
             pg_loss = pg_loss * tis
             tis_metrics = {"tis_weight_sum": (tis * mask).sum(),
                            "tis_capped_tokens": ((tis >= grpo.tis_cap) * mask).sum()}
@@ -50,9 +58,20 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
             "pg_loss_sum": (pg_loss * mask).sum().detach(),
             "kl_sum": (kl * mask).sum().detach(),
             "clipped_tokens": (was_clipped * mask).sum().detach(),
-            "ratio_sum": (torch.exp(logprobs - batch["old_logprobs"]) * mask).sum().detach(),
+            "ratio_sum": (torch.exp(logprobs - old_logprobs) * mask).sum().detach(),
             **tis_metrics,
+            **(_old_logprob_pass_metrics(old_logprobs, mask, batch) if on_policy else {}),
         }
         return loss_sum, count, metrics
 
     return loss_fn
+
+
+def _old_logprob_pass_metrics(old_logprobs: torch.Tensor, mask: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entropy and rollout/trainer mismatch sums of a microbatch whose old logprobs are the training forward's."""
+    out = {"entropy_sum": (batch["entropy"] * mask).sum()} if "entropy" in batch else {}
+    if "rollout_logprobs" in batch:
+        m = logprob_mismatch(batch["rollout_logprobs"], old_logprobs, mask)
+        out.update({"mismatch_abs_sum": m["abs_diff_sum"], "mismatch_exp_abs_sum": m["exp_abs_diff_sum"],
+                    "mismatch_tokens": m["tokens"], "mismatch_abs_max": m["abs_diff_max"]})
+    return {k: v.detach() for k, v in out.items()}

@@ -5,7 +5,9 @@ One GRPO step (``grpo_step``), in phases a reader can find by name:
    ``num_generations`` completions from the rollout backend, scored; DAPO's dynamic sampling; rewards gathered
    over data parallelism so group advantages see whole groups;
 2. advantages by ``grpo.advantage_estimator``;
-3. old/ref logprobs (``_old_and_reference_logprobs``): without gradients, before any update;
+3. old/ref logprobs (``_old_and_reference_logprobs``): without gradients, before any update (with one PPO epoch
+   the first mini-batch skips this pass: it is trained on by the policy that generated it, so its old logprobs
+   are the training forward's, as in TRL);
 4. update (``_update``): ``ppo_epochs`` x ``num_mini_batches`` optimizer steps with ``grpo.policy_loss``;
 5. metrics (trainer/step_metrics.py) to metrics.jsonl / TensorBoard / W&B; checkpoints every
    ``training.save_steps``; at the end the HF export to output_dir/hf_model and PNG plots.
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.engine.engine import StepResult
+from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter
 from oumi_megatron.grpo.algorithm import logprob_mismatch
@@ -183,13 +186,28 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         local = -(-len(first_fit_decreasing(lengths, max(lengths))) // mbs)
         return packed_layout(batch, mbs, pad, min_microbatches=int(max_dp(local, self.engine.device)))
 
+    def _first_update_on_policy(self) -> bool:
+        """Whether the step's first mini-batch takes its old logprobs from its own training forward: it is seen
+        once (one PPO epoch) by the policy that generated it. Not under training CUDA graphs, which are captured
+        without the entropy output."""
+        return self.grpo.ppo_epochs == 1 and not cuda_graphs_enabled(self.config.megatron)
+
     def _old_and_reference_logprobs(self, layouts: list[MicrobatchLayout]) -> dict[str, float]:
         """Before any update of this step, without gradients: each microbatch gets ``old_logprobs`` (and
-        ``ref_logprobs`` when beta > 0). Returns sums for the metrics: entropy, and the rollout engine's
+        ``ref_logprobs`` when beta > 0), except the first mini-batch's under ``_first_update_on_policy`` (the loss
+        takes them from the training forward). Returns sums for the metrics: entropy, and the rollout engine's
         logprobs against the trainer's on the same tokens."""
         g = self.grpo
         out = {"entropy_sum": 0.0, "abs_diff_sum": 0.0, "exp_abs_diff_sum": 0.0, "tokens": 0.0, "abs_diff_max": 0.0}
-        for layout in layouts:
+        skip_first = self._first_update_on_policy()
+        for i, layout in enumerate(layouts):
+            if self.reference is not None:
+                with self.reference.active():
+                    ref = self.engine.compute_logprobs(layout.microbatches, g.temperature)
+                for mb, lp in zip(layout.microbatches, ref):
+                    mb["ref_logprobs"] = lp
+            if i == 0 and skip_first:
+                continue
             old, entropy = self.engine.compute_logprobs_and_entropy(layout.microbatches, g.temperature)
             for mb, lp, ent in zip(layout.microbatches, old, entropy):
                 mb["old_logprobs"] = lp
@@ -199,17 +217,15 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                     for k in ("abs_diff_sum", "exp_abs_diff_sum", "tokens"):
                         out[k] += float(m[k])
                     out["abs_diff_max"] = max(out["abs_diff_max"], float(m["abs_diff_max"]))
-            if self.reference is not None:
-                with self.reference.active():
-                    ref = self.engine.compute_logprobs(layout.microbatches, g.temperature)
-                for mb, lp in zip(layout.microbatches, ref):
-                    mb["ref_logprobs"] = lp
         return out
 
     def _update(self, layouts: list[MicrobatchLayout]) -> list[StepResult]:
-        """``ppo_epochs`` passes over the mini-batches, one optimizer step each."""
-        return [self.engine.train_step(layout.microbatches, self.loss_fn, self.grpo.temperature)
-                for _ in range(self.grpo.ppo_epochs) for layout in layouts]
+        """``ppo_epochs`` passes over the mini-batches, one optimizer step each (the first with the entropy output
+        when it is on policy: the old-logprob pass it skipped would have reported it)."""
+        on_policy = self._first_update_on_policy()
+        return [self.engine.train_step(layout.microbatches, self.loss_fn, self.grpo.temperature,
+                                       with_entropy=on_policy and epoch == 0 and i == 0)
+                for epoch in range(self.grpo.ppo_epochs) for i, layout in enumerate(layouts)]
 
     # -- BaseTrainer --------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> None:

@@ -84,6 +84,12 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
                  sync: WeightSyncStats | None, grpo: MegatronGrpoParams, device: torch.device) -> dict[str, Any]:
     """A trained step's row. ``lp``: the old-logprob phase's sums; ``results``: every optimizer step's."""
     s = _token_sums(layouts, lp, device)
+    # a first update that took its old logprobs from its own forward reports that pass's sums (over DP already)
+    first = results[0].metrics
+    for key, name in (("entropy_sum", "entropy_sum"), ("mm_abs", "mismatch_abs_sum"), ("mm_exp", "mismatch_exp_abs_sum"),
+                      ("mm_tokens", "mismatch_tokens")):
+        s[key] += first.get(name, 0.0)
+    s["mm_max"] = max(s["mm_max"], first.get("mismatch_abs_max", 0.0))
     last = results[-1]
     tokens = max(last.metrics.get("completion_tokens", 0.0), 1.0)
     mm_tokens = max(s["mm_tokens"], 1.0)
