@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from oumi.exceptions import OumiConfigError
 
-from oumi_megatron.config.grpo_params import ON_REWARD_ERROR
+from oumi_megatron.config.grpo_params import MAX_STALENESS, OFF_POLICY_CORRECTIONS, ON_REWARD_ERROR
 from oumi_megatron.config.megatron_params import (
     ATTENTION_BACKENDS,
     CUDA_GRAPH_IMPLS,
@@ -284,9 +284,11 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
             f"unknown value {m.weight_sync_method!r}. Use one of {_fmt_choices(WEIGHT_SYNC_METHODS)}.",
         )
     if m.rollout_placement not in ROLLOUT_PLACEMENTS:
+        hint = (" A rollout fleet on Ray (ray) is not built yet: on one node, separate runs the engines beside the "
+                "trainer." if m.rollout_placement == "ray" else "")
         r.add(
             "megatron.rollout_placement",
-            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
+            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.{hint}",
         )
     graphs = m.rollout_cuda_graphs_choice
     if graphs not in ROLLOUT_CUDA_GRAPHS:
@@ -404,6 +406,31 @@ def _check_dapo_fields(g: MegatronGrpoParams, r: ValidationReport) -> None:
                                               "overlong punishment takes. DAPO: 1.0.")
 
 
+def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """``grpo.max_staleness``: asynchronous GRPO runs with engines of their own (``rollout_placement: separate``)."""
+    g, m = cfg.grpo, cfg.megatron
+    if not isinstance(g.max_staleness, int) or isinstance(g.max_staleness, bool) or not 0 <= g.max_staleness <= MAX_STALENESS:
+        r.add("grpo.max_staleness", f"must be an integer from 0 (synchronous) to {MAX_STALENESS}, got {g.max_staleness!r}. "
+                                    "Typical: 1 (one step off policy).")
+        return
+    if g.max_staleness == 0:
+        return
+    if m.inference_backend != "vllm" or m.rollout_placement != "separate":
+        r.add("grpo.max_staleness", f"{g.max_staleness} (asynchronous GRPO) needs rollout engines that generate while "
+                                    "the trainer trains: set megatron.inference_backend: vllm and megatron.rollout_placement: "
+                                    f"separate (now {m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
+    if m.weight_sync_method == "checkpoint":
+        r.add("grpo.max_staleness", "asynchronous GRPO streams each new policy to the engines behind their generations in "
+                                    "flight; megatron.weight_sync_method: checkpoint would rewrite the folder under them. "
+                                    "Use nccl (GPUs) or gloo (CPU).")
+    if not m.enable_weight_sync:
+        r.add("grpo.max_staleness", "asynchronous GRPO bounds how old the engines' weights are, which needs "
+                                    "megatron.enable_weight_sync: true.")
+    if g.dynamic_sampling:
+        r.add("grpo.dynamic_sampling", "is not built for asynchronous GRPO (grpo.max_staleness > 0): its extra rounds "
+                                       "would wait for the engines. Set dynamic_sampling: false, or max_staleness: 0.")
+
+
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     g = cfg.grpo
     if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
@@ -422,6 +449,10 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
         r.add("grpo.epsilon_high", f"must be > 0 or null (= epsilon), got {g.epsilon_high!r}. DAPO uses 0.28.")
     if g.tis_cap is not None and not g.tis_cap >= 1.0:
         r.add("grpo.tis_cap", f"must be >= 1 or null (off), got {g.tis_cap!r}: it caps p_trainer / p_rollout. Typical: 2.0.")
+    if g.off_policy_correction is not None and g.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        r.add("grpo.off_policy_correction", f"unknown value {g.off_policy_correction!r}. Use one of "
+                                            f"{_fmt_choices(OFF_POLICY_CORRECTIONS)}, or leave it unset.")
+    _check_staleness(cfg, r)
     if g.beta < 0:
         r.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
     if g.kl_estimator not in KL_ESTIMATORS:

@@ -15,6 +15,8 @@ from typing import Any
 from oumi_megatron.config.base import BaseParams
 
 ON_REWARD_ERROR = ("raise", "skip")
+OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis")
+MAX_STALENESS = 4
 
 
 @dataclass
@@ -101,7 +103,39 @@ class MegatronGrpoParams(BaseParams):
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token's policy-gradient term by
     min(p_trainer / p_rollout, tis_cap) to correct for rollout-engine vs trainer logprob drift
-    (vLLM rollouts; e.g. 2.0). None: off."""
+    (vLLM rollouts; e.g. 2.0). None: off, unless ``off_policy_correction`` asks for it (then 2.0)."""
+
+    @property
+    def off_policy_correction_choice(self) -> str:
+        """``off_policy_correction`` resolved: unset is ``tis`` with ``tis_cap`` set, else ``none``."""
+        if self.off_policy_correction is None:
+            return "tis" if self.tis_cap is not None else "none"
+        return self.off_policy_correction
+
+    @property
+    def importance_cap(self) -> float | None:
+        """The cap of the truncated importance weights, None when no correction applies."""
+        if self.off_policy_correction_choice == "none":
+            return None
+        return self.tis_cap if self.tis_cap is not None else 2.0
+
+    off_policy_correction: str | None = None
+    """How the loss corrects for samples drawn by another policy than the one whose logprobs the trainer recomputes
+    before the update (the proximal policy; verl's decoupled form): the rollout engine's (behaviour) logprobs of the
+    sampled tokens, from vLLM, against the trainer's. ``tis``: each token's policy-gradient term weighted by
+    min(p_proximal / p_behaviour, ``tis_cap``) (truncated importance sampling); ``seq_mask_tis``: the same, and a
+    sequence whose geometric-mean ratio exp(mean log(p_proximal / p_behaviour)) is outside [1 / tis_cap, tis_cap]
+    is left out of the loss (metric ``off_policy/masked_sequence_fraction``); ``none``. Unset: ``tis`` when
+    ``tis_cap`` is set, else ``none``. ``tis`` and ``seq_mask_tis`` take ``tis_cap``, 2.0 when unset (verl's
+    default threshold)."""
+
+    max_staleness: int = 0
+    """Asynchronous GRPO (``megatron.rollout_placement: separate``): how many GRPO steps older than the trainer's
+    policy the weights that generated a batch may be. 0: synchronous (each step generates with the weights it then
+    trains). 1: one step off policy (verl's one-step off-policy, NeMo-RL's ``max_trajectory_age_steps: 1``): the
+    engine generates the next batch while the trainer trains on this one, and the new weights are queued behind
+    that generation, so the trainer does not wait for it. Up to 4 batches ahead. Metrics ``rollout/staleness_*``,
+    ``async/*``."""
 
     # DAPO (Yu et al. 2025): dynamic sampling, overlong shaping and filtering.
     dynamic_sampling: bool = False

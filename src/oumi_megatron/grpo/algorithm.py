@@ -9,6 +9,7 @@ NaNs on degenerate inputs (a group with identical rewards, an all-masked row).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -249,6 +250,16 @@ def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Ten
         "tokens": mask.sum(),
         "abs_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
     }
+
+
+def sequence_ratio_mask(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
+                        segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``grpo.off_policy_correction: seq_mask_tis``: 1 where the token's sequence has a geometric-mean importance
+    ratio exp(mean log(p_trainer / p_rollout)) inside [1 / cap, cap], 0 where it is outside (the sequence drifted too
+    far from the policy that sampled it to be trained on). Per row, or per packed sequence (``segment_ids``)."""
+    log_ratio = sequence_mean(trainer_logprobs - rollout_logprobs, mask, segment_ids)
+    bound = math.log(cap)
+    return ((log_ratio >= -bound) & (log_ratio <= bound)).to(trainer_logprobs.dtype).detach()
 
 
 def truncated_importance_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

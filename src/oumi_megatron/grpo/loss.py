@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from oumi_megatron.engine.engine import LossFn
-from oumi_megatron.grpo.algorithm import aggregate, kl_divergence, logprob_mismatch, truncated_importance_weights
+from oumi_megatron.grpo.algorithm import (
+    aggregate,
+    kl_divergence,
+    logprob_mismatch,
+    sequence_ratio_mask,
+    truncated_importance_weights,
+)
 from oumi_megatron.grpo.registry import POLICY_LOSSES
 
 if TYPE_CHECKING:
@@ -21,7 +27,8 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     Each microbatch must carry, aligned with the engine's logprob positions (position t scores
     token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] or [b, T] and, when
     ``grpo.beta > 0``, ``ref_logprobs`` [b, T]; packed rows also carry ``segment_ids`` [b, T]
-    (see ``trainer/batches.py``). With ``grpo.tis_cap`` set, ``rollout_logprobs`` [b, T] (the rollout
+    (see ``trainer/batches.py``). Under ``grpo.off_policy_correction`` (``tis_cap`` alone: ``tis``),
+    ``rollout_logprobs`` [b, T] (the rollout
     engine's logprobs of the sampled tokens) turn on truncated importance sampling. Metrics are sums over the microbatch (the trainer
     divides by ``completion_tokens``).
 
@@ -33,6 +40,7 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     """
 
     policy_loss = POLICY_LOSSES.get(grpo.policy_loss)
+    correction, cap = grpo.off_policy_correction_choice, grpo.importance_cap
 
     def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["completion_mask"].to(logprobs.dtype)
@@ -41,12 +49,16 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
         pg_loss, was_clipped = policy_loss(logprobs, old_logprobs, batch["advantages"], mask, grpo,
                                            batch.get("segment_ids"))
         tis_metrics: dict[str, torch.Tensor] = {}
-        if grpo.tis_cap is not None and "rollout_logprobs" in batch:
-            # old_logprobs are the trainer's, before any update: the behaviour policy as the trainer sees it
-            tis = truncated_importance_weights(old_logprobs, batch["rollout_logprobs"], grpo.tis_cap)
+        if cap is not None and "rollout_logprobs" in batch:
+            # old_logprobs are the trainer's, before any update (the proximal policy); rollout_logprobs the engine's
+            # (the behaviour policy: another precision, or older weights under grpo.max_staleness)
+            tis = truncated_importance_weights(old_logprobs, batch["rollout_logprobs"], cap)
+            tis_metrics = {"tis_weight_sum": (tis * mask).sum(), "tis_capped_tokens": ((tis >= cap) * mask).sum()}
+            if correction == "seq_mask_tis":
+                kept = sequence_ratio_mask(old_logprobs, batch["rollout_logprobs"], mask, cap, batch.get("segment_ids"))
+                tis = tis * kept
+                tis_metrics["off_policy_masked_tokens"] = ((1.0 - kept) * mask).sum()
             pg_loss = pg_loss * tis
-            tis_metrics = {"tis_weight_sum": (tis * mask).sum(),
-                           "tis_capped_tokens": ((tis >= grpo.tis_cap) * mask).sum()}
         per_token = pg_loss
         kl = torch.zeros_like(logprobs)
         if grpo.beta > 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -95,3 +95,26 @@ class RolloutBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class AsyncRolloutBackend(RolloutBackend, Protocol):
+    """A backend whose engines generate while the trainer trains (asynchronous GRPO, ``grpo.max_staleness`` > 0):
+    generations are queued and collected in order, new weights are queued behind the generations in flight."""
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """Queue ``n`` completions of each of ``prompts``; returns at once."""
+        ...
+
+    def collect(self) -> Any:
+        """The oldest submitted generation (waits for it): ``.rollouts`` grouped per prompt, ``.version`` (the policy
+        version that generated them) and ``.engine_seconds``."""
+        ...
+
+    def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
+        """Collective over the training ranks: export the policy (version ``version``) now and queue it for the
+        engines behind their generations in flight, without waiting for them."""
+        ...
+
+    def wait_pushed(self) -> float | None:
+        """Wait for the weight push in flight; the seconds its transfer took (None: none was in flight)."""
+        ...

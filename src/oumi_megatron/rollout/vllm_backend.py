@@ -25,10 +25,15 @@ raises; the trainer never generates with weights it did not push.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import multiprocessing
 import os
 import socket
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +102,10 @@ def _engine_gpu_for_owner(is_owner: bool) -> str | None:
 
 
 class _EngineProcess:
-    """The trainer's handle on an engine process (``separate`` placement)."""
+    """The trainer's handle on an engine process (``separate`` placement). The process answers commands in the order
+    they were sent; ``submit`` returns a future for a command's reply without waiting, so several commands can be in
+    flight (asynchronous GRPO: generations queued behind each other, a weight update behind them). A reader thread
+    hands each reply to its command's future, in order."""
 
     def __init__(self, spec: Any, start_timeout_s: float = 900.0) -> None:
         from oumi_megatron.rollout.vllm_engine import serve
@@ -106,24 +114,55 @@ class _EngineProcess:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child, spec), daemon=True, name="oumi-megatron-vllm")
         self.process.start()
-        self.wait("start", start_timeout_s)
+        self._lock = threading.Lock()
+        # (what, future) per reply still to come; a command with two replies queues two entries
+        self._waiting: collections.deque[tuple[str, Future]] = collections.deque()
+        started = self._expect("start")
+        self._reader = threading.Thread(target=self._read_replies, daemon=True, name="oumi-megatron-vllm-replies")
+        self._reader.start()
+        self.wait_for(started, "start", start_timeout_s)
 
-    def wait(self, what: str, timeout_s: float = 3600.0) -> Any:
-        if not self.conn.poll(timeout_s):
-            raise WeightSyncError(f"vLLM engine process: no answer to {what!r} in {timeout_s:.0f} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"vLLM engine process failed in {what!r}:\n{value}")
-        return value
+    def _expect(self, what: str) -> Future:
+        future: Future = Future()
+        self._waiting.append((what, future))
+        return future
 
-    def call(self, op: str, *args: Any) -> Any:
-        self.send(op, *args)
-        return self.wait(op)
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                status, value = self.conn.recv()
+            except (EOFError, OSError) as e:  # the process ended: every command still waiting fails
+                with self._lock:
+                    while self._waiting:
+                        what, future = self._waiting.popleft()
+                        future.set_exception(WeightSyncError(
+                            f"vLLM engine process exited (code {self.process.exitcode}) before answering {what!r}: {e!r}"))
+                return
+            with self._lock:
+                what, future = self._waiting.popleft()
+            if status == "ok":
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(f"vLLM engine process failed in {what!r}:\n{value}"))
 
-    def send(self, op: str, *args: Any) -> None:
+    @staticmethod
+    def wait_for(future: Future, what: str, timeout_s: float = 3600.0) -> Any:
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise WeightSyncError(f"vLLM engine process: no answer to {what!r} in {timeout_s:.0f} s") from None
+
+    def submit(self, op: str, *args: Any, replies: int = 1) -> list[Future]:
+        """Send ``op`` without waiting; one future per reply it gives."""
         if not self.process.is_alive():
             raise WeightSyncError(f"vLLM engine process exited (code {self.process.exitcode}) before {op!r}")
-        self.conn.send((op, args))
+        with self._lock:
+            futures = [self._expect(op) for _ in range(replies)]
+            self.conn.send((op, args))
+        return futures
+
+    def call(self, op: str, *args: Any) -> Any:
+        return self.wait_for(self.submit(op, *args)[0], op)
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -143,6 +182,30 @@ def _vllm_cuda_graphs(choice: str) -> bool:
         raise ValueError("megatron.rollout_cuda_graphs: true, but there is no CUDA device here for vLLM's CUDA graphs. "
                          "Set megatron.rollout_cuda_graphs: auto (eager steps without a GPU).")
     return choice != "false"
+
+
+def _vllm_sampling(params: SamplingParams, n: int) -> dict[str, Any]:
+    """vLLM's SamplingParams arguments for ``n`` samples per prompt (its greedy decoding is temperature 0)."""
+    return dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
+
+
+def _rollouts(prompts: list[list[int]], results: Any) -> list[list[Rollout]]:
+    """An engine's (ids, logprobs, finish reason) per sample, per prompt, as Rollouts."""
+    return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
+                     logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
+            for prompt, samples in zip(prompts, results)]
+
+
+@dataclass
+class TaggedRollouts:
+    """A generation that ran while the trainer went on (asynchronous GRPO): its rollouts, the policy version of the
+    weights that generated them, and the engine's seconds on it."""
+
+    rollouts: list[list[Rollout]]
+    version: int
+    engine_seconds: float
 
 
 class VllmRolloutBackend:
@@ -179,6 +242,10 @@ class VllmRolloutBackend:
             extra={"trust_remote_code": True} if trust_remote_code else {},
             cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
         )
+        self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
+        """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
+        self.pushing: Future | None = None
         self.awake = True  # an engine starts with its weights and KV cache in place
         self.weights_current = True  # ... and with the policy's starting weights
         self.drop_weights_on_sleep = bool(params.enable_weight_sync)
@@ -211,9 +278,9 @@ class VllmRolloutBackend:
         self.process = _EngineProcess(spec)
         if spec.transfer_backend is not None:
             port = free_port()
-            self.process.send("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
+            (opened,) = self.process.submit("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
             self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0, backend=self.method)
-            self.process.wait("init_transfer")
+            self.process.wait_for(opened, "init_transfer")
 
     @property
     def _colocated_host(self) -> VllmEngineHost:
@@ -239,10 +306,7 @@ class VllmRolloutBackend:
         Without a request seed vLLM draws the n samples of a request from that engine-wide generator too (it
         derives per-sample seeds, seed + i, only from a request seed), so a run is reproducible for a training
         seed as long as the engine receives the same requests in the same order."""
-        # vLLM's greedy decoding is temperature 0
-        sampling = dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                        max_tokens=params.max_new_tokens,
-                        stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
+        sampling = _vllm_sampling(params, n)
         if self.placement == "colocated":
             # this engine's share of the replica's prompts; all its TP ranks ask for the same ones
             mine = list(range(self.slot, len(prompts), self.engines_per_replica))
@@ -259,9 +323,7 @@ class VllmRolloutBackend:
             if len(self.replica) > 1:
                 dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
             results = box[0]
-        return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
-                         logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
-                for prompt, samples in zip(prompts, results)]
+        return _rollouts(prompts, results)
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
         if self.process is not None:  # a separate engine keeps its GPU: nothing to wake
@@ -322,10 +384,10 @@ class VllmRolloutBackend:
             return WeightSyncStats(self.method, n, 0, 0.0)
         process = self._owned_process
         assert self.pair is not None, "a streaming engine opens its pair group when it starts"
-        process.send("receive_update")
-        process.wait("receive_update (opening the session)")
+        opened, done = process.submit("receive_update", replies=2)
+        process.wait_for(opened, "receive_update (opening the session)")
         sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
-        process.wait("receive_update")
+        process.wait_for(done, "receive_update")
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
     def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
@@ -349,7 +411,72 @@ class VllmRolloutBackend:
             self.weights_current = True
         return WeightSyncStats("checkpoint", 0, size, 0.0)
 
+    # -- asynchronous GRPO (separate placement): generations in flight while the trainer trains -------------------
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """Queue a generation on the replica's engine and return at once; ``collect`` returns the results, in the
+        order of submission. Every rank of the replica calls it (the owner sends)."""
+        future = self._owned_process.submit("generate_tagged", prompts, _vllm_sampling(params, n))[0] if self.is_owner else None
+        self.in_flight.append((prompts, future))
+
+    def collect(self) -> TaggedRollouts:
+        """The oldest submitted generation, on every rank of the replica (waits for it)."""
+        prompts, future = self.in_flight.popleft()
+        box: list[Any] = [_EngineProcess.wait_for(future, "generate_tagged") if future is not None else None]
+        if len(self.replica) > 1:
+            dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+        version, seconds, results = box[0]
+        return TaggedRollouts(_rollouts(prompts, results), version, seconds)
+
+    def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
+        """Collective over the training ranks: export the policy now, as a snapshot the owner keeps, and queue the
+        update behind the engine's generations in flight. A background thread streams the snapshot once the engine
+        opens the update session, so the trainer does not wait for the generation in flight. The engine tags what
+        it generates afterwards with ``version``. One push at a time: a push first waits for the previous one.
+        The stats' seconds are the trainer's (export and copy); ``last_push`` has the transfer's."""
+        self.wait_pushed()
+        start = time.perf_counter()
+        if not self.is_owner:
+            n = sum(1 for _ in weights())  # take part in the collective export
+            return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
+        assert self.pair is not None, "asynchronous GRPO streams weights (weight_sync_method nccl or gloo)"
+        pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
+        snapshot = list(pairs)  # the next optimizer step changes the parameters the exporter yields views of
+        if self.pair.device.type == "cuda":
+            torch.cuda.synchronize(self.pair.device)
+        opened, done = self._owned_process.submit("receive_update", version, replies=2)
+        pair, bucket_bytes, device = self.pair, self.bucket_bytes, self.pair.device
+
+        def send() -> float:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            _EngineProcess.wait_for(opened, "receive_update (opening the session)")
+            began = time.perf_counter()
+            weight_stream.send(pair, snapshot, bucket_bytes)
+            _EngineProcess.wait_for(done, "receive_update")
+            return time.perf_counter() - began
+
+        self.pushing = self.sender.submit(send)
+        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes, time.perf_counter() - start,
+                               export_seconds=pairs.seconds)
+
+    def wait_pushed(self) -> float | None:
+        """Wait for the push in flight; the seconds its transfer took (None: no push was in flight). A failed push
+        raises: the engine would otherwise generate with weights it never got."""
+        if self.pushing is None:
+            return None
+        pushing, self.pushing = self.pushing, None
+        try:
+            return float(pushing.result())
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
+            raise WeightSyncError(f"weight push ({self.method}) failed: {e}") from e
+
     def close(self) -> None:
+        if self.pushing is not None:
+            with contextlib.suppress(Exception):  # closing anyway
+                self.wait_pushed()
+        self.sender.shutdown(wait=False)
         if self.process is not None:
             self.process.close()
             self.process = None

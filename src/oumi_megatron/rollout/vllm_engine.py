@@ -22,6 +22,7 @@ cache is reset, or prompts cached under the old weights would be reused (measure
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -161,6 +162,15 @@ class VllmEngineHost:
         kwargs.update(spec.extra)
         self.weights_processed_after_loading = not torch.cuda.is_available() or bool(kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
+        self.version = 0
+        """The policy version of the weights it holds (asynchronous GRPO): 0 for the ones it started from, then what
+        each ``receive_update`` says."""
+
+    def generate_tagged(self, prompts: list[list[int]], sampling: dict[str, Any]) -> tuple[int, float, Any]:
+        """``generate``, with the policy version that generated and the seconds it took (asynchronous GRPO)."""
+        version, start = self.version, time.perf_counter()
+        outputs = self.generate(prompts, sampling)
+        return version, time.perf_counter() - start, outputs
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[list[tuple[list[int], list[float], str]]]:
         """Per prompt, per sample: (token ids, logprobs of those tokens, finish reason)."""
@@ -182,16 +192,19 @@ class VllmEngineHost:
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def receive_update(self, ready: Callable[[], None] | None = None) -> None:
+    def receive_update(self, ready: Callable[[], None] | None = None, version: int | None = None) -> None:
         """One update session; the trainer streams the buckets meanwhile (separate placement).
         ``ready`` is called once the session is open: the trainer only starts sending then, so a
-        failure to open it is reported instead of leaving the sender blocked in a broadcast."""
+        failure to open it is reported instead of leaving the sender blocked in a broadcast. ``version``: the
+        policy version of the new weights (asynchronous GRPO)."""
         self.llm.start_weight_update()
         if ready is not None:
             ready()
         self.llm.update_weights({"update_info": {}})
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
+        if version is not None:
+            self.version = version
 
     def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Colocated: the trainer's tensors, in this process. The executor runs in this process (uni /
@@ -261,11 +274,20 @@ def serve(conn: Any, spec: EngineSpec) -> None:
         if op == "close":
             conn.send(("ok", None))
             return
+        replies = 2 if op == "receive_update" else 1  # two replies: the session is open, then it is done
+
+        def opened() -> None:
+            nonlocal replies
+            conn.send(("ok", "ready"))
+            replies -= 1
+
         try:
-            if op == "receive_update":  # two replies: the session is open, then it is done
-                host.receive_update(ready=lambda: conn.send(("ok", "ready")))
+            if op == "receive_update":
+                host.receive_update(opened, *args)
                 conn.send(("ok", None))
                 continue
             conn.send(("ok", getattr(host, op)(*args)))
-        except Exception:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - every reply the trainer still waits for carries the error
+            error = traceback.format_exc()
+            for _ in range(replies):
+                conn.send(("error", error))

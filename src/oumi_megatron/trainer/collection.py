@@ -30,7 +30,7 @@ import torch
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
 from oumi_megatron.grpo.rewards import RewardComputer, RewardResult
-from oumi_megatron.rollout.base import Rollout, RolloutBackend
+from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.dp import dp_size_and_rank, gather_dp, gather_objects_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
@@ -40,6 +40,23 @@ if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
 
 logger = logging.getLogger("oumi")
+
+
+@dataclass
+class PendingRound:
+    """A round whose prompts are read and whose generation is asked for: what scoring it needs."""
+
+    step: int
+    rows: list[dict[str, Any]]
+    prompts: list[list[int]]
+    """The distinct prompts this rank asked for (token ids), ``n`` completions each."""
+    groups: list[int]
+    """Which of ``rows`` each prompt is."""
+    n: int
+    truncated: int
+    seed: int
+    data_position: int
+    """The data position before its prompts were read: where a resumed run reads them again."""
 
 
 @dataclass
@@ -132,8 +149,18 @@ class RolloutCollector:
     def _generate_round(self, step: int, index: int) -> _Round:
         """The next ``prompts_per_rollout`` prompts: this rank's share of their completions, scored; the round's
         scores gathered over DP (sample i belongs to prompt i // num_generations)."""
+        pending = self._prepare_round(step, index)
+        started = time.perf_counter()
+        grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
+        stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
+        return self._score_round(pending, grouped, time.perf_counter() - started,
+                                 None if stats is None else stats.decode_ms_per_step)
+
+    def _prepare_round(self, step: int, index: int) -> PendingRound:
+        """A round's prompts (read from the data order), rendered, and this rank's share of their completions."""
         g, G = self.grpo, self.grpo.num_generations
         dp, dp_rank = dp_size_and_rank()
+        position = self.data_position
         rows = self._next_rows(self.prompts_per_rollout)
         rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
         full_lengths = [n for _, n in rendered]
@@ -141,18 +168,38 @@ class RolloutCollector:
         self._note_truncation(full_lengths, truncated)
         per_rank = len(rows) * G // dp
         groups, n = share_as_groups(dp_rank * per_rank, per_rank, G)
-        started = time.perf_counter()
-        grouped = self.backend.generate([rendered[p][0] for p in groups], self.sampling, n,
-                                        seed=self.rollout_seed(step, dp_rank, index))
-        generation_s = time.perf_counter() - started
-        stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
+        return PendingRound(step, rows, [rendered[p][0] for p in groups], groups, n, truncated,
+                            self.rollout_seed(step, dp_rank, index), position)
+
+    def _score_round(self, pending: PendingRound, grouped: list[list[Rollout]], generation_s: float,
+                     decode_ms_per_step: float | None) -> _Round:
+        rows, groups, n = pending.rows, pending.groups, pending.n
         rollouts = [r for group in grouped for r in group]
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
         rewards = self.rewards(prompts, completions, [rows[p] for p in groups for _ in range(n)])
         sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
-        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), truncated, rewards.errors, sample,
-                      generation_s, None if stats is None else stats.decode_ms_per_step)
+        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), pending.truncated, rewards.errors, sample,
+                      generation_s, decode_ms_per_step)
+
+    # -- asynchronous GRPO: a step's generation submitted ahead, collected when the trainer gets to it -----------------
+    def submit(self, step: int, backend: AsyncRolloutBackend) -> PendingRound:
+        """Read GRPO step ``step + 1``'s prompts and queue their generation on ``backend`` (no waiting)."""
+        pending = self._prepare_round(step, 0)
+        backend.submit(pending.prompts, self.sampling, pending.n)
+        return pending
+
+    def finish(self, pending: PendingRound, backend: AsyncRolloutBackend) -> tuple[StepBatch, int, float]:
+        """``pending``'s generation (waiting for it), scored: the step's batch, the policy version that generated it,
+        and the engine's seconds on it."""
+        started = time.perf_counter()
+        tagged = backend.collect()
+        r = self._score_round(pending, tagged.rollouts, time.perf_counter() - started, None)
+        batch = StepBatch(rollouts=r.rollouts, scores=r.scores, group_rows=r.rows,
+                          filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
+                          prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
+                          reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds)
+        return batch, tagged.version, tagged.engine_seconds
 
     def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
         """The whole round's scores on every rank, with the overlong punishment (``grpo.overlong_buffer_length``)."""

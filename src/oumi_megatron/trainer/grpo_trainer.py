@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -34,8 +34,9 @@ from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS
 from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
 from oumi_megatron.plugins import load_plugins
-from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
+from oumi_megatron.rollout.base import AsyncRolloutBackend, RolloutBackend, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.trainer.async_rollouts import AsyncRollouts
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches, packed_layout, padded_layout
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
@@ -92,7 +93,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.reference = ReferenceWeights(engine.model) if g.beta > 0 else None
         self.loss_fn = make_grpo_loss_fn(g)
         self.step = 0
+        self.last_step = config.training.max_steps
         self.weights_synced_at = 0  # the engines start from the same HF weights as the policy
+        self.async_rollouts = None if not g.max_staleness else AsyncRollouts(
+            self.collector, cast(AsyncRolloutBackend, backend), g.max_staleness, engine.device)
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.evaluators = [] if eval_dataset is None else build_evaluators(
@@ -104,6 +108,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     def grpo_step(self) -> dict[str, Any]:
         """One GRPO step. Each DP rank generates, scores and trains on its own share of the completions;
         rewards are gathered so advantages see whole groups."""
+        if self.async_rollouts is not None:
+            return self._async_grpo_step()
         t_wake = self.backend.wake()  # colocated engines take back their GPU memory for this generation phase
         t_sync, sync = self._sync_rollout_weights()
         t0 = time.perf_counter()
@@ -114,6 +120,40 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.weights_synced_at = -1  # the engines hold no weights until the next sync
         timings = {"time/rollout_s": t_rollout, "time/sync_s": t_sync, "time/wake_s": t_wake,
                    "time/sleep_s": slept.seconds}
+        return self._train_on(batch, timings, sync)
+
+    def _async_grpo_step(self) -> dict[str, Any]:
+        """One step of asynchronous GRPO (trainer/async_rollouts.py): this step's batch from the generations in
+        flight, the update, then the new policy queued for the engines."""
+        assert self.async_rollouts is not None
+        started = time.perf_counter()
+        t_sync = 0.0
+        if self.weights_synced_at != self.step:  # a resumed run: the engines get its policy before generating
+            t_sync = time.perf_counter()
+            self.async_rollouts.push(self.weights, self.step)
+            self.async_rollouts.backend.wait_pushed()
+            self.weights_synced_at = self.step
+            t_sync = time.perf_counter() - t_sync
+        got = self.async_rollouts.next_batch(self.step, self.last_step)
+        # time/rollout_s: the engine's generation (it overlapped the previous step); time/rollout_wait_s: what the
+        # trainer waited for it
+        timings = {"time/rollout_s": got.batch.generation_s, "time/rollout_wait_s": got.wait_s, "time/sync_s": t_sync,
+                   "time/wake_s": 0.0, "time/sleep_s": 0.0}
+        metrics = self._train_on(got.batch, timings, None)
+        t_push = time.perf_counter()
+        metrics.update(self.async_rollouts.push(self.weights, self.step))
+        self.weights_synced_at = self.step
+        step_s = time.perf_counter() - started
+        engine_s = got.batch.generation_s
+        metrics.update(got.metrics)
+        metrics.update({"time/push_s": time.perf_counter() - t_push,
+                        "async/trainer_idle_fraction": got.wait_s / max(step_s, 1e-9),
+                        # the engine's busy share of the step's wall time (one generation per step)
+                        "async/engine_idle_fraction": max(0.0, 1.0 - engine_s / max(step_s, 1e-9))})
+        return metrics
+
+    def _train_on(self, batch: StepBatch, timings: dict[str, float], sync: WeightSyncStats | None) -> dict[str, Any]:
+        """Advantages, old/ref logprobs, the update and the step's metrics, for a collected batch."""
         counted = batch.scores.valid & ~batch.filler  # skipped rewards and filler groups are outside every statistic
         advantages = self.advantage_estimator(batch.scores.total, counted, self.grpo)
         trainable = counted & (batch.scores.finished | (not self.grpo.mask_truncated_completions))
@@ -328,7 +368,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.engine,
             self.output_dir / "checkpoints",
             self.step,
-            {"data_position": self.collector.data_position},
+            {"data_position": self.collector.data_position if self.async_rollouts is None else self.async_rollouts.data_position},
             self.hf_artifacts,
             keep_last=self.config.megatron.checkpoint_config.keep_last_n_checkpoints,
             async_writer=self.async_writer,
