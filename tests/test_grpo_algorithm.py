@@ -174,6 +174,37 @@ def test_grpo_loss_without_old_logprobs_is_the_on_policy_loss() -> None:
     assert "entropy_sum" not in m_b and "mismatch_abs_sum" not in m_b  # the old-logprob pass reported those
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_seq_mask_tis_leaves_out_sequences_that_drifted_beyond_the_cap(packed: bool) -> None:
+    """grpo.off_policy_correction: seq_mask_tis: a sequence whose geometric-mean ratio p_trainer / p_rollout is
+    outside [1/cap, cap] adds nothing to the policy gradient; the others get token TIS exactly as under ``tis``.
+    Sequence 0 drifted by log 3 per token (ratio 3 > cap 2), sequence 1 by log 1.5 on one of two tokens (geometric
+    mean sqrt(1.5), inside). Packed: both sequences in one row, told apart by segment_ids."""
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", loss_aggregation="token_mean",
+                              max_completion_length=4, tis_cap=2.0, off_policy_correction="seq_mask_tis")
+    trainer = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    rollout = trainer - torch.tensor([[math.log(3.0), math.log(3.0)], [math.log(1.5), 0.0]])
+    adv = torch.tensor([1.0, 1.0])
+    batch: dict[str, torch.Tensor] = {"completion_mask": torch.ones(2, 2), "old_logprobs": trainer, "advantages": adv,
+                                      "rollout_logprobs": rollout}
+    if packed:
+        batch = {"completion_mask": torch.ones(1, 4), "old_logprobs": trainer.reshape(1, 4), "rollout_logprobs": rollout.reshape(1, 4),
+                 "advantages": torch.ones(1, 4), "segment_ids": torch.tensor([[0, 0, 1, 1]])}
+    logprobs = batch["old_logprobs"].clone().requires_grad_(True)
+    _, _, metrics = make_grpo_loss_fn(grpo)(logprobs, batch)
+    loss, _, _ = make_grpo_loss_fn(grpo)(logprobs, batch)
+    loss.backward()
+    grad = logprobs.grad.reshape(2, 2)
+    assert torch.all(grad[0] == 0.0)  # left out
+    # kept: -A x TIS weight per token (ratio 1 at the update): min(1.5, 2) on the drifted token, 1 on the other
+    assert torch.allclose(grad[1], torch.tensor([-1.5, -1.0]))
+    assert metrics["off_policy_masked_tokens"].item() == 2.0
+    tis_only = dataclasses.replace(grpo, off_policy_correction="tis")
+    plain = torch.zeros_like(logprobs).requires_grad_(True)
+    make_grpo_loss_fn(tis_only)(plain + batch["old_logprobs"], batch)[0].backward()
+    assert torch.all(plain.grad.reshape(2, 2)[0] != 0.0)  # under tis alone it is trained on, capped at 2
+
+
 def test_logprob_mismatch_sums() -> None:
     from oumi_megatron.grpo.algorithm import logprob_mismatch
 

@@ -190,6 +190,46 @@ def test_vllm_placement_rules(make_config) -> None:  # noqa: ANN001
     assert ok.ok, ok.format_problems()
 
 
+ASYNC = {"inference_backend": "vllm", "rollout_placement": "separate", "weight_sync_method": "gloo"}
+
+
+@pytest.mark.parametrize(
+    ("megatron", "grpo", "field", "text"),
+    [
+        ({}, {"max_staleness": 1}, "grpo.max_staleness", "rollout_placement: separate"),
+        ({"inference_backend": "vllm"}, {"max_staleness": 1}, "grpo.max_staleness", "now 'vllm' / 'colocated'"),
+        (ASYNC, {"max_staleness": 5}, "grpo.max_staleness", "from 0 (synchronous) to 4"),
+        (ASYNC, {"max_staleness": -1}, "grpo.max_staleness", "from 0 (synchronous) to 4"),
+        ({**ASYNC, "weight_sync_method": "checkpoint"}, {"max_staleness": 1}, "grpo.max_staleness", "Use nccl (GPUs) or gloo"),
+        ({**ASYNC, "enable_weight_sync": False}, {"max_staleness": 1}, "grpo.max_staleness", "enable_weight_sync: true"),
+        (ASYNC, {"max_staleness": 1, "dynamic_sampling": True}, "grpo.dynamic_sampling", "not built for asynchronous GRPO"),
+        (ASYNC, {"off_policy_correction": "icepop"}, "grpo.off_policy_correction", "'none', 'tis', 'seq_mask_tis'"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray"}, {}, "megatron.rollout_placement", "Ray (ray) is not built yet"),
+    ],
+)
+def test_asynchronous_grpo_rules_name_the_field(make_config, megatron, grpo, field, text) -> None:  # noqa: ANN001
+    r = check(make_config(megatron=megatron, grpo=grpo), world_size=2 if megatron.get("rollout_placement") == "separate" else 1)
+    assert field in problem_fields(r), r.format_problems()
+    assert text in r.format_problems()
+
+
+def test_asynchronous_grpo_is_accepted_on_separate_engines(make_config) -> None:  # noqa: ANN001
+    for staleness in (0, 1, 4):
+        for correction in (None, "none", "tis", "seq_mask_tis"):
+            r = check(make_config(megatron=ASYNC, grpo={"max_staleness": staleness, "off_policy_correction": correction}),
+                      world_size=2)
+            assert r.ok, (staleness, correction, r.format_problems())
+
+
+def test_off_policy_correction_resolves_from_tis_cap() -> None:
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+
+    assert (MegatronGrpoParams().off_policy_correction_choice, MegatronGrpoParams().importance_cap) == ("none", None)
+    assert (MegatronGrpoParams(tis_cap=3.0).off_policy_correction_choice, MegatronGrpoParams(tis_cap=3.0).importance_cap) == ("tis", 3.0)
+    assert MegatronGrpoParams(off_policy_correction="seq_mask_tis").importance_cap == 2.0  # verl's default threshold
+    assert MegatronGrpoParams(off_policy_correction="none", tis_cap=3.0).importance_cap is None
+
+
 @pytest.mark.parametrize(
     ("grpo", "field", "text"),
     [
