@@ -4,7 +4,7 @@
 
 The trainer (GPU 0) holds a ~0.8B-parameter Llama-style Megatron-Core model (bf16, the shape of
 scripts/bench_train_step.py). A receiver process on GPU 1 joins a 2-process NCCL group
-(rollout/weight_stream.PairGroup). Measured in the same run:
+(rollout/weight_stream.WeightSyncGroup). Measured in the same run:
 - raw: ``broadcast`` of one 1 GiB buffer, GPU 0 -> GPU 1 (median of 5): the ceiling;
 - export: Megatron-Bridge's ``export_hf_weights`` alone (HF names, fused tensors split), no transfer;
 - sync: export + bucketing + streaming (``weight_stream.send``) into the receiver's
@@ -30,7 +30,7 @@ def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
     torch.cuda.set_device(1)
     from oumi_megatron.rollout import weight_stream
 
-    group = weight_stream.PairGroup("127.0.0.1", port, rank=1, backend="nccl")
+    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, backend="nccl")
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda")
     for _ in range(raw_reps + 1):
         group.broadcast(buf)
@@ -77,7 +77,7 @@ def main() -> None:
     cfg = bench_train_step.model_config(2048)
     bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.bfloat16)
 
-    group = weight_stream.PairGroup("127.0.0.1", port, rank=0, backend="nccl")
+    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend="nccl")
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda")
     times = []
     for i in range(raw_reps + 1):

@@ -47,7 +47,7 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
 
     def engine_side() -> None:
         try:
-            group = weight_stream.PairGroup("127.0.0.1", port, rank=1, timeout_s=60)
+            group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60)
             for bucket in weight_stream.receive(group):
                 received.extend(bucket)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
@@ -55,7 +55,7 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
 
     thread = threading.Thread(target=engine_side)
     thread.start()
-    group = weight_stream.PairGroup("127.0.0.1", port, rank=0, timeout_s=60)
+    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, timeout_s=60)
     stats = weight_stream.send(group, iter(pairs), bucket_bytes=4096)
     thread.join(timeout=60)
     assert not errors, errors

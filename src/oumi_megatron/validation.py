@@ -41,6 +41,7 @@ from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 __all__ = ["MegatronConfigError", "Problem", "ValidationReport", "validate_config"]
@@ -284,12 +285,12 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
             f"unknown value {m.weight_sync_method!r}. Use one of {_fmt_choices(WEIGHT_SYNC_METHODS)}.",
         )
     if m.rollout_placement not in ROLLOUT_PLACEMENTS:
-        hint = (" A rollout fleet on Ray (ray) is not built yet: on one node, separate runs the engines beside the "
-                "trainer." if m.rollout_placement == "ray" else "")
         r.add(
             "megatron.rollout_placement",
-            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.{hint}",
+            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
         )
+    elif m.rollout_placement == "ray" and m.inference_backend == "vllm":
+        _check_ray_fleet(m, r)
     graphs = m.rollout_cuda_graphs_choice
     if graphs not in ROLLOUT_CUDA_GRAPHS:
         r.add("megatron.rollout_cuda_graphs",
@@ -406,6 +407,22 @@ def _check_dapo_fields(g: MegatronGrpoParams, r: ValidationReport) -> None:
                                               "overlong punishment takes. DAPO: 1.0.")
 
 
+def _check_ray_fleet(m: MegatronParams, r: ValidationReport) -> None:
+    """``rollout_placement: ray``: the fleet's fields (whether the cluster has the GPUs is checked when it is reached,
+    before conversion)."""
+    if not isinstance(m.ray_address, str) or not m.ray_address.strip():
+        r.add("megatron.ray_address", "is empty. Use local (a Ray head for this node's spare GPUs), auto, or the address "
+                                      "`ray start --head` printed.")
+    if not isinstance(m.rollout_engines, int) or m.rollout_engines < 1:
+        r.add("megatron.rollout_engines", f"must be a positive integer, got {m.rollout_engines!r}.")
+    if m.rollout_gpus_per_engine != 1:
+        r.add("megatron.rollout_gpus_per_engine", f"{m.rollout_gpus_per_engine!r}: engines with vLLM tensor parallelism "
+                                                  "inside the fleet are not built yet. Use 1 (and more rollout_engines).")
+    if m.weight_sync_method == "checkpoint":
+        r.add("megatron.weight_sync_method", "checkpoint needs a folder every node of the Ray cluster reads, which is not "
+                                             "built; use nccl (GPUs) or gloo (CPU) for rollout_placement: ray.")
+
+
 def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     """``grpo.max_staleness``: asynchronous GRPO runs with engines of their own (``rollout_placement: separate``)."""
     g, m = cfg.grpo, cfg.megatron
@@ -415,10 +432,10 @@ def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
         return
     if g.max_staleness == 0:
         return
-    if m.inference_backend != "vllm" or m.rollout_placement != "separate":
+    if m.inference_backend != "vllm" or m.rollout_placement not in ("separate", "ray"):
         r.add("grpo.max_staleness", f"{g.max_staleness} (asynchronous GRPO) needs rollout engines that generate while "
                                     "the trainer trains: set megatron.inference_backend: vllm and megatron.rollout_placement: "
-                                    f"separate (now {m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
+                                    f"separate or ray (now {m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
     if m.weight_sync_method == "checkpoint":
         r.add("grpo.max_staleness", "asynchronous GRPO streams each new policy to the engines behind their generations in "
                                     "flight; megatron.weight_sync_method: checkpoint would rewrite the folder under them. "

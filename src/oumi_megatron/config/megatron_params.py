@@ -17,7 +17,7 @@ from oumi_megatron.config.base import BaseParams
 # Names selected from registries (pipeline_schedule, inference_backend) are checked against the live registries
 # (engine/parallel/schedules.py, rollout/registry.py); the fixed choices of plain fields are listed here.
 WEIGHT_SYNC_METHODS = ("nccl", "gloo", "checkpoint")
-ROLLOUT_PLACEMENTS = ("colocated", "separate")
+ROLLOUT_PLACEMENTS = ("colocated", "separate", "ray")
 ROLLOUT_CUDA_GRAPHS = ("auto", "true", "false")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -236,8 +236,20 @@ class MegatronParams(BaseParams):
 
     rollout_placement: str = "colocated"
     """vLLM engines: ``colocated`` (in the trainer's processes, sharing their GPUs, one engine per
-    Megatron TP group with vLLM TP = Megatron TP; they sleep while training) or ``separate`` (a
-    single-GPU engine process per data-parallel replica, on the node's GPUs after the trainer's)."""
+    Megatron TP group with vLLM TP = Megatron TP; they sleep while training), ``separate`` (a
+    single-GPU engine process per data-parallel replica, on the node's GPUs after the trainer's) or ``ray``
+    (``rollout_engines`` engines as Ray actors on any node of a Ray cluster, rollout/ray_fleet.py)."""
+
+    ray_address: str = "local"
+    """``rollout_placement: ray``: the Ray cluster's address (``ray start --head`` prints it; ``auto`` for the one
+    this node belongs to), or ``local``: a Ray head started by the trainer's rank 0 that sees only this node's GPUs
+    the trainer does not use."""
+
+    rollout_engines: int = 1
+    """``rollout_placement: ray``: how many vLLM engines; the prompts of a step are spread over them."""
+
+    rollout_gpus_per_engine: int = 1
+    """``rollout_placement: ray``: GPUs per engine (one placement group each, packed on one node)."""
 
     vllm_gpu_memory_utilization: float = 0.4
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""

@@ -151,7 +151,8 @@ class _Adopter:
         from oumi_megatron.config.megatron_params import MegatronParams, MegatronTransformerConfig
 
         section, *rest = path.split(".")
-        cls = {"grpo": MegatronGrpoParams, "megatron": MegatronParams}[section]
+        sections: dict[str, type[Any]] = {"grpo": MegatronGrpoParams, "megatron": MegatronParams}
+        cls = sections[section]
         if rest[0] == "transformer_config":
             cls, rest = MegatronTransformerConfig, rest[1:]
         return self.is_set(path, cls, rest[-1])

@@ -62,5 +62,10 @@ def _vllm(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
 
     c = ctx.config
+    if c.megatron.rollout_placement == "ray":
+        from oumi_megatron.rollout.ray_fleet import RayRolloutBackend
+
+        return RayRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed,
+                                 trust_remote_code=bool(c.model.trust_remote_code))
     return VllmRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, work_dir=ctx.work_dir,
                               trust_remote_code=bool(c.model.trust_remote_code))

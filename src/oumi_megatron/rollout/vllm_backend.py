@@ -232,7 +232,7 @@ class VllmRolloutBackend:
         me, world = dist.get_rank(), dist.get_world_size()
         self.host: VllmEngineHost | None = None
         self.process: _EngineProcess | None = None
-        self.pair: weight_stream.PairGroup | None = None
+        self.pair: weight_stream.WeightSyncGroup | None = None
         spec = EngineSpec(
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
@@ -279,7 +279,7 @@ class VllmRolloutBackend:
         if spec.transfer_backend is not None:
             port = free_port()
             (opened,) = self.process.submit("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
-            self.pair = weight_stream.PairGroup("127.0.0.1", port, rank=0, backend=self.method)
+            self.pair = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend=self.method)
             self.process.wait_for(opened, "init_transfer")
 
     @property

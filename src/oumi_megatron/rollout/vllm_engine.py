@@ -55,6 +55,8 @@ def register_stream_engine() -> None:
         port: int = 0
         backend: str = "gloo"
         timeout_s: float = 600.0
+        rank: int = 1
+        world_size: int = 2
 
     @dataclass
     class StreamUpdateInfo(WeightTransferUpdateInfo):
@@ -66,12 +68,13 @@ def register_stream_engine() -> None:
         init_info_cls = StreamInitInfo
         update_info_cls = StreamUpdateInfo
 
-        pair: weight_stream.PairGroup | None = None  # opened by init_transfer_engine, closed by shutdown
+        pair: weight_stream.WeightSyncGroup | None = None  # opened by init_transfer_engine, closed by shutdown
 
         def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
             device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
-            self.pair = weight_stream.PairGroup(init_info.host, init_info.port, rank=1, backend=init_info.backend,
-                                                timeout_s=init_info.timeout_s, device=device)
+            self.pair = weight_stream.WeightSyncGroup(init_info.host, init_info.port, rank=init_info.rank,
+                                                backend=init_info.backend, timeout_s=init_info.timeout_s, device=device,
+                                                world_size=init_info.world_size)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -197,9 +200,17 @@ class VllmEngineHost:
         ``ready`` is called once the session is open: the trainer only starts sending then, so a
         failure to open it is reported instead of leaving the sender blocked in a broadcast. ``version``: the
         policy version of the new weights (asynchronous GRPO)."""
-        self.llm.start_weight_update()
+        self.open_update()
         if ready is not None:
             ready()
+        self.finish_update(version)
+
+    def open_update(self) -> None:
+        """The first half of ``receive_update``: the session is open, the trainer may start sending."""
+        self.llm.start_weight_update()
+
+    def finish_update(self, version: int | None = None) -> None:
+        """The second half: receive the buckets (the trainer sends meanwhile), close the session."""
         self.llm.update_weights({"update_info": {}})
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
@@ -256,11 +267,16 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
+def forget_launcher_env() -> None:
+    """An engine's process is no rank of the trainer's torchrun world, whose variables it may have inherited."""
+    for name in _LAUNCHER_ENV:
+        os.environ.pop(name, None)
+
+
 def serve(conn: Any, spec: EngineSpec) -> None:
     """The engine process (``rollout_placement: separate``): start, then answer commands until ``close``.
     Every reply is ``("ok", value)`` or ``("error", traceback)``."""
-    for name in _LAUNCHER_ENV:
-        os.environ.pop(name, None)
+    forget_launcher_env()
     if spec.cuda_visible_devices is not None:  # before anything touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     try:

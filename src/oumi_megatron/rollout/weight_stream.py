@@ -115,24 +115,28 @@ class TimedPairs:
             yield pair
 
 
-class PairGroup:
-    """A 2-process group (rank 0 = trainer, rank 1 = engine) of its own, beside the training group:
-    its own TCPStore, not registered with torch.distributed, so the training world is untouched."""
+class WeightSyncGroup:
+    """A process group of its own, beside the training group: rank 0 is the trainer's sending rank, ranks 1.. the
+    engines (one for a separate engine process; every engine of a Ray fleet). Its own TCPStore (rank 0 hosts it;
+    ``host`` is its address as the engines reach it), not registered with torch.distributed, so
+    the training world is untouched."""
 
     def __init__(self, host: str, port: int, rank: int, backend: str = "gloo", timeout_s: float = 600.0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, world_size: int = 2) -> None:
         """``device``: NCCL's GPU (default: the current one)."""
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        # the master's store listens on every interface: engines on other nodes connect to ``host``
+        self.store = dist.TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
+                                   wait_for_workers=True)
         prefix = dist.PrefixStore("oumi_megatron_weight_sync", self.store)
         self.group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
+            self.group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         elif backend == "nccl":
             if device is not None:
                 torch.cuda.set_device(device)
             # options has a default in the binding; torch's stub makes it required
-            self.group = dist.ProcessGroupNCCL(prefix, rank, 2)  # type: ignore[call-arg]
+            self.group = dist.ProcessGroupNCCL(prefix, rank, world_size)  # type: ignore[call-arg]
         else:
             raise ValueError(f"unknown weight-sync backend {backend!r}")
         self.rank = rank
@@ -159,7 +163,7 @@ class SendStats:
     """Host time inside broadcast calls (gloo: the transfer; NCCL: only the enqueue, it is asynchronous)."""
 
 
-def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, max_in_flight: int = 2) -> SendStats:
+def send(group: WeightSyncGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, max_in_flight: int = 2) -> SendStats:
     """Trainer side: stream every bucket, then the end marker. Up to ``max_in_flight`` buckets are on
     the wire while the next one is exported and packed (with NCCL the broadcasts run on their own
     stream); older ones are waited for, so at most that many bucket buffers exist at once."""
@@ -189,7 +193,7 @@ def send(group: PairGroup, pairs: Iterable[tuple[str, torch.Tensor]], bucket_byt
     return stats
 
 
-def receive(group: PairGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive(group: WeightSyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Engine side: the tensors of each bucket until the end marker (a fresh buffer per bucket: the
     receiver may keep views into it)."""
     while True:
