@@ -204,7 +204,13 @@ ASYNC = {"inference_backend": "vllm", "rollout_placement": "separate", "weight_s
         ({**ASYNC, "enable_weight_sync": False}, {"max_staleness": 1}, "grpo.max_staleness", "enable_weight_sync: true"),
         (ASYNC, {"max_staleness": 1, "dynamic_sampling": True}, "grpo.dynamic_sampling", "not built for asynchronous GRPO"),
         (ASYNC, {"off_policy_correction": "icepop"}, "grpo.off_policy_correction", "'none', 'tis', 'seq_mask_tis'"),
-        ({"inference_backend": "vllm", "rollout_placement": "ray"}, {}, "megatron.rollout_placement", "Ray (ray) is not built yet"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_gpus_per_engine": 2}, {},
+         "megatron.rollout_gpus_per_engine", "not built yet. Use 1"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_engines": 0}, {},
+         "megatron.rollout_engines", "positive integer"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray", "ray_address": " "}, {}, "megatron.ray_address", "is empty"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray", "weight_sync_method": "checkpoint"}, {},
+         "megatron.weight_sync_method", "every node of the Ray cluster"),
     ],
 )
 def test_asynchronous_grpo_rules_name_the_field(make_config, megatron, grpo, field, text) -> None:  # noqa: ANN001
@@ -213,12 +219,13 @@ def test_asynchronous_grpo_rules_name_the_field(make_config, megatron, grpo, fie
     assert text in r.format_problems()
 
 
-def test_asynchronous_grpo_is_accepted_on_separate_engines(make_config) -> None:  # noqa: ANN001
-    for staleness in (0, 1, 4):
-        for correction in (None, "none", "tis", "seq_mask_tis"):
-            r = check(make_config(megatron=ASYNC, grpo={"max_staleness": staleness, "off_policy_correction": correction}),
-                      world_size=2)
-            assert r.ok, (staleness, correction, r.format_problems())
+def test_asynchronous_grpo_is_accepted_on_separate_engines_and_ray(make_config) -> None:  # noqa: ANN001
+    for placement in ("separate", "ray"):
+        for staleness in (0, 1, 4):
+            for correction in (None, "none", "tis", "seq_mask_tis"):
+                r = check(make_config(megatron={**ASYNC, "rollout_placement": placement},
+                                      grpo={"max_staleness": staleness, "off_policy_correction": correction}), world_size=2)
+                assert r.ok, (placement, staleness, correction, r.format_problems())
 
 
 def test_off_policy_correction_resolves_from_tis_cap() -> None:

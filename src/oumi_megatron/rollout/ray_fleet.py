@@ -74,13 +74,17 @@ def _spare_gpus() -> list[str]:
     return gpus[int(os.environ.get("LOCAL_WORLD_SIZE", "1")):]
 
 
-def connect(address: str, engines: int, gpus_per_engine: int) -> bool:
-    """Connect to the Ray cluster (or start a local head) and check it can hold the fleet; True if this process
-    started Ray. Errors name the field and the fix."""
+_started_ray = False
+"""Whether this process started Ray (``ray_address: local``): the fleet's ``close`` then shuts it down."""
+
+
+def connect(address: str, engines: int, gpus_per_engine: int) -> None:
+    """Connect to the Ray cluster (or start a local head) and check it can hold the fleet. Errors name the field and
+    the fix. train.py calls it on rank 0 before converting the model (``preflight``); the backend again (a no-op)."""
+    global _started_ray
     import ray
 
     cuda = torch.cuda.is_available()
-    started = False
     if not ray.is_initialized():
         if address == "local":
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -88,21 +92,27 @@ def connect(address: str, engines: int, gpus_per_engine: int) -> bool:
             # the head's raylet takes its GPU ids from CUDA_VISIBLE_DEVICES: only the ones the trainer leaves free
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spare)
             try:
-                ray.init(num_cpus=max(engines, 1) + 1, num_gpus=len(spare), include_dashboard=False,
+                ray.init(num_cpus=os.cpu_count() or 1, num_gpus=len(spare), include_dashboard=False,
                          log_to_driver=False, configure_logging=False)
             finally:
                 if saved is None:
                     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
-            started = True
+            _started_ray = True
         else:
+            fix = ("Start it with `ray start --head` (rollout nodes: `ray start --address=HEAD:6379`) and give its address, "
+                   "or use ray_address: local for this node's spare GPUs.")
+            if ":" in address and not address.startswith("ray://"):  # HOST:PORT: a quick probe (Ray retries for minutes)
+                host, port = address.rsplit(":", 1)
+                try:
+                    socket.create_connection((host, int(port)), timeout=10).close()
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"megatron.ray_address: nothing answers at {address!r} ({e}). {fix}") from e
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             except Exception as e:  # noqa: BLE001 - any failure to reach the cluster is the same fix
-                raise ValueError(f"megatron.ray_address: cannot reach the Ray cluster at {address!r} ({e}). Start it with "
-                                 "`ray start --head` (rollout nodes: `ray start --address=HEAD:6379`) and give its "
-                                 "address, or use ray_address: local for this node's spare GPUs.") from e
+                raise ValueError(f"megatron.ray_address: cannot reach the Ray cluster at {address!r} ({e}). {fix}") from e
     need = engines * gpus_per_engine
     have = ray.cluster_resources().get("GPU", 0.0) if cuda else ray.cluster_resources().get("CPU", 0.0)
     if have < need:
@@ -111,7 +121,16 @@ def connect(address: str, engines: int, gpus_per_engine: int) -> bool:
                          f"{kind} in the Ray cluster, which has {have:g}. Add nodes (`ray start --address=...`), start "
                          "fewer trainer ranks on this node (ray_address: local sees only the GPUs they leave), or ask "
                          "for fewer rollout_engines.")
-    return started
+
+
+def preflight(params: Any) -> None:
+    """``rollout_placement: ray``, on rank 0 before conversion: the cluster is reachable and can hold the fleet."""
+    if params.inference_backend == "vllm" and params.rollout_placement == "ray" and dist_rank() == 0:
+        connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
+
+
+def dist_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def place_engines(spec: EngineSpec, engines: int, gpus_per_engine: int) -> tuple[list[Any], list[Any]]:
@@ -152,7 +171,6 @@ class RayRolloutBackend:
         self.actors: list[Any] = []
         self.placement_groups: list[Any] = []
         self.group: weight_stream.WeightSyncGroup | None = None
-        self.started_ray = False
         self.in_flight: collections.deque[Any] = collections.deque()
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
         self.pushing: Future | None = None
@@ -164,7 +182,7 @@ class RayRolloutBackend:
                 kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
                 extra={"trust_remote_code": True} if trust_remote_code else {},
                 cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice), transfer_backend=STREAM_ENGINE)
-            self.started_ray = connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
+            connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
             self.actors, self.placement_groups = place_engines(spec, params.rollout_engines, params.rollout_gpus_per_engine)
             self._open_weight_group()
         dist.barrier()
@@ -309,7 +327,7 @@ class RayRolloutBackend:
         for group in self.placement_groups:
             remove_placement_group(group)
         self.actors = []
-        if self.started_ray:
+        if _started_ray:
             ray.shutdown()
 
 
