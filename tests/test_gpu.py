@@ -263,6 +263,28 @@ def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layou
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, [round(x, 3) for x in rewards]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (scripts/gpu_vllm_install.sh)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_asynchronous_grpo_on_a_separate_engine_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """grpo.max_staleness: 1 on GPUs: the trainer on GPU 0, a separate vLLM engine on GPU 1, the new weights pushed
+    over NCCL from the trainer's background thread while it trains (its other NCCL work on the main thread). The
+    synchronous loop on the same two GPUs runs first, in the same call, for the step times beside it."""
+    runs = {}
+    for staleness in (0, 1):
+        work = tmp_path_factory.mktemp(f"gpu_async_{staleness}")
+        _check(run_cli([PY, str(WORKERS / "grpo_loop_worker.py"), str(work), "--steps", "40", "--vllm-separate",
+                        "--max-staleness", str(staleness)], env={"LOCAL_WORLD_SIZE": "1"}))
+        runs[staleness] = json.loads((work / "result.json").read_text())
+    if os.environ.get("GPU_RESULTS"):
+        (Path(os.environ["GPU_RESULTS"]) / "async_grpo.json").write_text(json.dumps(runs))
+    sync, late = runs[0], runs[1]
+    assert sync["steps"] == late["steps"] == 40
+    assert late["staleness_max"] == [0.0] + [1.0] * 39
+    assert all(g and g > 0 for g in late["weight_sync_gbps"][1:])
+    rewards = late["rewards"]
+    assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.1, [round(x, 3) for x in rewards]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DAPO dynamic sampling on DP=2 over NCCL (the filtered batch's rollouts are all-gathered as objects over the

@@ -30,6 +30,9 @@ def main() -> None:
                    help="fusions, chunked logprobs and fused optimizer kernels off (the engine before issue 12)")
     p.add_argument("--graphs", action="store_true", help="cuda_graph_impl: local, microbatches padded to prompt + completion")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--vllm-separate", action="store_true",
+                   help="inference_backend: vllm, rollout_placement: separate (the engine on the GPU after the trainer's)")
+    p.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness (with --vllm-separate)")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -71,8 +74,12 @@ def main() -> None:
     if args.graphs:
         params.transformer_config.cuda_graph_impl = "local"
         params.transformer_config.cuda_graph_seq_length = 64 + 16  # max_prompt_length + max_completion_length
+    if args.vllm_separate:
+        params.inference_backend, params.rollout_placement = "vllm", "separate"
+        params.weight_sync_method = "nccl" if torch.cuda.is_available() else "gloo"
     grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
-                              reward_functions=[RewardFunctionParams(name="char_class")])
+                              reward_functions=[RewardFunctionParams(name="char_class")], max_staleness=args.max_staleness,
+                              off_policy_correction="tis" if args.max_staleness else None)
     out = work / "run"
     training = SimpleNamespace(output_dir=str(out), seed=42, max_steps=args.steps, save_steps=0,
                                enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=False,
@@ -105,6 +112,9 @@ def main() -> None:
             "first5": sum(rewards[:5]) / 5, "last5": sum(rewards[-5:]) / 5,
             "rollout_s": sum(m["time/rollout_s"] for m in metrics), "train_s": sum(m["time/train_s"] for m in metrics),
             "hf_model": (out / "hf_model" / "config.json").is_file(),
+            "staleness_max": [m.get("rollout/staleness_max", 0.0) for m in metrics],
+            "step_s": [m.get("time/train_s", 0.0) + m.get("time/rollout_wait_s", m["time/rollout_s"]) for m in metrics],
+            "weight_sync_gbps": [m.get("weight_sync/gbps") for m in metrics],
         }
         (work / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
