@@ -21,11 +21,10 @@ restarting an engine actor that died (the run stops with ``WeightSyncError``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +34,8 @@ from oumi_megatron.engine.parallel.distributed import free_port
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.rollout.vllm_backend import TaggedRollouts, WeightSyncError, _rollouts, _vllm_sampling
+from oumi_megatron.rollout.vllm_backend import TaggedRollouts, _rollouts, _vllm_sampling
+from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
@@ -172,8 +172,7 @@ class RayRolloutBackend:
         self.placement_groups: list[Any] = []
         self.group: weight_stream.WeightSyncGroup | None = None
         self.in_flight: collections.deque[Any] = collections.deque()
-        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
-        self.pushing: Future | None = None
+        self.pusher = WeightPusher(self.method)
         if self.rank == 0:
             spec = EngineSpec(
                 model=str(hf_model), dtype=str(dtype).removeprefix("torch."), seed=seed,
@@ -259,45 +258,21 @@ class RayRolloutBackend:
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
         """Collective over the training ranks: the export now (rank 0 keeps a snapshot), every engine's update queued
         behind its generations, the broadcast from a background thread once every engine has opened its session."""
-        self.wait_pushed()
-        start = time.perf_counter()
         if self.rank != 0:
+            start = time.perf_counter()
             n = sum(1 for _ in weights())  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
         assert self.group is not None
-        pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
-        snapshot = list(pairs)
-        if self.group.device.type == "cuda":
-            torch.cuda.synchronize(self.group.device)
-        opened = [a.open_update.remote().future() for a in self.actors]
-        done = [a.finish_update.remote(version).future() for a in self.actors]
-        group, bucket_bytes = self.group, self.bucket_bytes
+        actors = self.actors
 
-        def send() -> float:
-            if group.device.type == "cuda":
-                torch.cuda.set_device(group.device)
-            for f in opened:
-                _wait(f)
-            began = time.perf_counter()
-            weight_stream.send(group, snapshot, bucket_bytes)
-            for f in done:
-                _wait(f)
-            return time.perf_counter() - began
+        def open_sessions() -> tuple[list[Future], list[Future]]:
+            return ([a.open_update.remote().future() for a in actors],
+                    [a.finish_update.remote(version).future() for a in actors])
 
-        self.pushing = self.sender.submit(send)
-        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes, time.perf_counter() - start,
-                               export_seconds=pairs.seconds)
+        return self.pusher.push(weights, self.group, self.bucket_bytes, open_sessions, lambda f, _what: _wait(f))
 
     def wait_pushed(self) -> float | None:
-        if self.pushing is None:
-            return None
-        pushing, self.pushing = self.pushing, None
-        try:
-            return float(pushing.result())
-        except WeightSyncError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
-            raise WeightSyncError(f"weight push to the Ray fleet ({self.method}) failed: {e}") from e
+        return self.pusher.wait()
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """The synchronous loop's sync: a push, waited for."""
@@ -314,9 +289,7 @@ class RayRolloutBackend:
         return EngineSleep()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # closing anyway
-            self.wait_pushed()
-        self.sender.shutdown(wait=False)
+        self.pusher.close()
         if self.rank != 0 or not self.actors:
             return
         import ray

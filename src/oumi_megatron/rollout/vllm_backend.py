@@ -26,13 +26,12 @@ raises; the trainer never generates with weights it did not push.
 from __future__ import annotations
 
 import collections
-import contextlib
 import multiprocessing
 import os
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,13 +43,10 @@ from oumi_megatron.engine.parallel.distributed import free_port
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import VllmEngineHost  # imports vLLM: only where an engine is built
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine did not take the new weights; training stops rather than use stale ones."""
 
 
 def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
@@ -244,8 +240,7 @@ class VllmRolloutBackend:
         )
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
         """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
-        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
-        self.pushing: Future | None = None
+        self.pusher = WeightPusher(self.method)
         self.awake = True  # an engine starts with its weights and KV cache in place
         self.weights_current = True  # ... and with the policy's starting weights
         self.drop_weights_on_sleep = bool(params.enable_weight_sync)
@@ -429,54 +424,29 @@ class VllmRolloutBackend:
 
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
         """Collective over the training ranks: export the policy now, as a snapshot the owner keeps, and queue the
-        update behind the engine's generations in flight. A background thread streams the snapshot once the engine
-        opens the update session, so the trainer does not wait for the generation in flight. The engine tags what
-        it generates afterwards with ``version``. One push at a time: a push first waits for the previous one.
-        The stats' seconds are the trainer's (export and copy); ``last_push`` has the transfer's."""
-        self.wait_pushed()
-        start = time.perf_counter()
+        update behind the engine's generations in flight; a background thread streams the snapshot once the engine
+        opens the update session (rollout/weight_push.py), so the trainer does not wait for the generation in flight.
+        The engine tags what it generates afterwards with ``version``."""
         if not self.is_owner:
+            self.pusher.wait()
+            start = time.perf_counter()
             n = sum(1 for _ in weights())  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
         assert self.pair is not None, "asynchronous GRPO streams weights (weight_sync_method nccl or gloo)"
-        pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
-        snapshot = list(pairs)  # the next optimizer step changes the parameters the exporter yields views of
-        if self.pair.device.type == "cuda":
-            torch.cuda.synchronize(self.pair.device)
-        opened, done = self._owned_process.submit("receive_update", version, replies=2)
-        pair, bucket_bytes, device = self.pair, self.bucket_bytes, self.pair.device
+        process = self._owned_process
 
-        def send() -> float:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            _EngineProcess.wait_for(opened, "receive_update (opening the session)")
-            began = time.perf_counter()
-            weight_stream.send(pair, snapshot, bucket_bytes)
-            _EngineProcess.wait_for(done, "receive_update")
-            return time.perf_counter() - began
+        def open_session() -> tuple[list[Future], list[Future]]:
+            opened, done = process.submit("receive_update", version, replies=2)
+            return [opened], [done]
 
-        self.pushing = self.sender.submit(send)
-        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes, time.perf_counter() - start,
-                               export_seconds=pairs.seconds)
+        return self.pusher.push(weights, self.pair, self.bucket_bytes, open_session, _EngineProcess.wait_for)
 
     def wait_pushed(self) -> float | None:
-        """Wait for the push in flight; the seconds its transfer took (None: no push was in flight). A failed push
-        raises: the engine would otherwise generate with weights it never got."""
-        if self.pushing is None:
-            return None
-        pushing, self.pushing = self.pushing, None
-        try:
-            return float(pushing.result())
-        except WeightSyncError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
-            raise WeightSyncError(f"weight push ({self.method}) failed: {e}") from e
+        """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""
+        return self.pusher.wait()
 
     def close(self) -> None:
-        if self.pushing is not None:
-            with contextlib.suppress(Exception):  # closing anyway
-                self.wait_pushed()
-        self.sender.shutdown(wait=False)
+        self.pusher.close()
         if self.process is not None:
             self.process.close()
             self.process = None

@@ -1,0 +1,77 @@
+"""Asynchronous weight pushes (``grpo.max_staleness`` > 0): the trainer exports the policy at once, keeps a
+snapshot, and a background thread streams it to the engines once they have opened their update sessions, which
+they do after the generations queued before the update. One push at a time. Used by the separate engine process
+(rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from oumi_megatron.rollout import weight_stream
+from oumi_megatron.rollout.base import PolicyWeights, WeightSyncStats
+
+
+class WeightSyncError(RuntimeError):
+    """The rollout engine did not take the new weights; training stops rather than use stale ones."""
+
+
+class WeightPusher:
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
+        self.pushing: Future | None = None
+
+    def push(self, weights: PolicyWeights, group: weight_stream.WeightSyncGroup, bucket_bytes: int,
+             open_sessions: Callable[[], tuple[list[Future], list[Future]]], wait: Callable[[Future, str], Any]) -> WeightSyncStats:
+        """The sending rank's part of a push: waits for the previous push, exports ``weights`` now (a copy: the next
+        optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
+        (``open_sessions`` queues them: futures that resolve when each is open, and when each is done) and streams
+        the snapshot from the background thread once every session is open. The stats' seconds are the trainer's."""
+        self.wait()
+        start = time.perf_counter()
+        pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
+        snapshot = list(pairs)
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
+        opened, done = open_sessions()
+
+        def send() -> float:
+            if group.device.type == "cuda":
+                torch.cuda.set_device(group.device)
+            for future in opened:
+                wait(future, "receive_update (opening the session)")
+            began = time.perf_counter()
+            weight_stream.send(group, snapshot, bucket_bytes)
+            for future in done:
+                wait(future, "receive_update")
+            return time.perf_counter() - began
+
+        self.pushing = self.sender.submit(send)
+        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes, time.perf_counter() - start,
+                               export_seconds=pairs.seconds)
+
+    def wait(self) -> float | None:
+        """Wait for the push in flight; the seconds its transfer took (None: none was in flight). A failed push
+        raises: the engines would otherwise generate with weights they never got."""
+        if self.pushing is None:
+            return None
+        pushing, self.pushing = self.pushing, None
+        try:
+            return float(pushing.result())
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
+            raise WeightSyncError(f"weight push ({self.method}) failed: {e}") from e
+
+    def close(self) -> None:
+        if self.pushing is not None:
+            try:
+                self.wait()
+            except WeightSyncError:  # closing anyway
+                pass
+        self.sender.shutdown(wait=False)
