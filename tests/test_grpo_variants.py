@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +29,9 @@ from oumi_megatron.trainer.rollout_batch import choose_groups
 def _grpo(**kw):  # noqa: ANN003, ANN202
     base = dict(epsilon=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_aggregation="seq_mean", tis_cap=None,
                 max_completion_length=8, policy_loss="grpo", clip_ratio_c=None, num_generations=4, scale_rewards="group")
-    return SimpleNamespace(**{**base, **kw})
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+
+    return MegatronGrpoParams(**{**base, **kw})
 
 
 def _trl_gspo(logps, old, adv, mask, eps_low, eps_high):  # noqa: ANN001, ANN202
