@@ -190,7 +190,7 @@ class RayRolloutBackend:
         """One group of rank 0 and every engine: the engines join while rank 0 opens the store and waits for them."""
         import ray
 
-        host = ray.util.get_node_ip_address() if ray.util.get_node_ip_address() else "127.0.0.1"
+        host = ray.util.get_node_ip_address() or "127.0.0.1"
         port = free_port()
         world = 1 + len(self.actors)
         joined = [a.init_transfer.remote({"host": host, "port": port, "backend": self.method, "rank": i + 1,

@@ -127,13 +127,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         flight, the update, then the new policy queued for the engines."""
         assert self.async_rollouts is not None
         started = time.perf_counter()
-        t_sync = 0.0
         if self.weights_synced_at != self.step:  # a resumed run: the engines get its policy before generating
-            t_sync = time.perf_counter()
             self.async_rollouts.push(self.weights, self.step)
             self.async_rollouts.backend.wait_pushed()
             self.weights_synced_at = self.step
-            t_sync = time.perf_counter() - t_sync
+        t_sync = time.perf_counter() - started
         got = self.async_rollouts.next_batch(self.step, self.last_step)
         # time/rollout_s: the engine's generation (it overlapped the previous step); time/rollout_wait_s: what the
         # trainer waited for it
