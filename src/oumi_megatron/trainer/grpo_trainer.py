@@ -131,7 +131,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.async_rollouts.push(self.weights, self.step)
             self.async_rollouts.backend.wait_pushed()
             self.weights_synced_at = self.step
-        t_sync = time.perf_counter() - started
+            t_sync = time.perf_counter() - started
+        else:
+            t_sync = 0.0
         got = self.async_rollouts.next_batch(self.step, self.last_step)
         # time/rollout_s: the engine's generation (it overlapped the previous step); time/rollout_wait_s: what the
         # trainer waited for it
