@@ -183,6 +183,9 @@ class Phased:
         self.log("sleep")
         return EngineSleep(0.0, weights_dropped=True)
 
+    def engine_metrics(self):
+        return {}
+
     def close(self):
         self.log("close")
 

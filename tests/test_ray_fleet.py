@@ -2,14 +2,20 @@
 
 The fleet's errors name the field and the fix before any conversion; a run with two engines and
 ``max_staleness: 1`` spreads each step's prompts over both, pushes every policy to both over one gloo group, and
-keeps every batch within the bound.
+keeps every batch within the bound; an engine killed mid-run is replaced and the run ends with every step once.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import REPO, VENV_BIN, run_cli
@@ -45,21 +51,94 @@ def test_unreachable_cluster_stops_the_run_before_conversion(tmp_path: Path, tin
     assert not (out / "megatron_checkpoint").exists()  # stopped before converting the model
 
 
-def test_two_engine_fleet_runs_one_step_off_policy(tmp_path: Path, tiny_model_dir: Path) -> None:
-    out = tmp_path / "fleet"
+def test_a_model_no_engine_can_hold_stops_the_run_before_conversion(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A Llama-3.1-405B-shaped config.json (no weights needed: the check reads the shape) on a local Ray head: ~760 GiB
+    of bf16 weights, more than this machine's memory, so the run stops before converting anything."""
+    model = tmp_path / "huge"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(hidden_size=16384, num_hidden_layers=126, intermediate_size=53248, num_attention_heads=128,
+                  num_key_value_heads=8, vocab_size=128256, head_dim=128, tie_word_embeddings=False)
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
     proc = run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
-                    "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out),
-                    "--training.max_steps", "5", "--training.save_steps", "0", "--training.save_final_model", "false",
+                    "--model.model_name", str(model), "--training.output_dir", str(out),
                     "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
-                    "--megatron.rollout_engines", "2", "--megatron.weight_sync_method", "gloo",
-                    "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis"], timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    # the oldest engine's version: both engines took every push (one of them lagging would show a larger staleness)
-    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
-    assert [r["rollout/policy_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0, 3.0]
-    assert all(r["weight_sync/bytes"] > 0 for r in rows) and all(r["weight_sync/gbps"] > 0 for r in rows[1:])
-    # TIS saw the engines' logprobs of every sample (a sample an engine dropped would have none)
+                    "--megatron.weight_sync_method", "gloo"])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"megatron.rollout_placement: ray: an engine needs 7\d\d\.\d GiB for .*huge's weights .*more than it "
+                     r"may use: \d+\.\d GiB \(the largest Ray node's memory\)", text), text[-4000:]
+    assert not (out / "megatron_checkpoint").exists()
+
+
+def _engine_processes(root: int) -> list[tuple[psutil.Process, str]]:
+    """The fleet's engine actors under the trainer's process (its local Ray head runs them), with their titles: Ray
+    names an actor's process ``ray::EngineActor`` and, while it runs a call, ``ray::EngineActor.<method>``."""
+    out = []
+    for child in psutil.Process(root).children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("ray::EngineActor"):
+            out.append((child, title))
+    return out
+
+
+def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two engines, max_staleness 1, and two engine processes killed (SIGKILL, as the OOM killer would):
+    - the first while it generates step 1's prompts, before any push: it alone is started again, with the weights
+      it started from, and its prompts are issued again;
+    - the second after step 3, with a push queued behind its generation: the push fails, so every engine is started
+      again, gets the policy, and the generations in flight are issued again.
+    That is 3 restarts, the default ``rollout_engine_restarts``; the run ends with every step once."""
+    out = tmp_path / "fleet"
+    args = [PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
+            "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out),
+            "--training.max_steps", "6", "--training.save_steps", "0", "--training.save_final_model", "false",
+            "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
+            "--megatron.rollout_engines", "2", "--megatron.weight_sync_method", "gloo",
+            "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis"]
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400"}
+    log = tmp_path / "train.log"
+    metrics = out / "metrics.jsonl"
+    kills: list[str] = []
+    with log.open("w") as sink:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 1200
+            while proc.poll() is None and time.monotonic() < deadline:
+                steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+                engines = _engine_processes(proc.pid)
+                busy = [e for e, title in engines if title.startswith("ray::EngineActor.generate_tagged")]
+                if not kills and steps == 0 and busy:
+                    busy[0].kill()
+                    kills.append("first generation")
+                elif len(kills) == 1 and steps >= 3 and len(engines) == 2:
+                    engines[0][0].kill()
+                    kills.append("after step 3")
+                time.sleep(0.1)
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    assert kills == ["first generation", "after step 3"], (kills, text[-6000:])
+    warnings = [line for line in text.splitlines() if "Rollout fleet:" in line]
+    assert len(warnings) == 2, warnings
+    assert "died" in warnings[0] and "Restarting engine(s) [" in warnings[0] and "(1 restart(s) of 3 allowed)" in warnings[0]
+    assert "a weight push failed" in warnings[1] and "Restarting engine(s) [0, 1] (3 restart(s) of 3 allowed)" in warnings[1]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # every step once: nothing repeated, nothing lost
+    assert rows[0]["rollout/engine_restarts"] == 1 and rows[-1]["rollout/engine_restarts"] == 3
+    # within the bound throughout; the restarted engine answered step 1's prompts with the starting policy
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert [r["rollout/policy_version"] for r in rows[:3]] == [0.0, 0.0, 1.0]
+    assert all(r["weight_sync/bytes"] > 0 for r in rows) and all(r["weight_sync/gbps"] > 0 for r in rows[1:3])
+    # the link's plain broadcast was measured, and each push's transfer is a fraction of it
+    assert rows[0]["weight_sync/raw_gbps"] > 0 and 0 < rows[1]["weight_sync/fraction_of_raw"] < 5
+    # every sample came back with its engine's logprobs (TIS saw them all; a lost part fails the step outright)
     assert all(abs(r["tis/mean_weight"] - 1.0) < 0.1 for r in rows)
-    assert rows[-1]["reward/invalid_samples"] == 0 and rows[-1]["completion_length/mean"] > 0
+    assert all(r["reward/invalid_samples"] == 0 and r["completion_length/mean"] > 0 for r in rows)

@@ -134,6 +134,8 @@ def test_asynchronous_grpo_one_step_off_policy_learns_and_resumes(tmp_path: Path
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.12, [round(x, 3) for x in rewards]
     assert all("tis/mean_weight" in r and 0.0 <= r["async/trainer_idle_fraction"] <= 1.0 for r in rows)
     assert all(r["weight_sync/bytes"] > 0 and r["weight_sync/gbps"] > 0 for r in rows[1:])  # every push streamed
+    # the link's plain broadcast, measured once at start, and each push's transfer as a fraction of it
+    assert all(r["weight_sync/raw_gbps"] > 0 and 0 < r["weight_sync/fraction_of_raw"] < 5 for r in rows[1:])
     assert max(r["mismatch/mean_abs_diff"] for r in rows[1:]) > 1e-3  # one version old: the engine's logprobs differ
     # the prompts of the 20 trained steps (4 each), not those of the batch that was in flight
     state = json.loads((out / "checkpoints" / "step_000020" / "trainer_state.json").read_text())

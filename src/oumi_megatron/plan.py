@@ -138,7 +138,7 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_
                    layers=layers * dense / tp + layers * experts / expert_split)
 
 
-def _vllm_engine_weight_bytes(shape: ModelShape, tp: int) -> float:
+def vllm_engine_weight_bytes(shape: ModelShape, tp: int) -> float:
     """A colocated vLLM engine's weights in bf16: the whole model (every layer, whatever the pipeline stage), split over
     vLLM's TP, which is Megatron's."""
     dense, experts = _layer_params(shape)
@@ -234,7 +234,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         if m.inference_backend == "megatron":  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
         elif colocated_vllm and m.vllm_kv_cache_gib:  # the engine's bf16 weights (its TP shard) and its KV cache
-            rollout = _vllm_engine_weight_bytes(shape, layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
+            rollout = vllm_engine_weight_bytes(shape, layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
         else:
             rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;

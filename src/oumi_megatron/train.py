@@ -69,7 +69,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.rollout.ray_fleet import preflight
 
-    preflight(config.megatron)  # rollout_placement: ray: the cluster is reachable and holds the engines
+    preflight(config.megatron, config.model.model_name)  # rollout_placement: ray: the cluster holds the engines
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.

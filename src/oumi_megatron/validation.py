@@ -415,6 +415,9 @@ def _check_ray_fleet(m: MegatronParams, r: ValidationReport) -> None:
                                       "`ray start --head` printed.")
     if not isinstance(m.rollout_engines, int) or m.rollout_engines < 1:
         r.add("megatron.rollout_engines", f"must be a positive integer, got {m.rollout_engines!r}.")
+    restarts = m.rollout_engine_restarts
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        r.add("megatron.rollout_engine_restarts", f"must be an integer >= 0 (0: a dead engine stops the run), got {restarts!r}.")
     if m.rollout_gpus_per_engine != 1:
         r.add("megatron.rollout_gpus_per_engine", f"{m.rollout_gpus_per_engine!r}: engines with vLLM tensor parallelism "
                                                   "inside the fleet are not built yet. Use 1 (and more rollout_engines).")

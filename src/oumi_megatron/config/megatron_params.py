@@ -251,6 +251,12 @@ class MegatronParams(BaseParams):
     rollout_gpus_per_engine: int = 1
     """``rollout_placement: ray``: GPUs per engine (one placement group each, packed on one node)."""
 
+    rollout_engine_restarts: int = 3
+    """``rollout_placement: ray``: how many engine restarts a run allows. An engine actor that dies (its process
+    killed, its node lost) is started again in its placement group, gets the policy, and its prompts are issued again;
+    a push that fails restarts every engine (each counts). Past this many the run stops with the cause; 0: the first
+    dead engine stops it. ``rollout/engine_restarts`` counts them."""
+
     vllm_gpu_memory_utilization: float = 0.4
     """Fraction of a GPU's memory a vLLM engine may use (colocated: leave room for training)."""
 

@@ -94,6 +94,11 @@ class RolloutBackend(Protocol):
         """After a generation phase, before training: engines that share the trainer's GPUs hand it their memory."""
         ...
 
+    def engine_metrics(self) -> dict[str, float]:
+        """What the engines report beside the step's rollouts, on rank 0 (``{}`` elsewhere): the raw bandwidth of the
+        weight-sync link (``weight_sync/raw_gbps``), engine restarts (``rollout/engine_restarts``)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -126,5 +126,8 @@ class MegatronRolloutBackend:
     def sleep(self) -> EngineSleep:
         return EngineSleep()
 
+    def engine_metrics(self) -> dict[str, float]:
+        return {}  # the policy generates itself: no link, no engine to restart
+
     def close(self) -> None:
         pass

@@ -13,18 +13,23 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
   (rollout/vllm_engine.py ``oumi_stream``); every update carries its policy version.
 - Asynchronous GRPO (``grpo.max_staleness``): the same ``submit`` / ``collect`` / ``push_weights`` as a separate
   engine (rollout/vllm_backend.py); a batch's version is the oldest of the engines that generated it.
+- Faults: an engine actor that dies is started again in its placement group, re-synced, and its prompts issued again
+  (``RayRolloutBackend``; ``megatron.rollout_engine_restarts`` bounds how often).
 
-Not built yet: an engine's vLLM tensor parallelism inside the fleet (``rollout_gpus_per_engine`` > 1), and
-restarting an engine actor that died (the run stops with ``WeightSyncError``).
+Not built yet: an engine's vLLM tensor parallelism inside the fleet (``rollout_gpus_per_engine`` > 1).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import os
 import socket
 import time
+from concurrent import futures
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +44,8 @@ from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
+
+logger = logging.getLogger("oumi")
 
 
 class EngineActor:
@@ -59,6 +66,9 @@ class EngineActor:
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.host.init_transfer(init_info)
+
+    def receive_raw(self, nbytes: int, repeats: int) -> None:
+        self.host.receive_raw(nbytes, repeats)
 
     def open_update(self) -> None:
         self.host.open_update()
@@ -123,41 +133,126 @@ def connect(address: str, engines: int, gpus_per_engine: int) -> None:
                          "for fewer rollout_engines.")
 
 
-def preflight(params: Any) -> None:
-    """``rollout_placement: ray``, on rank 0 before conversion: the cluster is reachable and can hold the fleet."""
+def preflight(params: Any, model_name: str) -> None:
+    """``rollout_placement: ray``, on rank 0 before conversion: the cluster is reachable, has the engines' GPUs, and an
+    engine's GPU(s) hold the model."""
     if params.inference_backend == "vllm" and params.rollout_placement == "ray" and dist_rank() == 0:
         connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
+        check_engine_fits(params, model_name)
+
+
+def check_engine_fits(params: Any, model_name: str) -> None:
+    """An engine's share of the weights (bf16, split over its GPUs), plus ``vllm_kv_cache_gib`` where set, within what
+    vLLM may use of one GPU (``vllm_gpu_memory_utilization`` of a GPU of the cluster, asked of Ray); on CPU, within
+    the largest node's memory."""
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import vllm_engine_weight_bytes
+
+    gib = 2**30
+    weights = vllm_engine_weight_bytes(ModelShape.resolve(model_name), params.rollout_gpus_per_engine)
+    need = weights + (params.vllm_kv_cache_gib or 0.0) * gib
+    if torch.cuda.is_available():
+        total = _gpu_memory_in_cluster()
+        have = total * params.vllm_gpu_memory_utilization
+        where = (f"{have / gib:.1f} GiB ({total / gib:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
+                 f"{params.vllm_gpu_memory_utilization})")
+        fix = ("Raise vllm_gpu_memory_utilization (engines of the fleet have their GPUs to themselves: 0.9 is usual), "
+               "lower vllm_kv_cache_gib, or use GPUs with more memory")
+    else:
+        have = _largest_node_memory()
+        where = f"{have / gib:.1f} GiB (the largest Ray node's memory)"
+        fix = "Add a node with more memory to the Ray cluster, or use a smaller model"
+    if need > have:
+        kv = f" + {params.vllm_kv_cache_gib:g} GiB KV cache (megatron.vllm_kv_cache_gib)" if params.vllm_kv_cache_gib else ""
+        raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / gib:.1f} GiB for {model_name}'s "
+                         f"weights (bf16, over rollout_gpus_per_engine = {params.rollout_gpus_per_engine} GPU(s)){kv}, "
+                         f"more than it may use: {where}. {fix} (engines with vLLM tensor parallelism, "
+                         "rollout_gpus_per_engine > 1, are not built yet).")
+
+
+def _gpu_memory_in_cluster() -> int:
+    """One GPU's memory, asked of a task that Ray places on a GPU (the fleet's engines are not started yet)."""
+    import ray
+
+    def total_memory() -> int:
+        return int(torch.cuda.get_device_properties(0).total_memory)
+
+    return int(ray.get(ray.remote(num_gpus=1, num_cpus=0)(total_memory).remote(), timeout=300))
+
+
+def _largest_node_memory() -> float:
+    import ray
+
+    return max((float(n["Resources"].get("memory", 0.0)) for n in ray.nodes() if n.get("Alive")), default=0.0)
 
 
 def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def place_engines(spec: EngineSpec, engines: int, gpus_per_engine: int) -> tuple[list[Any], list[Any]]:
-    """Start the engine actors, one placement group each (STRICT_PACK: an engine's GPUs on one node); waits until
-    every engine has loaded its model. Returns (actors, placement groups)."""
-    import dataclasses
-
+def place_groups(engines: int, gpus_per_engine: int) -> list[Any]:
+    """One placement group per engine (STRICT_PACK: an engine's GPUs on one node), ready. An engine that dies gives
+    its bundle back to its group, where its replacement starts."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cuda = torch.cuda.is_available()
-    bundle = {"CPU": 1.0, **({"GPU": float(gpus_per_engine)} if cuda else {})}
+    bundle = {"CPU": 1.0, **({"GPU": float(gpus_per_engine)} if torch.cuda.is_available() else {})}
     groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(engines)]
     ray.get([g.ready() for g in groups])
+    return groups
+
+
+def start_engine(spec: EngineSpec, group: Any, index: int, start: int, gpus_per_engine: int) -> Any:
+    """Engine ``index``'s actor (its ``start``-th start) in its placement group; not waited for (``node`` is)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     remote = ray.remote(EngineActor)
-    actors: list[Any] = [remote.options(num_cpus=1, num_gpus=gpus_per_engine if cuda else 0,
-                                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=g),
-                                        name=f"oumi-megatron-vllm-{i}").remote(dataclasses.replace(spec, seed=spec.seed + i))
-                         for i, g in enumerate(groups)]
-    ray.get([a.node.remote() for a in actors])  # raises with the engine's error if one failed to start
-    return actors, groups
+    return remote.options(num_cpus=1, num_gpus=gpus_per_engine if torch.cuda.is_available() else 0,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+                          name=f"oumi-megatron-vllm-{index}.{start}").remote(dataclasses.replace(spec, seed=spec.seed + index))
+
+
+def _engine_died(error: BaseException | None) -> bool:
+    """An actor that is gone (its process killed or crashed, its node lost), as opposed to an engine that raised."""
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+@dataclass
+class _Part:
+    """A share of one replica's prompts sent to one engine: what is issued again if the engine dies before answering."""
+
+    engine: int
+    indices: list[int]
+    """The prompts' positions in the replica's request."""
+    prompts: list[list[int]]
+    sampling: dict[str, Any]
+    future: Future
+
+
+Plan = dict[int, list[_Part]]
+"""Rank 0's view of one generation: each replica's parts, by data-parallel rank."""
+
+
+class _EnginesLost(Exception):
+    """Rank 0, waiting for a generation: engines died (or a push to them failed) and must be restarted."""
+
+    def __init__(self, engines: set[int], cause: str) -> None:
+        super().__init__(cause)
+        self.engines, self.cause = engines, cause
 
 
 class RayRolloutBackend:
     """``inference_backend: vllm`` with ``rollout_placement: ray``. Collective over the training ranks like the other
-    backends; only rank 0 talks to Ray."""
+    backends; only rank 0 talks to Ray.
+
+    Faults: an engine whose actor dies is started again in its placement group (``megatron.rollout_engine_restarts``
+    restarts per run at most), every engine joins a new weight-sync group, the policy is pushed again (the version the
+    engines had) and the dead engine's prompts are issued again, in order, to its replacement: every prompt is
+    answered once. A push that fails restarts every engine (an engine mid-update cannot be told apart from a dead
+    one). A warning says why; ``rollout/engine_restarts`` counts them."""
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int,
                  trust_remote_code: bool = False) -> None:
@@ -168,13 +263,24 @@ class RayRolloutBackend:
 
         self.method, self.bucket_bytes = params.weight_sync_method, int(params.weight_sync_bucket_mb * 2**20)
         self.rank, self.dp_rank = dist.get_rank(), ps.get_data_parallel_rank()
+        self.gpus_per_engine, self.max_restarts = params.rollout_gpus_per_engine, params.rollout_engine_restarts
         self.actors: list[Any] = []
         self.placement_groups: list[Any] = []
+        self.starts: list[int] = []
+        """How many times each engine was started."""
+        self.restarts = 0
         self.group: weight_stream.WeightSyncGroup | None = None
-        self.in_flight: collections.deque[Any] = collections.deque()
+        self.raw_gbps: float | None = None
+        self.in_flight: collections.deque[tuple[list[list[int]], Plan | None]] = collections.deque()
         self.pusher = WeightPusher(self.method)
+        self.push_failed: str | None = None
+        """Rank 0: why the last push failed, until the engines are restarted for it."""
+        self.weights: PolicyWeights | None = None
+        self.version = 0
+        """The last push's weights and version (every rank): what restarted engines get. None: the engines still hold
+        the weights they started from, the policy's own."""
         if self.rank == 0:
-            spec = EngineSpec(
+            self.spec = EngineSpec(
                 model=str(hf_model), dtype=str(dtype).removeprefix("torch."), seed=seed,
                 max_model_len=grpo.max_prompt_length + grpo.max_completion_length,
                 gpu_memory_utilization=params.vllm_gpu_memory_utilization,
@@ -182,21 +288,43 @@ class RayRolloutBackend:
                 extra={"trust_remote_code": True} if trust_remote_code else {},
                 cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice), transfer_backend=STREAM_ENGINE)
             connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
-            self.actors, self.placement_groups = place_engines(spec, params.rollout_engines, params.rollout_gpus_per_engine)
+            self.placement_groups = place_groups(params.rollout_engines, params.rollout_gpus_per_engine)
+            self.starts = [1] * params.rollout_engines
+            self.actors = [start_engine(self.spec, g, i, 1, self.gpus_per_engine) for i, g in enumerate(self.placement_groups)]
+            self._wait_started(range(len(self.actors)))
             self._open_weight_group()
+            self.raw_gbps = self._probe_raw_bandwidth()
         dist.barrier()
 
-    def _open_weight_group(self) -> None:
-        """One group of rank 0 and every engine: the engines join while rank 0 opens the store and waits for them."""
+    def _wait_started(self, engines: Any) -> None:
+        """Rank 0: until the engines have loaded their model (an engine that failed to start raises its error)."""
         import ray
 
-        host = ray.util.get_node_ip_address() or "127.0.0.1"
+        ray.get([self.actors[i].node.remote() for i in engines])
+
+    def _open_weight_group(self) -> None:
+        """One group of rank 0 and every engine: the engines join while rank 0 opens the store and waits for them
+        (after the generations queued before; a group formed after a restart replaces the old one everywhere)."""
+        import ray
+
+        host = _node_address()
         port = free_port()
         world = 1 + len(self.actors)
         joined = [a.init_transfer.remote({"host": host, "port": port, "backend": self.method, "rank": i + 1,
                                           "world_size": world}) for i, a in enumerate(self.actors)]
         self.group = weight_stream.WeightSyncGroup(host, port, rank=0, backend=self.method, world_size=world)
         ray.get(joined)
+
+    def _probe_raw_bandwidth(self) -> float:
+        """Rank 0: a plain broadcast over the weight-sync group, what ``weight_sync/fraction_of_raw`` compares with."""
+        import ray
+
+        assert self.group is not None
+        nbytes = weight_stream.RAW_PROBE_BYTES[self.group.device.type]
+        received = [a.receive_raw.remote(nbytes, weight_stream.RAW_PROBE_REPEATS) for a in self.actors]
+        gbps = weight_stream.send_raw(self.group, nbytes)
+        ray.get(received)
+        return gbps
 
     # -- requests: every replica's prompts through rank 0 ---------------------------------------------------------------
     def _gather_requests(self, prompts: list[list[int]], n: int) -> dict[int, tuple[list[list[int]], int]] | None:
@@ -205,44 +333,132 @@ class RayRolloutBackend:
         dist.all_gather_object(requests, (self.dp_rank, prompts, n))
         return {dp: (p, k) for dp, p, k in requests} if self.rank == 0 else None
 
-    def _submit_all(self, requests: dict[int, tuple[list[list[int]], int]], sampling: Any) -> dict[int, list[tuple[list[int], Any]]]:
-        """Rank 0: each replica's prompts spread over the engines round-robin: (prompt indices, the engine's future)."""
-        plan: dict[int, list[tuple[list[int], Any]]] = {}
+    def _submit_all(self, requests: dict[int, tuple[list[list[int]], int]], sampling: Any) -> Plan:
+        """Rank 0: each replica's prompts spread over the engines round-robin."""
+        plan: Plan = {}
         for dp, (prompts, n) in sorted(requests.items()):
-            parts = []
-            for e, actor in enumerate(self.actors):
+            plan[dp] = []
+            for e in range(len(self.actors)):
                 mine = list(range(e, len(prompts), len(self.actors)))
                 if mine:
-                    parts.append((mine, actor.generate_tagged.remote([prompts[i] for i in mine], _vllm_sampling(sampling, n)).future()))
-            plan[dp] = parts
+                    part = _Part(e, mine, [prompts[i] for i in mine], _vllm_sampling(sampling, n), Future())
+                    self._issue(part)
+                    plan[dp].append(part)
         return plan
 
-    @staticmethod
-    def _assemble(plan: dict[int, list[tuple[list[int], Any]]]) -> dict[int, tuple[int, float, list[Any]]]:
-        """Rank 0: each replica's results in its prompts' order, the oldest version among its engines, their longest time."""
+    def _issue(self, part: _Part) -> None:
+        part.future = self.actors[part.engine].generate_tagged.remote(part.prompts, part.sampling).future()
+
+    def _await(self, plan: Plan, timeout_s: float = 3600.0) -> dict[int, tuple[int, float, list[Any]]]:
+        """Rank 0: each replica's results in its prompts' order, the oldest version among its engines, their longest
+        time. Raises ``_EnginesLost`` for engines that died, or for all of them when a push failed (their queued
+        generations would wait behind an update that never comes)."""
+        everyone = set(range(len(self.actors)))
+        if self.push_failed is not None:
+            raise _EnginesLost(everyone, self.push_failed)
+        parts = [p for ps in plan.values() for p in ps]
+        pushing = self.pusher.pushing
+        pending = {p.future for p in parts} | ({pushing} if pushing is not None else set())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            failed = [p for p in parts if p.future.done() and p.future.exception() is not None]
+            dead = {p.engine for p in failed if _engine_died(p.future.exception())}
+            if dead:
+                raise _EnginesLost(dead, f"engine(s) {sorted(dead)} died ({_first_line(failed[0].future.exception())})")
+            if failed:  # an engine that raised, and lives: training stops with its error
+                raise WeightSyncError(f"Ray engine {failed[0].engine} failed: {failed[0].future.exception()}")
+            if pushing is not None and pushing.done() and pushing.exception() is not None:
+                self._previous_push()
+                raise _EnginesLost(everyone, str(self.push_failed))
+            if all(p.future.done() for p in parts):
+                break
+            pending = {f for f in pending if not f.done()}
+            done, _ = futures.wait(pending, timeout=max(deadline - time.monotonic(), 0.0),
+                                   return_when=futures.FIRST_COMPLETED)
+            if not done:
+                raise WeightSyncError(f"the Ray engines did not answer in {timeout_s:.0f} s")
         out = {}
-        for dp, parts in plan.items():
+        for dp, mine in plan.items():
             by_index: dict[int, Any] = {}
             versions, seconds = [], []
-            for mine, future in parts:
-                version, took, results = _wait(future)
+            for part in mine:
+                version, took, results = part.future.result()
                 versions.append(version)
                 seconds.append(took)
-                by_index.update(zip(mine, results))
+                by_index.update(zip(part.indices, results))
             out[dp] = (min(versions, default=0), max(seconds, default=0.0), [by_index[i] for i in range(len(by_index))])
         return out
 
-    def _scatter(self, assembled: dict[int, tuple[int, float, list[Any]]] | None) -> tuple[int, float, list[Any]]:
-        box = [assembled]
-        dist.broadcast_object_list(box, src=0)
-        assert box[0] is not None
-        return box[0][self.dp_rank]
+    def _results(self, plan: Plan | None, later: list[Plan | None]) -> tuple[int, float, list[Any]]:
+        """Collective: this replica's (version, engine seconds, results) of ``plan``, restarting lost engines (and
+        issuing their parts of ``plan`` and of the ``later`` plans in flight again) until every prompt is answered."""
+        while True:
+            outcome: Any = None
+            if self.rank == 0:
+                assert plan is not None
+                try:
+                    outcome = ("done", self._await(plan))
+                except _EnginesLost as lost:
+                    outcome = ("lost", (lost.engines, lost.cause))
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0)
+            kind, value = box[0]
+            if kind == "done":
+                return value[self.dp_rank]
+            engines, cause = value
+            self._recover(engines, cause, [plan, *later])
+
+    def _recover(self, engines: set[int], cause: str, plans: list[Plan | None]) -> None:
+        """Collective: rank 0 restarts ``engines``; every rank exports the policy the engines had, which rank 0 pushes
+        to all of them; rank 0 issues the restarted engines' parts of ``plans`` again, oldest first."""
+        if self.rank == 0:
+            engines = self._restart(engines, cause)
+        if self.weights is not None:
+            self.push_weights(self.weights, self.version)
+            self._raise_if_push_failed()
+        if self.rank == 0:
+            self._reissue(plans, engines)
+
+    def _restart(self, engines: set[int], cause: str) -> set[int]:
+        """Rank 0: kill and start again ``engines`` (every engine if a push failed), in their placement groups, and
+        form a new weight-sync group. Returns the engines restarted."""
+        import ray
+
+        self._previous_push()
+        if self.push_failed is not None:
+            engines, cause = set(range(len(self.actors))), self.push_failed
+            self.push_failed = None
+        self.restarts += len(engines)
+        if self.restarts > self.max_restarts:
+            raise WeightSyncError(f"{cause}. That is {self.restarts} engine restarts in this run, more than "
+                                  f"megatron.rollout_engine_restarts ({self.max_restarts}): stopping. Look at the engines' "
+                                  "logs (Ray's session folder, /tmp/ray/session_latest/logs), or allow more restarts.")
+        logger.warning(f"Rollout fleet: {cause}. Restarting engine(s) {sorted(engines)} "
+                       f"({self.restarts} restart(s) of {self.max_restarts} allowed).")
+        for i in engines:
+            ray.kill(self.actors[i], no_restart=True)
+            self.starts[i] += 1
+            self.actors[i] = start_engine(self.spec, self.placement_groups[i], i, self.starts[i], self.gpus_per_engine)
+        try:
+            self._wait_started(engines)
+        except Exception as e:  # noqa: BLE001 - the replacement's own failure is the cause to report
+            raise WeightSyncError(f"a restarted Ray engine failed to start: {e}") from e
+        self._open_weight_group()
+        return engines
+
+    def _reissue(self, plans: list[Plan | None], engines: set[int]) -> None:
+        """Rank 0: the restarted engines' parts of ``plans`` (oldest first) to their replacements: queued behind the
+        push, so generated by the policy the engines had, and answered once."""
+        for plan in plans:
+            for part in (p for ps in (plan or {}).values() for p in ps):
+                if part.engine in engines:
+                    self._issue(part)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, seed: int | None = None) -> list[list[Rollout]]:
         """Every rank gets its replica's rollouts, ``n`` per prompt, grouped per prompt (engines are seeded once)."""
         requests = self._gather_requests(prompts, n)
-        assembled = self._assemble(self._submit_all(requests, params)) if requests is not None else None
-        return _rollouts(prompts, self._scatter(assembled)[2])
+        plan = self._submit_all(requests, params) if requests is not None else None
+        return _rollouts(prompts, self._results(plan, later=[])[2])
 
     # -- asynchronous GRPO ---------------------------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
@@ -251,28 +467,49 @@ class RayRolloutBackend:
 
     def collect(self) -> TaggedRollouts:
         prompts, plan = self.in_flight.popleft()
-        version, seconds, results = self._scatter(self._assemble(plan) if plan is not None else None)
+        version, seconds, results = self._results(plan, later=[p for _, p in self.in_flight])
         return TaggedRollouts(_rollouts(prompts, results), version, seconds)
 
     # -- weights -------------------------------------------------------------------------------------------------------
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
         """Collective over the training ranks: the export now (rank 0 keeps a snapshot), every engine's update queued
-        behind its generations, the broadcast from a background thread once every engine has opened its session."""
+        behind its generations, the broadcast from a background thread once every engine has opened its session. If
+        the previous push failed, every engine is restarted first and the generations in flight are issued again
+        behind this push."""
+        self.weights, self.version = weights, version
         if self.rank != 0:
             start = time.perf_counter()
             n = sum(1 for _ in weights())  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
+        self._previous_push()
+        restarted = self._restart(set(), "") if self.push_failed is not None else set()
         assert self.group is not None
-        actors = self.actors
+        actors = list(self.actors)
 
         def open_sessions() -> tuple[list[Future], list[Future]]:
             return ([a.open_update.remote().future() for a in actors],
                     [a.finish_update.remote(version).future() for a in actors])
 
-        return self.pusher.push(weights, self.group, self.bucket_bytes, open_sessions, lambda f, _what: _wait(f))
+        stats = self.pusher.push(weights, self.group, self.bucket_bytes, open_sessions, lambda f, _what: _wait(f))
+        self._reissue([p for _, p in self.in_flight], restarted)
+        return stats
+
+    def _previous_push(self) -> float | None:
+        """Rank 0: wait for the push in flight; its transfer seconds (None: none, or it failed: ``push_failed``)."""
+        try:
+            return self.pusher.wait()
+        except WeightSyncError as e:
+            self.push_failed = f"a weight push failed ({e})"
+            return None
+
+    def _raise_if_push_failed(self) -> None:
+        if self.rank == 0 and self._previous_push() is None and self.push_failed is not None:
+            raise WeightSyncError(f"{self.push_failed}, right after restarting the engines: stopping")
 
     def wait_pushed(self) -> float | None:
-        return self.pusher.wait()
+        """Wait for the push in flight (rank 0). A failure is not raised here: the next generation or push restarts
+        the engines (``_await``, ``push_weights``)."""
+        return self._previous_push() if self.rank == 0 else None
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """The synchronous loop's sync: a push, waited for."""
@@ -281,6 +518,11 @@ class RayRolloutBackend:
         self.wait_pushed()
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def engine_metrics(self) -> dict[str, float]:
+        if self.rank != 0:
+            return {}
+        return {"rollout/engine_restarts": float(self.restarts), "weight_sync/raw_gbps": self.raw_gbps or 0.0}
 
     def wake(self) -> float:
         return 0.0  # the fleet's engines keep their GPUs
@@ -304,11 +546,22 @@ class RayRolloutBackend:
             ray.shutdown()
 
 
+def _node_address() -> str:
+    """This node's address as the engines reach it (Ray's view of it)."""
+    import ray
+
+    return ray.util.get_node_ip_address() or "127.0.0.1"
+
+
+def _first_line(error: BaseException | None) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _wait(future: Future, timeout_s: float = 3600.0) -> Any:
-    """A fleet call's result; an engine that died or failed stops training with its error."""
+    """A fleet call's result (the weight push's thread); an engine that died or failed fails the push with its error."""
     try:
         return future.result(timeout=timeout_s)
-    except TimeoutError:
+    except futures.TimeoutError:
         raise WeightSyncError(f"a Ray engine did not answer in {timeout_s:.0f} s") from None
     except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError: the engine's own error is in the message
         raise WeightSyncError(f"a Ray engine failed: {e}") from e

@@ -191,7 +191,7 @@ def _rollouts(prompts: list[list[int]], results: Any) -> list[list[Rollout]]:
     """An engine's (ids, logprobs, finish reason) per sample, per prompt, as Rollouts."""
     return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
                      logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
-            for prompt, samples in zip(prompts, results)]
+            for prompt, samples in zip(prompts, results, strict=True)]
 
 
 @dataclass
@@ -241,6 +241,8 @@ class VllmRolloutBackend:
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
         """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
         self.pusher = WeightPusher(self.method)
+        self.raw_gbps: float | None = None
+        """A separate engine's owner: the weight-sync link's plain broadcast bandwidth (measured once, at start)."""
         self.awake = True  # an engine starts with its weights and KV cache in place
         self.weights_current = True  # ... and with the policy's starting weights
         self.drop_weights_on_sleep = bool(params.enable_weight_sync)
@@ -276,6 +278,11 @@ class VllmRolloutBackend:
             (opened,) = self.process.submit("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
             self.pair = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend=self.method)
             self.process.wait_for(opened, "init_transfer")
+            # the link's plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
+            nbytes = weight_stream.RAW_PROBE_BYTES[self.pair.device.type]
+            (received,) = self.process.submit("receive_raw", nbytes, weight_stream.RAW_PROBE_REPEATS)
+            self.raw_gbps = weight_stream.send_raw(self.pair, nbytes)
+            self.process.wait_for(received, "receive_raw")
 
     @property
     def _colocated_host(self) -> VllmEngineHost:
@@ -444,6 +451,9 @@ class VllmRolloutBackend:
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""
         return self.pusher.wait()
+
+    def engine_metrics(self) -> dict[str, float]:
+        return {"weight_sync/raw_gbps": self.raw_gbps} if self.raw_gbps is not None and dist.get_rank() == 0 else {}
 
     def close(self) -> None:
         self.pusher.close()

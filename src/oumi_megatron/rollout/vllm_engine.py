@@ -217,6 +217,14 @@ class VllmEngineHost:
         if version is not None:
             self.version = version
 
+    def receive_raw(self, nbytes: int, repeats: int) -> None:
+        """The engine's side of the raw-bandwidth probe (weight_stream.py ``send_raw``), over its weight-sync group."""
+
+        def probe(worker: Any, nbytes: int, repeats: int) -> None:
+            weight_stream.receive_raw(worker.weight_transfer_engine.pair, nbytes, repeats)
+
+        self.llm.collective_rpc(probe, args=(nbytes, repeats))
+
     def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Colocated: the trainer's tensors, in this process. The executor runs in this process (uni /
         external_launcher), so ``pairs`` is consumed lazily: at most one exported tensor exists beside the

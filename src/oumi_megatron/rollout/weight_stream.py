@@ -204,3 +204,33 @@ def receive(group: WeightSyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
         meta = group.broadcast(torch.empty(meta_len, dtype=torch.uint8, device=group.device))
         buffer = group.broadcast(torch.empty(buf_len, dtype=torch.uint8, device=group.device))
         yield Bucket(json.loads(bytes(meta.cpu().tolist()).decode()), buffer).tensors()
+
+
+RAW_PROBE_BYTES = {"cuda": 256 * 2**20, "cpu": 32 * 2**20}
+"""The buffer a raw-bandwidth probe broadcasts: large enough for a link's peak (NCCL), small on CPU (gloo, CI)."""
+RAW_PROBE_REPEATS = 3
+
+
+def send_raw(group: WeightSyncGroup, nbytes: int, repeats: int = RAW_PROBE_REPEATS) -> float:
+    """Trainer side of the raw-bandwidth probe: one warm-up broadcast of ``nbytes``, then ``repeats`` timed ones, over
+    the same group and GPUs the weights take. The receivers call ``receive_raw`` meanwhile. Returns GB/s: what the
+    weight sync's ``weight_sync/fraction_of_raw`` compares against."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    group.broadcast(buffer)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        group.broadcast(buffer)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    return nbytes * repeats / max(time.perf_counter() - start, 1e-9) / 1e9
+
+
+def receive_raw(group: WeightSyncGroup, nbytes: int, repeats: int = RAW_PROBE_REPEATS) -> None:
+    """Engine side of ``send_raw``."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    for _ in range(repeats + 1):
+        group.broadcast(buffer)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)

@@ -44,7 +44,13 @@ from oumi_megatron.trainer.evaluation import build_evaluators, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 from oumi_megatron.trainer.reference import ReferenceWeights
 from oumi_megatron.trainer.rollout_batch import StepBatch
-from oumi_megatron.trainer.step_metrics import performance_metrics, skipped_step_metrics, step_metrics, wandb_settings
+from oumi_megatron.trainer.step_metrics import (
+    link_metrics,
+    performance_metrics,
+    skipped_step_metrics,
+    step_metrics,
+    wandb_settings,
+)
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -108,8 +114,12 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     def grpo_step(self) -> dict[str, Any]:
         """One GRPO step. Each DP rank generates, scores and trains on its own share of the completions;
         rewards are gathered so advantages see whole groups."""
-        if self.async_rollouts is not None:
-            return self._async_grpo_step()
+        metrics = self._async_grpo_step() if self.async_rollouts is not None else self._sync_grpo_step()
+        metrics.update(link_metrics(self.backend.engine_metrics(), metrics))
+        return metrics
+
+    def _sync_grpo_step(self) -> dict[str, Any]:
+        """One step of the synchronous loop: wake the engines, sync the weights, generate, sleep, train."""
         t_wake = self.backend.wake()  # colocated engines take back their GPU memory for this generation phase
         t_sync, sync = self._sync_rollout_weights()
         t0 = time.perf_counter()

@@ -3,8 +3,9 @@
 ``reward_metrics``: rewards, completion lengths, dynamic sampling, over everything generated this step;
 ``step_metrics``: those plus advantages, loss, KL, clipping, entropy, rollout/trainer logprob mismatch, token
 counts and timings (token sums reduced over DP, so rank 0 logs the whole batch); ``skipped_step_metrics``: a step
-that trained on nothing; ``performance_metrics``: ``training.include_performance_metrics``; ``wandb_settings``:
-``training.enable_wandb``. Where the metrics go is trainer/metrics.py (``MetricsLogger``).
+that trained on nothing; ``performance_metrics``: ``training.include_performance_metrics``; ``link_metrics``: the
+engines' own (weight-sync link, restarts); ``wandb_settings``: ``training.enable_wandb``. Where the metrics go is
+trainer/metrics.py (``MetricsLogger``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,16 @@ def performance_metrics(metrics: dict[str, Any], step_s: float, completions_per_
     }
     if torch.cuda.is_available():
         out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def link_metrics(engine: dict[str, float], step: dict[str, Any]) -> dict[str, float]:
+    """The engines' own metrics (rank 0) and, where the step moved weights over a link whose plain broadcast was
+    measured, the push's share of that bandwidth (``weight_sync/fraction_of_raw``)."""
+    out = dict(engine)
+    raw, gbps = engine.get("weight_sync/raw_gbps"), step.get("weight_sync/gbps")
+    if raw and gbps:
+        out["weight_sync/fraction_of_raw"] = gbps / raw
     return out
 
 
