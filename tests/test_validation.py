@@ -208,6 +208,8 @@ ASYNC = {"inference_backend": "vllm", "rollout_placement": "separate", "weight_s
          "megatron.rollout_gpus_per_engine", "not built yet. Use 1"),
         ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_engines": 0}, {},
          "megatron.rollout_engines", "positive integer"),
+        ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_engine_restarts": -1}, {},
+         "megatron.rollout_engine_restarts", "integer >= 0"),
         ({"inference_backend": "vllm", "rollout_placement": "ray", "ray_address": " "}, {}, "megatron.ray_address", "is empty"),
         ({"inference_backend": "vllm", "rollout_placement": "ray", "weight_sync_method": "checkpoint"}, {},
          "megatron.weight_sync_method", "every node of the Ray cluster"),
