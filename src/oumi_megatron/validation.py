@@ -418,9 +418,10 @@ def _check_ray_fleet(m: MegatronParams, r: ValidationReport) -> None:
     restarts = m.rollout_engine_restarts
     if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
         r.add("megatron.rollout_engine_restarts", f"must be an integer >= 0 (0: a dead engine stops the run), got {restarts!r}.")
-    if m.rollout_gpus_per_engine != 1:
-        r.add("megatron.rollout_gpus_per_engine", f"{m.rollout_gpus_per_engine!r}: engines with vLLM tensor parallelism "
-                                                  "inside the fleet are not built yet. Use 1 (and more rollout_engines).")
+    g = m.rollout_gpus_per_engine
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        r.add("megatron.rollout_gpus_per_engine", f"must be a positive integer (an engine's GPUs, its vLLM tensor "
+                                                  f"parallelism, on one node), got {g!r}.")
     if m.weight_sync_method == "checkpoint":
         r.add("megatron.weight_sync_method", "checkpoint needs a folder every node of the Ray cluster reads, which is not "
                                              "built; use nccl (GPUs) or gloo (CPU) for rollout_placement: ray.")

@@ -1,6 +1,7 @@
 """`oumi train -c configs/smollm2_arithmetic_gpu.yaml` and `oumi-megatron eval` of its hf_model, without Oumi.
 
     python tests/workers/real_model_worker.py CONFIG.yaml WORK --rows DIR [--max-steps N] [--eval-base]
+    torchrun --nproc-per-node 2 tests/workers/real_model_worker.py ...   # data-parallel over the ranks
 
 The lent GPU image has no Oumi (its dependencies do not fit a call), so what Oumi provides is replaced
 by what it produced on a machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's
@@ -13,6 +14,7 @@ WORK/result.json (rank 0): the eval curves (every eval set), the base model's an
 
 import argparse
 import json
+import os
 import sys
 import time
 import types
@@ -62,6 +64,8 @@ def main() -> None:
     p.add_argument("--eval-base", action="store_true", help="also evaluate the base model with `eval`'s path")
     p.add_argument("--no-eval", action="store_true", help="throughput runs (scripts/bench_grpo.py): no held-out "
                    "evaluation during training, no exported model")
+    p.add_argument("--no-export-eval", action="store_true", help="the held-out evaluations during training only, not "
+                   "the exported model's again (scripts/bench_async.py)")
     p.add_argument("--inference-backend", default=None, help="megatron.inference_backend instead of the config's")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=None, help="megatron.vllm_kv_cache_gib instead of the "
                    "config's (a colocated engine maps and unmaps this much at each wake and sleep)")
@@ -111,14 +115,16 @@ def main() -> None:
     model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
     config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
     completions = params.global_batch_size * grpo.num_mini_batches
-    layout = ParallelLayout(world_size=1, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
-                            expert_parallel=1, data_parallel=1, virtual_pipeline=None, sequence_parallel=False,
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: every rank a data-parallel replica
+    layout = ParallelLayout(world_size=world, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
+                            expert_parallel=1, data_parallel=world, virtual_pipeline=None, sequence_parallel=False,
                             micro_batch_size=params.micro_batch_size, global_batch_size=params.global_batch_size,
                             pipeline_schedule="none", num_generations=grpo.num_generations,
                             num_mini_batches=grpo.num_mini_batches)
     assert layout.completions_per_rollout == completions
     tokenizer = AutoTokenizer.from_pretrained(hf)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    # torchrun's rank i on GPU i, as the engine builder places it
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
 
     def held_out(model_dir: Path) -> dict:
         """`oumi-megatron eval`'s path: the HF folder's weights in memory, greedy, the same evaluator."""
@@ -154,7 +160,13 @@ def main() -> None:
                                                    "perf/step_s", "perf/train_tokens_per_s", "perf/peak_gpu_memory_gib",
                                                    "batch/real_tokens", "rollout/tokens_per_s", "rollout/decode_ms_per_step",
                                                    "mismatch/mean_abs_diff", "mismatch/max_abs_diff",
-                                                   "mismatch/token_mult_prob_error", "weight_sync/export_s")}
+                                                   "mismatch/token_mult_prob_error", "weight_sync/export_s",
+                                                   # asynchronous GRPO (scripts/bench_async.py)
+                                                   "rollout/staleness_max", "rollout/policy_version",
+                                                   "async/trainer_idle_fraction", "async/engine_idle_fraction",
+                                                   "time/rollout_wait_s", "time/push_s", "weight_sync/transfer_s",
+                                                   "weight_sync/gbps", "weight_sync/raw_gbps",
+                                                   "weight_sync/fraction_of_raw", "tis/mean_weight")}
                            for m in metrics if "reward/mean" in m]
         # which generation path ran (e.g. whether the embedded decoder's CUDA graphs were captured)
         last = getattr(trainer.backend, "last_stats", None)
@@ -162,7 +174,7 @@ def main() -> None:
         # vLLM, once imported (Megatron-Bridge's ModelOpt plugin imports it where it is installed), turns cuDNN SDPA off
         # process-wide; the engine's attention names its kernels per call (engine/kernels/attention.sdpa)
         result["vllm_imported"], result["cudnn_sdp_enabled"] = "vllm" in sys.modules, torch.backends.cuda.cudnn_sdp_enabled()
-    if args.no_eval:
+    if args.no_eval or args.no_export_eval:
         if dist.get_rank() == 0:
             (work / "result.json").write_text(json.dumps(result, indent=1))
         return

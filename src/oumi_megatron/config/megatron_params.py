@@ -249,7 +249,8 @@ class MegatronParams(BaseParams):
     """``rollout_placement: ray``: how many vLLM engines; the prompts of a step are spread over them."""
 
     rollout_gpus_per_engine: int = 1
-    """``rollout_placement: ray``: GPUs per engine (one placement group each, packed on one node)."""
+    """``rollout_placement: ray``: GPUs per engine (one placement group each, packed on one node); above 1 the engine's
+    vLLM runs tensor-parallel over them."""
 
     rollout_engine_restarts: int = 3
     """``rollout_placement: ray``: how many engine restarts a run allows. An engine actor that dies (its process

