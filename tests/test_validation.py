@@ -410,6 +410,8 @@ SHIPPED = [
     ("tiny_cpu_grpo.yaml", 2, None, None),
     ("one_gpu_grpo.yaml", 1, None, "qwen2.5-1.5b-instruct"),
     ("train_70b_grpo.yaml", 16, 8, "llama-3.1-70b-instruct"),
+    ("llama8b_grpo_8gpu.yaml", 8, 8, "llama-3.1-8b-instruct"),
+    ("llama8b_grpo_8gpu_async.yaml", 4, None, "llama-3.1-8b-instruct"),
     ("train_405b_grpo.yaml", 256, 8, "llama-3.1-405b-instruct"),
 ]
 

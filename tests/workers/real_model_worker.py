@@ -107,7 +107,7 @@ def main() -> None:
     out = work / "run"
     training = SimpleNamespace(
         output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
-        enable_tensorboard=True, save_final_model=not args.no_eval, try_resume_from_last_checkpoint=True,
+        enable_tensorboard=True, save_final_model=not (args.no_eval or args.no_export_eval), try_resume_from_last_checkpoint=True,
         eval_strategy="no" if args.no_eval else t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
         include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,
