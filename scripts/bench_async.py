@@ -26,14 +26,13 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, REPO, RowFailed, _fmt, _mean, _run, rollout_kv_cache_gib  # noqa: E402
+from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, REPO, _fmt, _mean, _run, report, rollout_kv_cache_gib, run_rows  # noqa: E402
 
 PATHS = ("sync_dp2", "sync_separate", "async")
 GPUS = 2
@@ -138,24 +137,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = Path(args.results or args.out)
-    rows, failed = [], []
-    for path in args.paths.split(","):
-        if path not in PATHS:
-            raise SystemExit(f"--paths: {', '.join(PATHS)}, not {path!r}")
-        started = time.perf_counter()
-        try:  # one row failing must not lose the others' numbers
-            rows.append(run_row(args, out, path, cuda))
-            rows[-1]["row_wall_s"] = time.perf_counter() - started
-            print(f"row done: {json.dumps(rows[-1])}", flush=True)
-        except RowFailed as e:
-            failed.append(f"{path}: {e}")
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "async_result.json").write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+    rows, failed = run_rows(args.paths, PATHS, lambda path: run_row(args, out, path, cuda), results / "async_result.json")
     card = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"\n{time.strftime('%Y-%m-%d')}, {GPUS} x {card}, `python scripts/bench_async.py {' '.join(sys.argv[1:])}`\n")
-    print(table(rows, args))
-    for f in failed:
-        print(f"FAILED {f}")
+    report(f"{GPUS} x {card}, `python scripts/bench_async.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
 
 
 if __name__ == "__main__":

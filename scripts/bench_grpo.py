@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,28 +205,45 @@ def main() -> None:
     results = Path(args.results or args.out)
     if args.task == "scale":
         prepare_scale(args)
-    rows, failed = [], []
-    for path in args.paths.split(","):
-        if path not in PATHS:
-            raise SystemExit(f"--paths: {', '.join(PATHS)}, not {path!r}")
-        started = time.perf_counter()
-        try:  # one row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers
-            if path in ("embedded", "vllm", "vllm_kv", "vllm_awake"):
-                rows.append(run_ours(args, out, "megatron" if path == "embedded" else "vllm",
-                                     sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake"))
-            else:
-                rows.append(run_trl(args, out, vllm=path == "trl_vllm"))
-            rows[-1]["row_wall_s"] = time.perf_counter() - started  # the process: start-up, model load, the steps
-            print(f"row done: {json.dumps(rows[-1])}", flush=True)  # a call cut off later keeps what is done
-        except RowFailed as e:
-            failed.append(f"{path}: {e}")
-        results.mkdir(parents=True, exist_ok=True)
-        (results / f"{args.task}_result.json").write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+
+    def run_path(path: str) -> dict[str, Any]:
+        if path in ("embedded", "vllm", "vllm_kv", "vllm_awake"):
+            return run_ours(args, out, "megatron" if path == "embedded" else "vllm",
+                            sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake")
+        return run_trl(args, out, vllm=path == "trl_vllm")
+
+    rows, failed = run_rows(args.paths, PATHS, run_path, results / f"{args.task}_result.json")
     import torch
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{time.strftime('%Y-%m-%d')}, {card}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`\n")
-    print(table(rows, args))
+    report(f"{card}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
+
+
+def run_rows(paths: str, known: tuple[str, ...], run: Callable[[str], dict[str, Any]],
+             result_file: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each of the comma-separated ``paths`` (one of ``known``) through ``run``, one after another: (rows, failures).
+    One row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers, and ``result_file`` is
+    rewritten after every row, so a call cut off later keeps what is done."""
+    rows, failed = [], []
+    for path in paths.split(","):
+        if path not in known:
+            raise SystemExit(f"--paths: {', '.join(known)}, not {path!r}")
+        started = time.perf_counter()
+        try:
+            rows.append(run(path))
+            rows[-1]["row_wall_s"] = time.perf_counter() - started  # the process: start-up, model load, the steps
+            print(f"row done: {json.dumps(rows[-1])}", flush=True)
+        except RowFailed as e:
+            failed.append(f"{path}: {e}")
+        result_file.parent.mkdir(parents=True, exist_ok=True)
+        result_file.write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+    return rows, failed
+
+
+def report(heading: str, table_text: str, failed: list[str]) -> None:
+    """The date, ``heading`` (card and command), the markdown table, and the rows that failed."""
+    print(f"\n{time.strftime('%Y-%m-%d')}, {heading}\n")
+    print(table_text)
     for f in failed:
         print(f"FAILED {f}")
 
