@@ -92,8 +92,8 @@ def register_stream_engine() -> None:
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # the base class ends with torch.accelerator.synchronize(), which has no CPU meaning
             self.receive_weights(self.parse_update_info(update_info))
-            if self.pair is not None and self.pair.device.type == "cuda":
-                torch.cuda.synchronize(self.pair.device)
+            if self.pair is not None:
+                self.pair.synchronize()
 
         def receive_weights(self, update_info: StreamUpdateInfo) -> None:
             assert self.pair is not None, "init_transfer_engine opens the pair group before any update"

@@ -36,8 +36,7 @@ class WeightPusher:
         start = time.perf_counter()
         pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
         snapshot = list(pairs)
-        if group.device.type == "cuda":
-            torch.cuda.synchronize(group.device)
+        group.synchronize()
         opened, done = open_sessions()
 
         def send() -> float:

@@ -142,6 +142,11 @@ class WeightSyncGroup:
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
+    def synchronize(self) -> None:
+        """Wait for the group's GPU work (NCCL runs on its own stream); nothing to wait for with gloo."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self.broadcast_async(tensor, src).wait()
         return tensor
@@ -217,13 +222,11 @@ def send_raw(group: WeightSyncGroup, nbytes: int, repeats: int = RAW_PROBE_REPEA
     weight sync's ``weight_sync/fraction_of_raw`` compares against."""
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     group.broadcast(buffer)
-    if group.device.type == "cuda":
-        torch.cuda.synchronize(group.device)
+    group.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         group.broadcast(buffer)
-    if group.device.type == "cuda":
-        torch.cuda.synchronize(group.device)
+    group.synchronize()
     return nbytes * repeats / max(time.perf_counter() - start, 1e-9) / 1e9
 
 
@@ -232,5 +235,4 @@ def receive_raw(group: WeightSyncGroup, nbytes: int, repeats: int = RAW_PROBE_RE
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     for _ in range(repeats + 1):
         group.broadcast(buffer)
-    if group.device.type == "cuda":
-        torch.cuda.synchronize(group.device)
+    group.synchronize()
