@@ -504,7 +504,7 @@ class RayRolloutBackend:
         try:
             return self.pusher.wait()
         except WeightSyncError as e:
-            self.push_failed = f"a weight push failed ({e})"
+            self.push_failed = f"a weight push failed ({_first_line(e)})"  # one log line: Ray's text runs on
             return None
 
     def _raise_if_push_failed(self) -> None:
