@@ -17,6 +17,8 @@
 # =async asynchronous GRPO (1 trainer GPU + 1 engine GPU, max_staleness 1) against synchronous DP=2 and the same
 # placement synchronously, on the real task (scripts/bench_async.py; 2 GPUs, vLLM, GPU_CHECK_GGUF; GPU_CHECK_ASYNC_STEPS,
 # GPU_CHECK_ASYNC_PATHS),
+# =scale GRPO at scale on the Llama-3.1-8B shape, synchronous colocated and asynchronous with a Ray fleet, against
+# NeMo-RL's published throughput (scripts/bench_scale.py, vLLM; --gpus is the machine's; GPU_CHECK_SCALE_ARGS),
 # =loop the tiny GRPO loop on 1 GPU before issue 12 / fast path / fast path + CUDA graphs,
 # =train2 TP=2 and PP=2 before issue 12 and fast (2 GPUs), =8b Llama-3-8B dimensions with TP=2 (2 x H200),
 # =zb ZB-H1 against 1F1B on PP=2 (PP=4 with 4 GPUs), alternating, GPU_CHECK_REPEAT times, for each of
@@ -163,6 +165,14 @@ if [ "$NGPU" -ge 2 ] && want async; then  # asynchronous GRPO vs the best synchr
     --paths "${GPU_CHECK_ASYNC_PATHS:-sync_dp2,sync_separate,async}" --out /tmp/async --results "$RESULTS" > "$RESULTS/async.log" 2>&1
   tail -c 6000 "$RESULTS/async.log" > "$RESULTS/async.tail" && rm -f "$RESULTS/async.log"
   grep -E "^\||^FAILED|^20" "$RESULTS/async.tail" || tail -40 "$RESULTS/async.tail"
+fi
+if want scale; then  # GRPO at scale (issue 33): the Llama-3.1-8B shape, sync colocated and async Ray fleet (scripts/bench_scale.py)
+  # GPU_CHECK_SCALE_ARGS sizes it (e.g. "--gpus 1 --tp 1 --layers 16 --prompts 2 --paths sync" on one GPU); the model,
+  # built here on the GPU, and the work dirs stay in /tmp
+  python3 scripts/bench_scale.py --model /tmp/scale_llama --rows /tmp/scale_rows --out /tmp/scale --results "$RESULTS" \
+    --gpus "$NGPU" ${GPU_CHECK_SCALE_ARGS:-} > "$RESULTS/scale.log" 2>&1
+  tail -c 6000 "$RESULTS/scale.log" > "$RESULTS/scale.tail" && rm -f "$RESULTS/scale.log"
+  grep -E "^\||^FAILED|^20" "$RESULTS/scale.tail" || tail -40 "$RESULTS/scale.tail"
 fi
 if want loop; then  # the tiny GRPO loop's step time on 1 GPU: before issue 12, fast path, + CUDA graphs
   for v in ${GPU_CHECK_LOOP:-unfused fast graphs}; do

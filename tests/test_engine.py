@@ -75,9 +75,12 @@ def hf_parity(workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "llama3_1", "qwen2", "qwen3", "qwen3_moe"])
 def test_megatron_matches_hf(hf_parity: dict, arch: str) -> None:
     r = hf_parity[arch]
+    assert r["rope_inv_freq_max_rel_diff"] <= 1e-6, r
+    # Llama-3.1's "llama3" scaling divides the slowest frequencies by 8 (a relative change of 7/8), the others keep them
+    assert r["rope_scaling_max_rel_effect"] == pytest.approx(0.875 if arch == "llama3_1" else 0.0, abs=1e-6), r
     assert r["logits_max_abs_diff"] <= HF_TOL
     assert r["logprobs_max_abs_diff"] <= HF_TOL
     assert r["last_token_logits_max_abs_diff"] <= HF_TOL  # left-padded, masked: the rollout path

@@ -2,8 +2,8 @@
 
     python tests/workers/parity_worker.py WORKDIR OUT_JSON [float32|bfloat16]
 
-For llama (untied), qwen2 (QKV bias, tied embeddings), qwen3 (QK-norm) and qwen3_moe (4 experts, top-2 routing,
-SequentialMLP experts on the local spec): build a tiny random HF
+For llama (untied), llama3_1 (Llama-3.1's RoPE scaling), qwen2 (QKV bias, tied embeddings), qwen3 (QK-norm) and
+qwen3_moe (4 experts, top-2 routing, SequentialMLP experts on the local spec): build a tiny random HF
 model, convert it with Megatron-Bridge, and record (1) max |Megatron logits - HF logits|,
 (2) max |engine logprobs - log_softmax(HF logits)[chosen tokens]|, (3) whether the HF export of the
 converted checkpoint is bit-identical to the source weights.
@@ -60,7 +60,16 @@ def main() -> None:
         reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval().to(device)
         with torch.no_grad():
             reload_logits = reloaded(ids.to(device)).logits.float().cpu()
+        # RoPE frequencies, which near-uniform attention at this initialization hides from the logits: Megatron's
+        # against HF's, and how far HF's are from the unscaled ones (so a scaling the bridge dropped would show)
+        mc_rope = next(m for n, m in engine.model[0].named_modules() if n.endswith("rotary_pos_emb"))
+        hf_rope = hf.model.rotary_emb
+        dim = hf_rope.inv_freq.numel() * 2
+        unscaled = 1.0 / hf.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        rel = lambda x, y: ((x.float().cpu() - y.float().cpu()).abs() / y.float().cpu().abs()).max().item()  # noqa: E731
         results[arch] = {
+            "rope_inv_freq_max_rel_diff": rel(mc_rope.inv_freq, hf_rope.inv_freq),
+            "rope_scaling_max_rel_effect": rel(hf_rope.inv_freq, unscaled),
             "logits_max_abs_diff": (mc_logits[..., : ref_logits.shape[-1]] - ref_logits).abs().max().item(),
             "logprobs_max_abs_diff": (lp - ref_lp).abs().max().item(),
             "last_token_logits_max_abs_diff": (last[:, : ref_last.shape[-1]] - ref_last).abs().max().item(),

@@ -81,7 +81,7 @@ def main() -> None:
     from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.examples.scale_task import char_diversity
     from oumi_megatron.grpo.rewards import RewardComputer
-    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.layout import resolve_layout
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.trainer.evaluation import build_evaluators
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
@@ -114,14 +114,12 @@ def main() -> None:
     )
     model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
     config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
-    completions = params.global_batch_size * grpo.num_mini_batches
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: every rank a data-parallel replica
-    layout = ParallelLayout(world_size=world, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
-                            expert_parallel=1, data_parallel=world, virtual_pipeline=None, sequence_parallel=False,
-                            micro_batch_size=params.micro_batch_size, global_batch_size=params.global_batch_size,
-                            pipeline_schedule="none", num_generations=grpo.num_generations,
-                            num_mini_batches=grpo.num_mini_batches)
-    assert layout.completions_per_rollout == completions
+    # the config's parallel sizes over torchrun's ranks (data parallel over the rest), resolved as `oumi train` does
+    resolution = resolve_layout(SimpleNamespace(megatron=params, grpo=grpo, training=SimpleNamespace()),
+                                int(os.environ.get("WORLD_SIZE", "1")))
+    if resolution.layout is None or resolution.problems:
+        raise SystemExit("the config's layout: " + "; ".join(f"{p.field}: {p.message}" for p in resolution.problems))
+    layout = resolution.layout
     tokenizer = AutoTokenizer.from_pretrained(hf)
     # torchrun's rank i on GPU i, as the engine builder places it
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
@@ -150,6 +148,17 @@ def main() -> None:
                                       reward_functions=reward, eval_dataset=eval_sets or None)
     trainer.train()
     result["train_seconds"] = time.perf_counter() - t0
+    # the allocator's peak on every rank, and what the memory plan expects of a training step (scripts/bench_scale.py)
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import estimate_memory
+
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0], device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    shape = ModelShape.from_file(hf / "config.json")
+    plan = estimate_memory(SimpleNamespace(megatron=params, grpo=grpo), shape, layout)
+    result.update(peak_gib_by_rank=[round(x.item(), 2) for x in peaks], plan_training_peak_gib=round(plan.training_peak, 2),
+                  num_layers=shape.num_layers)
     if dist.get_rank() == 0:
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.split("/")[0] in eval_sets}

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "llama3_1", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("qwen3_moe",)
 
 # ChatML, as Qwen uses; the generation prompt opens an assistant turn.
@@ -23,6 +23,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+LLAMA3_1_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""Llama-3.1's RoPE, as transformers 5 spells it (``rope_parameters``)."""
 
 
 def build_byte_tokenizer(vocab_size: int | None = None):  # noqa: ANN201 - transformers type imported lazily
@@ -58,8 +61,8 @@ def build_byte_tokenizer(vocab_size: int | None = None):  # noqa: ANN201 - trans
 
 def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32,  # noqa: ANN201
                 gqa: bool = False):
-    """A tiny config of the given architecture style (llama, qwen2: QKV bias + tied embeddings, qwen3: QK-norm,
-    qwen3_moe: Qwen3 with mixture-of-experts MLPs).
+    """A tiny config of the given architecture style (llama, llama3_1: Llama-3.1's RoPE (theta 500,000, "llama3"
+    frequency scaling), qwen2: QKV bias + tied embeddings, qwen3: QK-norm, qwen3_moe: Qwen3 with mixture-of-experts MLPs).
     Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32); with ``gqa``
     four query heads sharing two key/value heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
@@ -80,6 +83,10 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     if arch == "llama":
+        return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, **common)
+    if arch == "llama3_1":
+        # the scaling slows the frequencies whose wavelength passes 2048 positions (parity_worker compares them)
+        common.update(rope_parameters=LLAMA3_1_ROPE, max_position_embeddings=131072)  # transformers wants > 8192
         return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, **common)
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
