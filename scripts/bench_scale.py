@@ -142,14 +142,17 @@ def main() -> None:
     args.cuda = torch.cuda.is_available()
     if args.cuda and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()}")
-    from oumi_megatron.examples.scale_task import build_scale_model, write_scale_rows
+    from oumi_megatron.examples.scale_task import write_scale_rows
 
-    if not (Path(args.model) / "config.json").is_file():  # a folder already there is used as it is (smoke tests: small)
-        build_scale_model(args.model, shape="llama-3.1-8b", **({"num_hidden_layers": args.layers} if args.layers else {}))
-    if not (Path(args.rows) / "train.rows.jsonl").is_file():
-        write_scale_rows(args.rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not (Path(args.model) / "config.json").is_file():  # a folder already there is used as it is (smoke tests: small)
+        # in a process of its own: this one must hold no GPU memory while the rows run
+        layers = f", num_hidden_layers={args.layers}" if args.layers else ""
+        _run([sys.executable, "-c", "from oumi_megatron.examples.scale_task import build_scale_model; "
+              f"build_scale_model({args.model!r}, shape='llama-3.1-8b'{layers})"], out / "scale_model.log")
+    if not (Path(args.rows) / "train.rows.jsonl").is_file():
+        write_scale_rows(args.rows)
     results = Path(args.results or args.out)
     rows, failed = run_rows(args.paths, PATHS, lambda path: run_row(args, out, path), results / "scale_result.json")
     card = torch.cuda.get_device_name() if args.cuda else "cpu"

@@ -28,7 +28,7 @@ def _check(proc) -> None:  # noqa: ANN001
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3_1", "qwen2", "qwen3"])
 def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: str) -> None:
     work = tmp_path_factory.mktemp(f"gpu_{arch}")
     out = work / "parity.json"
@@ -38,6 +38,7 @@ def test_bf16_matches_hf_on_gpu(tmp_path_factory: pytest.TempPathFactory, arch: 
     assert r["logprobs_max_abs_diff"] <= BF16_TOL, r
     assert r["last_token_logits_max_abs_diff"] <= BF16_TOL, r
     assert r["reloaded_logits_max_abs_diff"] <= BF16_TOL, r
+    assert r["rope_inv_freq_max_rel_diff"] <= 1e-6, r
 
 
 def test_sdpa_attention_matches_local_attention_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
