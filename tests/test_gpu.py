@@ -297,6 +297,20 @@ def test_dynamic_sampling_on_two_gpus(tmp_path_factory: pytest.TempPathFactory) 
     run_dynamic_sampling_worker(build_tiny_model(work / "hf", arch="qwen2"), work)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (see scripts/gpu_vllm_install.sh)")
+def test_a_gpu_engine_takes_split_buckets_with_a_bare_load(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Streamed pushes into an unquantized GPU engine skip vLLM's layerwise reload (rollout/vllm_engine.py
+    ``StreamWeightTransferEngine.layerwise``), and buckets split fused parameters anywhere: an engine started from
+    model A that takes model B's tensors one per load computes B (bf16 against fp32 HF: BF16_TOL), and did not before."""
+    work = tmp_path_factory.mktemp("gpu_bare_load")
+    out = work / "bare_load.json"
+    _check(run_cli([PY, str(WORKERS / "bare_load_worker.py"), str(work), str(out)]))
+    r = json.loads(out.read_text())
+    assert r["layerwise"] is False and r["tensors"] >= 30, r
+    assert r["after_max_abs_diff"] <= BF16_TOL, r
+    assert r["before_max_abs_diff"] >= 10 * BF16_TOL, r
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM not installed (the lent GPU image has none; scripts/gpu_check.sh installs it from "
                            "wheels carried in .vllm/, see docs/benchmarks.md)")
