@@ -79,7 +79,8 @@ def run_row(args: argparse.Namespace, out: Path, path: str) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
     cfg = row_config(out, args, path)
     worker = [str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
-              "--model", args.model, "--no-eval", "--converted", str(out / f"scale_converted_tp{args.tp or 'cfg'}")]
+              "--model", args.model, "--no-eval", "--no-final-checkpoint",
+              "--converted", str(out / f"scale_converted_tp{args.tp or 'cfg'}")]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), *worker], out / f"scale_{path}.log")
     result = json.loads((work / "result.json").read_text())
     train = result["train"]

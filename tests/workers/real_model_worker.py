@@ -66,6 +66,9 @@ def main() -> None:
                    "evaluation during training, no exported model")
     p.add_argument("--no-export-eval", action="store_true", help="the held-out evaluations during training only, not "
                    "the exported model's again (scripts/bench_async.py)")
+    p.add_argument("--no-final-checkpoint", action="store_true", help="throughput runs at scale (scripts/bench_scale.py): "
+                   "no resumable state at the end (a Llama-8B-shaped run's is ~110 GB of weights and Adam moments, and "
+                   "its writing is not what is measured)")
     p.add_argument("--inference-backend", default=None, help="megatron.inference_backend instead of the config's")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=None, help="megatron.vllm_kv_cache_gib instead of the "
                    "config's (a colocated engine maps and unmaps this much at each wake and sleep)")
@@ -146,6 +149,8 @@ def main() -> None:
     bridge, engine = build_engine(checkpoint, params, settings, dtype)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, train_rows,
                                       reward_functions=reward, eval_dataset=eval_sets or None)
+    if args.no_final_checkpoint:
+        trainer.save_state = lambda: None  # type: ignore[method-assign]
     trainer.train()
     result["train_seconds"] = time.perf_counter() - t0
     # the allocator's peak on every rank, and what the memory plan expects of a training step (scripts/bench_scale.py)
