@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# vLLM on the lent GPU machine, whose image has none: a trimmed wheel set (117 MiB, see
-# docs/benchmarks.md "vLLM on the GPU machine") travels as a tar split into parts over several device
-# calls (each carries one `.vchunkN/` folder; files left on the warm machine stay between calls).
-# Each call copies its part to /tmp/vchunks; once the parts add up to the tar whose sha256 came with
-# part 0, the wheels are installed into /tmp/site (the same place scripts/gpu_check.sh uses).
-# Prints "vllm: ready", "vllm: N part(s) so far" or "vllm: not carried". Never fails the caller.
+# vLLM (and Ray, where carried) on the lent GPU machine, whose image has neither: each travels as a tar of wheels
+# split into parts over several device calls (each call carries one `.vchunkN/` or `.rchunkN/` folder; files left on
+# the warm machine stay between calls). vLLM: a trimmed set of 117 MiB in three parts (scripts/pack_vllm_for_gpu.sh,
+# docs/benchmarks.md "vLLM on the GPU machine"); Ray: 2.60.0 and jsonschema's wheels in two parts
+# (scripts/pack_ray_for_gpu.sh; the Ray fleet, `rollout_placement: ray`). Each call copies its parts to /tmp/vchunks
+# or /tmp/rchunks; once the parts add up to the tar whose sha256 came with part 0, the wheels are installed into
+# /tmp/site (the same place scripts/gpu_check.sh uses).
+# Prints per package "ready", "N part(s) so far" or "not carried" (Ray: nothing when none of it was ever carried).
+# Never fails the caller.
 set -u
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/vchunks
-for d in .vchunk*/; do
-  [ -d "$d" ] && cp "$d"* /tmp/vchunks/ 2>/dev/null
-done
-if python3 -c "import vllm" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import vllm" 2>/dev/null; then
-  echo "vllm: ready"; exit 0
+
+install_parts() {  # NAME (the module) LETTER (.LETTERchunkN/ folders, /tmp/LETTERchunks)
+  local name=$1 store=/tmp/${2}chunks d
+  mkdir -p "$store"
+  for d in ."$2"chunk*/; do
+    [ -d "$d" ] && cp "$d"* "$store"/ 2>/dev/null
+  done
+  if python3 -c "import $name" 2>/dev/null || PYTHONPATH=/tmp/site python3 -c "import $name" 2>/dev/null; then
+    echo "$name: ready"; return 1
+  fi
+  if [ ! -f "$store/SHA256" ]; then
+    echo "$name: not carried"; return 1
+  fi
+  cat "$store"/part* > "/tmp/${name}_whl.tar"
+  if ! echo "$(cat "$store/SHA256")  /tmp/${name}_whl.tar" | sha256sum -c --quiet - 2>/dev/null; then
+    echo "$name: $(ls "$store"/part* | wc -l) part(s) so far"; return 1
+  fi
+  rm -rf "/tmp/${name}_whl" && mkdir -p "/tmp/${name}_whl" && tar -xf "/tmp/${name}_whl.tar" -C "/tmp/${name}_whl"
+  # typing_extensions only where the image's is older than pydantic needs (below)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls "/tmp/${name}_whl"/*/*.whl | grep -v typing_extensions) || { echo "$name: install failed"; return 1; }
+  return 0
+}
+
+if install_parts vllm v; then
+  python3 -c "from importlib.metadata import version as v; from packaging.version import Version as V; import sys; sys.exit(V(v('typing_extensions')) < V('4.16'))" \
+    || python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site /tmp/vllm_whl/*/typing_extensions-*.whl
+  PYTHONPATH=/tmp/site python3 -c "import vllm; print('vllm: ready', vllm.__version__)"
 fi
-if [ ! -f /tmp/vchunks/SHA256 ]; then
-  echo "vllm: not carried"; exit 0
+if compgen -G ".rchunk*/" >/dev/null || [ -f /tmp/rchunks/SHA256 ]; then
+  install_parts ray r && PYTHONPATH=/tmp/site python3 -c "import ray; print('ray: ready', ray.__version__)"
 fi
-cat /tmp/vchunks/part* > /tmp/vllm_whl.tar
-if ! echo "$(cat /tmp/vchunks/SHA256)  /tmp/vllm_whl.tar" | sha256sum -c --quiet - 2>/dev/null; then
-  echo "vllm: $(ls /tmp/vchunks/part* | wc -l) part(s) so far"; exit 0
-fi
-rm -rf /tmp/vwhl && mkdir -p /tmp/vwhl && tar -xf /tmp/vllm_whl.tar -C /tmp/vwhl
-# typing_extensions only where the image's is older than pydantic needs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  $(ls /tmp/vwhl/*/*.whl | grep -v typing_extensions) || { echo "vllm: install failed"; exit 0; }
-python3 -c "from importlib.metadata import version as v; from packaging.version import Version as V; import sys; sys.exit(V(v('typing_extensions')) < V('4.16'))" \
-  || python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site /tmp/vwhl/*/typing_extensions-*.whl
-PYTHONPATH=/tmp/site python3 -c "import vllm; print('vllm: ready', vllm.__version__)"
+exit 0
