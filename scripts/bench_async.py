@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, REPO, _fmt, _mean, _run, report, rollout_kv_cache_gib, run_rows  # noqa: E402
+from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, REPO, _fmt, _mean, _run, link_cell, report, rollout_kv_cache_gib, run_rows  # noqa: E402
 
 PATHS = ("sync_dp2", "sync_separate", "async")
 GPUS = 2
@@ -107,12 +107,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['tokens_per_s_per_gpu'] / base:.2f}x" if base else "-"
-        link = (f"{r['sync_gbps']:.1f} ({100 * r['fraction_of_raw']:.0f}% of {r['raw_gbps']:.1f})"
-                if r.get("sync_gbps") and r.get("fraction_of_raw") else "-")
         push = f"{1e3 * r['push_s']:.0f}" if r.get("push_s") is not None else "-"
         acc = (f"{r['eval_accuracy']:.3f} / {r['eval_unseen_accuracy']:.3f}" if r.get("eval_accuracy") is not None else "-")
         lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.3f} | {_fmt(r.get('trainer_idle'))} "
-                     f"| {_fmt(r.get('rollout_wait_s'), '.3f')} | {push} | {link} | {r['staleness_max']:.0f} | {acc} "
+                     f"| {_fmt(r.get('rollout_wait_s'), '.3f')} | {push} | {link_cell(r)} | {r['staleness_max']:.0f} | {acc} "
                      f"| {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
     return "\n".join(lines)
 

@@ -168,6 +168,13 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def link_cell(r: dict[str, Any]) -> str:
+    """A row's weight push against the raw broadcast over the same group: 'GB/s (N% of raw GB/s)', or '-'."""
+    if not (r.get("sync_gbps") and r.get("fraction_of_raw")):
+        return "-"
+    return f"{r['sync_gbps']:.1f} ({100 * r['fraction_of_raw']:.2g}% of {r['raw_gbps']:.0f})"
+
+
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """The markdown table of docs/benchmarks.md, with each row's ratio to TRL's best mode (tokens/s/GPU)."""
     trl = [r["tokens_per_s_per_gpu"] for r in rows if r["name"].startswith("TRL")]

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import REPO, RowFailed, _fmt, _mean, _run, report, run_rows  # noqa: E402
+from bench_grpo import REPO, RowFailed, _fmt, _mean, _run, link_cell, report, run_rows  # noqa: E402
 
 PATHS = ("sync", "async")
 CONFIGS = {"sync": REPO / "configs" / "llama8b_grpo_8gpu.yaml", "async": REPO / "configs" / "llama8b_grpo_8gpu_async.yaml"}
@@ -113,13 +113,11 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for r in rows:
         ms = "/".join(f"{1e3 * r[k]:.0f}" if r.get(k) is not None else "-" for k in ("sync_s", "wake_s", "sleep_s"))
         peaks = ", ".join(f"{x:.1f}" for x in r["peak_gib_by_rank"] or [])
-        link = (f"{r['sync_gbps']:.1f} ({100 * r['fraction_of_raw']:.0f}% of {r['raw_gbps']:.1f})"
-                if r.get("sync_gbps") and r.get("fraction_of_raw") else "-")
         lines.append(f"| {r['name']} | {r['gpus']} ({r['trainer_gpus']}) | {r['layers']} | {r['tp']} | {r['tokens_per_s_per_gpu']:,.0f} "
                      f"| {r['tokens_per_s_per_gpu'] / r['nemo_rl']:.2f}x of {r['nemo_rl']:,.0f} | {r['step_s']:.1f} "
                      f"| {_fmt(r.get('rollout_s'), '.1f')} / {_fmt(r.get('logprob_s'), '.1f')} / {_fmt(r.get('train_s'), '.1f')} "
                      f"| {ms} | {_fmt(r.get('completion_length'), '.0f')} | {peaks} ({_fmt(r.get('plan_training_peak_gib'), '.1f')}) "
-                     f"| {_fmt(r.get('trainer_idle'))} | {link} |")
+                     f"| {_fmt(r.get('trainer_idle'))} | {link_cell(r)} |")
     return "\n".join(lines)
 
 
