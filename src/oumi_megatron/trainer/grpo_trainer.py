@@ -154,11 +154,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         metrics.update(self.async_rollouts.push(self.weights, self.step))
         self.weights_synced_at = self.step
         step_s = time.perf_counter() - started
-        engine_s = got.batch.generation_s
+        # the engine's busy time in a step: one generation and one weight load (the push that finished in it)
+        engine_s = got.batch.generation_s + metrics.get("weight_sync/transfer_s", 0.0)
         metrics.update(got.metrics)
         metrics.update({"time/push_s": time.perf_counter() - t_push,
                         "async/trainer_idle_fraction": got.wait_s / max(step_s, 1e-9),
-                        # the engine's busy share of the step's wall time (one generation per step)
                         "async/engine_idle_fraction": max(0.0, 1.0 - engine_s / max(step_s, 1e-9))})
         return metrics
 
