@@ -23,8 +23,6 @@ go over gloo: a smoke test of the script.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, REPO, _fmt, _mean, _run, link_cell, report, rollout_kv_cache_gib, run_rows  # noqa: E402
+from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, _fmt, _mean, link_cell, report, rollout_kv_cache_gib, run_rows, run_worker  # noqa: E402
 
 PATHS = ("sync_dp2", "sync_separate", "async")
 GPUS = 2
@@ -64,36 +62,22 @@ def row_config(out: Path, args: argparse.Namespace, path: str, cuda: bool) -> Pa
 
 
 def run_row(args: argparse.Namespace, out: Path, path: str, cuda: bool) -> dict[str, Any]:
-    work = out / f"async_{path}"
-    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
     cfg = row_config(out, args, path, cuda)
-    worker = [str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
-              "--model", args.model, "--no-export-eval", "--converted", str(out / "async_converted")]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(GPUS)] if path == "sync_dp2" else [sys.executable]
-    _run(launcher + worker, out / f"async_{path}.log")
-    result = json.loads((work / "result.json").read_text())
-    train = result["train"]
-    steady = train[1:] if len(train) > 1 else train
-    step_s = [t["perf/step_s"] for t in steady]
-    rewards = [t["reward/mean"] for t in train]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(GPUS)] if path == "sync_dp2" else None
+    result, steady, columns = run_worker(out / f"async_{path}", cfg, args,
+                                         ["--no-export-eval", "--converted", str(out / "async_converted")], launcher, GPUS)
     last_eval = result["eval_curve"][-1] if result.get("eval_curve") else {}
     first_eval = result["eval_curve"][0] if result.get("eval_curve") else {}
     return {
-        "name": path, "card": result["card"], "gpus": GPUS,
-        "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s) / GPUS,
-        "step_s": sum(step_s) / len(step_s),
-        "rollout_s": _mean(steady, "time/rollout_s"), "rollout_wait_s": _mean(steady, "time/rollout_wait_s"),
-        "logprob_s": _mean(steady, "time/logprob_s"), "train_s": _mean(steady, "time/train_s"),
-        "sync_s": _mean(steady, "time/sync_s"), "push_s": _mean(steady, "time/push_s"),
+        "name": path, "card": result["card"], "gpus": GPUS, **columns,
+        "rollout_wait_s": _mean(steady, "time/rollout_wait_s"), "push_s": _mean(steady, "time/push_s"),
         "trainer_idle": _mean(steady, "async/trainer_idle_fraction"),
         "engine_idle": _mean(steady, "async/engine_idle_fraction"),
-        "staleness_max": max((t.get("rollout/staleness_max") or 0.0) for t in train),
+        "staleness_max": max((t.get("rollout/staleness_max") or 0.0) for t in result["train"]),
         "sync_gbps": _mean(steady, "weight_sync/gbps"), "raw_gbps": _mean(steady, "weight_sync/raw_gbps"),
         "fraction_of_raw": _mean(steady, "weight_sync/fraction_of_raw"),
         "eval_step": last_eval.get("step"), "eval_accuracy": last_eval.get("eval/accuracy"),
         "eval_unseen_accuracy": last_eval.get("eval_unseen/accuracy"), "eval_accuracy_base": first_eval.get("eval/accuracy"),
-        "reward_first10": sum(rewards[:10]) / len(rewards[:10]), "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
-        "reward_per_step": rewards, "step_s_per_step": step_s, "steps": len(train),
         "train_seconds": result.get("train_seconds"),
     }
 

@@ -78,35 +78,48 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
     tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake")
     work = out / f"{args.task}_ours_{tag}"
-    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
     cfg = ours_config(out, args, backend, tag, kv, sleep)
-    cmd = [sys.executable, str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
-           "--model", args.model, "--no-eval", "--converted", str(out / f"{args.task}_converted")]
-    _run(cmd, out / f"{args.task}_ours_{tag}.log")
+    result, steady, columns = run_worker(work, cfg, args, ["--no-eval", "--converted", str(out / f"{args.task}_converted")])
+    train = result["train"]
+    return {
+        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake") + ")",
+        **columns,
+        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
+        "sync_export_s": _mean(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
+        # the engine's sampling logprobs against the trainer's (NeMo-RL's token_mult_prob_error; 1 = equal)
+        "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
+        "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
+        "decode_ms_per_step": _mean(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
+        "vllm_imported": result.get("vllm_imported"), "cudnn_sdp_enabled": result.get("cudnn_sdp_enabled"),
+        "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
+        "completion_length": _mean(train, "completion_length/mean"),
+        "completion_length_per_step": [t["completion_length/mean"] for t in train],
+    }
+
+
+def run_worker(work: Path, cfg: Path, args: argparse.Namespace, flags: list[str], launcher: list[str] | None = None,
+               gpus: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """One whole run of tests/workers/real_model_worker.py (the trainer ``oumi train`` runs) on ``cfg`` in ``work``,
+    its log beside it; ``launcher``: torchrun's command for several ranks (default: one process). Returns its
+    result.json, the steps that count (step 1, the warm-up, left out where there are more) and the columns every
+    whole-run row has: tokens/s/GPU (prompt + completion tokens of those steps' batches over their step time / ``gpus``,
+    NeMo-RL's definition), step time and its phases, rewards."""
+    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
+    _run([*(launcher or [sys.executable]), str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work),
+          "--rows", args.rows, "--model", args.model, *flags], work.parent / f"{work.name}.log")
     result = json.loads((work / "result.json").read_text())
     train = result["train"]
     steady = train[1:] if len(train) > 1 else train
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
     rewards = [t["reward/mean"] for t in train]
-    return {
-        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake") + ")",
-        "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s),
-        "step_s": sum(step_s) / len(step_s),
-        "rollout_s": _mean(steady, "time/rollout_s"), "logprob_s": _mean(steady, "time/logprob_s"),
-        "train_s": _mean(steady, "time/train_s"), "sync_s": _mean(steady, "time/sync_s"),
-        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
-        "sync_export_s": _mean(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
-        # the engine's sampling logprobs against the trainer's (NeMo-RL's token_mult_prob_error; 1 = equal)
-        "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
-        "step_s_per_step": step_s, "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
-        "decode_ms_per_step": _mean(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
-        "vllm_imported": result.get("vllm_imported"), "cudnn_sdp_enabled": result.get("cudnn_sdp_enabled"),
-        "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
-        "completion_length": _mean(train, "completion_length/mean"),
-        "reward_per_step": rewards, "completion_length_per_step": [t["completion_length/mean"] for t in train],
-        "reward_first10": sum(rewards[:10]) / len(rewards[:10]), "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
-        "steps": len(train),
+    columns = {
+        "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s) / gpus,
+        "step_s": sum(step_s) / len(step_s), "step_s_per_step": step_s,
+        **{name: _mean(steady, f"time/{name}") for name in ("rollout_s", "logprob_s", "train_s", "sync_s")},
+        "reward_per_step": rewards, "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
+        "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "steps": len(train),
     }
+    return result, steady, columns
 
 
 def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:

@@ -25,8 +25,6 @@ for ``async`` the trainer's idle share and the weight push against a plain NCCL 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import REPO, RowFailed, _fmt, _mean, _run, link_cell, report, run_rows  # noqa: E402
+from bench_grpo import REPO, RowFailed, _fmt, _mean, _run, link_cell, report, run_rows, run_worker  # noqa: E402
 
 PATHS = ("sync", "async")
 CONFIGS = {"sync": REPO / "configs" / "llama8b_grpo_8gpu.yaml", "async": REPO / "configs" / "llama8b_grpo_8gpu_async.yaml"}
@@ -75,32 +73,23 @@ def run_row(args: argparse.Namespace, out: Path, path: str) -> dict[str, Any]:
     gpus = trainer_gpus(path, args.gpus)
     if gpus < 1:
         raise RowFailed(f"{path} needs at least 2 GPUs (half train, half generate); --gpus is {args.gpus}")
-    work = out / f"scale_{path}"
-    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
     cfg = row_config(out, args, path)
-    worker = [str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work), "--rows", args.rows,
-              "--model", args.model, "--no-eval", "--no-final-checkpoint",
-              "--converted", str(out / f"scale_converted_tp{args.tp or 'cfg'}")]
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), *worker], out / f"scale_{path}.log")
-    result = json.loads((work / "result.json").read_text())
-    train = result["train"]
-    steady = train[1:] if len(train) > 1 else train
-    step_s = [t["perf/step_s"] for t in steady]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
+    flags = ["--no-eval", "--no-final-checkpoint", "--converted", str(out / f"scale_converted_tp{args.tp or 'cfg'}")]
+    result, steady, columns = run_worker(out / f"scale_{path}", cfg, args, flags, launcher, args.gpus)
     raw = yaml.safe_load(cfg.read_text())
     return {
         "name": path, "card": result["card"], "gpus": args.gpus, "trainer_gpus": gpus,
         "tp": raw["megatron"].get("tensor_model_parallel_size", 1), "layers": result.get("num_layers"),
-        "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s) / args.gpus,
-        "nemo_rl": NEMO_RL[path], "step_s": sum(step_s) / len(step_s),
-        "rollout_s": _mean(steady, "time/rollout_s"), "rollout_wait_s": _mean(steady, "time/rollout_wait_s"),
-        "logprob_s": _mean(steady, "time/logprob_s"), "train_s": _mean(steady, "time/train_s"),
-        "sync_s": _mean(steady, "time/sync_s"), "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
+        **columns, "nemo_rl": NEMO_RL[path],
+        "rollout_wait_s": _mean(steady, "time/rollout_wait_s"),
+        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
         "push_s": _mean(steady, "time/push_s"), "trainer_idle": _mean(steady, "async/trainer_idle_fraction"),
         "sync_gbps": _mean(steady, "weight_sync/gbps"), "raw_gbps": _mean(steady, "weight_sync/raw_gbps"),
         "fraction_of_raw": _mean(steady, "weight_sync/fraction_of_raw"),
         "completion_length": _mean(steady, "completion_length/mean"), "tokens_per_step": _mean(steady, "batch/real_tokens"),
         "peak_gib_by_rank": result.get("peak_gib_by_rank"), "plan_training_peak_gib": result.get("plan_training_peak_gib"),
-        "step_s_per_step": step_s, "steps": len(train), "train_seconds": result.get("train_seconds"),
+        "train_seconds": result.get("train_seconds"),
     }
 
 

@@ -121,7 +121,7 @@ def main() -> None:
     resolution = resolve_layout(SimpleNamespace(megatron=params, grpo=grpo, training=SimpleNamespace()),
                                 int(os.environ.get("WORLD_SIZE", "1")))
     if resolution.layout is None or resolution.problems:
-        raise SystemExit("the config's layout: " + "; ".join(f"{p.field}: {p.message}" for p in resolution.problems))
+        raise SystemExit("the config's layout: " + "; ".join(map(str, resolution.problems)))
     layout = resolution.layout
     tokenizer = AutoTokenizer.from_pretrained(hf)
     # torchrun's rank i on GPU i, as the engine builder places it
