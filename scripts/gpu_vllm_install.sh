@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/.."
 
-install_parts() {  # NAME (the module) LETTER (.LETTERchunkN/ folders, /tmp/LETTERchunks)
+install_parts() {  # NAME (the module) LETTER (.LETTERchunkN/ folders, /tmp/LETTERchunks); status 0 only when it installed now
   local name=$1 store=/tmp/${2}chunks d
   mkdir -p "$store"
   for d in ."$2"chunk*/; do
