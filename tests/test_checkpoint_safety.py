@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from oumi_megatron.engine.state.checkpointing import (
-    CheckpointError,
-    _read_rank_state,
-    newest_valid_checkpoint,
-    verify_checkpoint,
-    write_manifest,
-)
+from oumi_megatron.engine.state.checkpoint_manifest import write_manifest, write_rank_manifest
+from oumi_megatron.engine.state.checkpointing import CheckpointError, _read_rank_state, newest_valid_checkpoint, verify_checkpoint
 
 
 def _fake_checkpoint(root: Path, step: int) -> Path:
@@ -28,7 +23,8 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     (path / "model" / "__0_0.distcp").write_bytes(os.urandom(64 * 1024))
     (path / "model" / ".metadata").write_bytes(b"meta" * 10)
     (path / "rank_00000.json").write_text(json.dumps({"engine_step": step}))
-    write_manifest(path)
+    write_rank_manifest(path, 0)
+    write_manifest(path, world_size=1)
     (path / "trainer_state.json").write_text(json.dumps({"step": step, "data_position": 4 * step}))
     return path
 
@@ -125,3 +121,50 @@ def test_weights_changed_in_place_are_reconverted(tmp_path: Path, tiny_model_dir
     weights.write_bytes(bytes(data))
     ok, why = checkpoint_matches_source(converted, src)
     assert not ok and "weight_files" in why
+
+
+def _fake_world_checkpoint(root: Path, world: int) -> Path:
+    """A checkpoint as `world` ranks write it: each rank its rank state, one model and one optimizer file (the same
+    sizes on every rank) and its manifest; rank 0 the shared files and the shared manifest. Like torch's, the
+    distributed checkpoint's global ``.metadata`` grows with the ranks (their shards' offsets)."""
+    path = root / f"step_world{world}"
+    for sub in ("model", "optimizer"):
+        (path / sub).mkdir(parents=True)
+        (path / sub / ".metadata").write_bytes(b"m" * (4096 + 64 * world))
+        (path / sub / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (path / "hf").mkdir()
+    (path / "hf" / "config.json").write_text("{}")
+    for rank in range(world):
+        (path / "model" / f"__{rank}_0.distcp").write_bytes(bytes([rank % 251]) * 20_000)
+        (path / "optimizer" / f"__{rank}_0.distcp").write_bytes(bytes([rank % 251]) * 60_000)
+        (path / f"rank_{rank:05d}.json").write_text(json.dumps({"engine_step": 3, "rank": rank}))
+        write_rank_manifest(path, rank)
+    write_manifest(path, world_size=world)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 3, "data_position": 12}))
+    return path
+
+
+def test_each_rank_verifies_only_its_own_files(tmp_path: Path) -> None:
+    """The resume check reads O(a rank's own files) per rank: at 64 ranks each rank reads what it read at 4 (within
+    10%; rank 0 also the shared metadata, which grows with the ranks); every file is checked by exactly one rank; a
+    damaged shard of one rank is found by that rank alone."""
+    from oumi_megatron.engine.state.checkpoint_manifest import verify_share
+
+    small, large = _fake_world_checkpoint(tmp_path, 4), _fake_world_checkpoint(tmp_path, 64)
+    reads = {w: [verify_share(ckpt, r, w) for r in range(w)] for w, ckpt in ((4, small), (64, large))}
+    assert all(s.problem is None for shares in reads.values() for s in shares)
+    for rank in (1, 3):
+        assert reads[64][rank].bytes_read <= 1.1 * reads[4][rank].bytes_read, (rank, reads[64][rank], reads[4][rank])
+    assert max(s.bytes_read for s in reads[64][1:]) <= 1.1 * min(s.bytes_read for s in reads[4][1:])
+    metadata_growth = 2 * 64 * (64 - 4)  # the two .metadata files, rank 0's
+    assert reads[64][0].bytes_read - metadata_growth <= 1.1 * reads[4][0].bytes_read
+    # resumed on fewer ranks: rank r checks the saved ranks r, r + 4, ...: still every file once
+    assert all(verify_share(large, r, 4).problem is None for r in range(4))
+    shard = large / "optimizer" / "__37_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    problems = {r: verify_share(large, r, 64).problem for r in range(64)}
+    assert [r for r, p in problems.items() if p] == [37]
+    assert "__37_0.distcp has 59999 bytes, 60000 were written" in problems[37]
+    assert "__37_0.distcp" in verify_share(large, 1, 4).problem  # 37 = 1 + 9 x 4
+    (large / "manifest_rank_00012.json").unlink()
+    assert "manifest_rank_00012.json is missing (rank 12 of the 64 that saved did not finish)" in verify_share(large, 12, 64).problem

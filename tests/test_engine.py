@@ -221,7 +221,9 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, request: pytest.
     ref_dir, source = (workdir / "moe_ref", workdir / "hf_moe") if moe else (workdir / "ref", workdir / "hf_llama")
     out = workdir / f"layout_{layout}"
     resume = layout.endswith("_resume")
-    got = _engine_run(converted, out, [*LAYOUTS[layout], *(["--save-at", "2"] if resume else [])], nproc=2)
+    # pipeline layouts export in shards of 200 kB (~4 per stage): each stage's ranks write their own (hf_writer.py)
+    shards = ["--hf-max-shard-size", "200000"] if "pp2" in layout else []
+    got = _engine_run(converted, out, [*LAYOUTS[layout], *shards, *(["--save-at", "2"] if resume else [])], nproc=2)
     assert reference["core_attention"] == "DotProductAttention"  # auto on the CPU
     assert got["core_attention"] == ("SdpaCoreAttention" if "sdpa" in layout or "cp2" in layout else "DotProductAttention")
     for a, b in zip(got["loss"], reference["loss"]):
@@ -244,6 +246,10 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, request: pytest.
     assert logits.shape == ref_logits.shape == (4, 320) and (logits - ref_logits).abs().max().item() <= WEIGHT_ATOL * 10
     w, ref_w = _weights(out / "hf"), _weights(ref_dir / "hf")
     assert set(w) == set(ref_w)
+    if shards:
+        index = json.loads((out / "hf" / "model.safetensors.index.json").read_text())
+        files = sorted(p.name for p in (out / "hf").glob("*.safetensors"))
+        assert len(files) >= 4 and sorted(set(index["weight_map"].values())) == files and set(index["weight_map"]) == set(w)
     worst = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
     assert worst <= WEIGHT_ATOL, f"{layout}: exported weights differ from TP=1 by {worst}"
     # MoE: each rank held its share of the experts (1 rank: all 4); the export gathered all of them
@@ -253,6 +259,16 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, request: pytest.
                               [*LAYOUTS[layout], "--resume", str(out / "checkpoints" / "step_000002"), "--no-export"], nproc=2)
         assert resumed["loss"] == got["loss"][2:]
         assert resumed["logprobs"] == got["logprobs"]
+    if layout == "dp2_resume":  # each rank saved its own optimizer shard (dp_reshardable): DP may change, TP may not
+        fewer = _engine_run(converted, workdir / "dp2_resumed_on_dp1",
+                            ["--resume", str(out / "checkpoints" / "step_000002"), "--no-export"], nproc=1)
+        assert abs(fewer["loss"][0] - got["loss"][2]) <= LOSS_RTOL * abs(got["loss"][2])
+        refused = run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
+                           str(WORKERS / "engine_worker.py"), str(converted), str(workdir / "dp2_resumed_on_tp2"), "--tp",
+                           "2", "--steps", "3", "--resume", str(out / "checkpoints" / "step_000002"), "--no-export"])
+        text = refused.stdout + refused.stderr
+        saved_per_rank = "its optimizer state was saved per rank under megatron.tensor_model_parallel_size = 1"
+        assert refused.returncode != 0 and saved_per_rank in text, text[-3000:]
     # and training really moved the weights (a run that did nothing would also 'match')
     initial = _weights(source)
     assert max((ref_w[k] - initial[k]).abs().max().item() for k in initial) > 1e-4

@@ -19,8 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from oumi_megatron.state_plan import StatePlan
 
 # soft_wrap: messages name fields and fixes; never break them mid-line.
 console = Console(stderr=False, highlight=False, soft_wrap=True)
@@ -95,6 +99,25 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if report.ok else 1
 
 
+def _print_state(state: StatePlan) -> None:
+    """Host memory per node and disk (oumi_megatron/state_plan.py)."""
+    from rich.table import Table
+
+    table = Table(title=f"host memory (GiB) on a node of {state.ranks_per_node} ranks, and disk on output_dir")
+    table.add_column("what")
+    table.add_column("GiB", justify="right")
+    table.add_row("resident per rank (process, offloaded optimizer, async checkpoint staging)", f"{state.resident_per_rank:.1f}")
+    for path, gib in state.transient_per_rank.items():
+        table.add_row(f"  + {path} per rank, at its peak", f"{gib:.1f}")
+    table.add_row("[bold]host per node[/bold] (every rank resident + its largest path)", f"[bold]{state.host_per_node:.1f}[/bold]")
+    table.add_row("disk: one checkpoint", f"{state.checkpoint:.1f}")
+    coexist = state.checkpoints_coexisting
+    table.add_row("disk: checkpoints at once while saving", str(coexist) if coexist else "all (keep_last_n_checkpoints: 0)")
+    table.add_row("disk: converted model, HF export", f"{state.converted:.1f}, {state.hf_export:.1f}")
+    table.add_row("[bold]disk in all[/bold]", f"[bold]{state.disk_total:.1f}[/bold]" if state.disk_total is not None else "grows")
+    console.print(table)
+
+
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
@@ -132,6 +155,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         console.print(f"[green]OK[/green]: {plan.gpu_memory_gib - plan.total:.1f} GiB of headroom")
     else:
         console.print("[red]will not fit[/red]: " + "; ".join(result.advice))
+    if result.state is not None:
+        _print_state(result.state)
     for i, s in enumerate(result.suggestions, 1):
         console.print(f"{i}. TP {s.tensor_parallel} x PP {s.pipeline_parallel} x CP {s.context_parallel} x DP "
                       f"{s.data_parallel}: {'fits' if s.plan.fits else 'does not fit'}, relative speed "

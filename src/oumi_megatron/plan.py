@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
+from oumi_megatron.state_plan import StatePlan, estimate_state
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
@@ -119,6 +120,12 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_
         extra += embedding
     return _Params(dense=(layers * dense + extra) / tp, experts=layers * experts / expert_split,
                    layers=layers * dense / tp + layers * experts / expert_split)
+
+
+def rank_params(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout) -> float:
+    """The parameters one GPU of the busiest pipeline stage holds."""
+    expert_split = layout.expert_parallel * cfg.megatron.expert_tensor_parallel_size
+    return max(_stage_params(shape, layout, stage, expert_split).total for stage in range(layout.pipeline_parallel))
 
 
 def _token_bytes(shape: ModelShape, layout: ParallelLayout) -> tuple[float, float]:
@@ -309,12 +316,16 @@ class PlanResult:
     plan: MemoryPlan | None
     advice: list[str]
     suggestions: list[Suggestion]
+    state: StatePlan | None = None
+    """Host memory per node and disk (state_plan.py)."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.report.ok, "problems": [f"{p.field}: {p.message}" for p in self.report.problems]}
         if self.plan is not None:
             out.update(self.plan.as_dict())
             out["advice"] = self.advice
+        if self.state is not None:
+            out["host_and_disk"] = self.state.as_dict()
         if self.suggestions:
             out["suggestions"] = [{"tp": s.tensor_parallel, "pp": s.pipeline_parallel, "cp": s.context_parallel,
                                    "dp": s.data_parallel, "total": round(s.plan.total, 2), "fits": s.plan.fits,
@@ -335,4 +346,6 @@ def plan_config(config: MegatronTrainingConfig, gpus: int, gpus_per_node: int | 
     plan = estimate_memory(config, report.model_shape, report.layout, gpu_memory_gib, overhead_gib)
     suggestions = (suggest_layouts(config, report.model_shape, gpus, gpus_per_node, gpu_memory_gib)
                    if suggest and gpu_memory_gib else [])
-    return PlanResult(report, plan, advice(plan, config, report.layout), suggestions)
+    state = estimate_state(config, report.model_shape, report.layout,
+                           rank_params(config, report.model_shape, report.layout), gpus_per_node)
+    return PlanResult(report, plan, advice(plan, config, report.layout), suggestions, state)

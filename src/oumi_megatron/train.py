@@ -60,9 +60,13 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
             logger.info(f"training.max_steps = {config.training.max_steps}: {config.training.num_train_epochs} "
                         f"epoch(s) of {len(dataset)} prompts at {layout.prompts_per_rollout} prompts per GRPO step.")
 
-    from oumi_megatron.trainer.run_dir import plan_start
+    from oumi_megatron.engine.parallel.distributed import init_distributed
+    from oumi_megatron.trainer.run_dir import check_shared, check_space, plan_start
 
+    init_distributed()  # the start decisions below are collective: made once, checked per rank
+    check_shared(config.training.output_dir)  # one folder on every node, before anything is written there
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
+    check_space(config, report.model_shape, start)  # the disk holds what the run will write
 
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
@@ -91,5 +95,5 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     # the rollout backend: the trainer builds megatron.inference_backend's (rollout/registry.py)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, dataset,
                                       eval_dataset=eval_dataset)
-    trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
+    trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None, verified=True)
     return trainer

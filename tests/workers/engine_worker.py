@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--save-at", type=int, action="append", default=[], help="save a checkpoint after this step")
     p.add_argument("--resume", default="", help="checkpoint to resume from before training")
     p.add_argument("--no-export", action="store_true")
+    p.add_argument("--hf-max-shard-size", default="5GB", help="megatron.hf_max_shard_size of the export")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background (GPU)")
     p.add_argument("--attention", default="auto", help="megatron.transformer_config.attention_backend")
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens")
@@ -189,7 +190,7 @@ def main() -> None:
     results["sequence_parallel_norm_weights"] = sum(bool(getattr(p, "sequence_parallel", False))
                                                     for c in engine.model for p in c.parameters())
     if not args.no_export:
-        save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf")
+        save_hf(bridge, engine.model, Path(args.ckpt) / "hf", Path(args.out) / "hf", args.hf_max_shard_size)
     if dist.get_rank() == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "result.json").write_text(json.dumps(results))

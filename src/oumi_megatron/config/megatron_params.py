@@ -148,6 +148,13 @@ class MegatronCheckpointConfig(BaseParams):
     keep_last_n_checkpoints: int = 2
     """Training checkpoints kept in output_dir/checkpoints/ (older ones are deleted; 0 keeps all)."""
 
+    optimizer_fully_reshardable: bool = False
+    """The distributed optimizer's state on disk. ``false``: each rank writes and reads only its own shard (Megatron-Core's
+    ``dp_reshardable``: no gather, host memory bounded by the rank's own state); a resume may change the data-parallel
+    size but not TP / PP / VPP / CP / EP. ``true``: gathered into data-parallel rank 0's host memory (the whole model's
+    fp32 master weights and Adam moments on one rank: 12 B per parameter) in a form any layout resumes from (Megatron-LM's
+    ``--dist-ckpt-optim-fully-reshardable``)."""
+
 
 @dataclass
 class MegatronParams(BaseParams):
@@ -220,6 +227,11 @@ class MegatronParams(BaseParams):
     """How weights reach ``separate`` vLLM engines: ``nccl`` (GPUs), ``gloo`` (CPU / debugging), or
     ``checkpoint`` (an HF safetensors folder the engines reload; also for ``colocated``). Colocated
     engines otherwise load the weights in memory."""
+
+    hf_max_shard_size: str = "5GB"
+    """The largest safetensors file of an HF export (output_dir/hf_model, ``oumi-megatron export``, ``weight_sync_method:
+    checkpoint``), as transformers' ``max_shard_size`` reads it (``5GB``, ``500MB``, or bytes). Each pipeline stage's
+    ranks write their stage's shards, each rank holding at most one shard in host memory."""
 
     weight_sync_bucket_mb: float = 256.0
     """Tensors are streamed to separate engines packed in buckets of about this many MiB (a colocated engine loads

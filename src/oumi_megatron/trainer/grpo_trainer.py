@@ -90,7 +90,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype,
                                                            work_dir=self.output_dir))
         self.backend = backend
-        self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts)  # the one export: rollout engines, hf_model
+        # the one export: rollout engines, hf_model
+        self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts, config.megatron.hf_max_shard_size)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_completion_length,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
@@ -278,8 +279,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 for epoch in range(self.grpo.ppo_epochs) for i, layout in enumerate(layouts)]
 
     # -- BaseTrainer --------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | None = None) -> None:
-        resume = self._resume(resume_from_checkpoint)
+    def train(self, resume_from_checkpoint: str | None = None, *, verified: bool = False) -> None:
+        """``verified``: ``resume_from_checkpoint``'s files were checked already (train.py's start plan)."""
+        resume = self._resume(resume_from_checkpoint, verified)
         max_steps = self.config.training.max_steps
         if self.step >= max_steps:
             self._finish_without_training(resume, max_steps)
@@ -343,17 +345,17 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics.update(metrics)
         return metrics
 
-    def _resume(self, resume_from_checkpoint: str | None) -> Path | None:
+    def _resume(self, resume_from_checkpoint: str | None, verified: bool = False) -> Path | None:
         """Load the checkpoint to continue from, if any: ``resume_from_checkpoint``, else the newest valid one under
         output_dir/checkpoints when ``training.try_resume_from_last_checkpoint``. Returns its path."""
         if resume_from_checkpoint:
             resume: Path | None = Path(resume_from_checkpoint)
         elif self.config.training.try_resume_from_last_checkpoint:
-            resume = newest_valid_checkpoint(self.output_dir / "checkpoints")
+            resume, verified = newest_valid_checkpoint(self.output_dir / "checkpoints"), True
         else:
             resume = None
         if resume is not None:
-            state = load_checkpoint(self.engine, resume)
+            state = load_checkpoint(self.engine, resume, verified=verified)
             self.step, self.collector.data_position = state["step"], state["data_position"]
             self.weights_synced_at = -1  # the rollout engines still hold the initial weights
             if global_rank() == 0:

@@ -1,6 +1,9 @@
 """Where a run starts: a fresh output_dir, a checkpoint to resume from, or a run that is already there.
 
-Decided before any heavy work (conversion, engine), the same way on every rank:
+First, ``check_shared``: every rank must see one output_dir (a run across nodes writes each checkpoint, the converted
+model and the export in parts, from the ranks that hold them). Then, decided before any heavy work (conversion,
+engine), the same way on every rank (the checkpoint checks are collective once torch.distributed runs: each rank
+verifies its own files, engine/state/checkpoint_manifest.py):
 
 * ``training.resume_from_checkpoint: PATH``: that checkpoint, which must be complete (else an error
   naming what is wrong with it).
@@ -15,12 +18,22 @@ Decided before any heavy work (conversion, engine), the same way on every rank:
 from __future__ import annotations
 
 import json
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oumi_megatron.engine.state.checkpointing import STATE_FILE, CheckpointError, newest_valid_checkpoint, verify_checkpoint
+from oumi_megatron.engine.state.checkpointing import (
+    STATE_FILE,
+    CheckpointError,
+    list_checkpoints,
+    newest_valid_checkpoint,
+    verify_checkpoint,
+)
 from oumi_megatron.errors import UserInputError
+from oumi_megatron.utils.disk import space_problem
+from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
 
 
 class OutputDirInUseError(UserInputError):
@@ -29,6 +42,42 @@ class OutputDirInUseError(UserInputError):
 
 class ResumeCheckpointError(UserInputError, CheckpointError):
     """The checkpoint named by training.resume_from_checkpoint cannot be resumed from."""
+
+
+class OutputDirSpaceError(UserInputError):
+    """output_dir's filesystem cannot hold what the run will write (found before conversion)."""
+
+
+class OutputDirNotSharedError(UserInputError):
+    """Some rank does not see the output_dir rank 0 writes to (node-local folders in a multi-node run)."""
+
+
+def check_shared(output_dir: str | Path) -> None:
+    """Collective: every rank sees a file rank 0 writes into ``output_dir`` (then removed), or every rank stops with an
+    error naming training.output_dir and the fix. Nothing else is written before this check passes."""
+    output_dir = Path(output_dir)
+    name = from_rank0(f".oumi_megatron_shared_check_{uuid.uuid4().hex}")
+    token = output_dir / name
+    problem = None
+    if global_rank() == 0:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            token.write_text(name)
+        except OSError as e:
+            problem = f"training.output_dir: {output_dir} cannot be written ({type(e).__name__}: {e})"
+    problem = first_failure(problem)  # also: rank 0 has written the file before anyone looks
+    if problem is None:
+        seen = token.is_file() and token.read_text() == name
+        problem = first_failure(None if seen else (
+            f"training.output_dir: {output_dir} is not one folder every rank shares: rank {global_rank()} "
+            f"(host {socket.gethostname()}) does not see the file rank 0 wrote there ({name}). A run writes each "
+            "checkpoint, the converted model and the HF export once, in parts, from the ranks that hold them, so every "
+            "node must see the same folder: set training.output_dir to a path on a filesystem every node mounts at that "
+            "path (NFS, Lustre, GPFS, ...)"))
+    if global_rank() == 0:
+        token.unlink(missing_ok=True)
+    if problem is not None:
+        raise OutputDirNotSharedError(problem)
 
 
 @dataclass(frozen=True)
@@ -56,8 +105,9 @@ def _step_of(checkpoint: Path) -> int:
 
 
 def plan_start(training: Any) -> StartPoint:
-    """Read-only, the same answer on every rank (called before torch.distributed starts). ``training`` is
-    Oumi's ``training:`` section."""
+    """Read-only, the same answer on every rank (collective once torch.distributed is initialized: the checkpoint
+    checks are split over the ranks). ``training`` is Oumi's ``training:`` section. A checkpoint it returns has been
+    verified (``StartPoint.checkpoint``: load it with ``verified=True``)."""
     output_dir = Path(training.output_dir)
     if training.resume_from_checkpoint:
         checkpoint = Path(training.resume_from_checkpoint)
@@ -80,3 +130,32 @@ def plan_start(training: Any) -> StartPoint:
             "new run, choose another training.output_dir (or delete those folders first)."
         )
     return StartPoint(None, 0)
+
+
+def check_space(config: Any, shape: Any, start: StartPoint) -> None:
+    """Collective: stops every rank, before the conversion, when output_dir's filesystem cannot hold what is still to be
+    written: the converted model if it is not there, the checkpoints that will coexist beyond those on disk (at most
+    the saves left), the final HF export (state_plan.py's sizes). ``shape``: the model's ModelShape (None: unknown,
+    nothing to check)."""
+    problem = None
+    if global_rank() == 0 and shape is not None:
+        from oumi_megatron.state_plan import CHECKPOINT_BYTES_PER_PARAM, model_params
+
+        t, keep = config.training, config.megatron.checkpoint_config.keep_last_n_checkpoints
+        out = Path(t.output_dir)
+        weights = 2.0 * model_params(shape)
+        need = 0.0 if (out / "megatron_checkpoint" / "oumi_megatron.json").is_file() else weights
+        if t.save_final_model and not (out / "hf_model").exists():
+            need += weights
+        saves = -(-max(t.max_steps - start.step, 0) // t.save_steps) if t.save_steps else 0
+        saves += 1  # the final checkpoint
+        existing = len(list_checkpoints(out / "checkpoints"))
+        new = saves if keep <= 0 else min(saves, max(keep + 1 - existing, 1))
+        need += new * CHECKPOINT_BYTES_PER_PARAM * model_params(shape)
+        problem = space_problem(out, need, f"this run ({new} checkpoint(s) of ~{CHECKPOINT_BYTES_PER_PARAM:.0f} B per "
+                                f"parameter beside the {existing} on disk, the converted model and the HF export)",
+                                "free space there, lower megatron.checkpoint_config.keep_last_n_checkpoints (0 keeps all), "
+                                "or set training.output_dir to a larger filesystem")
+    problem = first_failure(problem)
+    if problem is not None:
+        raise OutputDirSpaceError(f"training.output_dir: {problem}")

@@ -1,7 +1,16 @@
 """Saving and loading model chunks as Megatron-Core distributed checkpoints.
 
 ``dist_checkpointing`` stores every tensor under a global key with its shard offsets, so a checkpoint
-saved under one TP/PP/VPP layout loads under any other.
+saved under one TP/PP/VPP layout loads under any other. Each rank writes and reads only its own shards, and the
+host memory either costs above the state it saves or fills is one tensor at a time (scripts/bench_scale_laws.py):
+
+* **save**: Megatron-Core's synchronous save runs its asynchronous writer, which clones every tensor that is a view of
+  a larger storage before writing any (under DDP every parameter is a view of one buffer: a whole copy of the
+  weights, and of fp32 master weights); ``streaming_save_strategy`` writes the same files through torch's own
+  ``FileSystemWriter``, which copies one tensor at a time;
+* **load**: Megatron-Core loads each SwiGLU ``linear_fc1`` weight in place through two views of it, then concatenates
+  the views into a copy of the weight, for every layer before any is used (+55% of the weights at Llama-70B's
+  shape); the views already hold the weight, so ``_merge_in_place`` returns the parameter itself.
 """
 
 from __future__ import annotations
@@ -26,12 +35,37 @@ def _dp_group() -> Any:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def save_strategy(fully_parallel: bool) -> Any:
-    """Megatron-Core's default save strategy; with ``fully_parallel``, DP replicas split the writing."""
+def streaming_save_strategy() -> Any:
+    """Megatron-Core's ``torch_dist`` format, written through torch's synchronous ``FileSystemWriter`` (see the module
+    docstring): the same files, the same metadata, one tensor copied at a time."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class StreamingTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                                 self.keep_only_main_replica)
+            dcp_save(mcore_to_pyt_state_dict(sharded_state_dict, False),
+                     storage_writer=FileSystemWriter(checkpoint_dir, thread_count=self.thread_count),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False, flatten_sharded_tensors=False))
+
+    return StreamingTorchDistSaveStrategy("torch_dist", 1)
+
+
+def save_strategy(fully_parallel: bool, background: bool = False) -> Any:
+    """The save strategy: streaming (above) for synchronous saves, Megatron-Core's default for background ones (it stages
+    the rank's state in host memory so training can go on); with ``fully_parallel``, DP replicas split the writing."""
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    strategy = get_default_save_sharded_strategy()
+    strategy = get_default_save_sharded_strategy() if background else streaming_save_strategy()
     return FullyParallelSaveStrategyWrapper(strategy, _dp_group()) if fully_parallel else strategy
 
 
@@ -51,12 +85,47 @@ def save_model(chunks: list[torch.nn.Module], directory: str | Path, fully_paral
     dist_checkpointing.save(model_sharded_state_dict(chunks), str(directory), sharded_strategy=save_strategy(fully_parallel))
 
 
+def _merge_in_place(sharded: Any) -> Any:
+    """``sharded`` with each factory that merges by concatenating (the SwiGLU ``linear_fc1`` weights) returning the
+    tensor it was built from when its loaded pieces tile that tensor in order (views filled in place by the load: their
+    concatenation is the tensor as it stands); other factories, and pieces that do not tile, keep Megatron-Core's
+    merge."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.transformer.utils import cat_with_oom_fallback
+
+    for factory in nested_values(sharded):
+        if not (isinstance(factory, ShardedTensorFactory) and factory.merge_fn is cat_with_oom_fallback):
+            continue
+
+        def merge(pieces: Any, _data: torch.Tensor = factory.data) -> Any:
+            return _data if _tile(pieces, _data) else cat_with_oom_fallback(pieces)
+
+        factory.merge_fn = merge
+    return sharded
+
+
+def _tile(pieces: Any, data: torch.Tensor) -> bool:
+    """Whether ``torch.cat(pieces)`` is ``data`` itself: contiguous views that cover ``data`` (contiguous) from its
+    start, in order, with its trailing shape."""
+    if not (isinstance(pieces, list) and pieces and data.is_contiguous()
+            and all(isinstance(p, torch.Tensor) and p.shape[1:] == data.shape[1:] for p in pieces)):
+        return False
+    offset = data.data_ptr()
+    for piece in pieces:
+        if not piece.is_contiguous() or piece.data_ptr() != offset:
+            return False
+        offset += piece.numel() * piece.element_size()
+    return offset == data.data_ptr() + data.numel() * data.element_size() and sum(p.shape[0] for p in pieces) == data.shape[0]
+
+
 def load_model(chunks: list[torch.nn.Module], directory: str | Path, fully_parallel: bool = False) -> None:
     """Collective: fills ``chunks`` (any layout) from a checkpoint saved under any layout."""
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(
-        model_sharded_state_dict(chunks), str(directory), sharded_strategy=load_strategy(directory, fully_parallel)
+        _merge_in_place(model_sharded_state_dict(chunks)), str(directory),
+        sharded_strategy=load_strategy(directory, fully_parallel),
     )
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(loaded["model"], strict=True)

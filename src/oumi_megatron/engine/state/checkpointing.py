@@ -7,8 +7,14 @@ Layout of ``output_dir/checkpoints/step_000012/``:
 * ``hf/``: config and tokenizer files (so a checkpoint exports on its own);
 * ``rank_XXXXX.json``: per-rank RNG states and the LR scheduler, as plain JSON (no pickle: a crafted
   checkpoint must not run code when it is loaded);
-* ``manifest.json``: every file's size (and the SHA-256 of the small ones), to detect truncation;
+* ``oumi_megatron.json``: the dtype and the layout that saved, and the optimizer state's form (read before loading);
+* ``manifest_rank_XXXXX.json`` / ``manifest.json``: each rank's files / the shared ones, with sizes (and the SHA-256
+  of the small ones), to detect truncation (checkpoint_manifest.py: written and verified per rank);
 * ``trainer_state.json``: step, data position and whatever the trainer adds; written last.
+
+Each rank writes and reads only its own shards of the model and of the optimizer state (the distributed optimizer's
+``dp_reshardable`` form: no gather; ``checkpoint_config.optimizer_fully_reshardable`` trades that for a form any layout
+resumes from), so a save costs a rank host memory for one tensor at a time above its state (checkpoint_io.py).
 
 Each checkpoint is written into ``.step_000012.partial`` and renamed when complete (see
 ``utils/atomic.py``), so ``latest_checkpoint`` never sees a partial one; only the newest
@@ -23,7 +29,6 @@ torch, so load checkpoints only from a source you trust.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -44,28 +49,54 @@ from oumi_megatron.engine.state.checkpoint_io import (
     model_sharded_state_dict,
     save_strategy,
 )
+from oumi_megatron.engine.state.checkpoint_manifest import (
+    STATE_FILE,
+    verify_checkpoint,
+    write_manifest,
+    write_rank_manifest,
+)
 from oumi_megatron.utils import atomic
-from oumi_megatron.utils.ranks import global_rank
+from oumi_megatron.utils.disk import space_problem
+from oumi_megatron.utils.ranks import first_failure, global_rank
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
-_HASH_BELOW = 16 * 2**20  # files smaller than this are hashed as well as sized
+META_FILE = "oumi_megatron.json"
 logger = logging.getLogger("oumi")
-# Megatron-Core's default distributed-optimizer sharding cannot be saved without TE/apex
-# ("ShardedTensor.flattened_range is not supported"); fully_reshardable works everywhere. It gathers each rank's
-# fp32 master weights and Adam moments onto data-parallel rank 0 in host memory. The memory-efficient form gathers over
-# gloo into DP rank 0 alone; the other sends through GPU buffers the size of a gradient bucket x DP (with DP = 1 one
-# bucket holds the whole model: 17 GiB more on the GPU for a 4.5B model, which ran out of memory on an H200 while the
-# trainer's state stayed resident) and gives every DP rank a host copy of the whole state (8 x 48 GB at Llama-8B, TP 2).
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+OPTIMIZER_FORMATS: dict[str, dict[str, Any]] = {
+    # Each rank's own buckets of fp32 master weights and Adam moments, as they are (no gather, no copy); loads under
+    # another data-parallel size, not another TP / PP / VPP / CP / EP (Megatron-Core's default for the distributed
+    # optimizer, and Megatron-LM's). Megatron-Core 0.19's default, fully_sharded_model_space, cannot be saved without
+    # TE/apex ("ShardedTensor.flattened_range is not supported").
+    "dp_reshardable": {"distrib_optim_sharding_type": "dp_reshardable"},
+    # The whole state gathered into data-parallel rank 0's host memory, in a form any layout loads. The memory-efficient
+    # form gathers over gloo into DP rank 0 alone; the other sends through GPU buffers the size of a gradient bucket x
+    # DP (with DP = 1 one bucket holds the whole model: 17 GiB more on the GPU for a 4.5B model, which ran out of memory
+    # on an H200) and gives every DP rank a host copy of the whole state.
+    "fully_reshardable": {"distrib_optim_sharding_type": "fully_reshardable",
+                          "distrib_optim_fully_reshardable_mem_efficient": True},
+    # The plain (non-distributed) optimizer: its state per parameter, sharded like the parameters (any layout).
+    "model_space": {},
+}
+_RESUMABLE_ONLY_AS_SAVED = (  # (layout key, the field that sets it) a dp_reshardable optimizer state does not reshard
+    ("tensor_model_parallel_size", "megatron.tensor_model_parallel_size"),
+    ("pipeline_model_parallel_size", "megatron.pipeline_model_parallel_size"),
+    ("virtual_pipeline_model_parallel_size", "megatron.virtual_pipeline_model_parallel_size"),
+    ("context_parallel_size", "megatron.context_parallel_size"),
+    ("expert_model_parallel_size", "megatron.expert_model_parallel_size"),
+    ("expert_tensor_parallel_size", "megatron.expert_model_parallel_size (expert TP)"),
+    ("ddp_bucket_size", "megatron.ddp_config.overlap_grad_reduce (the gradient buckets the shards are cut from)"),
+)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, incomplete or damaged); the message names it."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """Not enough free space for the next checkpoint (found before anything is written)."""
 
 
 def _fully_parallel(engine: MegatronEngine) -> bool:
@@ -163,62 +194,10 @@ def _read_rank_state(checkpoint: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}).") from e
 
 
-# --------------------------------------------------------------------------------------------------
-# Manifest: detecting truncated / missing files before any collective load starts
-# --------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(checkpoint: Path) -> None:
-    """Every file's size, and the SHA-256 of files under 16 MiB (metadata, per-rank state); the big
-    tensor files are only sized, which catches truncation without reading terabytes at every save."""
-    files = {}
-    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name not in (MANIFEST_FILE, STATE_FILE)):
-        size = path.stat().st_size
-        files[str(path.relative_to(checkpoint))] = {"size": size, **({"sha256": _sha256(path)} if size < _HASH_BELOW else {})}
-    (checkpoint / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
-
-
-def verify_checkpoint(checkpoint: str | Path) -> str | None:
-    """None if ``checkpoint`` is complete and matches its manifest, else what is wrong (naming the file).
-    Checkpoints written before manifests existed are accepted as complete."""
-    checkpoint = Path(checkpoint)
-    if not checkpoint.is_dir():
-        return f"{checkpoint} does not exist"
-    if not (checkpoint / STATE_FILE).is_file():
-        return f"{checkpoint / STATE_FILE} is missing (an incomplete checkpoint)"
-    try:
-        json.loads((checkpoint / STATE_FILE).read_text())
-    except ValueError as e:
-        return f"{checkpoint / STATE_FILE} is damaged ({e})"
-    manifest = checkpoint / MANIFEST_FILE
-    if not manifest.is_file():
-        return None
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"{manifest} is damaged ({e})"
-    for name, want in files.items():
-        path = checkpoint / name
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != want["size"]:
-            return f"{path} has {size} bytes, {want['size']} were written (truncated or changed)"
-        if "sha256" in want and _sha256(path) != want["sha256"]:
-            return f"{path} does not match the checksum written with it (damaged)"
-    return None
-
-
 def newest_valid_checkpoint(root: str | Path) -> Path | None:
-    """The newest checkpoint under ``root`` that passes ``verify_checkpoint``, warning about each damaged
-    newer one. Read-only, so every rank can call it before torch.distributed is initialized: a damaged
-    checkpoint stays where it is (never pruned in favour of older ones, see ``save_checkpoint``) and is
+    """The newest checkpoint under ``root`` that passes ``verify_checkpoint`` (collective when torch.distributed is
+    initialized: every rank checks its share of each candidate), warning about each damaged newer one. Read-only: a
+    damaged checkpoint stays where it is (never pruned in favour of older ones, see ``save_checkpoint``) and is
     replaced when training reaches its step again."""
     for _, path in reversed(list_checkpoints(root)):
         problem = verify_checkpoint(path)
@@ -252,17 +231,18 @@ def _materialize_adam_state(optimizer: Any) -> None:
 
 @contextlib.contextmanager
 def _skip_missing_step_on_load(optimizer: Any) -> Iterator[None]:
-    """torch Adam keeps ``step`` as a tensor in each parameter's state, but the fully-reshardable
-    checkpoint holds only the param/exp_avg/exp_avg_sq tensors, so Megatron-Core's
-    ``_set_main_param_and_optimizer_states`` raises KeyError('step'). ``step`` is restored from the
-    param groups instead (see ``_unshare_adam_steps``); mark it as absent for the duration of the load."""
+    """torch Adam keeps ``step`` as a tensor in each parameter's state. The fully-reshardable checkpoint holds only the
+    param/exp_avg/exp_avg_sq tensors, so Megatron-Core's ``_set_main_param_and_optimizer_states`` raises
+    KeyError('step'); the dp_reshardable one hands it the template's own ``step`` (zero before the load, copied into the
+    one step tensor every parameter shares: bias correction restarted). ``step`` is restored from the param groups
+    instead (see ``_unshare_adam_steps``); mark it as absent for the duration of the load."""
     subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     patched = []
     for sub in subs:
         original = getattr(sub, "_set_main_param_and_optimizer_states", None)
         if original is None:
             continue
-        sub._set_main_param_and_optimizer_states = lambda p, t, _o=original: _o(p, {"step": None, **t})
+        sub._set_main_param_and_optimizer_states = lambda p, t, _o=original: _o(p, {**t, "step": None})
         patched.append(sub)
     try:
         yield
@@ -311,6 +291,93 @@ class AsyncCheckpointWriter:
         self.queue.close()
 
 
+def _layout(engine: MegatronEngine) -> dict[str, Any]:
+    """The parallel layout this rank's shards were cut by (what a dp_reshardable optimizer state needs again)."""
+    from megatron.core import parallel_state as ps
+
+    ddp = getattr(engine.model[0], "ddp_config", None)
+    return {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+        "use_distributed_optimizer": bool(engine.params.ddp_config.use_distributed_optimizer),
+        "ddp_bucket_size": getattr(ddp, "bucket_size", None),
+    }
+
+
+def optimizer_format(engine: MegatronEngine) -> str:
+    """How this engine saves its optimizer state (a key of OPTIMIZER_FORMATS)."""
+    if not engine.params.ddp_config.use_distributed_optimizer:
+        return "model_space"
+    return "fully_reshardable" if engine.params.checkpoint_config.optimizer_fully_reshardable else "dp_reshardable"
+
+
+def _meta(engine: MegatronEngine) -> dict[str, Any]:
+    dtype = next(p for c in engine.model for p in c.parameters()).dtype
+    return {"dtype": str(dtype).replace("torch.", ""), "layout": _layout(engine), "optimizer_format": optimizer_format(engine)}
+
+
+def read_checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``oumi_megatron.json``; checkpoints of earlier versions have none: their optimizer state is
+    fully reshardable and their dtype unknown."""
+    path = Path(checkpoint) / META_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"optimizer_format": "fully_reshardable"}
+
+
+def resume_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
+    """Why this engine cannot take the optimizer state a checkpoint with ``saved`` meta holds, naming the setting and
+    the fix; None if it can."""
+    if "layout" not in saved:
+        return None  # an earlier version's checkpoint: fully reshardable
+    now = _layout(engine)
+    if saved["layout"]["use_distributed_optimizer"] != now["use_distributed_optimizer"]:
+        return (f"it was saved with megatron.ddp_config.use_distributed_optimizer = "
+                f"{saved['layout']['use_distributed_optimizer']} and this run has {now['use_distributed_optimizer']}: the "
+                "two keep different optimizer states. Resume with the setting that saved it")
+    if saved.get("optimizer_format") != "dp_reshardable":
+        return None  # fully reshardable, or the plain optimizer's per-parameter state: any layout
+    for key, field in _RESUMABLE_ONLY_AS_SAVED:
+        if saved["layout"].get(key) != now[key]:
+            return (f"its optimizer state was saved per rank under {field} = {saved['layout'].get(key)}, and this run has "
+                    f"{now[key]}; a per-rank optimizer state (megatron.checkpoint_config.optimizer_fully_reshardable: false) "
+                    "loads under another data-parallel size only. Resume with the layout that saved it, or save with "
+                    "optimizer_fully_reshardable: true to change the layout (it gathers the whole optimizer state into "
+                    "data-parallel rank 0's host memory), or start a new run from its weights (oumi-megatron export)")
+    return None
+
+
+def checkpoint_bytes(engine: MegatronEngine) -> float:
+    """Collective: the bytes a checkpoint of this engine takes on disk (every rank's share of the weights and of the
+    optimizer state: fp32 master weights and two moments, 12 B per parameter; DP x CP replicas write one copy)."""
+    from megatron.core import parallel_state as ps
+
+    local = sum(p.numel() * (p.element_size() + 12) for c in engine.model for p in c.parameters())
+    mine = torch.tensor([local / (ps.get_data_parallel_world_size(with_context_parallel=True))], dtype=torch.float64,
+                        device=engine.device)
+    if dist.is_initialized():
+        dist.all_reduce(mine)
+    return float(mine.item())
+
+
+def _require_space(engine: MegatronEngine, root: Path, step: int, keep_last: int) -> None:
+    """Stops before writing anything when ``root``'s filesystem cannot take one more checkpoint (decided on rank 0,
+    raised on every rank)."""
+    need = checkpoint_bytes(engine)
+    problem = None
+    if global_rank() == 0:
+        kept = f"the {keep_last} newest are kept until it is complete" if keep_last else "every checkpoint is kept"
+        problem = space_problem(root, need, f"checkpoint step {step} ({kept})",
+                                "free space there, lower megatron.checkpoint_config.keep_last_n_checkpoints, or set "
+                                "training.output_dir to a larger filesystem")
+    problem = first_failure(problem)
+    if problem is not None:
+        raise CheckpointSpaceError(problem)
+
+
 def save_checkpoint(
     engine: MegatronEngine,
     root: str | Path,
@@ -330,16 +397,18 @@ def save_checkpoint(
     final = Path(root) / step_dir_name(step)
     if async_writer is not None:
         async_writer.wait()  # one checkpoint in flight at a time
+    _require_space(engine, Path(root), step, keep_last)
     tmp = atomic.begin(final)
     if global_rank() == 0:
         (tmp / "model").mkdir()
         (tmp / "optimizer").mkdir()
         shutil.copytree(hf_artifacts, tmp / "hf")
+        (tmp / META_FILE).write_text(json.dumps(_meta(engine), indent=2))
     if dist.is_initialized():
         dist.barrier()
     fully_parallel = _fully_parallel(engine)
     optim_sd = engine.optimizer.sharded_state_dict(
-        model_sharded_state_dict(engine.model), is_loading=False, metadata=_OPTIM_METADATA
+        model_sharded_state_dict(engine.model), is_loading=False, metadata=OPTIMIZER_FORMATS[optimizer_format(engine)]
     )
     # The RNG / scheduler state is small and written now; the tensors may go in the background.
     _rank_file(tmp, global_rank()).write_text(
@@ -348,17 +417,18 @@ def save_checkpoint(
     background = async_writer is not None
     requests = [
         dist_checkpointing.save(
-            sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel),
+            sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
             async_sharded_save=background, async_strategy="mcore",
         )
         for sub, sd in (("model", model_sharded_state_dict(engine.model)), ("optimizer", {"optimizer": optim_sd}))
     ]
 
     def commit() -> None:
+        write_rank_manifest(tmp, global_rank())  # this rank's files, written (every rank at once)
         if dist.is_initialized():
             dist.barrier()
         if global_rank() == 0:
-            write_manifest(tmp)
+            write_manifest(tmp, dist.get_world_size() if dist.is_initialized() else 1)
             # written last: its presence marks a complete checkpoint
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         atomic.commit(final)
@@ -380,11 +450,14 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(engine: MegatronEngine, checkpoint: str | Path) -> dict[str, Any]:
-    """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state. A missing,
-    incomplete or damaged checkpoint raises ``CheckpointError`` naming it (checked before any load)."""
+def load_checkpoint(engine: MegatronEngine, checkpoint: str | Path, verified: bool = False) -> dict[str, Any]:
+    """Collective. Restores model, optimizer, scheduler and RNG; returns the trainer state. A missing, incomplete or
+    damaged checkpoint, or one this layout cannot take, raises ``CheckpointError`` naming it, before any tensor is read
+    (``verified``: the caller checked the files already, trainer/run_dir.py)."""
     checkpoint = Path(checkpoint)
-    problem = verify_checkpoint(checkpoint)
+    problem = None if verified else verify_checkpoint(checkpoint)
+    if problem is None:
+        problem = resume_problem(read_checkpoint_meta(checkpoint), engine)
     if problem is not None:
         raise CheckpointError(f"cannot resume from {checkpoint}: {problem}.")
     local = _read_rank_state(checkpoint, global_rank())
@@ -404,14 +477,15 @@ def _load_tensors(engine: MegatronEngine, checkpoint: Path) -> None:
     fully_parallel = _fully_parallel(engine)
     load_model(engine.model, checkpoint / "model", fully_parallel)
     _materialize_adam_state(engine.optimizer)
-    optim_sd = engine.optimizer.sharded_state_dict(
-        model_sharded_state_dict(engine.model), is_loading=True, metadata=_OPTIM_METADATA
-    )
+    form = OPTIMIZER_FORMATS[read_checkpoint_meta(checkpoint)["optimizer_format"]]  # the form it was saved in
+    optim_sd = engine.optimizer.sharded_state_dict(model_sharded_state_dict(engine.model), is_loading=True, metadata=form)
     loaded = dist_checkpointing.load(
         {"optimizer": optim_sd}, str(checkpoint / "optimizer"), sharded_strategy=load_strategy(checkpoint / "optimizer", fully_parallel)
     )
     kernels = kernel_choice(engine.optimizer)
-    with _skip_missing_step_on_load(engine.optimizer):
+    # no_grad: the dp_reshardable load copies into the master weights, leaves that require grad (fp32 training: views
+    # of the model's parameters), outside Megatron-Core's own no_grad
+    with _skip_missing_step_on_load(engine.optimizer), torch.no_grad():
         engine.optimizer.load_state_dict(loaded["optimizer"])
     restore_kernel_choice(engine.optimizer, kernels)
     _unshare_adam_steps(engine.optimizer)

@@ -6,7 +6,10 @@ A converted checkpoint folder (``output_dir/megatron_checkpoint/``) holds:
 * ``hf/``: the source model's config, tokenizer and generation config (what export and the bridge need);
 * ``oumi_megatron.json``: where it came from (path, config hash, weight files) and how it was saved.
 
-Both directions are collective (every rank calls them) and write atomically.
+Both directions are collective (every rank calls them) and write atomically. Whether a conversion is reused is decided
+once, by global rank 0, and a hub model is downloaded once per node (``ensure_converted``): per-node decisions
+disagree when nodes hold their own copies of the model (their modification times differ), and half a world
+converting while the other half builds the engine waits forever in mismatched collectives.
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
-from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
+from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_distributed, init_model_parallel
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
-from oumi_megatron.engine.wrappers import unwrap
 from oumi_megatron.utils.atomic import atomic_directory
-from oumi_megatron.utils.ranks import global_rank
+from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
@@ -37,7 +39,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def _resolve_local(hf_path: str | Path) -> Path:
-    """A local folder for ``hf_path`` (a hub name is resolved through the local HF cache / download)."""
+    """A local folder for ``hf_path`` in this process (a hub name is resolved through the local HF cache / download)."""
     local = Path(hf_path).expanduser()
     if local.is_dir():
         return local
@@ -46,7 +48,28 @@ def _resolve_local(hf_path: str | Path) -> Path:
     return Path(snapshot_download(str(hf_path)))
 
 
-def source_fingerprint(hf_path: str | Path) -> dict[str, Any]:
+def resolve_source(hf_path: str | Path) -> Path:
+    """Collective: a local folder for ``hf_path`` on every rank. A hub name is downloaded by each node's local rank 0
+    while the other ranks wait, then found in the node's cache (one download per node, no rank asks the hub alone);
+    a failed download stops every rank with its error."""
+    local = Path(hf_path).expanduser()
+    if local.is_dir() or not dist.is_initialized():
+        return _resolve_local(hf_path)
+    from huggingface_hub import snapshot_download
+
+    found, problem = None, None
+    if local_rank() == 0:
+        try:
+            found = snapshot_download(str(hf_path))
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            problem = f"model.model_name: {hf_path} could not be downloaded on rank {global_rank()} ({type(e).__name__}: {e})"
+    problem = first_failure(problem)  # also the barrier: every node's download is done
+    if problem is not None:
+        raise RuntimeError(problem)
+    return Path(found or snapshot_download(str(hf_path), local_files_only=True))
+
+
+def source_fingerprint(hf_path: str | Path, name: str | None = None) -> dict[str, Any]:
     """What identifies a source model: its config, and the name, size and modification time (ns) of each
     weight file. The time catches weights rewritten in place with the same size; a copy that keeps
     sizes and times (cp -p, rsync -a) of different weights would not be caught, and hashing every
@@ -58,7 +81,7 @@ def source_fingerprint(hf_path: str | Path) -> dict[str, Any]:
         (p.name, p.stat().st_size, p.stat().st_mtime_ns)
         for p in local.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
     )
-    return {"source": str(hf_path), "config_sha256": config_sha, "weight_files": [list(w) for w in weights]}
+    return {"source": name or str(hf_path), "config_sha256": config_sha, "weight_files": [list(w) for w in weights]}
 
 
 def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
@@ -78,22 +101,25 @@ def convert_hf_to_megatron(
     params: MegatronParams | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    source: Path | None = None,
 ) -> Path:
     """Converts an HF causal LM into a Megatron-Core distributed checkpoint at ``out_dir``.
 
     Collective over the ranks of the layout in ``params`` (default: one rank, TP=PP=1).
     ``trust_remote_code`` (``model.trust_remote_code``) lets transformers run the model folder's own
-    configuration/modeling code; off by default.
+    configuration/modeling code; off by default. ``source``: ``hf_path``'s local folder where the caller resolved it
+    (``resolve_source``).
     """
     params = params or _default_params()
     dtype = dtype or default_dtype()
     init_model_parallel(ParallelSizes.from_params(params))
-    bridge = load_bridge(hf_path, trust_remote_code=trust_remote_code)
+    source = source or resolve_source(hf_path)
+    bridge = load_bridge(source, trust_remote_code=trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
     chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     meta = {
         "format_version": FORMAT_VERSION,
-        **source_fingerprint(hf_path),
+        **(source_fingerprint(source, name=str(hf_path)) if global_rank() == 0 else {}),
         "dtype": str(dtype).replace("torch.", ""),
         "saved_layout": {
             "tensor_model_parallel_size": params.tensor_model_parallel_size,
@@ -129,8 +155,14 @@ def checkpoint_matches_source(checkpoint_dir: str | Path, hf_path: str | Path) -
 
 def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: MegatronParams | None, dtype: torch.dtype | None = None,
                      trust_remote_code: bool = False) -> Path:
-    """Reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again)."""
-    ok, reason = checkpoint_matches_source(out_dir, hf_path) if Path(out_dir).exists() else (False, "missing")
+    """Collective: reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again). Global rank 0
+    decides, from its own view of the source model, and every rank follows (see the module docstring)."""
+    init_distributed()
+    source = resolve_source(hf_path)  # the download (once per node) before rank 0 looks at the files
+    verdict = None
+    if global_rank() == 0:
+        verdict = checkpoint_matches_source(out_dir, source) if Path(out_dir).exists() else (False, "missing")
+    ok, reason = from_rank0(verdict)
     if global_rank() == 0:
         logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed, plain logging elsewhere
         if ok:
@@ -141,7 +173,7 @@ def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: MegatronP
             logger.warning(f"Re-converting {hf_path} into {out_dir}: {reason}.")
     if ok:
         return Path(out_dir)
-    return convert_hf_to_megatron(hf_path, out_dir, params, dtype, trust_remote_code=trust_remote_code)
+    return convert_hf_to_megatron(hf_path, out_dir, params, dtype, trust_remote_code=trust_remote_code, source=source)
 
 
 def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bool = False) -> Any:
@@ -167,46 +199,27 @@ def build_from_checkpoint(checkpoint_dir: str | Path, params: MegatronParams, dt
     return bridge, chunks
 
 
-def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path, out_dir: str | Path) -> Path:
-    """Collective: writes an HF folder (config, safetensors, tokenizer, generation config) atomically.
+def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path, out_dir: str | Path,
+            max_shard_size: int | str = "5GB") -> Path:
+    """Collective: writes an HF folder (config, safetensors, tokenizer, generation config) atomically, each pipeline
+    stage's ranks writing their stage's shards (engine/state/hf_writer.py).
 
-    ``hf_artifacts`` is the folder whose tokenizer / generation config files are copied along.
+    ``hf_artifacts`` is the folder whose config / tokenizer / generation config files are copied along.
     """
-    with atomic_directory(out_dir) as tmp:
-        bridge.save_hf_pretrained([unwrap(c) for c in chunks], tmp, show_progress=False, source_path=str(hf_artifacts))
-        if global_rank() == 0:
-            _drop_tied_output_weight(tmp)
-    return Path(out_dir)
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+
+    return HFWeightExporter(bridge, chunks, hf_artifacts, max_shard_size).save(out_dir)
 
 
-def _drop_tied_output_weight(folder: Path) -> None:
-    """Megatron-Bridge writes ``lm_head.weight`` even for models with tied embeddings (Qwen2-0.5B,
-    Llama-3.2-1B, ...), whose HF checkpoints hold only ``model.embed_tokens.weight``. Remove it so the
-    export has exactly the tensors of the model it came from (transformers re-ties on load)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    config = json.loads((folder / "config.json").read_text())
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
-        return
-    name = "lm_head.weight"
-    removed = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if name not in f.keys():
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        removed += tensors.pop(name).nbytes
-        save_file(tensors, str(path), metadata=metadata)
-    index = folder / "model.safetensors.index.json"
-    if removed and index.is_file():
-        data = json.loads(index.read_text())
-        data.get("weight_map", {}).pop(name, None)
-        if "total_size" in data.get("metadata", {}):
-            data["metadata"]["total_size"] -= removed
-        index.write_text(json.dumps(data, indent=2))
+def _saved_dtype(checkpoint_dir: Path) -> torch.dtype:
+    """The dtype a checkpoint's weights were saved in: its meta's (conversions and training checkpoints record it),
+    else its HF config's, else the device's default."""
+    meta = read_meta(checkpoint_dir) or {}
+    name = meta.get("dtype")
+    if not name and (checkpoint_dir / "hf" / "config.json").is_file():
+        config = json.loads((checkpoint_dir / "hf" / "config.json").read_text())
+        name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else default_dtype()
 
 
 def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: MegatronParams | None = None) -> Path:
@@ -216,8 +229,6 @@ def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: Megatr
     same ``model/`` and ``hf/``). Collective over the layout in ``params`` (default: one rank).
     """
     params = params or _default_params()
-    meta = read_meta(checkpoint_dir) or {}
-    dtype = getattr(torch, meta.get("dtype", "")) if meta.get("dtype") else default_dtype()
-    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype)
-    return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir)
+    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=_saved_dtype(Path(checkpoint_dir)))
+    return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir, params.hf_max_shard_size)
 

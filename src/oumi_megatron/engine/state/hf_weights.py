@@ -1,10 +1,12 @@
 """The policy's weights under their Hugging Face names: the one exporter every consumer uses.
 
-``HFWeightExporter`` streams ``(hf_name, tensor)`` for the whole model through Megatron-Bridge (collective over the
-training ranks: gathered over TP / PP / EP, every rank gets full tensors), and writes the same weights as an HF
-folder. The trainer owns one and hands it to the rollout backend's ``sync_weights`` (rollout/base.py), which
-streams it (vLLM workers over NCCL / gloo, in-process buckets) or has it saved (``weight_sync_method:
-checkpoint``); the final export (output_dir/hf_model) goes through it too.
+``HFWeightExporter`` streams ``(hf_name, tensor)`` through Megatron-Bridge, collectively over the training ranks:
+``__call__`` the whole model on every rank (gathered over TP / PP / EP: full tensors), ``stage_tensors`` each pipeline
+stage's own tensors on that stage's ranks (gathered over TP / EP only; nothing crosses stages). ``save`` writes an HF
+folder from ``stage_tensors``, each stage's ranks writing their own shards (engine/state/hf_writer.py). The trainer owns
+one and hands it to the rollout backend's ``sync_weights`` (rollout/base.py), which streams it (vLLM workers over
+NCCL / gloo, in-process buckets) or has it saved (``weight_sync_method: checkpoint``); the final export
+(output_dir/hf_model) goes through ``save`` too.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from oumi_megatron.engine.state.conversion import save_hf
+from oumi_megatron.engine.state.hf_writer import save_hf_folder
 from oumi_megatron.engine.wrappers import unwrap
 
 
@@ -28,28 +31,85 @@ class HFWeightExporter:
     each time is most of the export's cost on a small model. No LoRA adapters exist here, so adapter
     merging (another per-call plan) is off."""
 
-    def __init__(self, bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path | None = None) -> None:
+    def __init__(self, bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path | None = None,
+                 max_shard_size: int | str = "5GB") -> None:
         """``hf_artifacts``: the folder whose config / tokenizer files ``save`` copies along (the converted
-        checkpoint's ``hf/``)."""
-        self.bridge, self.chunks, self.hf_artifacts = bridge, chunks, hf_artifacts
+        checkpoint's ``hf/``); ``max_shard_size``: of ``save``'s safetensors files (``megatron.hf_max_shard_size``)."""
+        self.bridge, self.chunks, self.hf_artifacts, self.max_shard_size = bridge, chunks, hf_artifacts, max_shard_size
         self.models = [unwrap(c) for c in chunks]
         self.tasks: list[Any] | None = None
+        self.own_tasks: list[Any] | None = None
         self.stripped_configs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see _strip_each_config_once
 
-    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _all_tasks(self) -> list[Any]:
         if self.tasks is None:
             # what export_hf_weights builds when given none (the public get_conversion_tasks insists on
             # HF weights, which our config-only bridge does not hold)
             self.tasks = self.bridge._model_bridge.build_conversion_tasks(self.bridge.hf_pretrained, self.models)
+        return self.tasks
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         with _strip_each_config_once(self.stripped_configs):
             yield from self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
-                                                     conversion_tasks=self.tasks, merge_adapter_weights=False)
+                                                     conversion_tasks=self._all_tasks(), merge_adapter_weights=False)
+
+    def _stage_tasks(self) -> list[Any]:
+        """The tasks of the parameters this stage holds; a parameter several stages hold (shared weights of some
+        architectures) is the lowest such stage's, as in Bridge's own broadcast."""
+        if self.own_tasks is None:
+            from megatron.core import parallel_state as ps
+
+            mine = [t for t in self._all_tasks() if t is not None and t.megatron_module is not None]
+            lower: set[str] = set()
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+                dist.all_gather_object(names, [t.global_param_name for t in mine],
+                                       group=ps.get_pipeline_model_parallel_group())
+                lower = {n for stage in names[:ps.get_pipeline_model_parallel_rank()] for n in stage}
+            self.own_tasks = [t for t in mine if t.global_param_name not in lower]
+        return self.own_tasks
+
+    def stage_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` of this pipeline stage's own parameters, full tensors on every rank of the stage
+        (collective over the stage's TP / EP groups; no stage waits for another)."""
+        from megatron.core import parallel_state as ps
+
+        tasks = self._stage_tasks()
+        within = ps.get_pipeline_model_parallel_world_size() == 1
+        with _strip_each_config_once(self.stripped_configs), (contextlib.nullcontext() if within else _stage_local()):
+            yield from self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
+                                                     conversion_tasks=tasks, merge_adapter_weights=False)
 
     def save(self, folder: str | Path) -> Path:
-        """Collective: the weights as an HF folder (config, safetensors, tokenizer), written atomically."""
+        """Collective: the weights as an HF folder (config, safetensors, tokenizer), written atomically, each
+        pipeline stage's ranks writing that stage's shards."""
         if self.hf_artifacts is None:
             raise ValueError("HFWeightExporter.save needs hf_artifacts (the folder with the model's config and tokenizer)")
-        return save_hf(self.bridge, self.chunks, self.hf_artifacts, folder)
+        from megatron.core import parallel_state as ps
+
+        return save_hf_folder(self.stage_tensors(), ps.get_pipeline_model_parallel_rank(), self.hf_artifacts, folder,
+                              self.max_shard_size)
+
+
+@contextlib.contextmanager
+def _stage_local() -> Iterator[None]:
+    """Bridge's mappings broadcast every tensor (and some metadata) from the pipeline stage that holds it to all the
+    others. When each stage converts only the tensors it holds (``stage_tensors``), the holder is always the caller:
+    the broadcasts become identity for the duration, and a tensor missing here is a bug, not something to wait for."""
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    def local(self: Any, value: Any, cache_key: str | None = None) -> Any:
+        if value is None:
+            raise RuntimeError(f"HF export: {getattr(self, 'megatron_param', '?')} is not on this pipeline stage")
+        return value
+
+    saved = MegatronParamMapping.broadcast_from_pp_rank, MegatronParamMapping.broadcast_obj_from_pp_rank
+    MegatronParamMapping.broadcast_from_pp_rank = local
+    MegatronParamMapping.broadcast_obj_from_pp_rank = local
+    try:
+        yield
+    finally:
+        MegatronParamMapping.broadcast_from_pp_rank, MegatronParamMapping.broadcast_obj_from_pp_rank = saved
 
 
 @contextlib.contextmanager

@@ -1,0 +1,280 @@
+"""Growth laws of the state paths (issue 43): how each path's peak host memory and time grow with the model and ranks.
+
+    python scripts/bench_scale_laws.py [--sizes 27m,110m,554m] [--layouts 1,pp2,dp2] [--out DIR] [--json FILE]
+
+For each model size (random Llama-shaped models, bf16, built locally into ``--out``) and each layout (``1``: one
+process; ``pp2``: two gloo ranks, two pipeline stages; ``dp2``: two gloo ranks, data parallel with the distributed
+optimizer), one process tree runs the paths a run takes, in order, through the library's own functions:
+
+- ``convert``: ``convert_hf_to_megatron`` (what ``oumi train`` does once);
+- the trainer's state: ``build_engine`` and one optimizer step (not a path; its size is the base of the next two);
+- ``save``: ``save_checkpoint`` (model, optimizer, RNG, manifest), above the trainer's state;
+- ``load``: ``load_checkpoint`` into the same engine, above the trainer's state;
+- ``export``: the trainer's final HF export (``HFWeightExporter.save``), above the trainer's state;
+- ``export_cli``: ``export_to_hf`` of the checkpoint in a process that holds nothing (``oumi-megatron export``),
+  the model's own build included.
+
+Each path's peak is the rise of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs before
+the path) above its resident set when the path starts, per rank. The table gives, per path, layout and rank, the
+least-squares slope of that peak against the bf16 model's bytes (2 B per parameter of the whole model) and the wall
+time at each size. A slope of 1.0 is one whole model's worth of bytes per rank; a rank of a PP=2 layout owns 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+SIZES: dict[str, dict[str, int]] = {
+    # Llama-3.1's architecture (untied embeddings, SwiGLU, RMSNorm), MHA with head dim 64, narrower and shallower
+    "7m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=8192),
+    "27m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, vocab_size=16384),
+    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, vocab_size=16384),
+    "554m": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, vocab_size=32768),
+}
+LAYOUTS: dict[str, dict[str, int]] = {
+    "1": {"ranks": 1},
+    "pp2": {"ranks": 2, "pipeline_model_parallel_size": 2},
+    "dp2": {"ranks": 2},
+    "tp2": {"ranks": 2, "tensor_model_parallel_size": 2},
+}
+PATHS = ("convert", "save", "load", "export", "export_cli")
+MAX_SHARD_FRACTION = 20
+"""HF shards of 1/20 of the model: an HF shard is 5 GB of a 141 GB model at 70B, so the bench keeps the same ratio."""
+
+
+def model_params(spec: dict[str, int]) -> int:
+    h, f, n, v = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"], spec["vocab_size"]
+    return 2 * v * h + n * (4 * h * h + 3 * h * f + 2 * h) + h
+
+
+def build_model(out: Path, size: str) -> Path:
+    from oumi_megatron.examples.scale_task import build_scale_model
+
+    spec = SIZES[size]
+    heads = spec["hidden_size"] // 64
+    return build_scale_model(out / f"hf_{size}", shape="llama-3.1-8b", num_attention_heads=heads, num_key_value_heads=heads,
+                             head_dim=64, max_position_embeddings=4096, **spec)
+
+
+# -- the worker: one process per rank, every path in order -------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))  # type: ignore[union-attr]
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := the current VmRSS
+
+
+class Meter:
+    def __init__(self) -> None:
+        self.results: dict[str, dict[str, float]] = {}
+
+    def measure(self, name: str, fn: Any) -> Any:
+        import torch.distributed as dist
+
+        gc.collect()
+        dist.barrier()
+        _reset_peak()
+        start = _status_kib("VmRSS")
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+        peak = _status_kib("VmHWM")
+        dist.barrier()
+        self.results[name] = {"peak_above_start_bytes": (peak - start) * 1024.0, "start_rss_bytes": start * 1024.0,
+                              "seconds": seconds}
+        return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.distributed import destroy, init_distributed
+    from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+
+    init_distributed()
+    layout = {k: v for k, v in LAYOUTS[args.layout].items() if k != "ranks"}
+    params = MegatronParams(**layout)
+    params.transformer_config.recompute_granularity = None
+    params.checkpoint_config.use_async_checkpoint = False
+    params.hf_max_shard_size = str(args.max_shard_bytes)
+    work = Path(args.work)
+    meter = Meter()
+    baseline = _status_kib("VmRSS") * 1024.0
+    dtype = torch.bfloat16
+    mc = work / "megatron_checkpoint"
+    paths = set(args.paths.split(","))
+    if args.export_cli:  # a process of its own: it holds nothing but the model it builds
+        meter.measure("export_cli", lambda: export_to_hf(work / "checkpoints" / "step_000001", work / "hf_export_cli", params))
+        paths = set()
+    else:
+        meter.measure("convert", lambda: convert_hf_to_megatron(args.hf, mc, params, dtype=dtype))
+    trainer_state = 0.0
+    if paths & {"save", "load", "export"}:
+        settings = OptimSettings(lr=1e-5, total_steps=4)
+        bridge, engine = build_engine(mc, params, settings, dtype)
+        from megatron.core import parallel_state as ps
+
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        ids = torch.randint(0, 1000, (2 * dp, 16), generator=torch.Generator().manual_seed(0)).chunk(dp)[dp_rank]
+
+        def nll(logprobs: torch.Tensor, batch: dict) -> tuple:
+            return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
+
+        engine.train_step([{"input_ids": ids, "loss_mask": torch.ones_like(ids)}], nll)
+        gc.collect()
+        trainer_state = _status_kib("VmRSS") * 1024.0 - baseline
+        ckpt_root = work / "checkpoints"
+        if "save" in paths or "load" in paths:
+            ckpt = meter.measure("save", lambda: save_checkpoint(engine, ckpt_root, 1, {"data_position": 0}, mc / "hf",
+                                                                 keep_last=1))
+        if "load" in paths:
+            meter.measure("load", lambda: load_checkpoint(engine, ckpt))
+        if "export" in paths:
+            exporter = HFWeightExporter(bridge, engine.model, mc / "hf", params.hf_max_shard_size)
+            meter.measure("export", lambda: exporter.save(work / "hf_export"))
+            del exporter
+        del bridge, engine
+        gc.collect()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, meter.results)
+    if dist.get_rank() == 0:
+        name = "result_export_cli.json" if args.export_cli else "result.json"
+        (work / name).write_text(json.dumps({"ranks": gathered, "trainer_state_bytes": trainer_state,
+                                             "baseline_bytes": baseline}, indent=1))
+    destroy()
+
+
+# -- the driver -------------------------------------------------------------------------------------------------------
+def run_one(out: Path, size: str, layout: str, paths: str, hf: Path) -> dict[str, Any]:
+    import shutil
+
+    from oumi_megatron.engine.parallel.distributed import free_port
+
+    work = out / f"run_{size}_{layout}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ranks = LAYOUTS[layout]["ranks"]
+    max_shard = 2 * model_params(SIZES[size]) // MAX_SHARD_FRACTION
+    # glibc's malloc keeps freed memory resident and reuses it, which would hide a later path's allocations; a fixed
+    # mmap threshold gives every large tensor its own mapping, returned when it is freed, so VmRSS follows live memory
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
+           "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    log = out / f"run_{size}_{layout}.log"
+    stages = [[]] + ([["--export-cli"]] if "export_cli" in paths.split(",") else [])
+    with log.open("w") as f:
+        for extra in stages:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+                   str(free_port()), __file__, "--worker", "--layout", layout, "--hf", str(hf), "--work", str(work),
+                   "--paths", paths, "--max-shard-bytes", str(max_shard), *extra]
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            if proc.returncode != 0:
+                raise SystemExit(f"bench_scale_laws: {size} {layout} failed (exit {proc.returncode}); see {log}")
+    result = json.loads((work / "result.json").read_text())
+    if len(stages) > 1:
+        cli = json.loads((work / "result_export_cli.json").read_text())
+        for rank, measured in zip(result["ranks"], cli["ranks"]):
+            rank.update(measured)
+    shutil.rmtree(work, ignore_errors=True)  # the checkpoints and exports of the large sizes fill a disk quickly
+    return result
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of ys against xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else float("nan")
+    return slope, my - slope * mx
+
+
+def laws(runs: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (path, layout, rank): the slope of the peak against the bf16 model bytes, and the seconds."""
+    rows = []
+    layouts = sorted({layout for _, layout in runs}, key=list(LAYOUTS).index)
+    sizes = sorted({size for size, _ in runs}, key=list(SIZES).index)
+    for path in PATHS:
+        for layout in layouts:
+            have = [s for s in sizes if (s, layout) in runs and path in runs[(s, layout)]["ranks"][0]]
+            if len(have) < 2:
+                continue
+            model_bytes = [2.0 * model_params(SIZES[s]) for s in have]
+            for rank in range(LAYOUTS[layout]["ranks"]):
+                peaks = [runs[(s, layout)]["ranks"][rank][path]["peak_above_start_bytes"] for s in have]
+                slope, intercept = fit(model_bytes, peaks)
+                rows.append({"path": path, "layout": layout, "rank": rank, "slope": slope, "intercept_mib": intercept / 2**20,
+                             "sizes": have, "peak_mib": [p / 2**20 for p in peaks],
+                             "seconds": [runs[(s, layout)]["ranks"][rank][path]["seconds"] for s in have]})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    sizes = sorted({s for r in rows for s in r["sizes"]}, key=list(SIZES).index)
+    head = ("| path | layout | rank | peak / bf16 model bytes (slope) | intercept MiB | "
+            + " | ".join(f"peak MiB / s at {s}" for s in sizes) + " |")
+    lines = [head, "|" + " --- |" * (5 + len(sizes))]
+    for r in rows:
+        cells = {s: f"{p:.0f} / {t:.1f}" for s, p, t in zip(r["sizes"], r["peak_mib"], r["seconds"])}
+        lines.append(f"| {r['path']} | {r['layout']} | {r['rank']} | {r['slope']:.2f} | {r['intercept_mib']:.0f} | "
+                     + " | ".join(cells.get(s, "") for s in sizes) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="27m,110m,554m", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--layouts", default="1,pp2,dp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--out", default=str(REPO / "output" / "bench_scale_laws"))
+    p.add_argument("--json", default=None, help="also write the runs and the fitted rows here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", help=argparse.SUPPRESS)
+    p.add_argument("--hf", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--export-cli", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes, layouts = args.sizes.split(","), args.layouts.split(",")
+    for name, table_ in (("size", SIZES), ("layout", LAYOUTS)):
+        unknown = [x for x in (sizes if name == "size" else layouts) if x not in table_]
+        if unknown:
+            raise SystemExit(f"bench_scale_laws: unknown {name}(s) {unknown}; choose from {', '.join(table_)}")
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    for size in sizes:
+        hf = build_model(out, size)
+        for layout in layouts:
+            t0 = time.perf_counter()
+            runs[(size, layout)] = run_one(out, size, layout, args.paths, hf)
+            print(f"{size} ({model_params(SIZES[size]) / 1e6:.0f}M parameters) {layout}: {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+    rows = laws(runs)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": {f"{s}/{lay}": r for (s, lay), r in runs.items()}, "laws": rows},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
