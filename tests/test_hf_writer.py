@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oumi_megatron.engine.state.hf_writer import HFExportError, StageShards, _name_files, parse_size, write_safetensors
+from oumi_megatron.engine.state.hf_writer import HFExportError, StageShards, _name_files, write_safetensors
+from oumi_megatron.utils.disk import parse_size
 
 
 def _tensors(sizes: list[int], dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:

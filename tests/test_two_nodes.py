@@ -129,5 +129,5 @@ def test_node_local_output_dirs_are_refused_before_conversion(tmp_path: Path, ti
     text = _wait(procs, nodes)
     assert all(p.returncode != 0 for p in procs), text[-4000:]
     assert "training.output_dir: run_local is not one folder every rank shares: rank 2" in text, text[-4000:]
-    assert "set training.output_dir to a path on a filesystem every node mounts" in text
+    assert "so every node must see the same folder: set training.output_dir to a path on a" in text
     assert not any((n / "run_local" / "megatron_checkpoint").exists() for n in nodes)

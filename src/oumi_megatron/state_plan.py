@@ -73,7 +73,7 @@ class StatePlan:
 def estimate_state(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, rank_params: float,
                    gpus_per_node: int | None = None) -> StatePlan:
     """``rank_params``: the parameters one GPU of the busiest pipeline stage holds (plan.py's count)."""
-    from oumi_megatron.engine.state.hf_writer import parse_size
+    from oumi_megatron.utils.disk import parse_size
 
     m = cfg.megatron
     shards = layout.data_parallel * layout.context_parallel  # the distributed optimizer's, and the model save's split

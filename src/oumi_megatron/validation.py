@@ -248,11 +248,23 @@ def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> 
     keep = m.checkpoint_config.keep_last_n_checkpoints
     if not isinstance(keep, int) or keep < 0:
         r.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
+    _check_shard_size(m.hf_max_shard_size, r)
     _check_context_parallel(cfg, r)
     _check_rollout_fields(cfg, r)
     _check_optimizer_fields(cfg, r)
     _check_recompute_fields(cfg, r)
     _check_attention_and_graphs(cfg, r)
+
+
+def _check_shard_size(size: str, r: ValidationReport) -> None:
+    from oumi_megatron.utils.disk import parse_size
+
+    try:
+        ok = parse_size(size) > 0
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        r.add("megatron.hf_max_shard_size", f"must be a size such as 5GB, 500MB or a number of bytes > 0, got {size!r}.")
 
 
 def _check_context_parallel(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:

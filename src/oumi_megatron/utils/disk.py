@@ -1,4 +1,5 @@
-"""Free space before writing: a full disk found halfway through a save leaves a partial folder and a lost step."""
+"""Sizes on disk: HF's size strings, and free space before writing (a full disk found halfway through a save leaves
+a partial folder and a lost step)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,17 @@ from pathlib import Path
 GIB = 2**30
 MARGIN = 1.05
 """Room above the estimate: metadata, the manifests, the filesystem's own rounding."""
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``5GB``, ``500MB`` (TB, GB, MB, KB: powers of 1000, as huggingface_hub reads them) or an int."""
+    if isinstance(size, int):
+        return size
+    if size.strip().isdigit():
+        return int(size)
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return int(parse_size_to_int(size))
 
 
 def free_bytes(path: str | Path) -> int:

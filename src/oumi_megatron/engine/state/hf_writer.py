@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.utils.disk import parse_size
 from oumi_megatron.utils.ranks import global_rank
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,17 +47,6 @@ _DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.bfloat16: ("BF16", 12), torch.int32: ("I32", 13), torch.uint32: ("U32", 14), torch.float32: ("F32", 15),
     torch.float64: ("F64", 17), torch.int64: ("I64", 18), torch.uint64: ("U64", 19),
 }
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes of ``5GB``, ``500MB`` (TB, GB, MB, KB: powers of 1000, as huggingface_hub reads them) or an int."""
-    if isinstance(size, int):
-        return size
-    if size.strip().isdigit():
-        return int(size)
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    return int(parse_size_to_int(size))
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> None:
