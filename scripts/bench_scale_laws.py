@@ -18,6 +18,15 @@ Each path's peak is the rise of the process's peak resident set (VmHWM, reset th
 the path) above its resident set when the path starts, per rank. The table gives, per path, layout and rank, the
 least-squares slope of that peak against the bf16 model's bytes (2 B per parameter of the whole model) and the wall
 time at each size. A slope of 1.0 is one whole model's worth of bytes per rank; a rank of a PP=2 layout owns 0.5.
+
+    python scripts/bench_scale_laws.py --gpu [--layers 2] [--state-dir DIR]      # on one GPU (scripts/gpu_check.sh)
+
+``--gpu``: a Llama-3.1-70B-wide slice (configs/llama70b_slice_1gpu.yaml: the 70B model's width and vocabulary, 2 of its
+layers, 3.8B parameters, random weights) through the trainer (tests/workers/real_model_worker.py, what ``oumi train``
+runs): convert, one GRPO step, the final checkpoint and the HF export in one process, then the checkpoint's load in a
+second (the resume). Each phase's peak GPU memory (max_memory_allocated) and host memory (VmHWM) is printed beside
+``oumi-megatron plan``'s for the slice (plan.py, state_plan.py). ``--state-dir``: where the run writes (the checkpoint
+is ~53 GB: a RAM disk where the machine's disk is small).
 """
 
 from __future__ import annotations
@@ -237,6 +246,152 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- the 70B-wide slice on one GPU ---------------------------------------------------------------------------------
+SLICE_CONFIG = REPO / "configs" / "llama70b_slice_1gpu.yaml"
+GPU_PHASES = ("convert", "grpo_step", "save", "load", "export")
+
+
+class GpuMeter:
+    """Each phase's peak GPU memory (the allocator's) and host memory (VmHWM), absolute and above the phase's start."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.results = out, {}  # type: ignore[var-annotated]
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        import functools
+
+        import torch
+
+        cuda = torch.cuda.is_available()  # --smoke runs on a CPU: no GPU figures
+
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            gpu0, _ = torch.cuda.memory_allocated() if cuda else 0, _reset_peak()
+            host0, t0 = _status_kib("VmRSS") * 1024.0, time.perf_counter()
+            value = fn(*args, **kwargs)
+            gpu_peak = 0
+            if cuda:
+                torch.cuda.synchronize()
+                gpu_peak = torch.cuda.max_memory_allocated()
+            self.results[name] = {"seconds": time.perf_counter() - t0, "gpu_peak_gib": gpu_peak / 2**30,
+                                  "gpu_above_start_gib": (gpu_peak - gpu0) / 2**30,
+                                  "host_peak_gib": _status_kib("VmHWM") / 2**20, "host_start_gib": host0 / 2**30,
+                                  "host_above_start_gib": (_status_kib("VmHWM") * 1024.0 - host0) / 2**30}
+            self.out.write_text(json.dumps(self.results, indent=1))
+            return value
+
+        return measured
+
+
+def gpu_worker(args: argparse.Namespace) -> None:
+    """real_model_worker (the trainer) with each phase measured."""
+    import runpy
+
+    from oumi_megatron.engine.state import conversion
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.trainer import grpo_trainer
+
+    out = Path(args.work) / f"phases_{args.launch}.json"
+    meter = GpuMeter(out)
+    conversion.ensure_converted = meter.wrap("convert", conversion.ensure_converted)  # type: ignore[assignment]
+    trainer = grpo_trainer.OumiMegatronGrpoTrainer
+    trainer.grpo_step = meter.wrap("grpo_step", trainer.grpo_step)  # type: ignore[method-assign]
+    grpo_trainer.save_checkpoint = meter.wrap("save", grpo_trainer.save_checkpoint)  # type: ignore[assignment]
+    grpo_trainer.load_checkpoint = meter.wrap("load", grpo_trainer.load_checkpoint)  # type: ignore[assignment]
+    HFWeightExporter.save = meter.wrap("export", HFWeightExporter.save)  # type: ignore[method-assign]
+    sys.argv = [str(REPO / "tests" / "workers" / "real_model_worker.py"), args.slice_config, args.work, "--rows", args.rows,
+                "--no-eval", "--export"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    import yaml
+
+    from oumi_megatron.examples.scale_task import build_scale_model, write_scale_rows
+
+    out = Path(args.out)
+    state = Path(args.state_dir) if args.state_dir else out
+    # --smoke: the same path at a width a CPU runs in a minute
+    small = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
+    hf = build_scale_model(out / "hf_llama70b_slice", shape="llama-3.1-70b", num_hidden_layers=args.layers,
+                           **(small if args.smoke else {}))
+    rows = write_scale_rows(out / "rows").parent
+    raw = yaml.safe_load(SLICE_CONFIG.read_text())
+    raw["model"]["model_name"] = str(hf)
+    raw["training"]["output_dir"] = str(state / "run")
+    raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]  # the scale task's cheap reward (real_model_worker)
+    cfg = out / "slice.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    work = state / "slice"
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for launch in ("first", "resumed"):  # convert, step, save, export; then the resume's load
+        cmd = [sys.executable, __file__, "--gpu-worker", "--launch", launch, "--slice-config", str(cfg), "--work", str(work),
+               "--rows", str(rows)]
+        with (out / f"slice_{launch}.log").open("w") as f:
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode != 0:
+                raise SystemExit(f"bench_scale_laws --gpu: the {launch} launch failed; see {out / f'slice_{launch}.log'}")
+    measured = json.loads((work / "phases_first.json").read_text())
+    measured["load"] = json.loads((work / "phases_resumed.json").read_text())["load"]  # the resume's (it converts nothing)
+    print(gpu_table(cfg, hf, measured))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"measured": measured, "card": _card()}, indent=1))
+
+
+def _card() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def gpu_table(cfg: Path, hf: Path, measured: dict[str, dict[str, float]]) -> str:
+    """The phases against the plan: GPU (the training peak for the step), host above each phase's start."""
+    from types import SimpleNamespace
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.layout import resolve_layout
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import estimate_memory, rank_params
+    from oumi_megatron.state_plan import estimate_state
+
+    raw = yaml.safe_load(cfg.read_text())
+    m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronParams), raw["megatron"]))
+    g = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronGrpoParams), raw["grpo"]))
+    config = SimpleNamespace(megatron=m, grpo=g, training=SimpleNamespace())  # as real_model_worker resolves it
+    shape = ModelShape.from_file(hf)
+    layout = resolve_layout(config, 1).layout
+    assert layout is not None
+    memory = estimate_memory(config, shape, layout)
+    state = estimate_state(config, shape, layout, rank_params(config, shape, layout), 1)  # type: ignore[arg-type]
+    plan_host = {"convert": state.transient_per_rank["convert"], "save": state.transient_per_rank["checkpoint_save"],
+                 "load": state.transient_per_rank["checkpoint_load"], "export": state.transient_per_rank["hf_export"]}
+    lines = [f"Llama-3.1-70B-wide slice: {shape.num_layers} layers, {rank_params(config, shape, layout) / 1e9:.2f}B "
+             f"parameters, card {_card()}",
+             "| phase | s | GPU peak GiB | plan's GPU GiB | host above start GiB | plan's host GiB | host peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for phase in GPU_PHASES:
+        r = measured.get(phase)
+        if r is None:
+            continue
+        gpu_plan = f"{memory.training_peak:.1f} (training peak)" if phase == "grpo_step" else ""
+        host_plan = f"{plan_host[phase]:.1f}" if phase in plan_host else ""
+        lines.append(f"| {phase} | {r['seconds']:.1f} | {r['gpu_peak_gib']:.1f} | {gpu_plan} | {r['host_above_start_gib']:.1f} | "
+                     f"{host_plan} | {r['host_peak_gib']:.1f} |")
+    lines.append(f"plan: resident host per rank {state.resident_per_rank:.1f} GiB (measured at the step's start: "
+                 f"{measured.get('grpo_step', {}).get('host_start_gib', float('nan')):.1f}); disk per checkpoint "
+                 f"{state.checkpoint:.1f} GiB")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="27m,110m,554m", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -244,6 +399,14 @@ def main() -> None:
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--out", default=str(REPO / "output" / "bench_scale_laws"))
     p.add_argument("--json", default=None, help="also write the runs and the fitted rows here")
+    p.add_argument("--gpu", action="store_true", help="the 70B-wide slice on one GPU (see the module docstring)")
+    p.add_argument("--layers", type=int, default=2, help="--gpu: the slice's layers")
+    p.add_argument("--state-dir", default=None, help="--gpu: where the run writes (default --out)")
+    p.add_argument("--smoke", action="store_true", help="--gpu at a small width (a CPU check of the script)")
+    p.add_argument("--gpu-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--launch", help=argparse.SUPPRESS)
+    p.add_argument("--slice-config", help=argparse.SUPPRESS)
+    p.add_argument("--rows", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--hf", help=argparse.SUPPRESS)
@@ -253,6 +416,14 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.gpu_worker:
+        gpu_worker(args)
+        return
+    if args.gpu:
+        if args.out == p.get_default("out"):
+            args.out = str(REPO / "output" / "bench_scale_laws_gpu")
+        run_gpu(args)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@
 # =moe the Qwen3-MoE shape (2.6B, 32 experts) EP=1 on 1 GPU vs EP=2 on 2 (GPU_CHECK_MOE_ARGS),
 # =plan the memory plan's estimate vs max_memory_allocated (full recompute; PP=2 +/- ModuleQueue; DP=2 +/- distributed optimizer),
 # =sp TP=2 with and without sequence parallelism at GPU_CHECK_SP_SEQS (default 8192; GPU_CHECK_SP_ARGS),
+# =laws the Llama-3.1-70B-wide slice's convert / GRPO step / checkpoint save / load / export against the plan (issue 43),
 # =mq ModuleQueue off and with GPU_CHECK_MQ_CHUNKS (default "0 2 4 8") on PP=2, Qwen2.5-7B shape (GPU_CHECK_MQ_ARGS more
 # bench arguments, GPU_CHECK_MQ_TAG names the result files of one setting)
 # (GPU_CHECK_REPEAT=N: the fast path N times, one process each);
@@ -111,6 +112,13 @@ fi
 BENCH=${GPU_CHECK_BENCH:-1}
 want() { [[ " $BENCH " == *" $1 "* ]]; }  # GPU_CHECK_BENCH may name several modes: "cp sp"
 if want 0; then echo "benchmarks skipped (GPU_CHECK_BENCH=0)"; fi
+if want laws; then  # issue 43: the Llama-3.1-70B-wide slice's phases against the plan; its ~53 GB checkpoint on a RAM disk
+  LAWS_DIR=/tmp/oumi_laws  # where /dev/shm has the room, else the disk
+  [ "$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}')" -ge 75 ] 2>/dev/null && LAWS_DIR=/dev/shm/oumi_laws
+  df -h / /dev/shm | tail -2; free -g | head -2
+  python3 scripts/bench_scale_laws.py --gpu --state-dir "$LAWS_DIR" --json "$RESULTS/slice.json" 2>&1 | tee "$RESULTS/slice.log" | tail -12
+  rm -rf "$LAWS_DIR"
+fi
 # the engine before issue 12: SDPA only (fusions, chunked logprobs and fused optimizer kernels off)
 NOFUSE="--set gradient_accumulation_fusion=false --set apply_rope_fusion=false --set bias_activation_fusion=false --set optimizer_config.fused_kernels=false --logprob-chunk 0"
 GRAPHS="--set cuda_graph_impl=local --set cuda_graph_seq_length=2048"

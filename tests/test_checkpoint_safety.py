@@ -168,3 +168,50 @@ def test_each_rank_verifies_only_its_own_files(tmp_path: Path) -> None:
     assert "__37_0.distcp" in verify_share(large, 1, 4).problem  # 37 = 1 + 9 x 4
     (large / "manifest_rank_00012.json").unlink()
     assert "manifest_rank_00012.json is missing (rank 12 of the 64 that saved did not finish)" in verify_share(large, 12, 64).problem
+
+
+def test_a_disk_too_small_for_the_run_stops_it_before_conversion(tmp_path: Path) -> None:
+    """The start check compares output_dir's real free space with what the run will write (the converted model, the
+    checkpoints that coexist, the export): Llama-3.1-70B's ~3 TB does not fit this disk, a tiny model does."""
+    from types import SimpleNamespace
+
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.trainer.run_dir import OutputDirSpaceError, StartPoint, check_space
+
+    repo = Path(__file__).resolve().parent.parent
+    training = SimpleNamespace(output_dir=str(tmp_path / "run"), max_steps=100, save_steps=10, save_final_model=True)
+    config = SimpleNamespace(training=training, megatron=SimpleNamespace(checkpoint_config=SimpleNamespace(keep_last_n_checkpoints=2)))
+    big = ModelShape.from_file(repo / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")
+    with pytest.raises(OutputDirSpaceError, match=r"training.output_dir: .*run has [\d.]+ GiB free and this run \(3 checkpoint"
+                                                  r".*lower megatron.checkpoint_config.keep_last_n_checkpoints"):
+        check_space(config, big, StartPoint(None, 0))
+    assert not (tmp_path / "run").exists()  # nothing written
+    small = ModelShape(source="tiny", model_type="llama", architectures=("LlamaForCausalLM",), num_layers=2, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320, intermediate_size=128)
+    check_space(config, small, StartPoint(None, 0))
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A save whose checkpoint the disk cannot take stops before its folder exists; the checkpoint already there stays
+    complete. (The engine's checkpoint size is made larger than the disk: filling a real disk is not a unit test.)"""
+    import torch
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.state import checkpointing
+    from oumi_megatron.examples.tiny_models import build_tiny_model, tiny_config
+
+    hf = build_tiny_model(tmp_path / "hf", arch="llama")
+    cfg = tiny_config("llama")
+    cfg.architectures = ["LlamaForCausalLM"]
+    _, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+    checkpointing._materialize_adam_state(engine.optimizer)
+    root = tmp_path / "checkpoints"
+    first = checkpointing.save_checkpoint(engine, root, 1, {"data_position": 0}, hf, keep_last=2)
+    assert 0 < checkpointing.checkpoint_bytes(engine) < 50 * 2**20
+    monkeypatch.setattr(checkpointing, "checkpoint_bytes", lambda _engine: 10.0**18)
+    with pytest.raises(checkpointing.CheckpointSpaceError, match=r"checkpoint step 2 \(the 2 newest are kept until it is "
+                                                                 r"complete\) needs ~[\d.]+ GiB: free space there"):
+        checkpointing.save_checkpoint(engine, root, 2, {"data_position": 4}, hf, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001"] and verify_checkpoint(first) is None

@@ -203,15 +203,18 @@ def test_module_queue_matches_the_plain_last_stage_on_gpu(tmp_path_factory: pyte
     assert r["module_queue_resumed"]["loss"][0] == pytest.approx(mq["loss"][2], rel=1e-6)
 
 
-def test_async_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("mode", [["--async-save"], []], ids=["async", "sync"])
+def test_checkpoint_resumes_on_gpu(tmp_path_factory: pytest.TempPathFactory, mode: list[str]) -> None:
+    """A checkpoint saved in the background (Megatron-Core's staging writer) or synchronously (torch's FileSystemWriter
+    streaming GPU tensors, checkpoint_io.py), each rank's optimizer shard as it is (dp_reshardable), resumes exactly."""
     from oumi_megatron.examples.tiny_models import build_tiny_model
 
-    work = tmp_path_factory.mktemp("gpu_async")
+    work = tmp_path_factory.mktemp("gpu_ckpt")
     src = build_tiny_model(work / "hf", arch="qwen2")
     ckpt = work / "mc"
     _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
     worker = str(WORKERS / "engine_worker.py")
-    _check(run_cli([PY, worker, str(ckpt), str(work / "full"), "--steps", "3", "--save-at", "2", "--async-save", "--no-export"]))
+    _check(run_cli([PY, worker, str(ckpt), str(work / "full"), "--steps", "3", "--save-at", "2", *mode, "--no-export"]))
     saved = work / "full" / "checkpoints" / "step_000002"
     assert (saved / "trainer_state.json").is_file() and not (saved.parent / ".step_000002.partial").exists()
     _check(run_cli([PY, worker, str(ckpt), str(work / "resumed"), "--steps", "3", "--resume", str(saved), "--no-export"]))

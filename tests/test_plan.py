@@ -108,9 +108,12 @@ def test_plan_cli_prints_the_parts_and_says_whether_it_fits() -> None:
     r = json.loads(proc.stdout)
     assert {"weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead", "total"} <= set(r)
     assert r["fits"] is True and r["rollout"] == 20.0 and r["total"] < 80
+    host = r["host_and_disk"]  # per node and on disk (state_plan.py, pinned by hand below)
+    assert host["ranks_per_node"] == 8 and host["host_per_node"] > 8 * 64 and host["checkpoints_coexisting"] == 3
     proc = run_cli([*base, "--megatron.optimizer_config.optimizer_cpu_offload", "false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "will not fit" in proc.stdout and "optimizer_cpu_offload: true" in proc.stdout, proc.stdout
+    assert "host per node" in proc.stdout and "disk: one checkpoint" in proc.stdout, proc.stdout
 
 
 def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_training_and_generation() -> None:
@@ -144,3 +147,28 @@ def test_colocated_vllm_engine_by_hand_sleeps_while_training() -> None:
     assert awake.rollout == pytest.approx(plan.rollout, rel=1e-9)
     assert awake.total == pytest.approx(persistent + plan.rollout + plan.activations + plan.logits, rel=1e-9)
     assert awake.total > plan.total
+
+
+def test_host_memory_and_disk_of_the_70b_run_by_hand() -> None:
+    """state_plan.py's arithmetic for configs/train_70b_grpo.yaml's layout (TP 8 x PP 2, DP 1, Adam's state on the host):
+    per rank the process, 16 B per offloaded parameter and the largest path (the HF export's 5 GB shard); per node 8 of
+    them; on disk 14 B per parameter a checkpoint, three at once while one is saved (keep 2), the converted model and
+    the export 2 B each."""
+    from oumi_megatron.state_plan import PROCESS_HOST_GIB, estimate_state
+
+    params = MegatronParams(tensor_model_parallel_size=8, pipeline_model_parallel_size=2)
+    params.optimizer_config.optimizer_cpu_offload, params.optimizer_config.optimizer_offload_fraction = True, 1.0
+    layout = ParallelLayout(16, 8, 2, 1, 1, 1, None, False, 1, 4, "1f1b", 1, 1)
+    state = estimate_state(SimpleNamespace(megatron=params), LLAMA_70B, layout, STAGE0_70B, gpus_per_node=8)
+    total = 80 * 855_654_400 + 2 * 128_256 * 8192  # every parameter but the final norm's 8,192
+    assert state.resident_per_rank == pytest.approx(PROCESS_HOST_GIB + 16 * STAGE0_70B / GIB, rel=1e-9)  # 67.7 GiB
+    embedding = 128_256 * 8192  # the largest tensor
+    assert state.transient_per_rank == pytest.approx({"convert": 1.4 * 2 * embedding / GIB,
+                                                      "checkpoint_save": 2 * 4 * embedding / 8 / GIB,
+                                                      "checkpoint_load": 2 * 4 * embedding / 8 / GIB, "hf_export": 5e9 / GIB})
+    assert state.host_per_node == pytest.approx(8 * (state.resident_per_rank + 5e9 / GIB), rel=1e-9)
+    assert state.checkpoint == pytest.approx(14 * total / GIB, rel=1e-6) and state.checkpoints_coexisting == 3
+    assert state.converted == state.hf_export == pytest.approx(2 * total / GIB, rel=1e-6)
+    assert state.disk_total == pytest.approx((4 + 3 * 14) * total / GIB, rel=1e-6)  # 3.0 TiB
+    params.checkpoint_config.keep_last_n_checkpoints = 0  # every checkpoint kept: the disk grows with the run
+    assert estimate_state(SimpleNamespace(megatron=params), LLAMA_70B, layout, STAGE0_70B).disk_total is None

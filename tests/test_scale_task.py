@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO
 from oumi_megatron.examples.scale_task import SHAPES, build_scale_model, char_diversity, write_scale_rows
 
-PUBLISHED = {"qwen2.5-1.5b": "qwen2.5-1.5b-instruct", "llama-3.1-8b": "llama-3.1-8b-instruct"}
+PUBLISHED = {"qwen2.5-1.5b": "qwen2.5-1.5b-instruct", "llama-3.1-8b": "llama-3.1-8b-instruct",
+             "llama-3.1-70b": "llama-3.1-70b-instruct"}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

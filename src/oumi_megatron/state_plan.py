@@ -8,8 +8,13 @@ on CPU by scripts/bench_scale_laws.py and on one H200 with a Llama-3.1-70B-wide 
   offloaded parameter of the rank's optimizer shard), and with ``use_async_checkpoint`` the staged copy of what the
   rank saves (its bf16 weights' share and its optimizer shard, 14 B per parameter / (DP x CP));
 - **transient**, one path at a time on every rank of a node at once: a synchronous checkpoint save or load moves one
-  tensor at a time through the host (the rank's largest); the HF export holds at most one shard
-  (``hf_max_shard_size``) on each rank that writes; the conversion reads one HF tensor at a time on every TP rank.
+  tensor at a time through the host (the rank's largest fp32 optimizer tensor, twice: its host copy and torch's bytes
+  of it); the HF export holds at most one shard (``hf_max_shard_size``) on each rank that writes; the conversion reads
+  one HF tensor at a time on every TP rank (1.4 x the largest bf16 tensor, as measured).
+
+Measured on one H200 with the 70B-wide slice (configs/llama70b_slice_1gpu.yaml, docs/benchmarks.md), host memory above
+each phase's start against these estimates: convert 2.8 / 2.7 GiB, save 7.8 / 7.8, load 7.8 / 7.8, export 4.4 / 4.7;
+the process at the step's start 1.8 / 2.0.
 
 Disk, on the shared ``output_dir``: a checkpoint holds the bf16 weights (2 B per parameter) and the optimizer state
 (fp32 master weights and two moments, 12 B per parameter); ``keep_last_n_checkpoints`` + 1 coexist while a save
@@ -83,9 +88,11 @@ def estimate_state(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Paral
     if m.checkpoint_config.use_async_checkpoint:
         resident += 2 * rank_params / shards + 12 * optimizer_shard
     largest = largest_tensor_params(shape)
+    fp32_tensor = 4 * largest / layout.tensor_parallel / (shards if m.ddp_config.use_distributed_optimizer else 1)
     transient = {
-        "convert": 2 * 2 * largest,  # the HF tensor read, and its cast to the training dtype
-        "checkpoint": 2 * 4 * largest / layout.tensor_parallel,  # one fp32 tensor of the rank's on its way to or from disk
+        "convert": 1.4 * 2 * largest,  # the HF tensor read on every TP rank, and the converted model's save
+        "checkpoint_save": 2 * fp32_tensor,  # the rank's largest optimizer tensor: its host copy, torch's bytes of it
+        "checkpoint_load": 2 * fp32_tensor,  # the bytes read, the tensor made of them (torch's reader)
         "hf_export": float(parse_size(m.hf_max_shard_size)),
     }
     node = min(gpus_per_node or layout.world_size, layout.world_size)

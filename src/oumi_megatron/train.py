@@ -66,7 +66,6 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     init_distributed()  # the start decisions below are collective: made once, checked per rank
     check_shared(config.training.output_dir)  # one folder on every node, before anything is written there
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
-    check_space(config, report.model_shape, start)  # the disk holds what the run will write
 
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
@@ -74,6 +73,7 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     from oumi_megatron.rollout.ray_fleet import preflight
 
     preflight(config.megatron, config.model.model_name)  # rollout_placement: ray: the cluster holds the engines
+    check_space(config, report.model_shape, start)  # output_dir's disk holds what the run will write
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.

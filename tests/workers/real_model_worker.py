@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--no-final-checkpoint", action="store_true", help="throughput runs at scale (scripts/bench_scale.py): "
                    "no resumable state at the end (a Llama-8B-shaped run's is ~110 GB of weights and Adam moments, and "
                    "its writing is not what is measured)")
+    p.add_argument("--export", action="store_true", help="write the final HF export even with --no-eval "
+                   "(scripts/bench_scale_laws.py --gpu measures it)")
     p.add_argument("--inference-backend", default=None, help="megatron.inference_backend instead of the config's")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=None, help="megatron.vllm_kv_cache_gib instead of the "
                    "config's (a colocated engine maps and unmaps this much at each wake and sleep)")
@@ -110,7 +112,8 @@ def main() -> None:
     out = work / "run"
     training = SimpleNamespace(
         output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
-        enable_tensorboard=True, save_final_model=not (args.no_eval or args.no_export_eval), try_resume_from_last_checkpoint=True,
+        enable_tensorboard=True, save_final_model=args.export or not (args.no_eval or args.no_export_eval),
+        try_resume_from_last_checkpoint=True,
         eval_strategy="no" if args.no_eval else t["eval_strategy"], eval_steps=t["eval_steps"],
         per_device_eval_batch_size=t["per_device_eval_batch_size"],
         include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,

@@ -4,9 +4,10 @@ Whole-run benchmarks (scripts/bench_grpo.py) need a model of a size users train,
 Throughput does not depend on what the weights know, so this builds one locally:
 
 - **model**: one of ``SHAPES`` with random weights, saved as an HF folder in bf16: Qwen2.5-1.5B's architecture
-  (28 layers, hidden 1536, 12 query / 2 KV heads, SwiGLU 8960, QKV bias, tied embeddings, vocabulary 151,936) or
+  (28 layers, hidden 1536, 12 query / 2 KV heads, SwiGLU 8960, QKV bias, tied embeddings, vocabulary 151,936),
   Llama-3.1-8B's (32 layers, hidden 4096, 32 query / 8 KV heads, SwiGLU 14336, untied embeddings, vocabulary 128,256,
-  RoPE theta 500,000 with the "llama3" scaling);
+  RoPE theta 500,000 with the "llama3" scaling) or Llama-3.1-70B's (80 layers, hidden 8192, 64 query / 8 KV heads,
+  SwiGLU 28672, the same vocabulary and RoPE; a few layers of it, ``num_hidden_layers``, for one GPU);
 - **tokenizer**: byte-level, with the full vocabulary (256 byte tokens, filler tokens of two and three bytes up to
   the vocabulary's size less 3, then ChatML's three special tokens), so every id a random model samples decodes, in
   vLLM too. Prompts encode one token per byte;
@@ -36,6 +37,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          rope_parameters=LLAMA3_1_ROPE),
+    # its width: scripts/bench_scale_laws.py --gpu runs a slice of it (2 of its 80 layers) on one GPU
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                          rope_parameters=LLAMA3_1_ROPE),
 }
 """The models' config.json architecture fields (configs/model_shapes/ holds the published files; a test compares)."""
 
