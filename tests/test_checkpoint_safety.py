@@ -191,27 +191,47 @@ def test_a_disk_too_small_for_the_run_stops_it_before_conversion(tmp_path: Path)
     check_space(config, small, StartPoint(None, 0))
 
 
-def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+_SAVE_WITHOUT_ROOM = """
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from oumi_megatron.config.megatron_params import MegatronParams
+from oumi_megatron.engine.builder import build_engine_from_hf_config
+from oumi_megatron.engine.optimizer import OptimSettings
+from oumi_megatron.engine.state import checkpointing
+from oumi_megatron.examples.tiny_models import build_tiny_model, tiny_config
+
+tmp = Path(sys.argv[1])
+hf = build_tiny_model(tmp / "hf", arch="llama")
+cfg = tiny_config("llama")
+cfg.architectures = ["LlamaForCausalLM"]
+_, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+checkpointing._materialize_adam_state(engine.optimizer)
+root = tmp / "checkpoints"
+first = checkpointing.save_checkpoint(engine, root, 1, {"data_position": 0}, hf, keep_last=2)
+assert 0 < checkpointing.checkpoint_bytes(engine) < 50 * 2**20
+checkpointing.checkpoint_bytes = lambda _engine: 10.0**18  # more than any disk
+with pytest.raises(checkpointing.CheckpointSpaceError, match=r"checkpoint step 2 \\(the 2 newest are kept until it is "
+                                                             r"complete\\) needs ~[\\d.]+ GiB: free space there") as e:
+    checkpointing.save_checkpoint(engine, root, 2, {"data_position": 4}, hf, keep_last=2)
+assert sorted(p.name for p in root.iterdir()) == ["step_000001"], sorted(root.iterdir())
+assert checkpointing.verify_checkpoint(first) is None
+print("OK", e.value)
+"""
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A save whose checkpoint the disk cannot take stops before its folder exists; the checkpoint already there stays
-    complete. (The engine's checkpoint size is made larger than the disk: filling a real disk is not a unit test.)"""
-    import torch
+    complete. (The engine's checkpoint size is made larger than any disk: filling a real disk is not a unit test.)
+    Its own process: it sets up Megatron's parallel state."""
+    import sys
 
-    from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.builder import build_engine_from_hf_config
-    from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine.state import checkpointing
-    from oumi_megatron.examples.tiny_models import build_tiny_model, tiny_config
+    from conftest import free_port, run_cli
 
-    hf = build_tiny_model(tmp_path / "hf", arch="llama")
-    cfg = tiny_config("llama")
-    cfg.architectures = ["LlamaForCausalLM"]
-    _, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
-    checkpointing._materialize_adam_state(engine.optimizer)
-    root = tmp_path / "checkpoints"
-    first = checkpointing.save_checkpoint(engine, root, 1, {"data_position": 0}, hf, keep_last=2)
-    assert 0 < checkpointing.checkpoint_bytes(engine) < 50 * 2**20
-    monkeypatch.setattr(checkpointing, "checkpoint_bytes", lambda _engine: 10.0**18)
-    with pytest.raises(checkpointing.CheckpointSpaceError, match=r"checkpoint step 2 \(the 2 newest are kept until it is "
-                                                                 r"complete\) needs ~[\d.]+ GiB: free space there"):
-        checkpointing.save_checkpoint(engine, root, 2, {"data_position": 4}, hf, keep_last=2)
-    assert sorted(p.name for p in root.iterdir()) == ["step_000001"] and verify_checkpoint(first) is None
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = run_cli([sys.executable, "-c", _SAVE_WITHOUT_ROOM, str(tmp_path)], env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout and "keep_last_n_checkpoints" in proc.stdout, \
+        (proc.stdout + proc.stderr)[-4000:]

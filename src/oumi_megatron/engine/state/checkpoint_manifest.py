@@ -63,15 +63,32 @@ def _entries(checkpoint: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
     return out
 
 
+TENSOR_DIRS = ("model", "optimizer")
+"""The checkpoint's distributed-checkpoint folders, where each rank's ``__R_I.distcp`` files are."""
+
+
+def rank_files(checkpoint: Path, rank: int) -> list[Path]:
+    """The files ``rank`` wrote: its rank state and its tensor files, found by their names (torch numbers a rank's files
+    0, 1, ...), so a rank touches only its own files, not a listing of every rank's."""
+    mine = [p for p in [checkpoint / f"rank_{rank:05d}.json"] if p.is_file()]
+    for sub in TENSOR_DIRS:
+        index = 0
+        while (checkpoint / sub / f"__{rank}_{index}.distcp").is_file():
+            mine.append(checkpoint / sub / f"__{rank}_{index}.distcp")
+            index += 1
+    return mine
+
+
 def write_rank_manifest(checkpoint: Path, rank: int) -> None:
     """This rank's files (its rank state and the tensor files it wrote), in its own manifest."""
-    mine = [p for p in checkpoint.rglob("*") if p.is_file() and owner(p) == rank]
+    mine = rank_files(checkpoint, rank)
     (checkpoint / rank_manifest_name(rank)).write_text(json.dumps({"rank": rank, "files": _entries(checkpoint, mine)}))
 
 
 def write_manifest(checkpoint: Path, world_size: int) -> None:
     """The shared files (everything no rank owns, but the manifests and the state file written after them), and the
-    world size whose rank manifests make the checkpoint whole. Rank 0, after every rank wrote its own manifest."""
+    world size whose rank manifests make the checkpoint whole. Rank 0, after every rank wrote its own manifest (it
+    lists the checkpoint's folders: names only, once per save)."""
     shared = [p for p in checkpoint.rglob("*") if p.is_file() and owner(p) is None
               and p.name != STATE_FILE and not (p.parent == checkpoint and (p.name == MANIFEST_FILE or _RANK_MANIFEST.match(p.name)))]
     (checkpoint / MANIFEST_FILE).write_text(json.dumps({"world_size": world_size, "files": _entries(checkpoint, shared)},
