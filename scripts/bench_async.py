@@ -5,7 +5,7 @@
 The real task: configs/smollm2_arithmetic_gpu.yaml's model (SmolLM2-135M-Instruct), rows and reward (Oumi's gsm8k), at its
 settings (16 prompts x 8 completions per GRPO step in two optimizer steps, temperature 0.7, 128 new tokens, lr 1e-5
 constant, no KL, bf16), held-out evaluation (both sets) at step 0 and at the last step. Rows, one process tree each, one
-after another (tests/workers/real_model_worker.py: the same trainer as ``oumi train``):
+after another (scripts/run_grpo.py: the same trainer as ``oumi train``):
 - ``sync_dp2``: the synchronous loop, data-parallel over both GPUs (torchrun, 2 ranks), each with a colocated vLLM
   engine that stays resident (``vllm_sleep: false``, KV cache sized to the step's rollouts): issue 31's fastest
   synchronous setting, on both GPUs;
@@ -29,8 +29,18 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import CONFIG, MAX_PROMPT_LENGTH, _fmt, _mean, link_cell, report, rollout_kv_cache_gib, run_rows, run_worker  # noqa: E402
+from bench_common import (
+    REAL_CONFIG,
+    card_name,
+    fmt,
+    link_cell,
+    mean_of,
+    print_report,
+    real_max_prompt_length,
+    rollout_kv_cache_gib,
+    run_rows,
+    run_worker,
+)
 
 PATHS = ("sync_dp2", "sync_separate", "async")
 GPUS = 2
@@ -38,7 +48,7 @@ GPUS = 2
 
 def row_config(out: Path, args: argparse.Namespace, path: str, cuda: bool) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for one row, written as async_PATH.yaml."""
-    raw = yaml.safe_load(CONFIG.read_text())
+    raw = yaml.safe_load(REAL_CONFIG.read_text())
     completions = args.prompts * args.generations
     dp = GPUS if path == "sync_dp2" else 1
     raw["training"].update(max_steps=args.steps, save_steps=0, eval_steps=args.steps)  # evaluations at 0 and the end
@@ -46,7 +56,7 @@ def row_config(out: Path, args: argparse.Namespace, path: str, cuda: bool) -> Pa
                            micro_batch_size=max(completions // 4, 1))  # 2 optimizer steps; DP=2: one microbatch each
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if path == "sync_dp2":
-        max_len = MAX_PROMPT_LENGTH + args.max_new_tokens
+        max_len = real_max_prompt_length() + args.max_new_tokens
         kv = rollout_kv_cache_gib(args.model, completions // dp, max_len) if cuda else 0.0
         raw["megatron"].update(rollout_placement="colocated", vllm_sleep=False, vllm_kv_cache_gib=kv)
     else:
@@ -70,12 +80,12 @@ def run_row(args: argparse.Namespace, out: Path, path: str, cuda: bool) -> dict[
     first_eval = result["eval_curve"][0] if result.get("eval_curve") else {}
     return {
         "name": path, "card": result["card"], "gpus": GPUS, **columns,
-        "rollout_wait_s": _mean(steady, "time/rollout_wait_s"), "push_s": _mean(steady, "time/push_s"),
-        "trainer_idle": _mean(steady, "async/trainer_idle_fraction"),
-        "engine_idle": _mean(steady, "async/engine_idle_fraction"),
+        "rollout_wait_s": mean_of(steady, "time/rollout_wait_s"), "push_s": mean_of(steady, "time/push_s"),
+        "trainer_idle": mean_of(steady, "async/trainer_idle_fraction"),
+        "engine_idle": mean_of(steady, "async/engine_idle_fraction"),
         "staleness_max": max((t.get("rollout/staleness_max") or 0.0) for t in result["train"]),
-        "sync_gbps": _mean(steady, "weight_sync/gbps"), "raw_gbps": _mean(steady, "weight_sync/raw_gbps"),
-        "fraction_of_raw": _mean(steady, "weight_sync/fraction_of_raw"),
+        "sync_gbps": mean_of(steady, "weight_sync/gbps"), "raw_gbps": mean_of(steady, "weight_sync/raw_gbps"),
+        "fraction_of_raw": mean_of(steady, "weight_sync/fraction_of_raw"),
         "eval_step": last_eval.get("step"), "eval_accuracy": last_eval.get("eval/accuracy"),
         "eval_unseen_accuracy": last_eval.get("eval_unseen/accuracy"), "eval_accuracy_base": first_eval.get("eval/accuracy"),
         "train_seconds": result.get("train_seconds"),
@@ -93,8 +103,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         ratio = f"{r['tokens_per_s_per_gpu'] / base:.2f}x" if base else "-"
         push = f"{1e3 * r['push_s']:.0f}" if r.get("push_s") is not None else "-"
         acc = (f"{r['eval_accuracy']:.3f} / {r['eval_unseen_accuracy']:.3f}" if r.get("eval_accuracy") is not None else "-")
-        lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.3f} | {_fmt(r.get('trainer_idle'))} "
-                     f"| {_fmt(r.get('rollout_wait_s'), '.3f')} | {push} | {link_cell(r)} | {r['staleness_max']:.0f} | {acc} "
+        lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.3f} | {fmt(r.get('trainer_idle'))} "
+                     f"| {fmt(r.get('rollout_wait_s'), '.3f')} | {push} | {link_cell(r)} | {r['staleness_max']:.0f} | {acc} "
                      f"| {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
     return "\n".join(lines)
 
@@ -120,8 +130,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = Path(args.results or args.out)
     rows, failed = run_rows(args.paths, PATHS, lambda path: run_row(args, out, path, cuda), results / "async_result.json")
-    card = torch.cuda.get_device_name() if cuda else "cpu"
-    report(f"{GPUS} x {card}, `python scripts/bench_async.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
+    print_report(f"{GPUS} x {card_name()}, `python scripts/bench_async.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state import hf_weights
     from oumi_megatron.examples.tiny_models import tiny_config
 
@@ -41,7 +42,8 @@ def main() -> None:
         hf_weights._strip_each_config_once = contextlib.nullcontext
     cfg = tiny_config("llama", num_layers=args.layers)
     cfg.architectures = ["LlamaForCausalLM"]
-    bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+    bridge, engine = build_engine_from_hf_config(
+        cfg, engine_layout(params := MegatronParams()), params, OptimSettings(), dtype=torch.float32)
     export = hf_weights.HFWeightExporter(bridge, engine.model)
     tensors = sum(1 for _ in export())  # builds and caches the conversion plan
     times = []

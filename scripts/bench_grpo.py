@@ -10,7 +10,7 @@ Tasks:
 
 Rows (each in its own process, one after another), all at the real task's settings (16 prompts x 8 completions per
 GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5 constant, no KL, bf16):
-- ``embedded``: this project with the embedded backend (tests/workers/real_model_worker.py --no-eval: the same
+- ``embedded``: this project with the embedded backend (scripts/run_grpo.py --no-eval: the same
   trainer as ``oumi train``);
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
 - ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
@@ -30,37 +30,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bench_common import (
+    REAL_CONFIG,
+    REPO,
+    card_name,
+    fmt,
+    mean_of,
+    print_report,
+    real_max_prompt_length,
+    rollout_kv_cache_gib,
+    run_logged,
+    run_rows,
+    run_worker,
+)
+
 PATHS = ("embedded", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
-CONFIG = REPO / "configs" / "smollm2_arithmetic_gpu.yaml"
-MAX_PROMPT_LENGTH = yaml.safe_load(CONFIG.read_text())["grpo"]["max_prompt_length"]  # both libraries' engines get it
-
-
-def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
-    """The KV cache a step's rollouts fill (every completion at full length), with a quarter more for vLLM's blocks."""
-    from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.plan import GIB, kv_cache_bytes_per_token
-
-    shape = ModelShape.from_file(model)
-    return 1.25 * completions * max_len * kv_cache_bytes_per_token(shape, shape.num_layers) / GIB
 
 
 def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_cache_gib: float = 0.0,
                 sleep: bool = True) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end;
     written as TASK_TAG.yaml (``tag``: the row's, see ``run_ours``)."""
-    raw = yaml.safe_load(CONFIG.read_text())
+    raw = yaml.safe_load(REAL_CONFIG.read_text())
     completions = args.prompts * args.generations
     raw["training"].update(max_steps=args.steps, save_steps=0)
     raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4,
@@ -74,7 +71,7 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
 
 
 def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False, sleep: bool = True) -> dict[str, Any]:
-    completions, max_len = args.prompts * args.generations, MAX_PROMPT_LENGTH + args.max_new_tokens
+    completions, max_len = args.prompts * args.generations, real_max_prompt_length() + args.max_new_tokens
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
     tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake")
     work = out / f"{args.task}_ours_{tag}"
@@ -84,42 +81,17 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     return {
         "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake") + ")",
         **columns,
-        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
-        "sync_export_s": _mean(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
+        "wake_s": mean_of(steady, "time/wake_s"), "sleep_s": mean_of(steady, "time/sleep_s"),
+        "sync_export_s": mean_of(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
         # the engine's sampling logprobs against the trainer's (NeMo-RL's token_mult_prob_error; 1 = equal)
-        "mismatch": _mean(steady, "mismatch/token_mult_prob_error"),
+        "mismatch": mean_of(steady, "mismatch/token_mult_prob_error"),
         "rollout_s_per_step": [t["time/rollout_s"] for t in steady],
-        "decode_ms_per_step": _mean(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
+        "decode_ms_per_step": mean_of(steady, "rollout/decode_ms_per_step"), "rollout_path": result.get("rollout_path"),
         "vllm_imported": result.get("vllm_imported"), "cudnn_sdp_enabled": result.get("cudnn_sdp_enabled"),
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
-        "completion_length": _mean(train, "completion_length/mean"),
+        "completion_length": mean_of(train, "completion_length/mean"),
         "completion_length_per_step": [t["completion_length/mean"] for t in train],
     }
-
-
-def run_worker(work: Path, cfg: Path, args: argparse.Namespace, flags: list[str], launcher: list[str] | None = None,
-               gpus: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """One whole run of tests/workers/real_model_worker.py (the trainer ``oumi train`` runs) on ``cfg`` in ``work``,
-    its log beside it; ``launcher``: torchrun's command for several ranks (default: one process). Returns its
-    result.json, the steps that count (step 1, the warm-up, left out where there are more) and the columns every
-    whole-run row has: tokens/s/GPU (prompt + completion tokens of those steps' batches over their step time / ``gpus``,
-    NeMo-RL's definition), step time and its phases, rewards."""
-    shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
-    _run([*(launcher or [sys.executable]), str(REPO / "tests" / "workers" / "real_model_worker.py"), str(cfg), str(work),
-          "--rows", args.rows, "--model", args.model, *flags], work.parent / f"{work.name}.log")
-    result = json.loads((work / "result.json").read_text())
-    train = result["train"]
-    steady = train[1:] if len(train) > 1 else train
-    step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]
-    rewards = [t["reward/mean"] for t in train]
-    columns = {
-        "tokens_per_s_per_gpu": sum(t["batch/real_tokens"] for t in steady) / sum(step_s) / gpus,
-        "step_s": sum(step_s) / len(step_s), "step_s_per_step": step_s,
-        **{name: _mean(steady, f"time/{name}") for name in ("rollout_s", "logprob_s", "train_s", "sync_s")},
-        "reward_per_step": rewards, "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
-        "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "steps": len(train),
-    }
-    return result, steady, columns
 
 
 def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
@@ -128,9 +100,9 @@ def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
     cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo_trl.py"), "--model", args.model, "--rows", args.rows,
            "--steps", str(args.steps), "--out", str(result), "--prompts", str(args.prompts), "--generations",
            str(args.generations), "--max-new-tokens", str(args.max_new_tokens), "--task", args.task,
-           "--max-prompt-length", str(MAX_PROMPT_LENGTH),
+           "--max-prompt-length", str(real_max_prompt_length()),
            *(["--vllm"] if vllm else [])]
-    _run(cmd, out / f"{name}.log")
+    run_logged(cmd, out / f"{name}.log")
     r = json.loads(result.read_text())
     steady = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
     gen, step_s = r["generation_s"][steady], r["step_s"][steady]
@@ -148,25 +120,6 @@ def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
     }
 
 
-def _mean(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
-
-
-class RowFailed(RuntimeError):
-    """A row's process failed; its log's tail is the message."""
-
-
-def _run(cmd: list[str], log: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    if proc.returncode:
-        tail = log.read_text()[-3000:]
-        print(f"{' '.join(cmd[:3])} failed ({proc.returncode}); its log: {log}\n{tail}", flush=True)
-        raise RowFailed(f"exit {proc.returncode}: " + tail[-600:].replace("\n", " | "))
-
-
 def prepare_scale(args: argparse.Namespace) -> None:
     """The scale task's model and rows, built where they are missing (examples/scale_task.py)."""
     from oumi_megatron.examples.scale_task import build_scale_model, write_scale_rows
@@ -175,17 +128,6 @@ def prepare_scale(args: argparse.Namespace) -> None:
         build_scale_model(args.model)
     if not (Path(args.rows) / "train.rows.jsonl").is_file():
         write_scale_rows(args.rows)
-
-
-def _fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def link_cell(r: dict[str, Any]) -> str:
-    """A row's weight push against the raw broadcast over the same group: 'GB/s (N% of raw GB/s)', or '-'."""
-    if not (r.get("sync_gbps") and r.get("fraction_of_raw")):
-        return "-"
-    return f"{r['sync_gbps']:.1f} ({100 * r['fraction_of_raw']:.2g}% of {r['raw_gbps']:.0f})"
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -201,9 +143,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         engine = f"{ms['sync_s']} ({ms['sync_export_s']}) / {ms['wake_s']} / {ms['sleep_s']}" if (r.get("sync_s") or 0) > 1e-4 else "-"
         ratio = f"{r['tokens_per_s_per_gpu'] / best_trl:.2f}x" if best_trl else "-"
         lines.append(f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {ratio} | {r['step_s']:.2f} | "
-                     f"{engine} | {_fmt(r.get('rollout_s'))} | "
-                     f"{_fmt(r.get('logprob_s'))} | {_fmt(r.get('train_s'))} | {_fmt(r.get('peak_gib'), '.1f')} | "
-                     f"{_fmt(r.get('completion_length'), '.0f')} | {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
+                     f"{engine} | {fmt(r.get('rollout_s'))} | "
+                     f"{fmt(r.get('logprob_s'))} | {fmt(r.get('train_s'))} | {fmt(r.get('peak_gib'), '.1f')} | "
+                     f"{fmt(r.get('completion_length'), '.0f')} | {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} |")
     return "\n".join(lines)
 
 
@@ -233,39 +175,7 @@ def main() -> None:
         return run_trl(args, out, vllm=path == "trl_vllm")
 
     rows, failed = run_rows(args.paths, PATHS, run_path, results / f"{args.task}_result.json")
-    import torch
-
-    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    report(f"{card}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
-
-
-def run_rows(paths: str, known: tuple[str, ...], run: Callable[[str], dict[str, Any]],
-             result_file: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Each of the comma-separated ``paths`` (one of ``known``) through ``run``, one after another: (rows, failures).
-    One row failing (e.g. TRL with an untested vLLM) must not lose the others' numbers, and ``result_file`` is
-    rewritten after every row, so a call cut off later keeps what is done."""
-    rows, failed = [], []
-    for path in paths.split(","):
-        if path not in known:
-            raise SystemExit(f"--paths: {', '.join(known)}, not {path!r}")
-        started = time.perf_counter()
-        try:
-            rows.append(run(path))
-            rows[-1]["row_wall_s"] = time.perf_counter() - started  # the process: start-up, model load, the steps
-            print(f"row done: {json.dumps(rows[-1])}", flush=True)
-        except RowFailed as e:
-            failed.append(f"{path}: {e}")
-        result_file.parent.mkdir(parents=True, exist_ok=True)
-        result_file.write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
-    return rows, failed
-
-
-def report(heading: str, table_text: str, failed: list[str]) -> None:
-    """The date, ``heading`` (card and command), the markdown table, and the rows that failed."""
-    print(f"\n{time.strftime('%Y-%m-%d')}, {heading}\n")
-    print(table_text)
-    for f in failed:
-        print(f"FAILED {f}")
+    print_report(f"{card_name()}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
 
 
 if __name__ == "__main__":

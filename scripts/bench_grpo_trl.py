@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+import bench_common
 
 
 def load_rows(rows_dir: Path, limit: int | None = None) -> list[dict[str, Any]]:
@@ -43,9 +42,8 @@ def load_rows(rows_dir: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def gsm8k_reward_for_trl(rows_dir: Path, format_score: float) -> Any:
-    """Oumi's gsm8k reward (its own source, as tests/workers/real_model_worker.py loads it) in TRL's signature."""
-    sys.path.insert(0, str(REPO / "tests" / "workers"))
-    from real_model_worker import oumi_gsm8k_reward
+    """Oumi's gsm8k reward (its own source, as scripts/run_grpo.py loads it) in TRL's signature."""
+    from run_grpo import oumi_gsm8k_reward
 
     score = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
 
@@ -168,7 +166,7 @@ def main() -> None:
     steady = slice(1, None) if len(step_s) > 1 else slice(None)  # step 1 warms up (compilation, allocator)
     result = {
         "name": "trl_vllm_colocate" if args.vllm else "trl_hf_generate",
-        "card": torch.cuda.get_device_name() if cuda else "cpu",
+        "card": bench_common.card_name(),
         "date": time.strftime("%Y-%m-%d"),
         "trl": __import__("trl").__version__,
         "grpo_steps": len(step_s),

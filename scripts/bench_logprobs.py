@@ -7,7 +7,8 @@ bf16, random init. Batch: 4 microbatches x 2 sequences x 4096 tokens. For each p
 (``megatron.logprob_chunk_tokens: 0`` = full logits, ``null`` = chunked, auto-sized) it times
 ``compute_logprobs`` (forward only: old/reference logprobs in GRPO) and ``train_step`` with a GRPO-like
 per-token loss, and reports each one's peak memory above the model's state (weights, fp32 main grads,
-optimizer state), so the numbers are the logits' and activations' share.
+optimizer state), so the numbers are the logits' and activations' share. ``report`` prints the table of logprobs.json
+(scripts/gpu_check.py).
 """
 
 import argparse
@@ -15,29 +16,24 @@ import functools
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 
-
-def model_config(seq: int):  # noqa: ANN201
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=152064, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=seq, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, rope_theta=1000000.0, architectures=["LlamaForCausalLM"],
-    )
+import bench_common
 
 
 def run(chunk: int | None, batches: list[dict], cfg, args) -> dict:  # noqa: ANN001
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
 
     params = MegatronParams()
     params.transformer_config.recompute_granularity = "selective"
     params.logprob_chunk_tokens = chunk
-    _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
+    _, engine = build_engine_from_hf_config(
+        cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
 
     def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
@@ -80,13 +76,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    cfg = model_config(args.seq)
+    cfg = bench_common.hf_config("logprobs-152k", args.seq)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
     full, lp_full = run(0, batches, cfg, args)
     chunked, lp_chunked = run(None, batches, cfg, args)
     result = {
-        "card": torch.cuda.get_device_name(), "vocab": cfg.vocab_size, "seq": args.seq, "mbs": args.mbs,
+        "card": bench_common.card_name(), "vocab": cfg.vocab_size, "seq": args.seq, "mbs": args.mbs,
         "microbatches": args.microbatches, "tokens_per_microbatch": args.mbs * args.seq,
         "full_logits": full, "chunked": chunked,
         "logprobs_max_abs_diff": (lp_full[:, :-1] - lp_chunked[:, :-1]).abs().max().item(),
@@ -95,6 +91,22 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def report(results_dir: Path) -> str:
+    """The markdown table of ``results_dir``/logprobs.json (this script's ``--out`` in scripts/gpu_check.py), or ""."""
+    path = results_dir / "logprobs.json"
+    if not path.is_file():
+        return ""
+    r = json.loads(path.read_text())
+    lines = [f"| logprobs, vocab {r['vocab']}, {r['tokens_per_microbatch']} tokens/microbatch | card | forward s "
+             "| forward peak above state GiB | train step s | train peak above state GiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("full_logits", "chunked"):
+        x = r[name]
+        lines.append(f"| {name} | {r['card']} | {x['forward_s']} | {x['forward_peak_above_state_gib']} | {x['train_step_s']} "
+                     f"| {x['train_peak_above_state_gib']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -29,26 +29,11 @@ from typing import Any
 
 import torch
 
-BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s of HBM (SXM parts)
-
-
-def hf_config(shape: str) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
-
-    if shape == "smollm2-135m":
-        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                           tie_word_embeddings=True, rope_theta=100000.0, architectures=["LlamaForCausalLM"])
-    if shape == "qwen2.5-1.5b":
-        return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                           num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                           tie_word_embeddings=True, rope_theta=1000000.0, architectures=["Qwen2ForCausalLM"])
-    raise SystemExit(f"--shape: smollm2-135m or qwen2.5-1.5b, not {shape}")
+import bench_common
 
 
 def bandwidth() -> float | None:
-    name = torch.cuda.get_device_name()
-    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+    return bench_common.hbm_bandwidth(bench_common.card_name())
 
 
 def measure(fn: Any) -> tuple[Any, float, float]:
@@ -68,6 +53,7 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.model_shape import ModelShape
     from oumi_megatron.plan import kv_cache_bytes_per_token
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
@@ -75,7 +61,8 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
 
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
-    _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=10), dtype=torch.bfloat16)
+    _, engine = build_engine_from_hf_config(
+        cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=10), dtype=torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for c in engine.model for p in c.parameters())
     shape = ModelShape.from_config_dict(cfg.to_dict(), "bench_rollout")
     kv_token = kv_cache_bytes_per_token(shape, shape.num_layers)
@@ -184,7 +171,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the kernels of 8 eager decode steps")
     args = p.parse_args()
     rows, new = (int(x) for x in args.batch.split("x"))
-    cfg = hf_config(args.shape)
+    if args.shape not in bench_common.ROLLOUT_SHAPES:
+        raise SystemExit(f"--shape: {' or '.join(bench_common.ROLLOUT_SHAPES)}, not {args.shape}")
+    cfg = bench_common.hf_config(args.shape)
     n = 8
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, cfg.vocab_size, (rows // n, 64), generator=g).tolist()
@@ -192,7 +181,7 @@ def main() -> None:
     results, extra = engine_paths(cfg, prompts, n, new, paths, args.repeat, args.profile)
     if "hf" in paths:
         results["hf"] = hf_generate(cfg, prompts, n, new, args.repeat)
-    out = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
            "batch": args.batch, "results": results, **extra}
     for r in results.values():
         rel = {f"x_{ref}": r["tokens_per_s"] / results[ref]["tokens_per_s"] for ref in ("schedule", "hf") if ref in results}

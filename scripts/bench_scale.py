@@ -6,7 +6,7 @@
 The task is examples/scale_task.py's: random weights of Llama-3.1-8B's shape (``--layers`` fewer to fit fewer GPUs),
 built into ``--model`` / ``--rows`` when they are missing, fixed-length completions (a random model does not stop),
 a cheap reward. Throughput does not depend on what the weights know. Rows, one process tree each, one after another
-(tests/workers/real_model_worker.py under torchrun: the same trainer as ``oumi train``):
+(scripts/run_grpo.py under torchrun: the same trainer as ``oumi train``):
 - ``sync``: configs/llama8b_grpo_8gpu.yaml, synchronous and colocated (the layout ``oumi-megatron plan --suggest``
   ranks first for 8 GPUs: TP 2 x DP 4, one vLLM engine per TP group, asleep while the trainer trains), on ``--gpus``;
 - ``async``: configs/llama8b_grpo_8gpu_async.yaml, one step off policy: half the GPUs train (TP 2), the other half
@@ -31,8 +31,7 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import REPO, RowFailed, _fmt, _mean, _run, link_cell, report, run_rows, run_worker  # noqa: E402
+from bench_common import REPO, RowFailed, card_name, fmt, link_cell, mean_of, print_report, run_logged, run_rows, run_worker
 
 PATHS = ("sync", "async")
 CONFIGS = {"sync": REPO / "configs" / "llama8b_grpo_8gpu.yaml", "async": REPO / "configs" / "llama8b_grpo_8gpu_async.yaml"}
@@ -82,12 +81,12 @@ def run_row(args: argparse.Namespace, out: Path, path: str) -> dict[str, Any]:
         "name": path, "card": result["card"], "gpus": args.gpus, "trainer_gpus": gpus,
         "tp": raw["megatron"].get("tensor_model_parallel_size", 1), "layers": result.get("num_layers"),
         **columns, "nemo_rl": NEMO_RL[path],
-        "rollout_wait_s": _mean(steady, "time/rollout_wait_s"),
-        "wake_s": _mean(steady, "time/wake_s"), "sleep_s": _mean(steady, "time/sleep_s"),
-        "push_s": _mean(steady, "time/push_s"), "trainer_idle": _mean(steady, "async/trainer_idle_fraction"),
-        "sync_gbps": _mean(steady, "weight_sync/gbps"), "raw_gbps": _mean(steady, "weight_sync/raw_gbps"),
-        "fraction_of_raw": _mean(steady, "weight_sync/fraction_of_raw"),
-        "completion_length": _mean(steady, "completion_length/mean"), "tokens_per_step": _mean(steady, "batch/real_tokens"),
+        "rollout_wait_s": mean_of(steady, "time/rollout_wait_s"),
+        "wake_s": mean_of(steady, "time/wake_s"), "sleep_s": mean_of(steady, "time/sleep_s"),
+        "push_s": mean_of(steady, "time/push_s"), "trainer_idle": mean_of(steady, "async/trainer_idle_fraction"),
+        "sync_gbps": mean_of(steady, "weight_sync/gbps"), "raw_gbps": mean_of(steady, "weight_sync/raw_gbps"),
+        "fraction_of_raw": mean_of(steady, "weight_sync/fraction_of_raw"),
+        "completion_length": mean_of(steady, "completion_length/mean"), "tokens_per_step": mean_of(steady, "batch/real_tokens"),
         "peak_gib_by_rank": result.get("peak_gib_by_rank"), "plan_training_peak_gib": result.get("plan_training_peak_gib"),
         "train_seconds": result.get("train_seconds"),
     }
@@ -104,9 +103,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         peaks = ", ".join(f"{x:.1f}" for x in r["peak_gib_by_rank"] or [])
         lines.append(f"| {r['name']} | {r['gpus']} ({r['trainer_gpus']}) | {r['layers']} | {r['tp']} | {r['tokens_per_s_per_gpu']:,.0f} "
                      f"| {r['tokens_per_s_per_gpu'] / r['nemo_rl']:.2f}x of {r['nemo_rl']:,.0f} | {r['step_s']:.1f} "
-                     f"| {_fmt(r.get('rollout_s'), '.1f')} / {_fmt(r.get('logprob_s'), '.1f')} / {_fmt(r.get('train_s'), '.1f')} "
-                     f"| {ms} | {_fmt(r.get('completion_length'), '.0f')} | {peaks} ({_fmt(r.get('plan_training_peak_gib'), '.1f')}) "
-                     f"| {_fmt(r.get('trainer_idle'))} | {link_cell(r)} |")
+                     f"| {fmt(r.get('rollout_s'), '.1f')} / {fmt(r.get('logprob_s'), '.1f')} / {fmt(r.get('train_s'), '.1f')} "
+                     f"| {ms} | {fmt(r.get('completion_length'), '.0f')} | {peaks} ({fmt(r.get('plan_training_peak_gib'), '.1f')}) "
+                     f"| {fmt(r.get('trainer_idle'))} | {link_cell(r)} |")
     return "\n".join(lines)
 
 
@@ -137,14 +136,13 @@ def main() -> None:
     if not (Path(args.model) / "config.json").is_file():  # a folder already there is used as it is (smoke tests: small)
         # in a process of its own: this one must hold no GPU memory while the rows run
         layers = f", num_hidden_layers={args.layers}" if args.layers else ""
-        _run([sys.executable, "-c", "from oumi_megatron.examples.scale_task import build_scale_model; "
-              f"build_scale_model({args.model!r}, shape='llama-3.1-8b'{layers})"], out / "scale_model.log")
+        run_logged([sys.executable, "-c", "from oumi_megatron.examples.scale_task import build_scale_model; "
+                    f"build_scale_model({args.model!r}, shape='llama-3.1-8b'{layers})"], out / "scale_model.log")
     if not (Path(args.rows) / "train.rows.jsonl").is_file():
         write_scale_rows(args.rows)
     results = Path(args.results or args.out)
     rows, failed = run_rows(args.paths, PATHS, lambda path: run_row(args, out, path), results / "scale_result.json")
-    card = torch.cuda.get_device_name() if args.cuda else "cpu"
-    report(f"{args.gpus} x {card}, `python scripts/bench_scale.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
+    print_report(f"{args.gpus} x {card_name()}, `python scripts/bench_scale.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ the path) above its resident set when the path starts, per rank. The table gives
 least-squares slope of that peak against the bf16 model's bytes (2 B per parameter of the whole model) and the wall
 time at each size. A slope of 1.0 is one whole model's worth of bytes per rank; a rank of a PP=2 layout owns 0.5.
 
-    python scripts/bench_scale_laws.py --gpu [--layers 2] [--state-dir DIR]      # on one GPU (scripts/gpu_check.sh)
+    python scripts/bench_scale_laws.py --gpu [--layers 2] [--state-dir DIR]      # on one GPU (scripts/gpu_check.py, mode laws)
 
 ``--gpu``: a Llama-3.1-70B-wide slice (configs/llama70b_slice_1gpu.yaml: the 70B model's width and vocabulary, 2 of its
-layers, 3.8B parameters, random weights) through the trainer (tests/workers/real_model_worker.py, what ``oumi train``
+layers, 3.8B parameters, random weights) through the trainer (scripts/run_grpo.py, what ``oumi train``
 runs): convert, one GRPO step, the final checkpoint and the HF export in one process, then the checkpoint's load in a
 second (the resume). Each phase's peak GPU memory (max_memory_allocated) and host memory (VmHWM) is printed beside
 ``oumi-megatron plan``'s for the slice (plan.py, state_plan.py). ``--state-dir``: where the run writes (the checkpoint
@@ -42,15 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench_common import LAW_SIZES as SIZES
+from bench_common import REPO, RUN_GRPO, card_name
 
-SIZES: dict[str, dict[str, int]] = {
-    # Llama-3.1's architecture (untied embeddings, SwiGLU, RMSNorm), MHA with head dim 64, narrower and shallower
-    "7m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=8192),
-    "27m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, vocab_size=16384),
-    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, vocab_size=16384),
-    "554m": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, vocab_size=32768),
-}
 LAYOUTS: dict[str, dict[str, int]] = {
     "1": {"ranks": 1},
     "pp2": {"ranks": 2, "pipeline_model_parallel_size": 2},
@@ -114,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.distributed import destroy, init_distributed
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
@@ -122,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     layout = {k: v for k, v in LAYOUTS[args.layout].items() if k != "ranks"}
     params = MegatronParams(**layout)
     params.transformer_config.recompute_granularity = None
+    resolved = engine_layout(params)  # once: every path below runs on it
     params.checkpoint_config.use_async_checkpoint = False
     params.hf_max_shard_size = str(args.max_shard_bytes)
     work = Path(args.work)
@@ -131,14 +127,14 @@ def worker(args: argparse.Namespace) -> None:
     mc = work / "megatron_checkpoint"
     paths = set(args.paths.split(","))
     if args.export_cli:  # a process of its own: it holds nothing but the model it builds
-        meter.measure("export_cli", lambda: export_to_hf(work / "checkpoints" / "step_000001", work / "hf_export_cli", params))
+        meter.measure("export_cli", lambda: export_to_hf(work / "checkpoints" / "step_000001", work / "hf_export_cli", resolved, params))
         paths = set()
     else:
-        meter.measure("convert", lambda: convert_hf_to_megatron(args.hf, mc, params, dtype=dtype))
+        meter.measure("convert", lambda: convert_hf_to_megatron(args.hf, mc, resolved, params, dtype=dtype))
     trainer_state = 0.0
     if paths & {"save", "load", "export"}:
         settings = OptimSettings(lr=1e-5, total_steps=4)
-        bridge, engine = build_engine(mc, params, settings, dtype)
+        bridge, engine = build_engine(mc, resolved, params, settings, dtype)
         from megatron.core import parallel_state as ps
 
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -287,7 +283,7 @@ class GpuMeter:
 
 
 def gpu_worker(args: argparse.Namespace) -> None:
-    """real_model_worker (the trainer) with each phase measured."""
+    """run_grpo (the trainer) with each phase measured."""
     import runpy
 
     from oumi_megatron.engine.state import conversion
@@ -302,7 +298,7 @@ def gpu_worker(args: argparse.Namespace) -> None:
     grpo_trainer.save_checkpoint = meter.wrap("save", grpo_trainer.save_checkpoint)  # type: ignore[assignment]
     grpo_trainer.load_checkpoint = meter.wrap("load", grpo_trainer.load_checkpoint)  # type: ignore[assignment]
     HFWeightExporter.save = meter.wrap("export", HFWeightExporter.save)  # type: ignore[method-assign]
-    sys.argv = [str(REPO / "tests" / "workers" / "real_model_worker.py"), args.slice_config, args.work, "--rows", args.rows,
+    sys.argv = [str(RUN_GRPO), args.slice_config, args.work, "--rows", args.rows,
                 "--no-eval", "--export"]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
@@ -322,7 +318,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     raw = yaml.safe_load(SLICE_CONFIG.read_text())
     raw["model"]["model_name"] = str(hf)
     raw["training"]["output_dir"] = str(state / "run")
-    raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]  # the scale task's cheap reward (real_model_worker)
+    raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]  # the scale task's cheap reward (run_grpo)
     cfg = out / "slice.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     work = state / "slice"
@@ -340,42 +336,26 @@ def run_gpu(args: argparse.Namespace) -> None:
     measured["load"] = json.loads((work / "phases_resumed.json").read_text())["load"]  # the resume's (it converts nothing)
     print(gpu_table(cfg, hf, measured))
     if args.json:
-        Path(args.json).write_text(json.dumps({"measured": measured, "card": _card()}, indent=1))
-
-
-def _card() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        Path(args.json).write_text(json.dumps({"measured": measured, "card": card_name()}, indent=1))
 
 
 def gpu_table(cfg: Path, hf: Path, measured: dict[str, dict[str, float]]) -> str:
     """The phases against the plan: GPU (the training peak for the step), host above each phase's start."""
-    from types import SimpleNamespace
-
-    import yaml
-    from omegaconf import OmegaConf
-
-    from oumi_megatron.config.grpo_params import MegatronGrpoParams
-    from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.layout import resolve_layout
+    from oumi_megatron.config.standalone import load_config
+    from oumi_megatron.engine.parallel.layout import resolve_layout
     from oumi_megatron.model_shape import ModelShape
     from oumi_megatron.plan import estimate_memory, rank_params
     from oumi_megatron.state_plan import estimate_state
 
-    raw = yaml.safe_load(cfg.read_text())
-    m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronParams), raw["megatron"]))
-    g = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronGrpoParams), raw["grpo"]))
-    config = SimpleNamespace(megatron=m, grpo=g, training=SimpleNamespace())  # as real_model_worker resolves it
+    config = load_config(cfg, oumi=False)  # as run_grpo reads it on the GPU image
     shape = ModelShape.from_file(hf)
-    layout = resolve_layout(config, 1).layout
-    assert layout is not None
+    layout = resolve_layout(config, 1).require()
     memory = estimate_memory(config, shape, layout)
     state = estimate_state(config, shape, layout, rank_params(config, shape, layout), 1)  # type: ignore[arg-type]
     plan_host = {"convert": state.transient_per_rank["convert"], "save": state.transient_per_rank["checkpoint_save"],
                  "load": state.transient_per_rank["checkpoint_load"], "export": state.transient_per_rank["hf_export"]}
     lines = [f"Llama-3.1-70B-wide slice: {shape.num_layers} layers, {rank_params(config, shape, layout) / 1e9:.2f}B "
-             f"parameters, card {_card()}",
+             f"parameters, card {card_name()}",
              "| phase | s | GPU peak GiB | plan's GPU GiB | host above start GiB | plan's host GiB | host peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for phase in GPU_PHASES:

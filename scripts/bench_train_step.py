@@ -9,7 +9,8 @@ random init (no weights read); ``--shape 8b`` has Llama-3-8B's dimensions (32 la
 SwiGLU 14336, 32 heads / 8 KV heads, vocab 128256). Batch: micro batch 2 x 8 microbatches x seq 2048 = 32,768 tokens/step.
 FLOPs/token = 6 x (matmul parameters, output layer included) + 6 x layers x seq x hidden (causal
 attention scores and values, forward + backward). MFU = achieved FLOP/s per GPU / peak dense bf16
-(989 TFLOP/s for H100 SXM and H200). scripts/gpu_check.sh runs all three and writes docs/benchmarks.md.
+(989 TFLOP/s for H100 SXM and H200: bench_common.CARDS). scripts/gpu_check.py runs all three; ``report`` prints
+its table of the result files (docs/benchmarks.md).
 
     python scripts/bench_train_step.py --hf-reference --attention local   # + plain transformers, same call
 
@@ -28,37 +29,13 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
+from pathlib import Path
 
 import torch
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
-
-
-SHAPES = {  # name -> LlamaConfig fields
-    "0.8b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
-             "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 10000.0},
-    "8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,  # Llama-3-8B
-           "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
-    # a Qwen3-MoE (30B-A3B style, scaled down to 2.6B: 12 layers, 32 experts, 4 per token): SequentialMLP experts
-    "moe": {"_arch": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
-            "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
-            "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1024, "rope_theta": 1000000.0},
-    "qwen7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,  # Qwen2.5-7B
-               "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0},
-}
-
-
-def model_config(seq: int, shape: str = "0.8b", layers: int | None = None):  # noqa: ANN201
-    from transformers import LlamaConfig, Qwen3MoeConfig
-
-    fields = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
-    if fields.pop("_arch", "llama") == "qwen3_moe":
-        return Qwen3MoeConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                              architectures=["Qwen3MoeForCausalLM"])
-    return LlamaConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+import bench_common
 
 
 def layer_matmul_params(cfg) -> int:  # noqa: ANN001
@@ -116,22 +93,20 @@ def hf_reference(cfg, batches: list[dict], args, peak_tflops: float) -> dict:  #
     return result
 
 
-def plan_and_overhead(cfg, params, args, dp: int) -> dict:  # noqa: ANN001
+def plan_and_overhead(cfg, params, layout, args) -> dict:  # noqa: ANN001
     """oumi_megatron.plan's estimate of each stage's peak for this run (to compare with peak_mem_gib_by_rank), and
     what the GPU holds outside PyTorch's allocator (CUDA context, NCCL, cuBLAS workspaces: the plan's overhead)."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
-    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.standalone import StandaloneConfig
     from oumi_megatron.model_shape import ModelShape
     from oumi_megatron.plan import estimate_memory
 
     shape = ModelShape.from_config_dict(cfg.to_dict(), args.shape)
-    schedule = args.schedule if args.pp > 1 else "none"
-    layout = ParallelLayout(dist.get_world_size(), args.tp, args.pp, args.cp, args.ep, dp, None, args.sequence_parallel,
-                            args.mbs, args.mbs * args.microbatches * dp, schedule, 2, 1)
-    plan = estimate_memory(SimpleNamespace(megatron=params, grpo=SimpleNamespace(max_sequence_length=args.seq)), shape, layout)
+    # the plan of a run whose sequences are this benchmark's: seq tokens each
+    config = StandaloneConfig(megatron=params, grpo=MegatronGrpoParams(max_prompt_length=args.seq, max_completion_length=0))
+    plan = estimate_memory(config, shape, layout)
     free, total = torch.cuda.mem_get_info()
     outside = torch.tensor([(total - free - torch.cuda.memory_reserved()) / 2**30,
                             (torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()) / 2**30], device="cuda")
@@ -164,7 +139,8 @@ def _number_or_text(value: str) -> int | float | str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="0.8b", choices=sorted(SHAPES), help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
+    p.add_argument("--shape", default="0.8b", choices=sorted(bench_common.TRAIN_SHAPES),
+                   help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
     p.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     p.add_argument("--module-queue", type=int, default=0, metavar="CHUNKS",
                    help="megatron.enable_module_queue with this many output-layer chunks (0: off)")
@@ -202,6 +178,8 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.kernels.fusions import FUSIONS
     from oumi_megatron.engine.optimizer import OptimSettings, torch_optimizers
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.parallel.schedules import SCHEDULES
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             context_parallel_size=args.cp, sequence_parallel=args.sequence_parallel,
@@ -220,16 +198,19 @@ def main() -> None:
         for part in path or ["transformer_config"]:
             target = getattr(target, part)
         setattr(target, field, parsed)
-    cfg = model_config(args.seq, args.shape, args.layers)
+    cfg = bench_common.hf_config(args.shape, args.seq, args.layers)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
     dp = int(os.environ.get("WORLD_SIZE", "1")) // (args.tp * args.pp * args.cp)  # each DP rank runs these microbatches
     tokens = args.mbs * args.microbatches * args.seq * dp
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    name = bench_common.card_name()
+    peak = bench_common.peak_bf16_tflops(name)
     hf = hf_reference(cfg, batches, args, peak) if args.hf_reference else None
 
-    _, engine = build_engine_from_hf_config(cfg, params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
+    # the layout of these microbatches, resolved once (the engine takes it; the plan reads its batch sizes)
+    params.micro_batch_size, params.global_batch_size = args.mbs, args.mbs * args.microbatches * dp
+    layout = engine_layout(params)
+    _, engine = build_engine_from_hf_config(cfg, layout, params, OptimSettings(lr=1e-5, total_steps=100), dtype=torch.bfloat16)
 
     def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
@@ -268,7 +249,8 @@ def main() -> None:
     if args.profile:
         profile_step(lambda: engine.train_step(batches, loss_fn), args.profile)
     phase_ms = None
-    if engine.schedule == "zb_h1":  # one more (untimed) step with CUDA events around each F, B and W, per stage
+    # one more (untimed) step with CUDA events around each F, B and W, per stage
+    if SCHEDULES.get(layout.pipeline_schedule).defers_weight_gradients:
         from oumi_megatron.engine.parallel.zero_bubble import PhaseTimes
 
         PhaseTimes.enabled = True
@@ -322,7 +304,7 @@ def main() -> None:
     result["module_queue_offloaded_mib"] = round(r.module_queue_offloaded_mib, 1)
     result["seed_formula_saving_gib"] = round((cfg.num_hidden_layers // args.pp * layer_bytes
                                                - 2 * v * h / max(args.module_queue, 1)) / 2**30, 2)
-    result.update(plan_and_overhead(cfg, params, args, dp))
+    result.update(plan_and_overhead(cfg, params, layout, args))
     if phase_ms is not None:
         result["phase_ms_per_microbatch_by_rank"] = phase_ms  # F, B (input gradients), W (deferred weight gradients)
     if hf is not None:
@@ -335,6 +317,102 @@ def main() -> None:
                 json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# -- the tables scripts/gpu_check.py prints last, from the result files of its runs ------------------------------------
+def _layout_table(rows: list[dict]) -> list[str]:
+    """Every run's row (and the HF reference's, where a run timed it), then each one-GPU run against HF."""
+    lines = ["| layout | attention | fusions | GPUs | card | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | activations GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        hf = r.get("hf_reference")
+        if hf:
+            lines.append(f"| HF transformers | sdpa | - | 1 | {r['card']} | {hf['tokens_per_s']:.0f} | {hf['tokens_per_s']:.0f} "
+                         f"| {hf['tflops']} | {100*hf['mfu']:.1f}% | {hf['peak_mem_gib']} | {hf['activation_mem_gib']} |")
+        schedule = f" {r['schedule']}" if r.get("schedule") not in (None, "none") else ""
+        fusions = (f"{r.get('fusions', '?')}{' + chunked logprobs' if r.get('logprobs') == 'chunked' else ''}"
+                   f"{' + CUDA graphs' if r.get('cuda_graphs') == 'local' else ''}")
+        lines.append(f"| {r['layout']} seq {r.get('seq', '?')}{schedule} | {r.get('attention', '?')} | {fusions} | {r['gpus']} "
+                     f"| {r['card']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']} "
+                     f"| {100*r['mfu']:.1f}% | {r['peak_mem_gib']} | {r.get('activation_mem_gib', '?')} |")
+    hf = next((r["hf_reference"] for r in rows if r.get("hf_reference")), None)
+    if hf:
+        ratios = (f"{r['layout']} {r.get('fusions', '?')}: {r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" for r in rows if r["gpus"] == 1)
+        lines.append("tokens/s vs HF (same call): " + ", ".join(ratios))
+    return lines
+
+
+def _schedule_table(rows: list[dict]) -> list[str]:
+    """ZB-H1 against 1F1B: the median of each (layout, tokens per step, schedule), then the ratio."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("schedule") in ("1f1b", "zb_h1"):
+            groups.setdefault((r["layout"], r["tokens_per_step"], r["schedule"]), []).append(r)
+    if not groups:
+        return []
+    lines = ["| layout | tokens/step | schedule | runs | tokens/s (median) | vs 1F1B | peak GiB by stage | deferred W/step "
+             "| F / B / W ms per microbatch by stage |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (layout, tokens, sched), rs in sorted(groups.items()):
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        base = groups.get((layout, tokens, "1f1b"))
+        ratio = tps / statistics.median(r["tokens_per_s"] for r in base) if base else float("nan")
+        phases = "; ".join("/".join(str(p.get(k, "-")) for k in "FBW") for p in rs[-1].get("phase_ms_per_microbatch_by_rank") or [])
+        stages = len(rs[0].get("peak_mem_gib_by_rank", [0]))
+        peaks = " / ".join(str(max(r.get("peak_mem_gib_by_rank", [r["peak_mem_gib"]])[i] for r in rs)) for i in range(stages))
+        lines.append(f"| {layout} | {tokens} | {sched} | {len(rs)} | {tps:.0f} | {ratio:.3f} | {peaks} | {rs[-1]['deferred_wgrad_ops']} "
+                     f"| {phases or '-'} |")
+    return lines
+
+
+def _module_queue_table(mq: list[dict]) -> list[str]:
+    """ModuleQueue: the last stage's peak and the step time against the run without it (same call, same settings)."""
+    if not mq:
+        return []
+    lines = ["| layout | settings | card | ModuleQueue chunks | step s | vs off | last-stage peak GiB | vs off | saving GiB "
+             "| seed formula GiB | released MiB/step | last stage: passes / optimizer peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def setting(r: dict) -> tuple:
+        return r["layout"], r["tokens_per_step"], r.get("recompute"), r.get("settings", [])
+
+    for r in sorted(mq, key=lambda r: (setting(r), r["module_queue_chunks"])):
+        base = next((b for b in mq if not b["module_queue_chunks"] and setting(b) == setting(r)), None)
+        last = r["peak_mem_gib_by_rank"][-1]
+        b_last = base["peak_mem_gib_by_rank"][-1] if base else float("nan")
+        lines.append(f"| {r['layout']} | {r['tokens_per_step'] // r['seq']} x {r['seq']} tokens, recompute {r.get('recompute')} "
+                     f"{' '.join(r.get('settings') or [])} | {r['card']} | {r['module_queue_chunks'] or 'off'} | {r['step_s']} "
+                     f"| {r['step_s'] / base['step_s'] if base else float('nan'):.3f} | {last} | {last / b_last:.3f} | {b_last - last:.2f} "
+                     f"| {r['seed_formula_saving_gib'] if r['module_queue_chunks'] else '-'} | {r['module_queue_offloaded_mib']} "
+                     f"| {r.get('passes_peak_gib_by_rank', ['-'])[-1]} / {r.get('optimizer_peak_gib_by_rank', ['-'])[-1]} |")
+    return lines
+
+
+def _plan_table(results_dir: Path) -> list[str]:
+    """The memory plan (oumi_megatron/plan.py) against torch.cuda.max_memory_allocated of the same step: every result
+    file that has the plan's figures (this script writes them into each of its runs)."""
+    plans = [(p.stem, json.loads(p.read_text())) for p in sorted(results_dir.glob("*.json"))]
+    plans = [(n, r) for n, r in plans if isinstance(r, dict) and r.get("plan_peak_gib_by_stage")]
+    if not plans:
+        return []
+    lines = ["| run | card | measured peak GiB by rank | plan GiB by stage | plan / measured (max) | outside allocator GiB "
+             "| allocator reserve GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n, r in plans:
+        measured, plan = r["peak_mem_gib_by_rank"], r["plan_peak_gib_by_stage"]
+        lines.append(f"| {n} ({r['layout']}, seq {r['seq']}) | {r['card']} | {measured} | {plan} | {max(plan) / max(measured):.3f} "
+                     f"| {r['outside_allocator_gib']} | {r['allocator_reserve_gib']} |")
+    return lines
+
+
+def report(results_dir: Path) -> str:
+    """The markdown tables of this script's result files in ``results_dir`` (bench_*.json: every run, ZB-H1 against
+    1F1B; mq_*.json: ModuleQueue; every file with plan figures: the plan against the measured peak)."""
+    rows = [json.loads(p.read_text()) for p in sorted(results_dir.glob("bench_*.json"))]
+    mq = [json.loads(p.read_text()) for p in sorted(results_dir.glob("mq_*.json"))]
+    # the layout table's header comes even when no run wrote a row (as gpu_check has always printed it)
+    tables = [_layout_table(rows), _schedule_table(rows), _module_queue_table(mq), _plan_table(results_dir)]
+    return "\n\n".join("\n".join(t) for t in tables if t)
 
 
 if __name__ == "__main__":

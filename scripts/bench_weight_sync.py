@@ -1,6 +1,6 @@
 """Weight-sync benchmark on 2 GPUs: the trainer's streaming path vs the raw NCCL broadcast.
 
-    python scripts/bench_weight_sync.py --out result.json      # needs 2 GPUs; run by scripts/gpu_check.sh
+    python scripts/bench_weight_sync.py --out result.json      # needs 2 GPUs; run by scripts/gpu_check.py
 
 The trainer (GPU 0) holds a ~0.8B-parameter Llama-style Megatron-Core model (bf16, the shape of
 scripts/bench_train_step.py). A receiver process on GPU 1 joins a 2-process NCCL group
@@ -12,18 +12,20 @@ scripts/bench_train_step.py). A receiver process on GPU 1 joins a 2-process NCCL
   bucket sizes (best reported, all rounds listed).
 What is NOT run here: vLLM itself (the GPU image has none), so the receiver unpacks the buckets into
 tensors but does not call vLLM's ``load_weights``. On CPU that load is measured by tests/test_vllm.py.
+``report`` prints the table of sync.json (scripts/gpu_check.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import multiprocessing
 import time
 from pathlib import Path
 
 import torch
+
+import bench_common
 
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
@@ -68,14 +70,13 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
     from oumi_megatron.rollout import weight_stream
 
-    spec = importlib.util.spec_from_file_location("bench_train_step", Path(__file__).with_name("bench_train_step.py"))
-    bench_train_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_train_step)
-    cfg = bench_train_step.model_config(2048)
-    bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.bfloat16)
+    cfg = bench_common.hf_config("0.8b", 2048)
+    bridge, engine = build_engine_from_hf_config(
+        cfg, engine_layout(params := MegatronParams()), params, OptimSettings(), dtype=torch.bfloat16)
 
     group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend="nccl")
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda")
@@ -112,7 +113,7 @@ def main() -> None:
 
     best_s, best, best_bucket = min(syncs, key=lambda x: x[0])
     result = {
-        "card": torch.cuda.get_device_name(), "gpus": 2, "model_params_b": total / 2 / 1e9, "bytes": best.bytes,
+        "card": bench_common.card_name(), "gpus": 2, "model_params_b": total / 2 / 1e9, "bytes": best.bytes,
         "tensors": best.tensors, "bucket_mb": best_bucket, "raw_broadcast_gbps": raw_gbps,
         "export_first_s": export_s[0], "export_only_s": min(export_s[1:]), "sync_s": best_s, "sync_gbps": best.bytes / best_s / 1e9,
         "fraction_of_raw": best.bytes / best_s / 1e9 / raw_gbps,
@@ -121,6 +122,22 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result))
+
+
+def report(results_dir: Path) -> str:
+    """The markdown table of ``results_dir``/sync.json (this script's ``--out`` in scripts/gpu_check.py), or ""."""
+    path = results_dir / "sync.json"
+    if not path.is_file():
+        return ""
+    r = json.loads(path.read_text())
+    return "\n".join([
+        "| weight sync (trainer GPU 0 -> receiver GPU 1, NCCL) | card | GB | tensors | bucket MiB | raw broadcast GB/s "
+        "| export only s | sync s | sync GB/s | of raw |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| Bridge export -> buckets -> weight_stream | {r['card']} | {r['bytes']/1e9:.2f} | {r['tensors']} | {r['bucket_mb']:.0f} "
+        f"| {r['raw_broadcast_gbps']:.1f} | {r['export_only_s']:.2f} | {r['sync_s']:.2f} | {r['sync_gbps']:.1f} "
+        f"| {100*r['fraction_of_raw']:.0f}% |",
+    ])
 
 
 if __name__ == "__main__":

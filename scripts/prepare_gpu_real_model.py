@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/prepare_gpu_real_model.py [--config configs/smollm2_arithmetic_gpu.yaml]
 
-The lent GPU image has no Oumi, so tests/workers/real_model_worker.py receives what Oumi produced here:
+The lent GPU image has no Oumi, so scripts/run_grpo.py receives what Oumi produced here:
 - rows/train.rows.jsonl and rows/<prefix>.rows.jsonl: the config's data.train rows and each eval set's
   (data.validation by grpo.eval_metric_prefixes: eval, eval_unseen) as Oumi's dataset class (``openai/gsm8k``)
   transformed them, and rows/oumi_gsm8k_reward.py, the source of Oumi's gsm8k reward;

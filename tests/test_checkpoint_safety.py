@@ -201,6 +201,7 @@ import torch
 from oumi_megatron.config.megatron_params import MegatronParams
 from oumi_megatron.engine.builder import build_engine_from_hf_config
 from oumi_megatron.engine.optimizer import OptimSettings
+from oumi_megatron.engine.parallel.layout import engine_layout
 from oumi_megatron.engine.state import checkpointing
 from oumi_megatron.examples.tiny_models import build_tiny_model, tiny_config
 
@@ -208,7 +209,8 @@ tmp = Path(sys.argv[1])
 hf = build_tiny_model(tmp / "hf", arch="llama")
 cfg = tiny_config("llama")
 cfg.architectures = ["LlamaForCausalLM"]
-_, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+params = MegatronParams()
+_, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
 checkpointing._materialize_adam_state(engine.optimizer)
 root = tmp / "checkpoints"
 first = checkpointing.save_checkpoint(engine, root, 1, {"data_position": 0}, hf, keep_last=2)

@@ -147,3 +147,43 @@ def test_unknown_megatron_key_is_rejected_with_its_name(tmp_path: Path, tiny_mod
     path = write_yaml(tmp_path / "bad.yaml", data)
     with pytest.raises(OumiConfigError, match="tensor_parallel"):
         TrainingConfig.from_yaml_and_arg_list(str(path), [])
+
+
+STANDALONE_CONFIGS = ["tiny_cpu_grpo.yaml", "smollm2_arithmetic_gpu.yaml", "llama70b_slice_1gpu.yaml", "one_gpu_grpo.yaml",
+                      "llama8b_grpo_8gpu_async.yaml"]
+
+
+@pytest.mark.parametrize("name", STANDALONE_CONFIGS)
+def test_the_config_without_oumi_reads_what_oumi_reads(name: str) -> None:
+    """config/standalone.py (the GPU image, no Oumi) against Oumi's own loading of the shipped configs, with overrides:
+    every model/training field the run reads and the whole megatron:/grpo: sections are equal, so a benchmark runs what
+    `oumi train` runs; the defaults of the fields a YAML leaves out are Oumi's."""
+    from oumi_megatron.config.standalone import ModelSection, TrainingSection, load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    overrides = ["training.max_steps=7", "megatron.micro_batch_size=4", "grpo.temperature=0.5"]
+    ours, oumis = load_config(path, overrides, oumi=False), load_config(path, overrides, oumi=True)
+    assert type(ours).__name__ == "StandaloneConfig" and type(oumis).__name__ == "MegatronTrainingConfig"
+    for section, cls in (("model", ModelSection), ("training", TrainingSection)):
+        for f in dataclasses.fields(cls):
+            got, want = getattr(getattr(ours, section), f.name), getattr(getattr(oumis, section), f.name)
+            want = getattr(want, "value", want) if f.name != "trainer_type" else want.name  # Oumi's enums by value
+            assert got == want, f"{section}.{f.name}: {got!r} != Oumi's {want!r}"
+    assert ours.model.torch_dtype == oumis.model.torch_dtype
+    assert ours.megatron == oumis.megatron and ours.grpo == oumis.grpo
+    assert (ours.training.max_steps, ours.megatron.micro_batch_size, ours.grpo.temperature) == (7, 4, 0.5)
+
+
+def test_the_config_without_oumi_refuses_unknown_keys(tmp_path: Path) -> None:
+    """A mistyped megatron:/grpo: key fails as under Oumi; Oumi-only training keys are listed, not silently applied."""
+    from oumi_megatron.config.standalone import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model: {model_name: m}\ntraining: {max_steps: 2, logging_steps: 5}\nmegatron: {micro_batch_sise: 2}\n")
+    with pytest.raises(Exception, match="micro_batch_sise"):
+        load_config(path, oumi=False)
+    path.write_text("model: {model_name: m}\ntraining: {max_steps: 2, logging_steps: 5}\n")
+    config = load_config(path, oumi=False)
+    assert config.oumi_only == ["training.logging_steps"] and config.training.max_steps == 2
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml", oumi=False)

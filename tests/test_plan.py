@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from oumi_megatron.config.megatron_params import MegatronParams
-from oumi_megatron.layout import ParallelLayout
+from oumi_megatron.engine.parallel.layout import ParallelLayout
 from oumi_megatron.model_shape import ModelShape
 from oumi_megatron.plan import GIB, estimate_memory
 

@@ -153,7 +153,7 @@ def test_context_parallel_with_embedded_generation_warns_how_it_generates(make_c
 
 def test_expert_parallelism_runs_inside_data_parallelism(make_config) -> None:  # noqa: ANN001
     """EP splits experts over data-parallel ranks (Megatron-Core's expert groups): DP stays world / (TP x PP x CP)."""
-    from oumi_megatron.layout import default_world_size
+    from oumi_megatron.engine.parallel.layout import default_world_size
 
     cfg = make_config(megatron={"expert_model_parallel_size": 2, "global_batch_size": 8})
     r = check(cfg, world_size=2, shape=MOE)
@@ -634,7 +634,7 @@ def test_registry_refuses_a_second_object_under_one_name_and_lists_names() -> No
 
 def test_resolve_layout_alone_gives_validations_layout(make_config) -> None:  # noqa: ANN001
     """plan.py resolves trial layouts without re-validating the config: the same layout, problems and fallbacks."""
-    from oumi_megatron.layout import resolve_layout
+    from oumi_megatron.engine.parallel.layout import resolve_layout
 
     cfg = make_config(megatron={"pipeline_schedule": "zb_h1", "pipeline_model_parallel_size": 2,
                                 "ddp_config": {"overlap_grad_reduce": True}})

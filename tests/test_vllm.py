@@ -173,11 +173,11 @@ class _SleepingHost:
 
 
 def _colocated_backend(enable_weight_sync: bool) -> tuple:
-    from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+    from oumi_megatron.rollout.vllm_backend import ColocatedVllmBackend
 
-    backend = VllmRolloutBackend.__new__(VllmRolloutBackend)  # the state a colocated __init__ leaves, no engine
+    backend = ColocatedVllmBackend.__new__(ColocatedVllmBackend)  # the state its __init__ leaves, no engine
     host = _SleepingHost()
-    backend.host, backend.process, backend.placement = host, None, "colocated"
+    backend.host = host
     backend.slot, backend.engines_per_replica, backend.replica = 0, 1, [0]
     backend.awake, backend.weights_current, backend.drop_weights_on_sleep = True, True, enable_weight_sync
     return backend, host
@@ -210,7 +210,7 @@ def test_vllm_sleep_decides_whether_a_colocated_engine_sleeps(monkeypatch: pytes
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     params = MegatronParams(inference_backend="vllm", rollout_placement="colocated", vllm_sleep=vllm_sleep)
     grpo = SimpleNamespace(max_prompt_length=8, max_completion_length=4)
-    backend = vllm_backend.VllmRolloutBackend("unused-model-dir", torch.bfloat16, params, grpo, seed=0, work_dir=tmp_path)
+    backend = vllm_backend.ColocatedVllmBackend("unused-model-dir", torch.bfloat16, params, grpo, seed=0, work_dir=tmp_path)
     assert [s.sleep_mode for s in specs] == [vllm_sleep] and specs[0].executor == "uni"
     if not vllm_sleep or not torch.cuda.is_available():
         slept = backend.sleep()

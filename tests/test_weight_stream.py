@@ -71,12 +71,14 @@ import torch
 from oumi_megatron.config.megatron_params import MegatronParams
 from oumi_megatron.engine.builder import build_engine_from_hf_config
 from oumi_megatron.engine.optimizer import OptimSettings
+from oumi_megatron.engine.parallel.layout import engine_layout
 from oumi_megatron.engine.state import hf_weights
 from oumi_megatron.examples.tiny_models import tiny_config
 
 cfg = tiny_config("llama", num_layers=2)
 cfg.architectures = ["LlamaForCausalLM"]
-bridge, engine = build_engine_from_hf_config(cfg, MegatronParams(), OptimSettings(), dtype=torch.float32)
+params = MegatronParams()
+bridge, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
 from megatron.bridge.models.conversion import param_mapping
 bridges_own = param_mapping.remove_non_pickleables
 export = hf_weights.HFWeightExporter(bridge, engine.model)

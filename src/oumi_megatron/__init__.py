@@ -20,7 +20,7 @@ _LAZY_EXPORTS = {
     "check_megatron_bridge_available": "oumi_megatron.bridge_utils",
     "validate_config": "oumi_megatron.validation",
     "ValidationReport": "oumi_megatron.validation",
-    "ParallelLayout": "oumi_megatron.layout",
+    "ParallelLayout": "oumi_megatron.engine.parallel.layout",
     "ModelShape": "oumi_megatron.model_shape",
     "convert_hf_to_megatron": "oumi_megatron.engine.state.conversion",
     "export_to_hf": "oumi_megatron.engine.state.conversion",
@@ -39,9 +39,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from oumi_megatron.config.training_config import MegatronTrainingConfig as MegatronTrainingConfig
     from oumi_megatron.engine.builder import build_engine as build_engine
     from oumi_megatron.engine.engine import MegatronEngine as MegatronEngine
+    from oumi_megatron.engine.parallel.layout import ParallelLayout as ParallelLayout
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron as convert_hf_to_megatron
     from oumi_megatron.engine.state.conversion import export_to_hf as export_to_hf
-    from oumi_megatron.layout import ParallelLayout as ParallelLayout
     from oumi_megatron.model_shape import ModelShape as ModelShape
     from oumi_megatron.validation import ValidationReport as ValidationReport
     from oumi_megatron.validation import validate_config as validate_config

@@ -219,14 +219,21 @@ def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _layout_params(args: argparse.Namespace):  # noqa: ANN202
+def _layout(args: argparse.Namespace):  # noqa: ANN202
+    """(layout, params) of the --tp/--pp/--vpp flags on this world (WORLD_SIZE under torchrun, else one rank)."""
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.errors import UserInputError
 
-    return MegatronParams(
+    params = MegatronParams(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
     )
+    try:
+        return engine_layout(params), params
+    except ValueError as e:  # flags that form no layout: the user's input, printed without a traceback
+        raise UserInputError(str(e)) from e
 
 
 def _dtype(name: str | None):  # noqa: ANN202
@@ -238,7 +245,8 @@ def _dtype(name: str | None):  # noqa: ANN202
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
 
-    out = convert_hf_to_megatron(args.hf, args.out, _layout_params(args), dtype=_dtype(args.dtype))
+    layout, params = _layout(args)
+    out = convert_hf_to_megatron(args.hf, args.out, layout, params, dtype=_dtype(args.dtype))
     console.print(f"converted {args.hf} -> {out}")
     return 0
 
@@ -246,7 +254,8 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.engine.state.conversion import export_to_hf
 
-    out = export_to_hf(args.checkpoint, args.out, _layout_params(args))
+    layout, params = _layout(args)
+    out = export_to_hf(args.checkpoint, args.out, layout, params)
     console.print(f"exported {args.checkpoint} -> {out}")
     return 0
 

@@ -31,29 +31,9 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
     layout = validate_config(config, world_size=world_size).require_layout()
     eval_sets = load_eval_sets(config, log=log)
 
-    from oumi.builders import build_tokenizer
+    from oumi_megatron.assembly import evaluate_model
 
-    from oumi_megatron.engine.builder import build_inference_engine
-    from oumi_megatron.grpo.rewards import RewardComputer
-    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
-    from oumi_megatron.trainer.evaluation import build_evaluators
-
-    dtype = config.model.torch_dtype
-    trust = bool(config.model.trust_remote_code)
-    _, engine = build_inference_engine(config.model.model_name, config.megatron, dtype, trust_remote_code=trust,
-                                       layout=layout)
-    tokenizer = build_tokenizer(config.model)
-    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
-                                                   work_dir=Path(config.training.output_dir) / "eval_vllm"))
-    rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error)
-    metrics: dict[str, float] = {}
-    try:
-        for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,
-                                          config.training.per_device_eval_batch_size, engine.device):
-            metrics.update(evaluator.run())
-    finally:
-        backend.close()
-    return metrics
+    return evaluate_model(config, layout, eval_sets)
 
 
 def write_metrics(metrics: dict[str, float], path: str | Path) -> None:

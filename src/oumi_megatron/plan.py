@@ -15,7 +15,7 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   F_moe each); the norms' share splits over TP only with sequence parallelism, the rest always; CP divides the tokens.
   Full recompute keeps each recompute block's input (2h) and one block's activations; the stage holds as many
   microbatches as its schedule keeps in flight (1F1B: PP - stage; interleaved: Megatron's warm-up count; ZB-H1:
-  1F1B's plus its deferred weight-gradient inputs, +10% as measured);
+  1F1B's plus its deferred weight-gradient inputs, +10% as measured: the schedule entry's ``activation_factor``);
 - **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
   / TP); chunked logprobs keep about three fp32 chunks;
 - **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU, or its bf16 weights plus
@@ -38,8 +38,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oumi_megatron.layout import ParallelLayout, divisors, resolve_layout
+from oumi_megatron.engine.parallel.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
+from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, rollout_mode
 from oumi_megatron.state_plan import StatePlan, estimate_state
 
 if TYPE_CHECKING:
@@ -51,8 +52,6 @@ CUDA_OVERHEAD_GIB = 4.0
 """What a GPU holds outside PyTorch's allocator: the CUDA context, NCCL communicators, cuBLAS workspaces (measured
 2.8 GiB on one H200, 3.3-4.1 GiB with NCCL on two: docs/benchmarks.md). The caching allocator may reserve more
 than it hands out (5-12 GiB there at the peak); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True narrows that."""
-ZB_H1_ACTIVATION_FACTOR = 1.10
-"""ZB-H1's deferred weight-gradient inputs over 1F1B's activations (measured +8.0% PP=2, +9.4% PP=4)."""
 AUTO_CHUNK_LOGITS = 1 << 27  # as engine/kernels/chunked_logprobs.py: fp32 logits per auto-sized chunk
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead")
 
@@ -172,7 +171,10 @@ def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layo
 def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
                     overhead_gib: float = CUDA_OVERHEAD_GIB) -> MemoryPlan:
     """Per-GPU memory of ``cfg`` (a MegatronTrainingConfig) for ``shape`` on ``layout`` (from validation)."""
+    from oumi_megatron.engine.parallel.schedules import SCHEDULES
+
     m = cfg.megatron
+    activation_factor = SCHEDULES.get(layout.pipeline_schedule).activation_factor  # ZB-H1's deferred W inputs: +10%
     t = m.transformer_config
     dp, cp, pp = layout.data_parallel, layout.context_parallel, layout.pipeline_parallel
     tokens = layout.micro_batch_size * cfg.grpo.max_sequence_length / cp  # per microbatch, per GPU
@@ -182,7 +184,8 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     offload = m.optimizer_config.optimizer_offload_fraction if m.optimizer_config.optimizer_cpu_offload else 0.0
     full = t.recompute_granularity == "full"
     block = (t.recompute_num_layers or 1) if full else 1
-    colocated_vllm = m.inference_backend == "vllm" and m.rollout_placement == "colocated"
+    mode = rollout_mode(m)  # where the rollout engines' memory lives (rollout/registry.py)
+    colocated_vllm = mode.memory == ENGINE_SHARE
     # experts: split over EP x expert TP (MegatronParams' rule); the distributed optimizer shards over DP x CP (dense)
     # and over the experts' own DP, TP x CP x DP / (EP x expert TP)
     expert_split = layout.expert_parallel * m.expert_tensor_parallel_size
@@ -199,8 +202,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         else:
             saved = per_layer - (2 * shape.widths()[1] / layout.tensor_parallel if t.recompute_granularity == "selective" else 0)
             activations = _in_flight(layout, stage, microbatches) * tokens * layers * saved
-        if layout.pipeline_schedule == "zb_h1":
-            activations *= ZB_H1_ACTIVATION_FACTOR
+        activations *= activation_factor
         logits = 0.0
         if stage == pp - 1:
             vocab_shard = shape.vocab_size / layout.tensor_parallel
@@ -213,7 +215,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
                 saving = 2 * (params.layers - output / m.module_queue_num_chunks)
                 weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
         overhead = overhead_gib * GIB
-        if m.inference_backend == "megatron":  # generation and training take turns on the same memory
+        if mode.memory == DECODER_CACHE:  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
         elif colocated_vllm and m.vllm_kv_cache_gib:  # the engine's bf16 weights (its TP shard) and its KV cache
             rollout = shape.vllm_weight_bytes(layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
@@ -221,7 +223,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
             rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;
         # one that stays awake (vllm_sleep: false) holds its memory beside training's
-        resident = colocated_vllm and not m.vllm_sleep
+        resident = colocated_vllm and mode.resident_while_training(m)
         training = activations + logits
         total = weights + grads + optimizer + (training + rollout if resident else max(training, rollout)) + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
@@ -231,7 +233,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     best = max(stage_plans, key=lambda x: x.total)
     if colocated_vllm and not gpu_memory_gib and not m.vllm_kv_cache_gib:
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
-    if m.inference_backend == "megatron":
+    if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans)})
 
@@ -251,7 +253,8 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
     if t.recompute_granularity != "full" and plan.activations > 0.15 * plan.total:
         tips.append("megatron.transformer_config.recompute_granularity: full (keeps one input per layer)")
     if plan.rollout:
-        if cfg.megatron.inference_backend == "vllm" and m.rollout_placement == "colocated" and not m.vllm_sleep:
+        mode = rollout_mode(m)
+        if mode.memory == ENGINE_SHARE and mode.resident_while_training(m):
             tips.append("megatron.vllm_sleep: true (the colocated engine hands its memory to training)")
         tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
     tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")

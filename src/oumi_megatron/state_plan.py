@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
-    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.engine.parallel.layout import ParallelLayout
     from oumi_megatron.model_shape import ModelShape
 
 GIB = 2**30

@@ -1,13 +1,13 @@
 """Entry point for MEGATRON_GRPO training: ``oumi train`` routes here (see integration/oumi_patches.py).
 
-Validation, the data and the output folder are checked first, before anything heavy (model conversion,
-process groups, the engine).
+Validation and the data are checked first, before anything heavy; the run is then assembled by the composition root
+(assembly.py ``build_trainer``: output folder, start plan, preflights, conversion, engine, trainer), as every
+benchmark and worker assembles it.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oumi.utils.logging import logger
@@ -32,7 +32,7 @@ def _as_megatron_config(config: Any) -> MegatronTrainingConfig:
 
 
 def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
-    """Validate, check the data and the output folder, convert (once), build the engine, run GRPO.
+    """Validate, check the data, assemble the run (assembly.py), run GRPO.
 
     Everything that can be wrong with the user's input is checked before the model is converted.
     """
@@ -60,40 +60,8 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
             logger.info(f"training.max_steps = {config.training.max_steps}: {config.training.num_train_epochs} "
                         f"epoch(s) of {len(dataset)} prompts at {layout.prompts_per_rollout} prompts per GRPO step.")
 
-    from oumi_megatron.engine.parallel.distributed import init_distributed
-    from oumi_megatron.trainer.run_dir import check_shared, check_space, plan_start
+    from oumi_megatron.assembly import build_trainer
 
-    init_distributed()  # the start decisions below are collective: made once, checked per rank
-    check_shared(config.training.output_dir)  # one folder on every node, before anything is written there
-    start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
-
-    from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine.state.conversion import ensure_converted
-    from oumi_megatron.rollout.ray_fleet import preflight
-
-    preflight(config.megatron, config.model.model_name)  # rollout_placement: ray: the cluster holds the engines
-    check_space(config, report.model_shape, start)  # output_dir's disk holds what the run will write
-    output_dir = Path(config.training.output_dir)
-    dtype = config.model.torch_dtype
-    # Convert once (Megatron-Bridge), reuse on later runs if it still matches the source model.
-    checkpoint = ensure_converted(config.model.model_name, output_dir / "megatron_checkpoint", config.megatron, dtype,
-                                  trust_remote_code=bool(config.model.trust_remote_code))
-    # the LR schedule advances per optimizer step: ppo_epochs x num_mini_batches per GRPO step
-    updates_per_step = config.grpo.ppo_epochs * config.grpo.num_mini_batches
-    settings = OptimSettings.from_training_params(config.training, updates_per_step=updates_per_step)
-    bridge, engine = build_engine(checkpoint, config.megatron, settings, dtype,
-                                  trust_remote_code=bool(config.model.trust_remote_code), layout=layout)
-    if rank == 0:
-        logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
-
-    from oumi.builders import build_tokenizer
-
-    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
-
-    tokenizer = build_tokenizer(config.model)
-    # the rollout backend: the trainer builds megatron.inference_backend's (rollout/registry.py)
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, dataset,
-                                      eval_dataset=eval_dataset)
-    trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None, verified=True)
-    return trainer
+    # the composition root (assembly.py): output folder, start plan, preflights, conversion, engine, trainer
+    run = build_trainer(config, layout, dataset, eval_dataset=eval_dataset, shape=report.model_shape)
+    return run.train()

@@ -1,4 +1,4 @@
-"""Validation of a MEGATRON_GRPO config: a list of field checks, plus the layout that layout.py resolves.
+"""Validation of a MEGATRON_GRPO config: a list of field checks, plus the layout that engine/parallel/layout.py resolves.
 
 Every rule appends to one report, so a user sees all problems at once. Each problem names the field
 and says how to fix it. The parallel layout, batch sizes and pipeline schedule are resolved (and their
@@ -29,19 +29,17 @@ from oumi_megatron.config.megatron_params import (
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     ROLLOUT_CUDA_GRAPHS,
-    ROLLOUT_PLACEMENTS,
     WEIGHT_SYNC_METHODS,
 )
 from oumi_megatron.config.problems import Problem
+from oumi_megatron.engine.parallel.layout import ParallelLayout, resolve_layout
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from oumi_megatron.layout import ParallelLayout, resolve_layout
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
-from oumi_megatron.rollout.registry import ROLLOUT_BACKENDS
+from oumi_megatron.rollout.registry import resolve_rollout_mode
 from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
-    from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 __all__ = ["MegatronConfigError", "Problem", "ValidationReport", "validate_config"]
@@ -233,7 +231,7 @@ def _check_registered_variants(g: MegatronGrpoParams, r: ValidationReport) -> No
 
 
 def _check_megatron_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
-    """The megatron: section, field by field (the parallel and batch sizes: layout.py, where they are resolved)."""
+    """The megatron: section, field by field (the parallel and batch sizes: engine/parallel/layout.py, where they are resolved)."""
     m = cfg.megatron
     _check_positive(r, "megatron.module_queue_num_chunks", m.module_queue_num_chunks)
     if m.ddp_config.average_in_collective:
@@ -288,21 +286,13 @@ def _check_context_parallel(cfg: MegatronTrainingConfig, r: ValidationReport) ->
 def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     """The rollout backend (live registry), weight sync and vLLM placement."""
     m = cfg.megatron
-    if m.inference_backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
-        hint = " sglang rollouts are not implemented in oumi-megatron." if m.inference_backend == "sglang" else ""
-        r.add(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(m.inference_backend) + hint)
+    _, problems = resolve_rollout_mode(m)  # backend, placement and the mode's own rules (rollout/registry.py)
+    r.problems.extend(problems)
     if m.weight_sync_method not in WEIGHT_SYNC_METHODS:
         r.add(
             "megatron.weight_sync_method",
             f"unknown value {m.weight_sync_method!r}. Use one of {_fmt_choices(WEIGHT_SYNC_METHODS)}.",
         )
-    if m.rollout_placement not in ROLLOUT_PLACEMENTS:
-        r.add(
-            "megatron.rollout_placement",
-            f"unknown value {m.rollout_placement!r}. Use one of {_fmt_choices(ROLLOUT_PLACEMENTS)}.",
-        )
-    elif m.rollout_placement == "ray" and m.inference_backend == "vllm":
-        _check_ray_fleet(m, r)
     graphs = m.rollout_cuda_graphs_choice
     if graphs not in ROLLOUT_CUDA_GRAPHS:
         r.add("megatron.rollout_cuda_graphs",
@@ -419,28 +409,8 @@ def _check_dapo_fields(g: MegatronGrpoParams, r: ValidationReport) -> None:
                                               "overlong punishment takes. DAPO: 1.0.")
 
 
-def _check_ray_fleet(m: MegatronParams, r: ValidationReport) -> None:
-    """``rollout_placement: ray``: the fleet's fields (whether the cluster has the GPUs is checked when it is reached,
-    before conversion)."""
-    if not isinstance(m.ray_address, str) or not m.ray_address.strip():
-        r.add("megatron.ray_address", "is empty. Use local (a Ray head for this node's spare GPUs), auto, or the address "
-                                      "`ray start --head` printed.")
-    if not isinstance(m.rollout_engines, int) or m.rollout_engines < 1:
-        r.add("megatron.rollout_engines", f"must be a positive integer, got {m.rollout_engines!r}.")
-    restarts = m.rollout_engine_restarts
-    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
-        r.add("megatron.rollout_engine_restarts", f"must be an integer >= 0 (0: a dead engine stops the run), got {restarts!r}.")
-    g = m.rollout_gpus_per_engine
-    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        r.add("megatron.rollout_gpus_per_engine", f"must be a positive integer (an engine's GPUs, its vLLM tensor "
-                                                  f"parallelism, on one node), got {g!r}.")
-    if m.weight_sync_method == "checkpoint":
-        r.add("megatron.weight_sync_method", "checkpoint needs a folder every node of the Ray cluster reads, which is not "
-                                             "built; use nccl (GPUs) or gloo (CPU) for rollout_placement: ray.")
-
-
 def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
-    """``grpo.max_staleness``: asynchronous GRPO runs with engines of their own (``rollout_placement: separate``)."""
+    """``grpo.max_staleness``: asynchronous GRPO needs a rollout mode whose engines generate while the trainer trains."""
     g, m = cfg.grpo, cfg.megatron
     if not isinstance(g.max_staleness, int) or isinstance(g.max_staleness, bool) or not 0 <= g.max_staleness <= MAX_STALENESS:
         r.add("grpo.max_staleness", f"must be an integer from 0 (synchronous) to {MAX_STALENESS}, got {g.max_staleness!r}. "
@@ -448,7 +418,8 @@ def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
         return
     if g.max_staleness == 0:
         return
-    if m.inference_backend != "vllm" or m.rollout_placement not in ("separate", "ray"):
+    mode, _ = resolve_rollout_mode(m)
+    if mode is not None and not mode.asynchronous:
         r.add("grpo.max_staleness", f"{g.max_staleness} (asynchronous GRPO) needs rollout engines that generate while "
                                     "the trainer trains: set megatron.inference_backend: vllm and megatron.rollout_placement: "
                                     f"separate or ray (now {m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
@@ -535,10 +506,10 @@ def _registered_reward_functions() -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rules that need the model's shape (how it splits over the layout: layout.py)
+# Rules that need the model's shape (how it splits over the layout: engine/parallel/layout.py)
 # --------------------------------------------------------------------------------------------------
 def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: ValidationReport) -> None:
-    """What the model needs beyond the layout (layout.py checks the split): its own code, its context length."""
+    """What the model needs beyond the layout (engine/parallel/layout.py checks the split): its own code, its context length."""
     if shape.remote_code and not cfg.model.trust_remote_code:
         r.add("model.trust_remote_code", f"{shape.source} needs its own code to load (config.json has an auto_map), "
                                          "which is not run unless you allow it. If you trust it, set "

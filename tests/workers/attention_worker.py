@@ -42,6 +42,7 @@ def main() -> None:
     from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.kernels.fusions import FUSIONS
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.examples.tiny_models import build_tiny_model
@@ -73,10 +74,11 @@ def main() -> None:
         params.transformer_config.attention_backend = backend
         for fusion in FUSIONS:
             setattr(params.transformer_config, fusion, fused)
+        layout = engine_layout(params)
         ckpt = workdir / "mc_gqa"
         if not (ckpt / "oumi_megatron.json").is_file():
-            convert_hf_to_megatron(src, ckpt, params, dtype=dtype)
-        _, engine = build_engine(ckpt, params, OptimSettings(lr=1e-4), dtype=dtype)
+            convert_hf_to_megatron(src, ckpt, layout, params, dtype=dtype)
+        _, engine = build_engine(ckpt, layout, params, OptimSettings(lr=1e-4), dtype=dtype)
         core = core_attention_name(engine.model[0])
         padded = torch.cat(engine.compute_logprobs([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]))
         packed_lp, packed_entropy = engine.compute_logprobs_and_entropy([packed])

@@ -23,6 +23,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
     from oumi_megatron.engine.wrappers import unwrap
@@ -47,10 +48,11 @@ def main() -> None:
         params.transformer_config.recompute_granularity = None
         params.transformer_config.cuda_graph_impl = impl
         params.transformer_config.cuda_graph_seq_length = 40 if impl == "local" else None
+        layout = engine_layout(params)
         ckpt = workdir / "mc_gqa"
         if not (ckpt / "oumi_megatron.json").is_file():
-            convert_hf_to_megatron(src, ckpt, params, dtype=torch.bfloat16)
-        return build_engine(ckpt, params, OptimSettings(lr=1e-3), dtype=torch.bfloat16)[1]
+            convert_hf_to_megatron(src, ckpt, layout, params, dtype=torch.bfloat16)
+        return build_engine(ckpt, layout, params, OptimSettings(lr=1e-3), dtype=torch.bfloat16)[1]
 
     runs = {}
     for impl in ("none", "local"):

@@ -14,9 +14,6 @@ Writes WORK/result_rank{r}.json.
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-
-import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,42 +22,29 @@ def main() -> None:
     hf, work = Path(sys.argv[1]), Path(sys.argv[2])
     backend = sys.argv[3] if len(sys.argv) > 3 else "megatron"  # vllm: an engine colocated in each rank
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
-    from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
-    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.assembly import build_trainer
+    from oumi_megatron.config.standalone import load_config
     from oumi_megatron.data import prompt_token_ids
-    from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.engine.parallel.layout import resolve_layout
     from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
-    from oumi_megatron.layout import ParallelLayout
-    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     def reward(completions: list[str], target: list[str], **kwargs: object) -> list[float]:
         scores = char_class_reward(completions, target)
         return [s if t == "digits" else 0.5 for s, t in zip(scores, target)]
 
-    params = MegatronParams(micro_batch_size=8, global_batch_size=32, inference_backend=backend,
-                            rollout_placement="colocated")
-    params.transformer_config.recompute_granularity = None
-    grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
-                              reward_functions=[RewardFunctionParams(name="half_constant")],
-                              dynamic_sampling=True, dynamic_sampling_max_rounds=4)
-    out = work / "run"
-    training = SimpleNamespace(output_dir=str(out), seed=7, max_steps=5, save_steps=0, enable_tensorboard=False,
-                               save_final_model=False, try_resume_from_last_checkpoint=False)
-    model = SimpleNamespace(model_name=str(hf), torch_dtype=torch.float32, trust_remote_code=False)
-    config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
-    layout = ParallelLayout(world_size=2, tensor_parallel=1, pipeline_parallel=1, context_parallel=1, expert_parallel=1,
-                            data_parallel=2, virtual_pipeline=None, sequence_parallel=False, micro_batch_size=8,
-                            global_batch_size=32, pipeline_schedule="none", num_generations=8, num_mini_batches=1)
-    checkpoint = ensure_converted(hf, work / "megatron_checkpoint", params, torch.float32)
-    bridge, engine = build_engine(checkpoint, params, OptimSettings(lr=3e-3, total_steps=5), torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(hf)
+    # the demo config, read as the GPU image reads it (no Oumi), with this test's settings
+    overrides = [f"model.model_name={hf}", f"training.output_dir={work / 'run'}", "training.seed=7", "training.max_steps=5",
+                 "training.save_steps=0", "training.enable_tensorboard=false", "training.save_final_model=false",
+                 f"megatron.inference_backend={backend}", "megatron.rollout_placement=colocated",
+                 "grpo.reward_functions=[{name: half_constant}]", "grpo.dynamic_sampling=true",
+                 "grpo.dynamic_sampling_max_rounds=4"]
+    config = load_config(REPO / "configs" / "tiny_cpu_grpo.yaml", overrides, oumi=False)
+    grpo = config.grpo
+    layout = resolve_layout(config, 2).require()
     rows = [char_class_row(json.loads(line)) for line in (REPO / "data" / "char_class_train.jsonl").read_text().splitlines()]
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, rows,
-                                      reward_functions={"half_constant": reward})
+    trainer = build_trainer(config, layout, rows, reward_functions={"half_constant": reward}).trainer
+    tokenizer = trainer.collector.tokenizer
     rank, G = dist.get_rank(), grpo.num_generations
     steps = []
     collector = trainer.collector

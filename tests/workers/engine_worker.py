@@ -118,6 +118,7 @@ def main() -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.kernels.attention import core_attention_name
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.conversion import save_hf
 
     params = MegatronParams(
@@ -136,7 +137,7 @@ def main() -> None:
     if args.grad_accum_fusion:
         params.transformer_config.gradient_accumulation_fusion = True
     settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
-    bridge, engine = build_engine(args.ckpt, params, settings, dtype=torch.float32)
+    bridge, engine = build_engine(args.ckpt, engine_layout(params), params, settings, dtype=torch.float32)
 
     if args.on_policy_check:
         on_policy_check(engine, Path(args.out))

@@ -36,6 +36,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.rollout.decoding.padding import left_padded_batch
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
@@ -43,7 +44,7 @@ def main() -> None:
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             virtual_pipeline_model_parallel_size=args.vpp or None)
     params.transformer_config.recompute_granularity = None
-    _, engine = build_engine(args.ckpt, params, OptimSettings(), dtype=torch.float32)
+    _, engine = build_engine(args.ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
     vocab = 259
 
     # Logits, step by step: cache vs whole prefix, greedy

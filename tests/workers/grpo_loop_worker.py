@@ -2,21 +2,42 @@
 
     python tests/workers/grpo_loop_worker.py WORK [--steps 80] [--tp 2 | --pp 2 | --packing] (torchrun for 2)
 
-Same trainer class, engine, rollout backend, rewards and hyper-parameters as the demo config; only
-what Oumi provides (YAML loading, dataset registry, tokenizer builder) is replaced by its plain
-equivalents: the config sections are built in Python, the demo's jsonl is read directly and the
-tokenizer loaded with transformers. Writes WORK/run/metrics.jsonl and WORK/result.json (rank 0).
+The demo config itself, read without Oumi (config/standalone.py), with this worker's options as overrides, and the
+run assembled by the composition root (assembly.py ``build_trainer``), as `oumi train` assembles it; only the rows
+(the demo's jsonl read directly) and the reward (the demo's function, passed by name) come from here instead of
+Oumi's registries. Writes WORK/run/metrics.jsonl and WORK/result.json (rank 0).
 """
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def overrides(args: argparse.Namespace, work: Path, hf: Path) -> list[str]:
+    """The worker's options as overrides of configs/tiny_cpu_grpo.yaml."""
+    out = [f"model.model_name={hf}", f"model.torch_dtype_str={args.dtype}", f"training.output_dir={work / 'run'}",
+           f"training.max_steps={args.steps}", "training.save_steps=0", "training.include_performance_metrics=false",
+           f"megatron.tensor_model_parallel_size={args.tp}", f"megatron.pipeline_model_parallel_size={args.pp}",
+           f"megatron.enable_sequence_packing={str(args.packing).lower()}"]
+    if args.unfused:  # the engine before issue 12
+        from oumi_megatron.engine.kernels.fusions import FUSIONS
+
+        out += [f"megatron.transformer_config.{name}=false" for name in FUSIONS]
+        out += ["megatron.logprob_chunk_tokens=0", "megatron.optimizer_config.fused_kernels=false"]
+    if args.graphs:  # microbatches padded to max_prompt_length + max_completion_length
+        out += ["megatron.transformer_config.cuda_graph_impl=local", "megatron.transformer_config.cuda_graph_seq_length=80"]
+    if args.vllm_separate:
+        method = "nccl" if torch.cuda.is_available() else "gloo"
+        out += ["megatron.inference_backend=vllm", "megatron.rollout_placement=separate", f"megatron.weight_sync_method={method}"]
+    if args.max_staleness:
+        out += [f"grpo.max_staleness={args.max_staleness}", "grpo.off_policy_correction=tis"]
+    return out
 
 
 def main() -> None:
@@ -36,23 +57,15 @@ def main() -> None:
     args = p.parse_args()
 
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
-    from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams
-    from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.builder import build_engine
-    from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.assembly import build_trainer
+    from oumi_megatron.config.standalone import load_config
+    from oumi_megatron.engine.parallel.layout import resolve_layout
     from oumi_megatron.examples.demo_task import char_class_reward, char_class_row
     from oumi_megatron.examples.tiny_models import build_tiny_model
-    from oumi_megatron.layout import ParallelLayout
-    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
 
     work = Path(args.work)
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dtype = getattr(torch, args.dtype)
     hf = work / "tiny_qwen2"
     if int(os.environ.get("RANK", "0")) == 0 and not (hf / "config.json").is_file():
         build_tiny_model(hf, arch="qwen2")
@@ -60,46 +73,13 @@ def main() -> None:
         time.sleep(0.2)
     time.sleep(0.5)
 
-    # configs/tiny_cpu_grpo.yaml, in Python
-    params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                            micro_batch_size=8, global_batch_size=32, enable_sequence_packing=args.packing)
-    params.transformer_config.recompute_granularity = None
-    if args.unfused:
-        from oumi_megatron.engine.kernels.fusions import FUSIONS
-
-        for name in FUSIONS:
-            setattr(params.transformer_config, name, False)
-        params.logprob_chunk_tokens = 0
-        params.optimizer_config.fused_kernels = False
-    if args.graphs:
-        params.transformer_config.cuda_graph_impl = "local"
-        params.transformer_config.cuda_graph_seq_length = 64 + 16  # max_prompt_length + max_completion_length
-    if args.vllm_separate:
-        params.inference_backend, params.rollout_placement = "vllm", "separate"
-        params.weight_sync_method = "nccl" if torch.cuda.is_available() else "gloo"
-    grpo = MegatronGrpoParams(num_generations=8, temperature=1.0, max_prompt_length=64, max_completion_length=16,
-                              reward_functions=[RewardFunctionParams(name="char_class")], max_staleness=args.max_staleness,
-                              off_policy_correction="tis" if args.max_staleness else None)
-    out = work / "run"
-    training = SimpleNamespace(output_dir=str(out), seed=42, max_steps=args.steps, save_steps=0,
-                               enable_tensorboard=True, save_final_model=True, try_resume_from_last_checkpoint=False,
-                               include_performance_metrics=False, enable_wandb=False, run_name=None)
-    model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
-    config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
-    dp = world // (args.tp * args.pp)
-    layout = ParallelLayout(world_size=world, tensor_parallel=args.tp, pipeline_parallel=args.pp, context_parallel=1,
-                            expert_parallel=1, data_parallel=dp, virtual_pipeline=None, sequence_parallel=False,
-                            micro_batch_size=8, global_batch_size=32, pipeline_schedule="1f1b" if args.pp > 1 else "none",
-                            num_generations=8, num_mini_batches=1)
+    config = load_config(REPO / "configs" / "tiny_cpu_grpo.yaml", overrides(args, work, hf), oumi=False)
+    layout = resolve_layout(config, world).require()
+    out = Path(config.training.output_dir)
+    rows = [char_class_row(json.loads(line)) for line in (REPO / "data" / "char_class_train.jsonl").read_text().splitlines()]
 
     t0 = time.perf_counter()
-    checkpoint = ensure_converted(hf, out / "megatron_checkpoint", params, dtype)
-    bridge, engine = build_engine(checkpoint, params, OptimSettings(lr=3e-3, total_steps=args.steps), dtype)
-    tokenizer = AutoTokenizer.from_pretrained(hf)
-    rows = [char_class_row(json.loads(line)) for line in (REPO / "data" / "char_class_train.jsonl").read_text().splitlines()]
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, rows,
-                                      reward_functions={"char_class": char_class_reward})
-    trainer.train()
+    build_trainer(config, layout, rows, reward_functions={"char_class": char_class_reward}).train()
     seconds = time.perf_counter() - t0
     if dist.get_rank() == 0:
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

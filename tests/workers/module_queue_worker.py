@@ -36,6 +36,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
     from oumi_megatron.engine.state.conversion import save_hf
     from oumi_megatron.engine.wrappers import unwrap
@@ -51,7 +52,7 @@ def main() -> None:
             params.transformer_config.recompute_method, params.transformer_config.recompute_num_layers = method, int(layers)
         params.logprob_chunk_tokens = args.logprob_chunk
         settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=3)
-        return build_engine(ckpt, params, settings, dtype=torch.float32)
+        return build_engine(ckpt, engine_layout(params), params, settings, dtype=torch.float32)
 
     def microbatches(step: int) -> list[dict]:
         return masked_microbatches(step, 2)  # 4 microbatches

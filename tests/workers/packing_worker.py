@@ -42,6 +42,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.grpo.loss import make_grpo_loss_fn
     from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
 
@@ -52,8 +53,8 @@ def main() -> None:
     if args.cp > 1 or args.ep > 1:  # DP x CP = 2 ranks: the distributed optimizer would leave each rank only its shard of the reduced grads
         params.ddp_config.use_distributed_optimizer = False
     # lr = 0: train_step computes the real gradients but leaves the weights as they are
-    _, engine = build_engine(args.ckpt, params, OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=10),
-                             dtype=torch.float32)
+    settings = OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=10)
+    _, engine = build_engine(args.ckpt, engine_layout(params), params, settings, dtype=torch.float32)
     ids, prompt_lens, advantages = sequences()
     trainable = torch.ones(len(ids), dtype=torch.bool)
     trainable[3] = False  # a skipped sample: kept in the batch, not trained on

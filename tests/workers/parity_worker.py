@@ -26,16 +26,18 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.examples.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
 
     results = {}
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
+    layout = engine_layout(params)
     for arch in ARCHITECTURES + MOE_ARCHITECTURES:
         src = build_tiny_model(workdir / f"hf_{arch}", arch=arch)
-        ckpt = convert_hf_to_megatron(src, workdir / f"mc_{arch}", params, dtype=dtype)
-        _, engine = build_engine(ckpt, params, OptimSettings(), dtype=dtype)
+        ckpt = convert_hf_to_megatron(src, workdir / f"mc_{arch}", layout, params, dtype=dtype)
+        _, engine = build_engine(ckpt, layout, params, OptimSettings(), dtype=dtype)
         # The reference is always the fp32 HF model.
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().to(device)
         ids = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(7))
@@ -53,7 +55,7 @@ def main() -> None:
         pid, ppos, pmask = left_padded_batch(prompts, pad_id=0)
         last = engine.last_token_logits(pid.to(device), ppos.to(device), pmask.to(device)).float().cpu()
         ref_last = torch.stack([ref_logits[0, 19], ref_logits[1, 31]])
-        exported = export_to_hf(ckpt, workdir / f"export_{arch}", params)
+        exported = export_to_hf(ckpt, workdir / f"export_{arch}", layout, params)
         a = load_file(str(next(src.glob("*.safetensors"))))
         b = load_file(str(next(exported.glob("*.safetensors"))))
         extra = sorted(set(b) - set(a))

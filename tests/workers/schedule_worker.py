@@ -24,6 +24,7 @@ def main() -> None:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.checkpointing import load_checkpoint, save_checkpoint
 
     def engine_for(schedule: str):  # noqa: ANN202
@@ -31,7 +32,7 @@ def main() -> None:
         params.transformer_config.recompute_granularity = None
         params.transformer_config.gradient_accumulation_fusion = True
         settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=3)
-        return build_engine(ckpt, params, settings, dtype=torch.float32)[1]
+        return build_engine(ckpt, engine_layout(params), params, settings, dtype=torch.float32)[1]
 
     def microbatches(step: int) -> list[dict]:
         return masked_microbatches(step, 1)  # 8 microbatches

@@ -12,7 +12,6 @@
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -33,23 +32,30 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.standalone import ModelSection, StandaloneConfig, TrainingSection
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
     from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             inference_backend="vllm", rollout_placement=args.placement, weight_sync_method=args.method,
                             weight_sync_bucket_mb=0.05)  # small buckets: many of them, fused params split across
     params.transformer_config.recompute_granularity = None
-    bridge, engine = build_engine(args.ckpt, params, OptimSettings(lr=2e-2, total_steps=10), dtype=dtype)
-    grpo = SimpleNamespace(max_prompt_length=32, max_completion_length=12)
+    bridge, engine = build_engine(args.ckpt, engine_layout(params), params, OptimSettings(lr=2e-2, total_steps=10), dtype=dtype)
     out_dir = Path(args.out).parent / f"vllm_{args.placement}_{args.method}_tp{args.tp}_pp{args.pp}"
-    backend = VllmRolloutBackend(args.hf, dtype, params, grpo, seed=0, work_dir=out_dir)
+    # the rollout mode of these settings, built as the trainer builds it (rollout/registry.py)
+    config = StandaloneConfig(model=ModelSection(model_name=args.hf, torch_dtype_str=str(dtype).removeprefix("torch.")),
+                              training=TrainingSection(seed=0), megatron=params,
+                              grpo=MegatronGrpoParams(max_prompt_length=32, max_completion_length=12))
+    backend = build_rollout_backend(RolloutContext(engine, config, AutoTokenizer.from_pretrained(args.hf), dtype, out_dir))
     weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")  # what the trainer hands sync_weights
     sample = SamplingParams(temperature=1.0, max_new_tokens=12, pad_token_id=256)
 

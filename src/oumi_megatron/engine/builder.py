@@ -1,8 +1,10 @@
-"""Assembling a MegatronEngine for the current layout from a converted (or trained) checkpoint."""
+"""Assembling a MegatronEngine for a resolved ParallelLayout from a converted (or trained) checkpoint.
+
+The layout comes from the caller (``resolve_layout`` of a config, or ``engine_layout`` of bare MegatronParams):
+nothing here resolves the schedule or the sizes again."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,24 +14,12 @@ from oumi_megatron.engine.engine import MegatronEngine
 from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.optimizer import OptimSettings, build_optimizer, build_scheduler
-from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_model_parallel
+from oumi_megatron.engine.parallel.distributed import init_model_parallel
 from oumi_megatron.engine.state.conversion import build_from_checkpoint
-from oumi_megatron.layout import ParallelLayout, resolve_schedule
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
-
-logger = logging.getLogger("oumi")
-
-
-def _schedule(params: MegatronParams) -> str:
-    """The schedule for callers without a validated layout (benchmarks, tests, eval): layout.py's resolution."""
-    schedule, why_not, problems = resolve_schedule(params)
-    if problems:
-        raise ValueError("; ".join(str(p) for p in problems))
-    if why_not:
-        logger.warning("megatron.pipeline_schedule %s; using %s.", why_not, schedule)
-    return schedule
+    from oumi_megatron.engine.parallel.layout import ParallelLayout
 
 
 def ddp_config_from_params(params: MegatronParams) -> Any:
@@ -50,64 +40,63 @@ def ddp_config_from_params(params: MegatronParams) -> Any:
 
 def build_engine(
     checkpoint_dir: str | Path,
+    layout: ParallelLayout,
     params: MegatronParams,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
-    layout: ParallelLayout | None = None,
 ) -> tuple[Any, MegatronEngine]:
-    """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule. The pipeline
-    schedule is the validated ``layout``'s (without one, resolved from ``params`` by the same function)."""
+    """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule, for ``layout`` (its process
+    groups and its pipeline schedule)."""
     dtype = dtype or default_dtype()
-    schedule = layout.pipeline_schedule if layout is not None else _schedule(params)
-    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=dtype, ddp_config=ddp_config_from_params(params),
-                                           trust_remote_code=trust_remote_code, schedule=schedule)
+    bridge, chunks = build_from_checkpoint(checkpoint_dir, layout, params, dtype=dtype,
+                                           ddp_config=ddp_config_from_params(params), trust_remote_code=trust_remote_code)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
-    return bridge, MegatronEngine(chunks, optimizer, scheduler, params, schedule=schedule)
+    return bridge, MegatronEngine(chunks, optimizer, scheduler, params, schedule=layout.pipeline_schedule)
 
 
 def build_inference_engine(
     hf_path: str | Path,
+    layout: ParallelLayout,
     params: MegatronParams,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
-    layout: ParallelLayout | None = None,
 ) -> tuple[Any, MegatronEngine]:
     """(bridge, engine) with an HF folder's weights loaded in memory by Megatron-Bridge, for generation
     only (``oumi-megatron eval``): no conversion on disk, no DDP, no optimizer. The schedule (forward-only passes
-    under PP) is the validated ``layout``'s, as in ``build_engine``."""
+    under PP) is ``layout``'s, as in ``build_engine``."""
     dtype = dtype or default_dtype()
-    init_model_parallel(ParallelSizes.from_params(params))
+    init_model_parallel(layout)
     bridge = load_bridge(hf_path, trust_remote_code=trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
     chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     for chunk in chunks:
         chunk.eval()
-    schedule = layout.pipeline_schedule if layout is not None else _schedule(params)
-    return bridge, MegatronEngine(chunks, None, None, params, schedule=schedule)
+    return bridge, MegatronEngine(chunks, None, None, params, schedule=layout.pipeline_schedule)
 
 
 def build_engine_from_hf_config(
     hf_config: Any,
+    layout: ParallelLayout,
     params: MegatronParams,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
 ) -> tuple[Any, MegatronEngine]:
-    """A randomly initialized engine for an HF config (benchmarks; no weights are read)."""
+    """A randomly initialized engine for an HF config and ``layout`` (benchmarks; no weights are read)."""
     from oumi_megatron.bridge_utils import import_megatron_bridge
 
     dtype = dtype or default_dtype()
-    init_model_parallel(ParallelSizes.from_params(params), cuda_graphs=cuda_graphs_enabled(params))
+    init_model_parallel(layout, cuda_graphs=cuda_graphs_enabled(params))
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
-    schedule = _schedule(params)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype,
-                                  cuda_graphs=cuda_graphs_enabled(params), schedule=schedule)
+                                  cuda_graphs=cuda_graphs_enabled(params), schedule=layout.pipeline_schedule)
     chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)
     if cuda_graphs_enabled(params):
         attach_cuda_graphs(chunks)
     optimizer = build_optimizer(chunks, params, settings, dtype)
-    return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params, schedule=schedule)
+    return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params,
+                                  schedule=layout.pipeline_schedule)

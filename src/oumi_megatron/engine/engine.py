@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
-from oumi_megatron.engine.parallel.schedules import schedule_function
+from oumi_megatron.engine.parallel.schedules import SCHEDULES, schedule_function
 from oumi_megatron.engine.wrappers import unwrap
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class MegatronEngine:
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
-        self.schedule = schedule  # resolved once, in layout.py; looked up by name in engine/parallel/schedules.py
+        self.schedule = schedule  # resolved once, in engine/parallel/layout.py; looked up by name in engine/parallel/schedules.py
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
         self._cp_whole_sequences = 1  # CP size while _context_parallel_off runs whole sequences
         from oumi_megatron.engine.parallel.module_queue import module_queues
@@ -571,8 +571,8 @@ class MegatronEngine:
         return bool(stats[0] > 0), float(stats[1])
 
     def _deferred_wgrad_ops(self) -> int:
-        """ZB-H1's count of deferred weight-gradient GEMMs in the step just run, summed over all ranks."""
-        if self.schedule != "zb_h1":
+        """Deferred weight-gradient GEMMs (ZB-H1's count) in the step just run, summed over all ranks."""
+        if not SCHEDULES.get(self.schedule).defers_weight_gradients:
             return 0
         from oumi_megatron.engine.parallel.zero_bubble import WeightGradStore
 

@@ -94,8 +94,8 @@ def configure_provider(
 ) -> Any:
     """Applies the layout, precision and recompute settings of ``params`` to a GPTModelProvider
     (``cuda_graphs``: the training engine's builders check that CUDA graphs can run; they are attached
-    after the build, engine/kernels/cuda_graphs.py; ``schedule``: the pipeline schedule the engine will run, zb_h1
-    needs the gradient accumulation path)."""
+    after the build, engine/kernels/cuda_graphs.py; ``schedule``: the pipeline schedule the engine will run, one that
+    defers weight gradients needs the gradient accumulation path)."""
     provider.tensor_model_parallel_size = params.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = params.pipeline_model_parallel_size
     provider.virtual_pipeline_model_parallel_size = params.virtual_pipeline_model_parallel_size
@@ -143,13 +143,15 @@ def configure_provider(
     if not have_transformer_engine():
         from oumi_megatron.engine.kernels.attention import resolve_attention_backend
         from oumi_megatron.engine.kernels.fusions import apply_fusions
+        from oumi_megatron.engine.parallel.schedules import SCHEDULES
 
         backend, why = resolve_attention_backend(t.attention_backend, provider, torch.cuda.is_available())
         provider.transformer_layer_spec = partial(_local_spec, backend=backend)
         for name in _LOCAL_SPEC_FUSIONS_OFF:
             if hasattr(provider, name):
                 setattr(provider, name, False)
-        fusions = apply_fusions(provider, t, torch.cuda.is_available(), zero_bubble=schedule == "zb_h1")  # the ones PyTorch can supply
+        deferring = SCHEDULES.get(schedule).defers_weight_gradients  # it needs the gradient accumulation path
+        fusions = apply_fusions(provider, t, torch.cuda.is_available(), zero_bubble=deferring)  # the ones PyTorch can supply
         logger.info("core attention: %s (%s); fusions: %s", backend, why, fusions)
     if cuda_graphs:
         check_cuda_graphs(params, torch.cuda.is_available())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -102,6 +102,7 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
 class AsyncRolloutBackend(RolloutBackend, Protocol):
     """A backend whose engines generate while the trainer trains (asynchronous GRPO, ``grpo.max_staleness`` > 0):
     generations are queued and collected in order, new weights are queued behind the generations in flight."""

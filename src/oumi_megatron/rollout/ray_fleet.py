@@ -136,7 +136,7 @@ def connect(address: str, engines: int, gpus_per_engine: int) -> None:
 def preflight(params: Any, model_name: str) -> None:
     """``rollout_placement: ray``, on rank 0 before conversion: the cluster is reachable, has the engines' GPUs, and an
     engine's GPU(s) hold the model."""
-    if params.inference_backend == "vllm" and params.rollout_placement == "ray" and dist_rank() == 0:
+    if dist_rank() == 0:
         connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
         check_engine_fits(params, model_name)
 

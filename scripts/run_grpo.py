@@ -1,16 +1,20 @@
-"""`oumi train -c configs/smollm2_arithmetic_gpu.yaml` and `oumi-megatron eval` of its hf_model, without Oumi.
+"""A whole GRPO run as ``oumi train`` assembles it, on machines without Oumi's data pipeline (the lent GPU image).
 
-    python tests/workers/real_model_worker.py CONFIG.yaml WORK --rows DIR [--max-steps N] [--eval-base]
-    torchrun --nproc-per-node 2 tests/workers/real_model_worker.py ...   # data-parallel over the ranks
+    python scripts/run_grpo.py CONFIG.yaml WORK --rows DIR [--max-steps N] [--eval-base] [--set key=value ...]
+    torchrun --nproc-per-node 2 scripts/run_grpo.py ...   # data-parallel over the ranks
 
-The lent GPU image has no Oumi (its dependencies do not fit a call), so what Oumi provides is replaced
-by what it produced on a machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's
-``openai/gsm8k`` dataset class transformed them (DIR/train.rows.jsonl, DIR/<eval set prefix>.rows.jsonl) and the source of Oumi's
-``gsm8k`` reward (DIR/oumi_gsm8k_reward.py, executed here with its two registry imports stubbed). The
-YAML's megatron:/grpo: sections are read into the same dataclasses; the training section's fields are
-read as they are. Same trainer, engine, rollout backend and evaluator as ``oumi train``. Writes
-WORK/result.json (rank 0): the eval curves (every eval set), the base model's and the exported model's held-out numbers.
+The config is the YAML plus dotted overrides (config/standalone.py ``load_config``: Oumi's loading where Oumi is
+installed), the layout is resolved by engine/parallel/layout.py and the run is built by the composition root
+(assembly.py ``build_trainer``, ``evaluate_model``): the same start plan, conversion, engine, rollout mode, trainer
+and evaluator as ``oumi train`` and ``oumi-megatron eval``. What Oumi provides is replaced by what it produced on a
+machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's ``openai/gsm8k`` dataset class
+transformed them (DIR/train.rows.jsonl, DIR/<eval set prefix>.rows.jsonl) and the source of Oumi's ``gsm8k`` reward
+(DIR/oumi_gsm8k_reward.py, executed here with its two registry imports stubbed). Writes WORK/result.json (rank 0):
+the eval curves (every eval set), the base model's and the exported model's held-out numbers. Every whole-run
+benchmark (bench_grpo.py, bench_async.py, bench_scale.py, bench_scale_laws.py --gpu) runs this script.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -18,18 +22,19 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
-import yaml
 
 
-def oumi_gsm8k_reward(source: Path):  # noqa: ANN201
+def oumi_gsm8k_reward(source: Path) -> Callable[..., list[float]]:
     """Oumi's gsm8k reward function, from its source file (the registry decorator made a no-op)."""
     registry = types.ModuleType("oumi.core.registry")
-    registry.RegistryType = SimpleNamespace(REWARD_FUNCTION="reward_function")
-    registry.register = lambda name, kind: (lambda fn: fn)
+    registry.RegistryType = SimpleNamespace(REWARD_FUNCTION="reward_function")  # type: ignore[attr-defined]
+    registry.register = lambda name, kind: (lambda fn: fn)  # type: ignore[attr-defined]
     for name in ("oumi", "oumi.core"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["oumi.core.registry"] = registry
@@ -40,16 +45,29 @@ def oumi_gsm8k_reward(source: Path):  # noqa: ANN201
     return namespace["gsm8k_reward"]
 
 
-def load_sections(path: Path):  # noqa: ANN201
-    from omegaconf import OmegaConf
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
-    from oumi_megatron.config.grpo_params import MegatronGrpoParams
-    from oumi_megatron.config.megatron_params import MegatronParams
 
-    raw = yaml.safe_load(path.read_text())
-    megatron = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronParams), raw.get("megatron", {})))
-    grpo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MegatronGrpoParams), raw.get("grpo", {})))
-    return raw, megatron, grpo
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The command line as ``oumi train`` overrides of the YAML."""
+    out = [f"training.output_dir={Path(args.work) / 'run'}", "training.try_resume_from_last_checkpoint=true",
+           "training.enable_wandb=false"]
+    if args.model:
+        out.append(f"model.model_name={args.model}")
+    if args.max_steps:
+        out.append(f"training.max_steps={args.max_steps}")
+    if args.save_steps:
+        out.append(f"training.save_steps={args.save_steps}")
+    if args.no_eval:
+        out.append("training.eval_strategy=no")
+    if args.no_eval or args.no_export_eval:
+        out.append(f"training.save_final_model={str(bool(args.export)).lower()}")
+    if args.inference_backend:
+        out.append(f"megatron.inference_backend={args.inference_backend}")
+    if args.vllm_kv_cache_gib is not None:
+        out.append(f"megatron.vllm_kv_cache_gib={args.vllm_kv_cache_gib}")
+    return out + list(args.set)
 
 
 def main() -> None:
@@ -76,99 +94,57 @@ def main() -> None:
                    "config's (a colocated engine maps and unmaps this much at each wake and sleep)")
     p.add_argument("--converted", default=None, help="where the converted Megatron-Core checkpoint lives (default: "
                    "under WORK): runs of one model share it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more overrides of the YAML, as `oumi train` takes them (megatron.micro_batch_size=8)")
     args = p.parse_args()
 
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
-    from oumi_megatron.engine.builder import build_engine, build_inference_engine
-    from oumi_megatron.engine.optimizer import OptimSettings
-    from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.assembly import build_trainer, evaluate_model
+    from oumi_megatron.config.standalone import load_config
+    from oumi_megatron.engine.parallel.layout import resolve_layout
     from oumi_megatron.examples.scale_task import char_diversity
-    from oumi_megatron.grpo.rewards import RewardComputer
-    from oumi_megatron.layout import resolve_layout
-    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
-    from oumi_megatron.trainer.evaluation import build_evaluators
-    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
-
-    raw, params, grpo = load_sections(Path(args.config))
-    if args.inference_backend:
-        params.inference_backend = args.inference_backend
-    if args.vllm_kv_cache_gib is not None:
-        params.vllm_kv_cache_gib = args.vllm_kv_cache_gib
-    t = raw["training"]
-    work, rows_dir = Path(args.work), Path(args.rows)
-    hf = Path(args.model or raw["model"]["model_name"])
-    dtype = getattr(torch, raw["model"].get("torch_dtype_str", "bfloat16"))
-    # the real task's reward (Oumi's gsm8k) where its source came with the rows; the scale task's cheap one
-    reward = {"char_diversity": char_diversity}
-    if (rows_dir / "oumi_gsm8k_reward.py").is_file():
-        reward["gsm8k"] = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
-    train_rows = [json.loads(line) for line in (rows_dir / "train.rows.jsonl").read_text().splitlines()]
-    eval_sets = {} if args.no_eval else {
-        prefix: [json.loads(line) for line in (rows_dir / f"{prefix}.rows.jsonl").read_text().splitlines()]
-        for prefix in dict.fromkeys(grpo.eval_metric_prefixes or ["eval"])}
-    max_steps = args.max_steps or t["max_steps"]
-    out = work / "run"
-    training = SimpleNamespace(
-        output_dir=str(out), seed=t["seed"], max_steps=max_steps, save_steps=args.save_steps or t["save_steps"],
-        enable_tensorboard=True, save_final_model=args.export or not (args.no_eval or args.no_export_eval),
-        try_resume_from_last_checkpoint=True,
-        eval_strategy="no" if args.no_eval else t["eval_strategy"], eval_steps=t["eval_steps"],
-        per_device_eval_batch_size=t["per_device_eval_batch_size"],
-        include_performance_metrics=t.get("include_performance_metrics", False), enable_wandb=False, run_name=None,
-    )
-    model = SimpleNamespace(model_name=str(hf), torch_dtype=dtype, trust_remote_code=False)  # the trainer builds its backend from it
-    config = SimpleNamespace(model=model, training=training, megatron=params, grpo=grpo)
-    # the config's parallel sizes over torchrun's ranks (data parallel over the rest), resolved as `oumi train` does
-    resolution = resolve_layout(SimpleNamespace(megatron=params, grpo=grpo, training=SimpleNamespace()),
-                                int(os.environ.get("WORLD_SIZE", "1")))
-    if resolution.layout is None or resolution.problems:
-        raise SystemExit("the config's layout: " + "; ".join(map(str, resolution.problems)))
-    layout = resolution.layout
-    tokenizer = AutoTokenizer.from_pretrained(hf)
-    # torchrun's rank i on GPU i, as the engine builder places it
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-
-    def held_out(model_dir: Path) -> dict:
-        """`oumi-megatron eval`'s path: the HF folder's weights in memory, greedy, the same evaluator."""
-        _, engine = build_inference_engine(model_dir, params, dtype)
-        backend = MegatronRolloutBackend(engine, vocab_size=len(tokenizer), seed=t["seed"])
-        rewards = RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward)
-        metrics: dict = {}
-        for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, grpo, t["per_device_eval_batch_size"], device):
-            metrics.update(evaluator.run())
-        return metrics
-
-    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result: dict = {"card": card, "config": args.config, "max_steps": max_steps}
-    if args.eval_base:
-        result["base_eval"] = held_out(hf)
-
-    t0 = time.perf_counter()
-    checkpoint = ensure_converted(hf, Path(args.converted) if args.converted else out / "megatron_checkpoint", params, dtype)
-    updates = grpo.ppo_epochs * grpo.num_mini_batches
-    settings = OptimSettings(lr=t["learning_rate"], total_steps=max_steps * updates)
-    bridge, engine = build_engine(checkpoint, params, settings, dtype)
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, train_rows,
-                                      reward_functions=reward, eval_dataset=eval_sets or None)
-    if args.no_final_checkpoint:
-        trainer.save_state = lambda: None  # type: ignore[method-assign]
-    trainer.train()
-    result["train_seconds"] = time.perf_counter() - t0
-    # the allocator's peak on every rank, and what the memory plan expects of a training step (scripts/bench_scale.py)
     from oumi_megatron.model_shape import ModelShape
     from oumi_megatron.plan import estimate_memory
 
+    config = load_config(args.config, overrides_of(args))
+    work, rows_dir = Path(args.work), Path(args.rows)
+    hf = Path(config.model.model_name)
+    out = Path(config.training.output_dir)
+    # the real task's reward (Oumi's gsm8k) where its source came with the rows; the scale task's cheap one
+    reward: dict[str, Any] = {"char_diversity": char_diversity}
+    if (rows_dir / "oumi_gsm8k_reward.py").is_file():
+        reward["gsm8k"] = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
+    train_rows = _rows(rows_dir / "train.rows.jsonl")
+    eval_sets = {} if args.no_eval else {prefix: _rows(rows_dir / f"{prefix}.rows.jsonl")
+                                         for prefix in dict.fromkeys(config.grpo.eval_metric_prefixes or ["eval"])}
+    # the config's parallel sizes over torchrun's ranks (data parallel over the rest), resolved as `oumi train` does
+    layout = resolve_layout(config, int(os.environ.get("WORLD_SIZE", "1"))).require()
+    shape = ModelShape.from_file(hf / "config.json")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result: dict = {"card": card, "config": args.config, "max_steps": config.training.max_steps}
+    if args.eval_base:
+        result["base_eval"] = evaluate_model(config, layout, eval_sets, hf, reward_functions=reward)
+
+    t0 = time.perf_counter()
+    run = build_trainer(config, layout, train_rows, eval_dataset=eval_sets or None, reward_functions=reward,
+                        shape=shape, converted_dir=args.converted)
+    trainer = run.trainer
+    if args.no_final_checkpoint:
+        trainer.save_state = lambda: None  # type: ignore[method-assign]
+    run.train()
+    result["train_seconds"] = time.perf_counter() - t0
+    # the allocator's peak on every rank, and what the memory plan expects of a training step (scripts/bench_scale.py)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0], device=device)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
-    shape = ModelShape.from_file(hf / "config.json")
-    plan = estimate_memory(SimpleNamespace(megatron=params, grpo=grpo), shape, layout)
+    plan = estimate_memory(config, shape, layout)
     result.update(peak_gib_by_rank=[round(x.item(), 2) for x in peaks], plan_training_peak_gib=round(plan.training_peak, 2),
                   num_layers=shape.num_layers)
     if dist.get_rank() == 0:
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        metrics = _rows(out / "metrics.jsonl")
         result["eval_curve"] = [{k: m[k] for k in m if k == "step" or k.split("/")[0] in eval_sets}
                                 for m in metrics if "eval/reward_mean" in m]
         result["train"] = [{k: m.get(k) for k in ("step", "reward/mean", "completion_length/mean", "time/rollout_s",
@@ -195,7 +171,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             (work / "result.json").write_text(json.dumps(result, indent=1))
         return
-    result["hf_model_eval"] = held_out(out / "hf_model")
+    result["hf_model_eval"] = evaluate_model(config, layout, eval_sets, out / "hf_model", reward_functions=reward)
     if dist.get_rank() == 0:
         (work / "result.json").write_text(json.dumps(result, indent=1))
         curve = result["eval_curve"]

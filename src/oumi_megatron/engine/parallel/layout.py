@@ -1,7 +1,11 @@
 """The parallel layout: how a world of N processes is split, how batches map onto it, which pipeline schedule
 runs. Resolved once, here (``resolve_layout``), from the config and the world size; validation reports what
-this finds, ``oumi-megatron plan`` calls it directly for every trial layout, and the engine receives the
-resolved ``ParallelLayout`` and never resolves again (torchtitan's ParallelDims).
+this finds, ``oumi-megatron plan`` calls it directly for every trial layout, and the engine's builders receive the
+resolved ``ParallelLayout`` and never resolve again (torchtitan's ParallelDims). Callers that run the engine
+without a GRPO config (test workers, benchmarks, convert/export) get theirs from ``engine_layout``.
+
+It sits beside the schedule registry it reads (engine/parallel/schedules.py): of the engine it imports that registry
+alone, and nothing above it imports back.
 
 A setting that cannot act in a layout (ZB-H1 without a pipeline) falls back with a warning; one that cannot
 run is a ``Problem`` naming the field and the fix.
@@ -9,17 +13,39 @@ run is a ``Problem`` naming the field and the fix.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from oumi_megatron.config.grpo_params import MegatronGrpoParams
 from oumi_megatron.config.problems import Problem
+from oumi_megatron.config.standalone import StandaloneConfig, TrainingSection
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.model_shape import ModelShape
+
+logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed, plain logging elsewhere
+
+
+class _BatchFields(Protocol):
+    @property
+    def per_device_train_batch_size(self) -> int: ...
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+
+
+class LayoutConfig(Protocol):
+    """What the resolver reads of a config: a MegatronTrainingConfig, or ``engine_layout``'s engine-only one."""
+
+    @property
+    def megatron(self) -> MegatronParams: ...
+    @property
+    def grpo(self) -> MegatronGrpoParams: ...
+    @property
+    def training(self) -> _BatchFields: ...
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,8 @@ class ParallelLayout:
     num_generations: int
     num_mini_batches: int
     gpus_per_node: int | None = None
+    expert_tensor_parallel: int | None = None
+    """TP inside each expert (``megatron.expert_tensor_parallel_size``); None: Megatron-Core's default (TP)."""
 
     @property
     def microbatches_per_step(self) -> int:
@@ -96,13 +124,20 @@ class LayoutResolution:
     def add(self, field_name: str, message: str) -> None:
         self.problems.append(Problem(field_name, message))
 
+    def require(self) -> ParallelLayout:
+        """The layout; ``ValueError`` naming every problem when there is one (or no layout)."""
+        if self.problems or self.layout is None:
+            raise ValueError("the parallel layout cannot be resolved: "
+                             + ("; ".join(str(p) for p in self.problems) or "no layout"))
+        return self.layout
+
 
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, ascending (the sizes a parallel dimension over ``n`` ranks may take)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def default_world_size(cfg: MegatronTrainingConfig) -> int:
+def default_world_size(cfg: LayoutConfig) -> int:
     """WORLD_SIZE under torchrun; otherwise the smallest world the layout fits: PP x lcm(TP x CP, EP)
     (DP = 1 unless EP needs more ranks per stage)."""
     env = os.environ.get("WORLD_SIZE")
@@ -132,7 +167,7 @@ def resolve_schedule(params: MegatronParams) -> tuple[str, str | None, list[Prob
     return requested, None, []
 
 
-def resolve_batches(cfg: MegatronTrainingConfig, dp: int) -> tuple[int, int]:
+def resolve_batches(cfg: LayoutConfig, dp: int) -> tuple[int, int]:
     """(micro batch, global batch): megatron's fields, else Oumi's per-device batch x accumulation x DP."""
     m = cfg.megatron
     micro = m.micro_batch_size or cfg.training.per_device_train_batch_size
@@ -140,7 +175,7 @@ def resolve_batches(cfg: MegatronTrainingConfig, dp: int) -> tuple[int, int]:
     return micro, global_batch
 
 
-def resolve_layout(cfg: MegatronTrainingConfig, world_size: int | None = None, gpus_per_node: int | None = None,
+def resolve_layout(cfg: LayoutConfig, world_size: int | None = None, gpus_per_node: int | None = None,
                    shape: ModelShape | None = None) -> LayoutResolution:
     """The layout of ``cfg`` on ``world_size`` processes (default: ``default_world_size``), with every problem
     of the parallel sizes, the batch sizes, the schedule and ModuleQueue; with ``shape``, also whether the
@@ -185,8 +220,26 @@ def resolve_layout(cfg: MegatronTrainingConfig, world_size: int | None = None, g
         num_generations=ng if isinstance(ng, int) and ng > 0 else 1,
         num_mini_batches=max(1, cfg.grpo.num_mini_batches),
         gpus_per_node=gpus_per_node,
+        expert_tensor_parallel=m.expert_tensor_parallel_size,
     )
     return r
+
+
+def engine_layout(params: MegatronParams, world_size: int | None = None) -> ParallelLayout:
+    """The layout of ``params`` for callers that run the engine without a GRPO config (test workers, benchmarks,
+    convert/export): ``resolve_layout`` with GRPO's batch rules neutral (one generation per prompt, one mini-batch),
+    on ``world_size`` processes (default: ``default_world_size``). ``ValueError`` names every problem; the warnings
+    (a schedule that falls back, ModuleQueue's reach) are logged, as validation reports them."""
+    # One generation per prompt: completions never have to fill whole groups. No sequence length either (0 splits
+    # over every CP): the engine pads what it is given, the 2 x CP rule is a GRPO config's.
+    grpo = MegatronGrpoParams(num_generations=1, num_mini_batches=1, max_prompt_length=0, max_completion_length=0)
+    # micro batch 1 unless megatron.micro_batch_size says otherwise (no Oumi per-device batch to fall back on)
+    cfg = StandaloneConfig(megatron=params, grpo=grpo, training=TrainingSection(per_device_train_batch_size=1))
+    resolution = resolve_layout(cfg, world_size)
+    layout = resolution.require()
+    for warning in resolution.warnings:
+        logger.warning(warning)
+    return layout
 
 
 def _check_sizes(m: MegatronParams, r: LayoutResolution) -> None:
@@ -240,7 +293,7 @@ def _check_size_pairs(m: MegatronParams, world: int, gpus_per_node: int | None, 
                           f"{gpus_per_node} GPUs: TP all-reduces every layer, keep it within a node (NVLink).")
 
 
-def _check_sequence_split(cfg: MegatronTrainingConfig, r: LayoutResolution) -> None:
+def _check_sequence_split(cfg: LayoutConfig, r: LayoutResolution) -> None:
     """Context parallelism splits each sequence into 2 x CP chunks."""
     seq, cp = cfg.grpo.max_sequence_length, cfg.megatron.context_parallel_size
     if cp > 1 and seq % (2 * cp) != 0:
@@ -251,7 +304,7 @@ def _check_sequence_split(cfg: MegatronTrainingConfig, r: LayoutResolution) -> N
               f"Set grpo.max_completion_length to {cfg.grpo.max_completion_length + fixed - seq} (total {fixed}).")
 
 
-def _check_batches(cfg: MegatronTrainingConfig, dp: int, r: LayoutResolution) -> tuple[int, int] | None:
+def _check_batches(cfg: LayoutConfig, dp: int, r: LayoutResolution) -> tuple[int, int] | None:
     """(micro, global) batch, or None when either cannot be resolved; divisibility by DP and by whole groups."""
     micro, global_batch = resolve_batches(cfg, dp)
     if not isinstance(micro, int) or micro < 1:
