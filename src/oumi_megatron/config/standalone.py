@@ -84,7 +84,10 @@ class StandaloneConfig:
 
 
 def oumi_installed() -> bool:
-    return importlib.util.find_spec("oumi") is not None
+    try:
+        return importlib.util.find_spec("oumi") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return False
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, oumi: bool | None = None) -> Any:
