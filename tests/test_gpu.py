@@ -348,3 +348,20 @@ def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPath
     else:  # asleep it dropped its weights, refused to generate without them, and took the sync's after waking
         assert r["sleep"]["weights_dropped"] is True, r["sleep"]
         assert "dropped its weights" in r["generate_while_dropped"], r["generate_while_dropped"]
+
+
+def test_the_push_snapshot_takes_no_gpu_memory() -> None:
+    """An asynchronous push's snapshot (rollout/weight_push.py) goes to pinned host memory tensor by tensor: 2 GiB of
+    bf16 "exported" CUDA tensors add nothing to what the GPU holds (a GPU clone, as before, added 2 GiB), and the copies
+    are exact."""
+    from oumi_megatron.rollout.weight_push import host_snapshot
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    source = [(f"w{i}", torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)) for i in range(16)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    snapshot = host_snapshot(iter(source))
+    assert torch.cuda.max_memory_allocated() - before == 0 and torch.cuda.memory_allocated() == before
+    assert all(t.device.type == "cpu" and t.is_pinned() for _, t in snapshot)
+    assert all(torch.equal(t, s.cpu()) for (_, t), (_, s) in zip(snapshot, source))

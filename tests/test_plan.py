@@ -172,3 +172,47 @@ def test_host_memory_and_disk_of_the_70b_run_by_hand() -> None:
     assert state.disk_total == pytest.approx((4 + 3 * 14) * total / GIB, rel=1e-6)  # 3.0 TiB
     params.checkpoint_config.keep_last_n_checkpoints = 0  # every checkpoint kept: the disk grows with the run
     assert estimate_state(SimpleNamespace(megatron=params), LLAMA_70B, layout, STAGE0_70B).disk_total is None
+
+
+def test_colocated_engines_are_counted_with_the_whole_model_over_tp() -> None:
+    """A colocated vLLM engine holds every layer over TP, whatever the pipeline stage: configs/train_405b_grpo.yaml with
+    colocated vLLM (TP 8: 405B x 2 B / 8 = 94 GiB of engine weights on every GPU) does not fit 80 GiB GPUs, where the
+    vllm_gpu_memory_utilization share alone (32 GiB) said it did, and the advice names the placements that do."""
+    from oumi_megatron.model_shape import ModelShape
+
+    shape_file = REPO / "configs" / "model_shapes" / "llama-3.1-405b-instruct" / "config.json"
+    base = ["oumi-megatron", "plan", "-c", str(REPO / "configs" / "train_405b_grpo.yaml"), "--gpus", "256", "--gpus-per-node",
+            "8", "--gpu-memory-gib", "80", "--model-config", str(shape_file)]
+    proc = run_cli([*base, "--json", "--megatron.inference_backend", "vllm"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    weights = ModelShape.from_file(shape_file).vllm_weight_bytes(8) / GIB
+    assert 90 < weights < 100 and r["rollout"] == pytest.approx(weights, abs=0.01) and r["fits"] is False
+    proc = run_cli([*base, "--megatron.inference_backend", "vllm"])
+    assert "will not fit" in proc.stdout and "rollout_placement: separate or ray" in proc.stdout, proc.stdout
+    embedded = json.loads(run_cli([*base, "--json"]).stdout)  # the shipped config (embedded rollouts) still fits
+    assert embedded["fits"] is True, embedded
+
+
+def test_engines_on_gpus_of_their_own_must_hold_the_model() -> None:
+    """A separate engine (vLLM TP 1) holds the whole model on one GPU: Llama-3.1-70B (131 GiB of bf16 weights) does not
+    fit an 80 GiB GPU's 0.4 share, and the plan says so with the fix although training fits; a Ray fleet engine over
+    4 GPUs (33 GiB each) at vllm_gpu_memory_utilization 0.9 does."""
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.rollout.registry import own_gpu_engine_problem
+
+    shape = ModelShape.from_file(REPO / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")
+    separate = MegatronParams(inference_backend="vllm", rollout_placement="separate")
+    problem = own_gpu_engine_problem(separate, shape, 80.0)
+    assert problem is not None and "131." in problem and "rollout_gpus_per_engine" in problem, problem
+    fleet = MegatronParams(inference_backend="vllm", rollout_placement="ray", rollout_gpus_per_engine=4,
+                           vllm_gpu_memory_utilization=0.9)
+    assert own_gpu_engine_problem(fleet, shape, 80.0) is None
+    assert own_gpu_engine_problem(MegatronParams(inference_backend="vllm", rollout_placement="colocated"), shape, 80.0) is None
+    base = ["oumi-megatron", "plan", "-c", str(REPO / "configs" / "train_70b_grpo.yaml"), "--gpus", "16",
+            "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--model-config",
+            str(REPO / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")]
+    r = json.loads(run_cli([*base, "--json", "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "separate",
+                            "--megatron.weight_sync_method", "nccl"]).stdout)
+    assert r["fits"] is False and r["total"] < 80 and "131." in r["engine_problem"], r

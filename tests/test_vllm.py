@@ -205,7 +205,7 @@ def test_vllm_sleep_decides_whether_a_colocated_engine_sleeps(monkeypatch: pytes
             self.sleep_mode = spec.sleep_mode and torch.cuda.is_available()  # as VllmEngineHost: a GPU feature
 
     monkeypatch.setattr(vllm_engine, "VllmEngineHost", RecordingHost)
-    monkeypatch.setattr(vllm_backend, "_replica", lambda: (None, [0]))
+    monkeypatch.setattr(vllm_backend, "replica_group", lambda: (None, [0]))
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     params = MegatronParams(inference_backend="vllm", rollout_placement="colocated", vllm_sleep=vllm_sleep)

@@ -39,6 +39,21 @@ def test_buckets_roundtrip_and_big_tensors_are_not_copied() -> None:
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
 
 
+def test_the_push_snapshot_is_a_host_copy_that_later_updates_do_not_reach() -> None:
+    """rollout/weight_push.py's snapshot: every tensor copied into host memory with its name, dtype and values, sharing
+    no storage with the exporter's tensors (the next optimizer step changes them in place while the push is sent)."""
+    from oumi_megatron.rollout.weight_push import host_snapshot
+
+    source = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.ones(4, dtype=torch.float32))]
+    snapshot = host_snapshot((n, t) for n, t in source)
+    for _, t in source:
+        t.add_(100)  # the update after the export
+    assert [n for n, _ in snapshot] == ["a", "b"]
+    assert all(t.device.type == "cpu" for _, t in snapshot) and snapshot[0][1].dtype == torch.bfloat16
+    assert torch.equal(snapshot[0][1], torch.arange(6, dtype=torch.bfloat16).view(2, 3))
+    assert torch.equal(snapshot[1][1], torch.ones(4))
+
+
 def test_gloo_stream_delivers_every_tensor_exactly() -> None:
     pairs = _pairs()
     port = free_port()

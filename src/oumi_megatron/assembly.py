@@ -101,6 +101,7 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
     from oumi_megatron.trainer.evaluation import build_evaluators
+    from oumi_megatron.trainer.scoring import ReplicaScorer
 
     if model_dir is not None:  # this folder's weights, for every backend (a vLLM engine starts from model_name)
         config = copy.copy(config)
@@ -112,7 +113,7 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     tokenizer = build_tokenizer(config.model)
     backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
                                                    work_dir=Path(config.training.output_dir) / "eval_vllm"))
-    rewards = RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error, reward_functions)
+    rewards = ReplicaScorer(RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error, reward_functions))
     metrics: dict[str, float] = {}
     try:
         for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,

@@ -18,8 +18,9 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   1F1B's plus its deferred weight-gradient inputs, +10% as measured: the schedule entry's ``activation_factor``);
 - **logits** (last stage): full logits keep bf16 logits and their fp32 log-softmax (6 B per token x vocabulary
   / TP); chunked logprobs keep about three fp32 chunks;
-- **rollout**: a colocated vLLM engine's ``vllm_gpu_memory_utilization`` share of the GPU, or its bf16 weights plus
-  ``vllm_kv_cache_gib`` where that is set; it sleeps (holding nothing) while the trainer trains, or, with
+- **rollout**: a colocated vLLM engine's bf16 weights (the whole model over TP: every layer, whatever the pipeline
+  stage) plus ``vllm_kv_cache_gib`` where that is set, else the larger of those weights and its
+  ``vllm_gpu_memory_utilization`` share of the GPU; it sleeps (holding nothing) while the trainer trains, or, with
   ``vllm_sleep: false``, holds it beside training's activations and logits (the total adds the two); embedded
   rollouts: the static KV cache of the stage's layers (2 x layers x KV heads / TP x head dim x bf16, for this rank's
   completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.engine.parallel.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
-from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, rollout_mode
+from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, own_gpu_engine_problem, rollout_mode
 from oumi_megatron.state_plan import StatePlan, estimate_state
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     by_stage: tuple[float, ...] = field(default=())
     """Each stage's training peak (weights to logits), GiB."""
+    engine_problem: str | None = None
+    """Why a rollout engine on GPUs of its own (separate, ray) cannot hold the model there (rollout/registry.py)."""
 
     @property
     def training_peak(self) -> float:
@@ -81,7 +84,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_memory_gib is None else self.total <= self.gpu_memory_gib
+        return None if self.gpu_memory_gib is None else self.total <= self.gpu_memory_gib and self.engine_problem is None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form: a GiB figure per component and the total, the stage, whether it fits, notes."""
@@ -217,10 +220,14 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         overhead = overhead_gib * GIB
         if mode.memory == DECODER_CACHE:  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
-        elif colocated_vllm and m.vllm_kv_cache_gib:  # the engine's bf16 weights (its TP shard) and its KV cache
-            rollout = shape.vllm_weight_bytes(layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
+        elif colocated_vllm:
+            # each engine holds the whole model over its TP (every layer: a pipeline stage's engine serves all of them)
+            # and its KV cache; vLLM takes at least vllm_gpu_memory_utilization of the GPU where no cache size is set
+            engine = shape.vllm_weight_bytes(layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
+            share = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if gpu_memory_gib else 0.0
+            rollout = engine if m.vllm_kv_cache_gib else max(engine, share)
         else:
-            rollout = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if colocated_vllm and gpu_memory_gib else 0.0
+            rollout = 0.0
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;
         # one that stays awake (vllm_sleep: false) holds its memory beside training's
         resident = colocated_vllm and mode.resident_while_training(m)
@@ -235,7 +242,9 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
     if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
-    return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans)})
+    engine = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
+    return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans),
+                         "engine_problem": engine})
 
 
 def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout) -> list[str]:
@@ -243,8 +252,10 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
     if plan.fits is not False:
         return []
     m, t = cfg.megatron, cfg.megatron.transformer_config
+    if plan.engine_problem and plan.total <= (plan.gpu_memory_gib or 0):  # training fits; the engines do not
+        return [plan.engine_problem]
     over = plan.total - (plan.gpu_memory_gib or 0)
-    tips = [f"over by {over:.1f} GiB on pipeline stage {plan.stage}"]
+    tips = [f"over by {over:.1f} GiB on pipeline stage {plan.stage}", *([plan.engine_problem] if plan.engine_problem else [])]
     if not m.ddp_config.use_distributed_optimizer and layout.data_parallel * layout.context_parallel > 1:
         tips.append("megatron.ddp_config.use_distributed_optimizer: true (shards the optimizer over DP)")
     if plan.optimizer > 0.2 * plan.total and not m.optimizer_config.optimizer_cpu_offload:
@@ -256,6 +267,13 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
         mode = rollout_mode(m)
         if mode.memory == ENGINE_SHARE and mode.resident_while_training(m):
             tips.append("megatron.vllm_sleep: true (the colocated engine hands its memory to training)")
+        if mode.memory == ENGINE_SHARE and plan.gpu_memory_gib:
+            weights = plan.rollout - (m.vllm_kv_cache_gib or 0.0)
+            if weights > 0.5 * plan.gpu_memory_gib:  # the engine's weights alone: a share of the GPU cannot fix it
+                tips.append(f"each colocated engine holds the whole model over TP {layout.tensor_parallel}: at least "
+                            f"{weights:.1f} GiB of weights on every GPU; use rollout_placement: separate or ray "
+                            "(engines on GPUs of their own, rollout_gpus_per_engine for their TP), or the embedded backend "
+                            "(megatron.inference_backend: megatron)")
         tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
     tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")
     return tips

@@ -35,7 +35,7 @@ from oumi_megatron.config.problems import Problem
 from oumi_megatron.engine.parallel.layout import ParallelLayout, resolve_layout
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from oumi_megatron.model_shape import ModelShape, ModelShapeError
-from oumi_megatron.rollout.registry import resolve_rollout_mode
+from oumi_megatron.rollout.registry import own_gpu_engine_problem, resolve_rollout_mode
 from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
@@ -524,6 +524,19 @@ def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: Valida
         )
 
 
+def _check_own_gpu_engines(cfg: MegatronTrainingConfig, shape: ModelShape, r: ValidationReport) -> None:
+    """Engines on GPUs of their own (separate, ray) hold the whole model: on a machine with GPUs, against this one's
+    (``oumi-megatron plan --gpu-memory-gib`` checks it for any GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    problem = own_gpu_engine_problem(cfg.megatron, shape, gpu_gib)
+    if problem is not None:
+        r.add("megatron.rollout_placement", problem)
+
+
 def _check_megatron_bridge(r: ValidationReport, shape: ModelShape | None) -> None:
     from oumi_megatron.bridge_utils import check_megatron_bridge_available, import_megatron_bridge
 
@@ -607,6 +620,7 @@ def validate_config(
     if model_shape is not None:
         r.model_shape = model_shape
         _check_model_shape(config, model_shape, r)
+        _check_own_gpu_engines(config, model_shape, r)
     if check_bridge:
         _check_megatron_bridge(r, model_shape)
     return r

@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--vllm-separate", action="store_true",
                    help="inference_backend: vllm, rollout_placement: separate (the engine on the GPU after the trainer's)")
     p.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness (with --vllm-separate)")
+    p.add_argument("--reward-log", default=None, help="a folder: each rank writes how many completions its reward "
+                   "function was called with (rank{r}.json), to count the calls per sample")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -78,8 +80,17 @@ def main() -> None:
     out = Path(config.training.output_dir)
     rows = [char_class_row(json.loads(line)) for line in (REPO / "data" / "char_class_train.jsonl").read_text().splitlines()]
 
+    calls: list[int] = []
+
+    def reward(completions: list[str], target: list[str], **kwargs: object) -> list[float]:
+        calls.append(len(completions))
+        return char_class_reward(completions, target)
+
     t0 = time.perf_counter()
-    build_trainer(config, layout, rows, reward_functions={"char_class": char_class_reward}).train()
+    build_trainer(config, layout, rows, reward_functions={"char_class": reward}).train()
+    if args.reward_log:
+        Path(args.reward_log).mkdir(parents=True, exist_ok=True)
+        (Path(args.reward_log) / f"rank{dist.get_rank()}.json").write_text(json.dumps(calls))
     seconds = time.perf_counter() - t0
     if dist.get_rank() == 0:
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -83,6 +83,8 @@ class RolloutMode:
     """The mode's own config rules (validation reports them)."""
     preflight: Callable[[Any], None] = _no_preflight
     """Collective, before the model is converted: what must exist outside the trainer (e.g. a Ray cluster)."""
+    engine_gpus: Callable[[MegatronParams], int] | None = None
+    """The GPUs one vLLM engine splits the whole model over (its tensor parallelism); None: no such engine."""
 
 
 @dataclass(frozen=True)
@@ -210,10 +212,44 @@ def _awake_while_training(m: MegatronParams) -> bool:
     return not m.vllm_sleep
 
 
+def _megatron_tp(m: MegatronParams) -> int:  # a colocated engine's TP is Megatron's, over the same ranks
+    return m.tensor_model_parallel_size
+
+
+def _one_gpu(m: MegatronParams) -> int:  # a separate engine: one process, one GPU
+    return 1
+
+
+def _fleet_gpus(m: MegatronParams) -> int:
+    return m.rollout_gpus_per_engine
+
+
+def own_gpu_engine_problem(params: MegatronParams, shape: Any, gpu_memory_gib: float) -> str | None:
+    """Why an engine on GPUs of its own (separate, ray) cannot hold the model on ``gpu_memory_gib`` GPUs, or None: its
+    bf16 weights over its GPUs plus ``vllm_kv_cache_gib`` against ``vllm_gpu_memory_utilization`` of one GPU."""
+    mode, problems = resolve_rollout_mode(params)
+    if mode is None or problems or mode.memory != OWN_GPUS or mode.engine_gpus is None:
+        return None  # no such engine, or fields validation reports already
+    gpus = mode.engine_gpus(params)
+    weights = shape.vllm_weight_bytes(gpus) / 2**30
+    need, allowed = weights + (params.vllm_kv_cache_gib or 0.0), params.vllm_gpu_memory_utilization * gpu_memory_gib
+    if need <= allowed:
+        return None
+    fix = ("raise megatron.rollout_gpus_per_engine (the engine's vLLM tensor parallelism)" if params.rollout_placement == "ray"
+           else "use rollout_placement: ray with rollout_gpus_per_engine > 1 (an engine's vLLM tensor parallelism over "
+           "GPUs of its own), or colocated engines (Megatron's TP)")
+    return (f"each {mode.name} engine holds the whole model over {gpus} GPU(s): {weights:.1f} GiB of bf16 weights"
+            + (f" + {params.vllm_kv_cache_gib:g} GiB KV cache" if params.vllm_kv_cache_gib else "")
+            + f", more than vllm_gpu_memory_utilization {params.vllm_gpu_memory_utilization} x {gpu_memory_gib:g} GiB = "
+            f"{allowed:.1f} GiB. Fix: {fix}; raise vllm_gpu_memory_utilization (an engine with a GPU of its own may take "
+            "0.9), or lower vllm_kv_cache_gib.")
+
+
 ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode("embedded", _embedded, memory=DECODER_CACHE)}))
 ROLLOUT_BACKENDS.add("vllm", BackendModes({
     "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE,
-                             resident_while_training=_awake_while_training),
-    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True),
-    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight),
+                             resident_while_training=_awake_while_training, engine_gpus=_megatron_tp),
+    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, engine_gpus=_one_gpu),
+    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight,
+                       engine_gpus=_fleet_gpus),
 }))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.parallel.distributed import free_port
+from oumi_megatron.engine.parallel.distributed import free_port, replica_group
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -59,23 +59,6 @@ def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
             "(torchrun --nproc-per-node), or use rollout_placement: colocated."
         )
     return visible[trainer_gpus + engine_index]
-
-
-def _replica() -> tuple[Any, list[int]]:
-    """Collective over the world: a gloo group of the ranks that share this rank's data-parallel rank
-    (every rank creates every replica's group, as torch.distributed requires), and their ranks."""
-    from megatron.core import parallel_state as ps
-
-    dp_ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
-    mine: tuple[Any, list[int]] | None = None
-    for d in sorted(set(dp_ranks)):
-        ranks = [r for r, x in enumerate(dp_ranks) if x == d]
-        group = dist.new_group(ranks, backend="gloo")  # rollouts are Python objects: CPU collectives
-        if d == dp_ranks[dist.get_rank()]:
-            mine = (group, ranks)
-    assert mine is not None
-    return mine
 
 
 def _engine_gpu_for_owner(is_owner: bool) -> str | None:
@@ -214,7 +197,7 @@ class _VllmBackend:
         self.method = params.weight_sync_method
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
         self.work_dir = Path(work_dir)
-        self.group, self.replica = _replica()
+        self.group, self.replica = replica_group()
         self.spec = EngineSpec(
             model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,

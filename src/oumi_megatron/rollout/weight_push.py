@@ -1,12 +1,17 @@
 """Asynchronous weight pushes (``grpo.max_staleness`` > 0): the trainer exports the policy at once, keeps a
 snapshot, and a background thread streams it to the engines once they have opened their update sessions, which
 they do after the generations queued before the update. One push at a time. Used by the separate engine process
-(rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py)."""
+(rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py).
+
+The snapshot lives in host memory (pinned where the tensors are on a GPU), copied tensor by tensor as the exporter
+yields them: a GPU copy of the whole model (141 GB at 70B) does not fit beside training. Above training the GPU then
+holds the exporter's tensor in hand and, while sending, the buckets in flight (weight_stream.send: two); the sending
+rank's host holds the exported model until the push ends."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +25,24 @@ class WeightSyncError(RuntimeError):
     """The rollout engine did not take the new weights; training stops rather than use stale ones."""
 
 
+def host_snapshot(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A copy of every (name, tensor) in host memory, one tensor at a time: pinned for GPU tensors (copied back at
+    the link's speed when sent), plain for CPU ones. The copies share nothing with the exporter's tensors, which the
+    next optimizer step changes."""
+    out, cuda = [], False
+    for name, t in pairs:
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t.detach(), non_blocking=True)
+            cuda = True
+        else:
+            host = t.detach().clone()
+        out.append((name, host))
+    if cuda:
+        torch.cuda.current_stream().synchronize()  # the copies are complete before the exporter's tensors change
+    return out
+
+
 class WeightPusher:
     def __init__(self, method: str) -> None:
         self.method = method
@@ -28,14 +51,14 @@ class WeightPusher:
 
     def push(self, weights: PolicyWeights, group: weight_stream.WeightSyncGroup, bucket_bytes: int,
              open_sessions: Callable[[], tuple[list[Future], list[Future]]], wait: Callable[[Future, str], Any]) -> WeightSyncStats:
-        """The sending rank's part of a push: waits for the previous push, exports ``weights`` now (a copy: the next
-        optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
+        """The sending rank's part of a push: waits for the previous push, exports ``weights`` now into a host snapshot
+        (the next optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
         (``open_sessions`` queues them: futures that resolve when each is open, and when each is done) and streams
         the snapshot from the background thread once every session is open. The stats' seconds are the trainer's."""
         self.wait()
         start = time.perf_counter()
-        pairs = weight_stream.TimedPairs((name, t.detach().clone()) for name, t in weights())
-        snapshot = list(pairs)
+        pairs = weight_stream.TimedPairs(weights())
+        snapshot = host_snapshot(pairs)
         group.synchronize()
         opened, done = open_sessions()
 

@@ -5,8 +5,9 @@
 - A generation round: the next ``prompts_per_rollout`` prompts, rendered with the tokenizer's chat template and
   left-truncated to ``grpo.max_prompt_length``. Each data-parallel rank generates its share of their
   ``num_generations`` completions: the backend receives distinct prompts and how many completions each, so
-  an engine that samples n per prompt (vLLM) shares the prompt's prefill. The rank scores its share with the
-  reward functions; the round's scores are gathered over DP, so group advantages see whole groups.
+  an engine that samples n per prompt (vLLM) shares the prompt's prefill. The replica's first rank scores its share
+  with the reward functions (trainer/scoring.py: once per sample); the round's scores are gathered over DP, so group
+  advantages see whole groups.
 - Dynamic sampling (DAPO, ``grpo.dynamic_sampling``): groups whose rewards are all equal carry no signal;
   they are dropped and further rounds refill the batch (up to ``dynamic_sampling_max_rounds``; groups without
   signal fill what is left, untrained).
@@ -29,11 +30,12 @@ import torch
 
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
-from oumi_megatron.grpo.rewards import RewardComputer, RewardResult
+from oumi_megatron.grpo.rewards import RewardResult
 from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.dp import dp_size_and_rank, gather_dp, gather_objects_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
+from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -87,7 +89,7 @@ class RolloutCollector:
 
     ``seed``: ``training.seed`` (data order and rollout seeds). ``device``: where DP collectives run."""
 
-    def __init__(self, dataset: Any, tokenizer: Any, backend: RolloutBackend, rewards: RewardComputer,
+    def __init__(self, dataset: Any, tokenizer: Any, backend: RolloutBackend, rewards: ReplicaScorer,
                  grpo: MegatronGrpoParams, sampling: SamplingParams, prompts_per_rollout: int, seed: int,
                  device: torch.device) -> None:
         self.dataset = dataset

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.parallel.distributed import data_parallel
-from oumi_megatron.grpo.rewards import RewardComputer
 from oumi_megatron.rollout.base import RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.options import option_value
 
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -49,7 +49,7 @@ def _gsm8k_correct(gsm8k: Any, completion: str, row: dict[str, Any]) -> bool:
 class Evaluator:
     """Greedy generation on ``rows`` (Oumi GRPO dataset rows) with ``backend``; rewards as in training."""
 
-    def __init__(self, rows: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
+    def __init__(self, rows: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
                  batch_size: int, device: torch.device, prefix: str = "eval") -> None:
         self.rows = rows
         self.prefix = prefix
@@ -89,11 +89,14 @@ class Evaluator:
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
             keep = max(0, min(len(rows), real - start))
             rows, rollouts = rows[:keep], [group[0] for group in self.backend.generate(prompts, self.sampling, 1)][:keep]
-            if not rows:
-                continue
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+            # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
             scored = self.rewards(texts, completions, rows)
+            correct = self.rewards.once(lambda c=completions, r=rows: sum(_gsm8k_correct(self.gsm8k, x, y) for x, y in zip(c, r)),
+                                        "the gsm8k accuracy check") if self.check_format else 0
+            if not rows:
+                continue
             valid = scored.valid
             sums[0] += float(valid.sum())
             sums[1] += float(scored.total[valid].sum())
@@ -101,8 +104,7 @@ class Evaluator:
             sums[3] += sum(len(r.completion_ids) for r in rollouts)
             sums[4] += sum(not r.finished for r in rollouts)
             sums[5] += len(rows)
-            if self.check_format:
-                sums[6] += sum(_gsm8k_correct(self.gsm8k, c, r) for c, r in zip(completions, rows))
+            sums[6] += correct
             for j, name in enumerate(names):
                 sums[7 + j] += float(scored.per_function[name][valid].sum())
         if dp > 1:
@@ -129,7 +131,7 @@ class Evaluator:
                 f"{m['completion_length/mean']:.1f} tokens ({m['time_s']:.1f} s)")
 
 
-def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: RewardComputer, backend: RolloutBackend, grpo: Any,
+def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
                      batch_size: int, device: torch.device) -> list[Evaluator]:
     """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
     alone (one set, ``eval``)."""

@@ -45,6 +45,7 @@ from oumi_megatron.trainer.evaluation import build_evaluators, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 from oumi_megatron.trainer.reference import ReferenceWeights
 from oumi_megatron.trainer.rollout_batch import StepBatch
+from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.trainer.step_metrics import (
     link_metrics,
     performance_metrics,
@@ -84,11 +85,12 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         load_plugins(g.plugins)  # their losses, estimators, reward functions (validation imported them too)
         self.advantage_estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
         self.output_dir = Path(config.training.output_dir)
-        rewards = RewardComputer(g.reward_functions, g.on_reward_error, reward_functions)
         if backend is None:
             backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype,
                                                            work_dir=self.output_dir))
         self.backend = backend
+        # each sample scored once, by its replica's first rank (trainer/scoring.py; collective: after the backend's groups)
+        rewards = ReplicaScorer(RewardComputer(g.reward_functions, g.on_reward_error, reward_functions))
         # the one export: rollout engines, hf_model
         self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts, config.megatron.hf_max_shard_size)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

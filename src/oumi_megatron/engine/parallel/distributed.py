@@ -80,6 +80,24 @@ def data_parallel() -> tuple[int, int, Any]:
     return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
 
 
+def replica_group() -> tuple[Any, list[int]]:
+    """Collective over the world: a gloo group of the ranks that share this rank's data-parallel rank (its model
+    replica: TP x PP x CP ranks, which train on the same completions), and their ranks in order. Every rank creates
+    every replica's group, as torch.distributed requires; objects (rollouts, scores) travel in it on the CPU."""
+    from megatron.core import parallel_state as ps
+
+    dp_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+    mine: tuple[Any, list[int]] | None = None
+    for d in sorted(set(dp_ranks)):
+        ranks = [r for r, x in enumerate(dp_ranks) if x == d]
+        group = dist.new_group(ranks, backend="gloo")
+        if d == dp_ranks[dist.get_rank()]:
+            mine = (group, ranks)
+    assert mine is not None
+    return mine
+
+
 def destroy() -> None:
     from megatron.core import parallel_state
 
