@@ -242,9 +242,9 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
     if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
-    engine = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
+    engine_problem = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans),
-                         "engine_problem": engine})
+                         "engine_problem": engine_problem})
 
 
 def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout) -> list[str]:

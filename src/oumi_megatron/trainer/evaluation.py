@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +39,10 @@ from oumi_megatron.utils.options import option_value
 
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 """The answer format Oumi's (verl's) strict gsm8k reward extracts."""
+
+
+def _count_correct(gsm8k: Any, completions: list[str], rows: list[dict[str, Any]]) -> int:
+    return sum(_gsm8k_correct(gsm8k, c, r) for c, r in zip(completions, rows))
 
 
 def _gsm8k_correct(gsm8k: Any, completion: str, row: dict[str, Any]) -> bool:
@@ -93,7 +98,7 @@ class Evaluator:
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
             scored = self.rewards(texts, completions, rows)
-            correct = self.rewards.once(lambda c=completions, r=rows: sum(_gsm8k_correct(self.gsm8k, x, y) for x, y in zip(c, r)),
+            correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, rows),
                                         "the gsm8k accuracy check") if self.check_format else 0
             if not rows:
                 continue

@@ -33,6 +33,8 @@ class ReplicaScorer:
     def __init__(self, rewards: RewardComputer) -> None:
         self.rewards = rewards
         self.specs = rewards.specs
+        self.group: Any
+        self.ranks: list[int]
         self.group, self.ranks = replica_group() if dist.is_initialized() else (None, [0])
         self.is_scorer = not dist.is_initialized() or dist.get_rank() == self.ranks[0]
         self.samples_scored = 0
