@@ -197,6 +197,8 @@ def run_dynamic_sampling_worker(model_dir: Path, work: Path, backend: str = "meg
     for steps in (r["steps"] for r in ranks):
         for step, m in zip(steps, ranks[0]["metrics"]):
             assert step["share_matches_prompts"] and step["batch_samples"] == 32
+            # collation by need: the rank's own share, not every rank's rollouts (the old gather received 2-8x that)
+            assert 0 < step["collation_bytes"] <= 1.5 * step["share_bytes"], step
             assert set(step["kept_targets"]) <= {"digits"} and all(step["kept_rewards_differ"])
             assert all(step["filler_rewards_equal"]) and len(step["kept_targets"]) + len(step["filler_targets"]) == 4
             letters = step["consumed_targets"].count("letters")

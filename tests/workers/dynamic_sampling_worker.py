@@ -12,6 +12,7 @@ Writes WORK/result_rank{r}.json.
 """
 
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -69,6 +70,9 @@ def main() -> None:
             "filler_rewards_equal": [bool(t.max() == t.min()) for t, f in zip(totals, filler) if f],
             "share_matches_prompts": [r.prompt_ids for r in batch.rollouts] == expected_prompts,
             "batch_samples": len(batch.scores),
+            # the redistribution's bytes against this rank's share alone: each rank receives its share, not the batch
+            "collation_bytes": collector.last_collation_bytes,
+            "share_bytes": len(pickle.dumps(batch.rollouts, protocol=pickle.HIGHEST_PROTOCOL)),
             "rounds": batch.rounds,
         })
         return batch

@@ -33,7 +33,7 @@ from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
 from oumi_megatron.grpo.rewards import RewardResult
 from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.dp import dp_size_and_rank, gather_dp, gather_objects_dp
+from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.ranks import global_rank
@@ -101,6 +101,8 @@ class RolloutCollector:
         self.prompts_per_rollout = prompts_per_rollout
         self.seed = seed
         self.device = device
+        self.last_collation_bytes = 0
+        """Bytes this rank received when dynamic sampling last redistributed the filtered batch over DP."""
         self.order = list(range(len(dataset)))
         random.Random(seed).shuffle(self.order)
         self.data_position = 0
@@ -230,16 +232,13 @@ class RolloutCollector:
             signals.append(groups_with_signal(rounds[-1].scores.total, rounds[-1].scores.valid, G))
         kept, filled = choose_groups(signals, wanted)
         chosen = kept + filled
-        everything = self._gather_rollouts([r.rollouts for r in rounds])
-        whole = [everything[r][i] for r, grp in chosen for i in range(grp * G, (grp + 1) * G)]
-        dp, dp_rank = dp_size_and_rank()
-        per_rank = len(whole) // dp
+        mine = self._redistribute([r.rollouts for r in rounds], [(r, i) for r, grp in chosen for i in range(grp * G, (grp + 1) * G)])
         if filled and global_rank() == 0:
             logger.warning(f"GRPO step {step + 1}: dynamic sampling found {len(kept)} of {wanted} groups with "
                            f"reward variance in {len(rounds)} rounds (grpo.dynamic_sampling_max_rounds); "
                            f"{len(filled)} groups without it fill the batch and are not trained on.")
         return {
-            "rollouts": whole[dp_rank * per_rank:(dp_rank + 1) * per_rank],
+            "rollouts": mine,
             "scores": Scores.cat([rounds[r].scores.take(list(range(grp * G, (grp + 1) * G))) for r, grp in chosen]),
             "group_rows": [rounds[r].rows[grp] for r, grp in chosen],
             "filler": torch.tensor([False] * len(kept) + [True] * len(filled)).repeat_interleave(G),
@@ -247,8 +246,17 @@ class RolloutCollector:
             "groups_filled": len(filled),
         }
 
-    @staticmethod
-    def _gather_rollouts(local: list[list[Rollout]]) -> list[list[Rollout]]:
-        """Per round, the whole round's rollouts on every rank (DP ranks' shares in rank order)."""
-        parts = gather_objects_dp(local)
-        return [[x for part in parts for x in part[r]] for r in range(len(local))]
+    def _redistribute(self, local: list[list[Rollout]], chosen: list[tuple[int, int]]) -> list[Rollout]:
+        """This rank's share of the filtered batch: ``chosen`` lists (round, sample) in batch order, and DP rank k
+        trains on the k-th slice. Sample i of a round lives on DP rank i // (its share of the round), so each rank
+        sends every other rank just the samples of that rank's slice it holds, and receives only its own slice (bytes
+        per rank O(its share), not the whole batch)."""
+        dp, dp_rank = dp_size_and_rank()
+        per_rank = len(chosen) // dp
+        outgoing: list[list[tuple[int, Rollout]]] = [[] for _ in range(dp)]
+        for position, (r, i) in enumerate(chosen):
+            owner, at = divmod(i, len(local[r]))
+            if owner == dp_rank:
+                outgoing[position // per_rank].append((position, local[r][at]))
+        incoming, self.last_collation_bytes = exchange_objects_dp(outgoing, self.device)
+        return [rollout for _, rollout in sorted((pair for part in incoming for pair in part), key=lambda p: p[0])]

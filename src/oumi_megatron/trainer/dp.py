@@ -8,6 +8,7 @@ back as float64 on the CPU.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -51,11 +52,23 @@ def max_dp(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def gather_objects_dp(local: list[Any]) -> list[list[Any]]:
-    """Every DP rank's ``local`` (picklable), in rank order."""
+def exchange_objects_dp(outgoing: list[list[Any]], device: torch.device) -> tuple[list[list[Any]], int]:
+    """All-to-all of objects over the DP group: ``outgoing[k]`` goes to DP rank k; returns what each DP rank sent this
+    one (in rank order) and the bytes this rank received. Each rank receives only what is addressed to it (pickled,
+    one ``all_to_all_single`` of the sizes and one of the bytes), not every rank's whole share."""
     dp, _, group = data_parallel()
     if dp == 1:
-        return [local]
-    parts: list[Any] = [None] * dp
-    dist.all_gather_object(parts, local, group=group)
-    return parts
+        return [outgoing[0]], 0
+    blobs = [pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL) for part in outgoing]
+    sizes_out = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
+    sizes_in = torch.empty_like(sizes_out)
+    dist.all_to_all_single(sizes_in, sizes_out, group=group)
+    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if any(blobs) else torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(int(sizes_in.sum()), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, sent.to(device), output_split_sizes=sizes_in.tolist(),
+                           input_split_sizes=sizes_out.tolist(), group=group)
+    raw, out, at = received.cpu().numpy().tobytes(), [], 0
+    for n in sizes_in.tolist():
+        out.append(pickle.loads(raw[at:at + n]))  # noqa: S301 - our own ranks' rollouts
+        at += n
+    return out, len(raw)
