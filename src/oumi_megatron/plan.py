@@ -76,6 +76,8 @@ class MemoryPlan:
     """Each stage's training peak (weights to logits), GiB."""
     engine_problem: str | None = None
     """Why a rollout engine on GPUs of its own (separate, ray) cannot hold the model there (rollout/registry.py)."""
+    engine_weights: float = 0.0
+    """GiB of bf16 weights a colocated vLLM engine holds on every GPU (the whole model over TP); 0 without one."""
 
     @property
     def training_peak(self) -> float:
@@ -189,6 +191,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     block = (t.recompute_num_layers or 1) if full else 1
     mode = rollout_mode(m)  # where the rollout engines' memory lives (rollout/registry.py)
     colocated_vllm = mode.memory == ENGINE_SHARE
+    engine_weights = shape.vllm_weight_bytes(layout.tensor_parallel) if colocated_vllm else 0.0
     # experts: split over EP x expert TP (MegatronParams' rule); the distributed optimizer shards over DP x CP (dense)
     # and over the experts' own DP, TP x CP x DP / (EP x expert TP)
     expert_split = layout.expert_parallel * m.expert_tensor_parallel_size
@@ -223,7 +226,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         elif colocated_vllm:
             # each engine holds the whole model over its TP (every layer: a pipeline stage's engine serves all of them)
             # and its KV cache; vLLM takes at least vllm_gpu_memory_utilization of the GPU where no cache size is set
-            engine = shape.vllm_weight_bytes(layout.tensor_parallel) + m.vllm_kv_cache_gib * GIB
+            engine = engine_weights + m.vllm_kv_cache_gib * GIB
             share = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if gpu_memory_gib else 0.0
             rollout = engine if m.vllm_kv_cache_gib else max(engine, share)
         else:
@@ -244,7 +247,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
     engine_problem = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans),
-                         "engine_problem": engine_problem})
+                         "engine_problem": engine_problem, "engine_weights": engine_weights / GIB})
 
 
 def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout) -> list[str]:
@@ -267,13 +270,11 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
         mode = rollout_mode(m)
         if mode.memory == ENGINE_SHARE and mode.resident_while_training(m):
             tips.append("megatron.vllm_sleep: true (the colocated engine hands its memory to training)")
-        if mode.memory == ENGINE_SHARE and plan.gpu_memory_gib:
-            weights = plan.rollout - (m.vllm_kv_cache_gib or 0.0)
-            if weights > 0.5 * plan.gpu_memory_gib:  # the engine's weights alone: a share of the GPU cannot fix it
-                tips.append(f"each colocated engine holds the whole model over TP {layout.tensor_parallel}: at least "
-                            f"{weights:.1f} GiB of weights on every GPU; use rollout_placement: separate or ray "
-                            "(engines on GPUs of their own, rollout_gpus_per_engine for their TP), or the embedded backend "
-                            "(megatron.inference_backend: megatron)")
+        if plan.engine_weights > 0.5 * (plan.gpu_memory_gib or 0):  # the engine's weights alone: no share can fix it
+            tips.append(f"each colocated engine holds the whole model over TP {layout.tensor_parallel}: at least "
+                        f"{plan.engine_weights:.1f} GiB of weights on every GPU; use rollout_placement: separate or ray "
+                        "(engines on GPUs of their own, rollout_gpus_per_engine for their TP), or the embedded backend "
+                        "(megatron.inference_backend: megatron)")
         tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
     tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")
     return tips

@@ -63,7 +63,7 @@ def exchange_objects_dp(outgoing: list[list[Any]], device: torch.device) -> tupl
     sizes_out = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
     sizes_in = torch.empty_like(sizes_out)
     dist.all_to_all_single(sizes_in, sizes_out, group=group)
-    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if any(blobs) else torch.empty(0, dtype=torch.uint8)
+    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)  # a pickle is never empty
     received = torch.empty(int(sizes_in.sum()), dtype=torch.uint8, device=device)
     dist.all_to_all_single(received, sent.to(device), output_split_sizes=sizes_in.tolist(),
                            input_split_sizes=sizes_out.tolist(), group=group)

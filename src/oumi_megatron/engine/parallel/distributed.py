@@ -80,12 +80,21 @@ def data_parallel() -> tuple[int, int, Any]:
     return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
 
 
+_replica_groups: tuple[Any, tuple[Any, list[int]]] | None = None
+"""(the data-parallel group it was built for, replica_group's answer): built once per model-parallel state."""
+
+
 def replica_group() -> tuple[Any, list[int]]:
-    """Collective over the world: a gloo group of the ranks that share this rank's data-parallel rank (its model
-    replica: TP x PP x CP ranks, which train on the same completions), and their ranks in order. Every rank creates
-    every replica's group, as torch.distributed requires; objects (rollouts, scores) travel in it on the CPU."""
+    """Collective over the world the first time for a model-parallel state: a gloo group of the ranks that share this
+    rank's data-parallel rank (its model replica: TP x PP x CP ranks, which train on the same completions), and their
+    ranks in order. Every rank creates every replica's group, as torch.distributed requires; objects (rollouts,
+    scores) travel in it on the CPU. The rollout backend and the reward scorer share one set of groups."""
+    global _replica_groups
     from megatron.core import parallel_state as ps
 
+    dp_group = ps.get_data_parallel_group()
+    if _replica_groups is not None and _replica_groups[0] is dp_group:  # the same parallel state: the same groups
+        return _replica_groups[1]
     dp_ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
     mine: tuple[Any, list[int]] | None = None
@@ -95,6 +104,7 @@ def replica_group() -> tuple[Any, list[int]]:
         if d == dp_ranks[dist.get_rank()]:
             mine = (group, ranks)
     assert mine is not None
+    _replica_groups = (dp_group, mine)  # holding the group keeps its identity unique while cached
     return mine
 
 
