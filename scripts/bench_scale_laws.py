@@ -12,7 +12,11 @@ optimizer), one process tree runs the paths a run takes, in order, through the l
 - ``load``: ``load_checkpoint`` into the same engine, above the trainer's state;
 - ``export``: the trainer's final HF export (``HFWeightExporter.save``), above the trainer's state;
 - ``export_cli``: ``export_to_hf`` of the checkpoint in a process that holds nothing (``oumi-megatron export``),
-  the model's own build included.
+  the model's own build included;
+- ``push``: an asynchronous weight push (rollout/weight_push.py ``WeightPusher``, what ``grpo.max_staleness`` > 0 runs
+  for a separate engine or the fleet): every sender's host snapshot of its share (rollout/weight_senders.py) streamed
+  over gloo into a receiver process that runs the engine's receive loop (weight_stream.receive_all; vLLM's load is
+  not run), timed until the receiver has every tensor. ``pp2`` / ``tp2`` have two senders, ``1`` one.
 
 Each path's peak is the rise of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs before
 the path) above its resident set when the path starts, per rank. The table gives, per path, layout and rank, the
@@ -51,7 +55,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "dp2": {"ranks": 2},
     "tp2": {"ranks": 2, "tensor_model_parallel_size": 2},
 }
-PATHS = ("convert", "save", "load", "export", "export_cli")
+PATHS = ("convert", "save", "load", "export", "export_cli", "push")
 MAX_SHARD_FRACTION = 20
 """HF shards of 1/20 of the model: an HF shard is 5 GB of a 141 GB model at 70B, so the bench keeps the same ratio."""
 
@@ -132,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         meter.measure("convert", lambda: convert_hf_to_megatron(args.hf, mc, resolved, params, dtype=dtype))
     trainer_state = 0.0
-    if paths & {"save", "load", "export"}:
+    if paths & {"save", "load", "export", "push"}:
         settings = OptimSettings(lr=1e-5, total_steps=4)
         bridge, engine = build_engine(mc, resolved, params, settings, dtype)
         from megatron.core import parallel_state as ps
@@ -156,6 +160,10 @@ def worker(args: argparse.Namespace) -> None:
             exporter = HFWeightExporter(bridge, engine.model, mc / "hf", params.hf_max_shard_size)
             meter.measure("export", lambda: exporter.save(work / "hf_export"))
             del exporter
+        if "push" in paths:
+            push = _Push(HFWeightExporter(bridge, engine.model, mc / "hf"))
+            meter.measure("push", push.run)
+            push.close()
         del bridge, engine
         gc.collect()
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -165,6 +173,69 @@ def worker(args: argparse.Namespace) -> None:
         (work / name).write_text(json.dumps({"ranks": gathered, "trainer_state_bytes": trainer_state,
                                              "baseline_bytes": baseline}, indent=1))
     destroy()
+
+
+def _receive_pushes(conn: Any, senders: list[tuple[str, int]]) -> None:
+    """The engine's side of ``push``, in a process of its own: every sender's group, received at once, until closed."""
+    from oumi_megatron.rollout import weight_stream
+
+    groups = [weight_stream.WeightSyncGroup(host, port, rank=1) for host, port in senders]
+    while conn.recv() == "receive":
+        conn.send(sum(len(bucket) for bucket in weight_stream.receive_all(groups)))
+
+
+class _Push:
+    """``push``: the senders' links to a receiver process (rank 0 starts it), then one push per ``run``."""
+
+    def __init__(self, exporter: Any) -> None:
+        import multiprocessing
+
+        import torch.distributed as dist
+
+        from oumi_megatron.engine.parallel.distributed import replica_group
+        from oumi_megatron.rollout.weight_push import WeightPusher
+        from oumi_megatron.rollout.weight_senders import open_links, sender_role
+
+        self.exporter, self.rank0 = exporter, dist.get_rank() == 0
+        self.group, ranks = replica_group()
+        self.role = sender_role(self.group, ranks)
+        self.conn: Any = None
+        self.process: Any = None
+
+        def start(senders: list[tuple[str, int]]) -> Any:
+            ctx = multiprocessing.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=_receive_pushes, args=(child, senders), daemon=True)
+            self.process.start()
+            return lambda: None
+
+        self.link = open_links(self.role, self.group, ranks[0], "gloo", 1, start if self.rank0 else None)
+        self.pusher = WeightPusher("gloo")
+
+    def run(self) -> None:
+        from concurrent.futures import Future
+
+        done: Future = Future()
+
+        def sessions() -> tuple[list[Future], list[Future]]:
+            if not self.rank0:
+                return [], []
+            self.conn.send("receive")
+            return [], [done]
+
+        def wait(future: Future, _what: str) -> Any:
+            future.set_result(self.conn.recv())  # the receiver's tensor count: it has them all
+            return future.result()
+
+        assert self.link is not None, "every rank of these layouts sends"
+        self.pusher.push(self.role.pairs(self.exporter.stage_tensors()), self.link, 64 * 2**20, sessions, wait)
+        self.pusher.wait()
+
+    def close(self) -> None:
+        self.pusher.close()
+        if self.rank0:
+            self.conn.send("close")
+            self.process.join(timeout=60)
 
 
 # -- the driver -------------------------------------------------------------------------------------------------------

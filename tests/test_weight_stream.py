@@ -81,6 +81,58 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
         assert have.dtype == want.dtype and torch.equal(have, want)
 
 
+def test_senders_split_a_stream_by_bytes_and_an_engine_receives_them_all_at_once() -> None:
+    """rollout/weight_senders.py's layout in one process: three senders (threads) walk the same export in lockstep (a
+    barrier per tensor, as the TP all-gathers of a collective export hold them), each sending its share
+    (``share_of``) over a gloo group of its own; the engine receives the three groups at once (``receive_all``) with
+    room for one bucket only. Every tensor arrives exactly once, bit-exact; each sender's bytes are within one
+    tensor of a third."""
+    g = torch.Generator().manual_seed(1)
+    # 1-8 MiB each: more than a socket buffers, so a sender's broadcast waits for its receiver
+    pairs = [(f"t{i}", torch.randn(int(torch.randint(2**18, 2**21, (1,), generator=g)), generator=g)) for i in range(24)]
+    senders, ports = 3, [free_port() for _ in range(3)]
+    lockstep = threading.Barrier(senders)
+    sent: list[int] = [0] * senders
+    received: list[tuple[str, torch.Tensor]] = []
+    errors: list[BaseException] = []
+
+    def export() -> object:
+        for name, t in pairs:
+            lockstep.wait(timeout=60)
+            yield name, t
+
+    def sender(k: int) -> None:
+        try:
+            group = weight_stream.WeightSyncGroup("127.0.0.1", ports[k], rank=0, timeout_s=60)
+            stats = weight_stream.send(group, weight_stream.share_of(export(), k, senders), bucket_bytes=2**22)
+            sent[k] = stats.bytes
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    def engine() -> None:
+        try:
+            groups = [weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60) for port in ports]
+            for bucket in weight_stream.receive_all(groups, max_buffered=1):
+                received.extend((n, t.clone()) for n, t in bucket)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(senders)] + [threading.Thread(target=engine)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a sender or the engine is stuck"
+    assert sorted(n for n, _ in received) == sorted(n for n, _ in pairs)  # each exactly once
+    want = dict(pairs)
+    assert all(torch.equal(t, want[n]) for n, t in received)
+    total, largest = sum(t.numel() * 4 for _, t in pairs), max(t.numel() * 4 for _, t in pairs)
+    shares = [sum(t.numel() * 4 for _, t in weight_stream.share_of(iter(pairs), k, senders)) for k in range(senders)]
+    assert sum(shares) == total and max(shares) - min(shares) <= largest, shares
+    assert all(b >= s for b, s in zip(sent, shares)), (sent, shares)  # on the wire: the share, 64-byte aligned
+
+
 _EXPORT_TWICE = """
 import torch
 from oumi_megatron.config.megatron_params import MegatronParams

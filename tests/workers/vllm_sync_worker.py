@@ -94,7 +94,11 @@ def main() -> None:
             result["generate_while_dropped"] = str(e)
     result["wake_s"] = backend.wake()
     stats = backend.sync_weights(weights)
-    result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds}
+    result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds,
+                      "senders": stats.senders, "sender_bytes": stats.sender_bytes}
+    # what the model weighs, and its largest tensor: the bounds of a sender's share
+    every = [(n, t.numel() * t.element_size()) for n, t in weights()]
+    result["model_bytes"], result["largest_tensor_bytes"] = sum(b for _, b in every), max(b for _, b in every)
     mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256), 1)
     result["vllm_greedy"] = [group[0].completion_ids for group in greedy]

@@ -39,6 +39,10 @@ class WeightSyncStats:
     export_seconds: float = 0.0
     """Of ``seconds``, the time spent producing the HF tensors (the exporter), where the sync measures it
     (colocated): the rest is the engine loading them."""
+    senders: int = 1
+    """How many training ranks sent (rollout/weight_senders.py); ``bytes`` is their total."""
+    sender_bytes: int = 0
+    """The largest sender's bytes (0: not counted per sender)."""
 
     @property
     def gbps(self) -> float:
@@ -60,6 +64,10 @@ class PolicyWeights(Protocol):
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` for the whole model, on every rank."""
+        ...
+
+    def stage_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` of this rank's pipeline stage, on each of the stage's ranks."""
         ...
 
     def save(self, folder: str | Path) -> Path:

@@ -8,15 +8,17 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
 
 - Requests: every rank hands its data-parallel replica's prompts to rank 0 (one all-gather), which spreads each
   replica's prompts over the engines and hands each replica its rollouts back, in order.
-- Weights: one process group of rank 0 and every engine (rollout/weight_stream.py ``WeightSyncGroup``: a TCP store on
-  rank 0, NCCL on GPUs, gloo on CPU), bucketed broadcasts into each engine's vLLM weight-transfer session
-  (rollout/vllm_engine.py ``oumi_stream``); every update carries its policy version.
+- Weights: the first replica's ranks send, each its share of its pipeline stage's tensors (rollout/weight_senders.py),
+  over a process group of its own with every engine worker (rollout/weight_stream.py ``WeightSyncGroup``: a TCP store
+  on the sender, NCCL on GPUs, gloo on CPU): bucketed broadcasts into each engine's vLLM weight-transfer session
+  (rollout/vllm_engine.py ``oumi_stream``), which receives from every sender at once; every update carries its
+  policy version.
 - Asynchronous GRPO (``grpo.max_staleness``): the same ``submit`` / ``collect`` / ``push_weights`` as a separate
   engine (rollout/vllm_backend.py); a batch's version is the oldest of the engines that generated it.
 - Faults: an engine actor that dies is started again in its placement group, re-synced, and its prompts issued again
   (``RayRolloutBackend``; ``megatron.rollout_engine_restarts`` bounds how often).
 - ``rollout_gpus_per_engine`` > 1: an engine's vLLM runs tensor-parallel over its GPUs (a worker process each, vLLM's
-  ``mp`` executor inside the actor); every worker is a member of the weight-sync group and receives the full tensors.
+  ``mp`` executor inside the actor); every worker is a member of every sender's group and receives the full tensors.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.parallel.distributed import free_port
+from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_backend import TaggedRollouts, _rollouts, _vllm_sampling
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
+from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_totals, sender_role
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
@@ -273,7 +276,13 @@ class RayRolloutBackend:
         self.starts: list[int] = []
         """How many times each engine was started."""
         self.restarts = 0
-        self.group: weight_stream.WeightSyncGroup | None = None
+        self.engines = params.rollout_engines
+        # the first replica's ranks send (every replica holds the same weights); the others only take part in exports
+        self.replica_group, replica = replica_group()
+        role = sender_role(self.replica_group, replica)
+        self.role = role if self.dp_rank == 0 else SenderRole(role.ranks, None, role.share, role.shares)
+        self.link: weight_stream.WeightSyncGroup | None = None
+        """This rank's group with every engine worker, if it sends."""
         self.raw_gbps: float | None = None
         self.in_flight: collections.deque[tuple[list[list[int]], Plan | None]] = collections.deque()
         self.pusher = WeightPusher(self.method)
@@ -296,8 +305,9 @@ class RayRolloutBackend:
             self.starts = [1] * params.rollout_engines
             self.actors = [start_engine(self.spec, g, i, 1, self.gpus_per_engine) for i, g in enumerate(self.placement_groups)]
             self._wait_started(range(len(self.actors)))
-            self._open_weight_group()
-            self.raw_gbps = self._probe_raw_bandwidth()
+        if self.dp_rank == 0:
+            self._open_weight_groups()
+            self.raw_gbps = probe_raw(self.link, self.replica_group, 0, self._receive_raw if self.rank == 0 else None)
         dist.barrier()
 
     def _wait_started(self, engines: Any) -> None:
@@ -306,30 +316,34 @@ class RayRolloutBackend:
 
         ray.get([self.actors[i].node.remote() for i in engines])
 
-    def _open_weight_group(self) -> None:
-        """One group of rank 0 and every engine: the engines join while rank 0 opens the store and waits for them
-        (after the generations queued before; a group formed after a restart replaces the old one everywhere)."""
+    def _open_weight_groups(self) -> None:
+        """Collective over the first replica: a group of each sender and every engine worker; the engines join while
+        the senders open their stores and wait for them (after the generations queued before). Groups formed after a
+        restart replace the old ones everywhere: a sender's old group is given up and its push in flight waited out."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+            self._previous_push()  # failed with the old engines, as a rule: the new group starts clean
+            self.push_failed = None
+        self.link = open_links(self.role, self.replica_group, 0, self.method, receivers=self.engines * self.gpus_per_engine,
+                               join_engines=self._join if self.rank == 0 else None)
+
+    def _join(self, senders: list[tuple[str, int]]) -> Any:
+        """Rank 0: every engine joins every sender's group (engine i's workers are ranks 1 + i * g ..)."""
         import ray
 
-        host = _node_address()
-        port = free_port()
-        g = self.gpus_per_engine  # every vLLM worker of an engine is a member: engine i's are 1 + i * g ..
+        g = self.gpus_per_engine
         world = 1 + len(self.actors) * g
-        joined = [a.init_transfer.remote({"host": host, "port": port, "backend": self.method, "rank": 1 + i * g,
-                                          "world_size": world}) for i, a in enumerate(self.actors)]
-        self.group = weight_stream.WeightSyncGroup(host, port, rank=0, backend=self.method, world_size=world)
-        ray.get(joined)
+        joined = [a.init_transfer.remote({"senders": [list(x) for x in senders], "backend": self.method,
+                                          "rank": 1 + i * g, "world_size": world}) for i, a in enumerate(self.actors)]
+        return lambda: ray.get(joined)
 
-    def _probe_raw_bandwidth(self) -> float:
-        """Rank 0: a plain broadcast over the weight-sync group, what ``weight_sync/fraction_of_raw`` compares with."""
+    def _receive_raw(self, nbytes: int) -> Any:
+        """Rank 0: the engines' side of the raw-bandwidth probe (``weight_sync/fraction_of_raw`` compares with it)."""
         import ray
 
-        assert self.group is not None
-        nbytes = weight_stream.RAW_PROBE_BYTES[self.group.device.type]
         received = [a.receive_raw.remote(nbytes, weight_stream.RAW_PROBE_REPEATS) for a in self.actors]
-        gbps = weight_stream.send_raw(self.group, nbytes)
-        ray.get(received)
-        return gbps
+        return lambda: ray.get(received)
 
     # -- requests: every replica's prompts through rank 0 ---------------------------------------------------------------
     def _gather_requests(self, prompts: list[list[int]], n: int) -> dict[int, tuple[list[list[int]], int]] | None:
@@ -418,6 +432,8 @@ class RayRolloutBackend:
         to all of them; rank 0 issues the restarted engines' parts of ``plans`` again, oldest first."""
         if self.rank == 0:
             engines = self._restart(engines, cause)
+        if self.dp_rank == 0:
+            self._open_weight_groups()
         if self.weights is not None:
             self.push_weights(self.weights, self.version)
             self._raise_if_push_failed()
@@ -425,8 +441,8 @@ class RayRolloutBackend:
             self._reissue(plans, engines)
 
     def _restart(self, engines: set[int], cause: str) -> set[int]:
-        """Rank 0: kill and start again ``engines`` (every engine if a push failed), in their placement groups, and
-        form a new weight-sync group. Returns the engines restarted."""
+        """Rank 0: kill and start again ``engines`` (every engine if a push failed), in their placement groups; the
+        first replica then forms new weight-sync groups (``_open_weight_groups``). Returns the engines restarted."""
         import ray
 
         self._previous_push()
@@ -448,7 +464,6 @@ class RayRolloutBackend:
             self._wait_started(engines)
         except Exception as e:  # noqa: BLE001 - the replacement's own failure is the cause to report
             raise WeightSyncError(f"a restarted Ray engine failed to start: {e}") from e
-        self._open_weight_group()
         return engines
 
     def _reissue(self, plans: list[Plan | None], engines: set[int]) -> None:
@@ -477,27 +492,45 @@ class RayRolloutBackend:
 
     # -- weights -------------------------------------------------------------------------------------------------------
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
-        """Collective over the training ranks: the export now (rank 0 keeps a snapshot), every engine's update queued
-        behind its generations, the broadcast from a background thread once every engine has opened its session. If
-        the previous push failed, every engine is restarted first and the generations in flight are issued again
-        behind this push."""
+        """Collective over the training ranks: every sender's share of the export now (as a snapshot it keeps), every
+        engine's update queued behind its generations (rank 0 asks), each sender's broadcasts from a background thread
+        once the engines have opened their sessions. If any sender's previous push failed, every engine is restarted
+        first and the generations in flight are issued again behind this push."""
         self.weights, self.version = weights, version
-        if self.rank != 0:
+        share = self.role.pairs(weights.stage_tensors())
+        if self.dp_rank != 0:
             start = time.perf_counter()
-            n = sum(1 for _ in weights())  # take part in the collective export
+            n = sum(1 for _ in share)  # take part in the collective export
             return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
         self._previous_push()
-        restarted = self._restart(set(), "") if self.push_failed is not None else set()
-        assert self.group is not None
+        failures: list[Any] = [None] * dist.get_world_size(self.replica_group)
+        dist.all_gather_object(failures, self.push_failed, group=self.replica_group)
+        failed = next((f for f in failures if f is not None), None)
+        restarted: set[int] = set()
+        if failed is not None:  # a sender's push failed: every engine again, and new groups
+            if self.rank == 0:
+                self.push_failed = failed
+                restarted = self._restart(set(), "")
+            self._open_weight_groups()
         actors = list(self.actors)
 
         def open_sessions() -> tuple[list[Future], list[Future]]:
+            if self.rank != 0:
+                return [], []
             return ([a.open_update.remote().future() for a in actors],
                     [a.finish_update.remote(version).future() for a in actors])
 
-        stats = self.pusher.push(weights, self.group, self.bucket_bytes, open_sessions, lambda f, _what: _wait(f))
-        self._reissue([p for _, p in self.in_flight], restarted)
-        return stats
+        if self.link is not None:
+            stats = self.pusher.push(share, self.link, self.bucket_bytes, open_sessions, lambda f, _what: _wait(f))
+        else:  # the first replica's ranks of CP rank > 0 take part in the export only
+            stats = WeightSyncStats(self.method, 0, 0, 0.0)
+            for _ in share:
+                pass
+        if self.rank == 0:
+            self._reissue([p for _, p in self.in_flight], restarted)
+        tensors, nbytes, largest, senders = replica_totals(self.replica_group, stats.tensors, stats.bytes)
+        return WeightSyncStats(self.method, tensors, nbytes, stats.seconds, stats.export_seconds, senders=senders,
+                               sender_bytes=largest)
 
     def _previous_push(self) -> float | None:
         """Rank 0: wait for the push in flight; its transfer seconds (None: none, or it failed: ``push_failed``)."""
@@ -512,9 +545,9 @@ class RayRolloutBackend:
             raise WeightSyncError(f"{self.push_failed}, right after restarting the engines: stopping")
 
     def wait_pushed(self) -> float | None:
-        """Wait for the push in flight (rank 0). A failure is not raised here: the next generation or push restarts
+        """Wait for this sender's push in flight. A failure is not raised here: the next generation or push restarts
         the engines (``_await``, ``push_weights``)."""
-        return self._previous_push() if self.rank == 0 else None
+        return self._previous_push() if self.link is not None else None
 
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """The synchronous loop's sync: a push, waited for."""
@@ -549,13 +582,6 @@ class RayRolloutBackend:
         self.actors = []
         if _started_ray:
             ray.shutdown()
-
-
-def _node_address() -> str:
-    """This node's address as the engines reach it (Ray's view of it)."""
-    import ray
-
-    return ray.util.get_node_ip_address() or "127.0.0.1"
 
 
 def _first_line(error: BaseException | None) -> str:

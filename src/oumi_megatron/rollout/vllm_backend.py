@@ -4,8 +4,9 @@ A *replica* is the set of training ranks that share a data-parallel rank (TP x C
 train on the same completions, so they must see the same rollouts.
 - ``rollout_placement: separate``: one engine per replica, in its own process (rollout/vllm_engine.py
   ``serve``) started by the replica's first rank (the owner), on a GPU of its own (the node's GPUs
-  after the trainer's: ``engine_gpu``). Weights stream over a 2-process group (``weight_sync_method``:
-  ``nccl`` on GPUs, ``gloo`` on CPU) in buckets of ``weight_sync_bucket_mb``, into vLLM's
+  after the trainer's: ``engine_gpu``). Weights stream from every rank of the replica at once, each its share of
+  its pipeline stage's tensors over a group of its own with the engine (rollout/weight_senders.py;
+  ``weight_sync_method``: ``nccl`` on GPUs, ``gloo`` on CPU), in buckets of ``weight_sync_bucket_mb``, into vLLM's
   weight-transfer API, without touching the disk. The owner broadcasts the rollouts to its replica.
 - ``rollout_placement: colocated``: the engines live in the trainer's processes and share their GPUs;
   they sleep while the trainer trains and wake for rollouts (no-ops on CPU): the trainer calls ``wake`` before a
@@ -31,6 +32,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.parallel.distributed import free_port, replica_group
+from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
+from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_totals, sender_role
 
 
 def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
@@ -342,8 +345,9 @@ class ColocatedVllmBackend(_VllmBackend):
 
 
 class SeparateVllmBackend(_VllmBackend):
-    """``rollout_placement: separate``: one engine process per replica on a GPU of its own, fed over a 2-process
-    weight-sync group; its engines generate while the trainer trains (asynchronous GRPO, ``AsyncRolloutBackend``)."""
+    """``rollout_placement: separate``: one engine process per replica on a GPU of its own, fed by every rank of the
+    replica at once (rollout/weight_senders.py: each its share of its pipeline stage's tensors, over a group of its
+    own); its engines generate while the trainer trains (asynchronous GRPO, ``AsyncRolloutBackend``)."""
 
     placement = "separate"
 
@@ -354,35 +358,44 @@ class SeparateVllmBackend(_VllmBackend):
         super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code)
         spec = self.spec
         self.process: _EngineProcess | None = None
-        self.pair: weight_stream.WeightSyncGroup | None = None
+        self.link: weight_stream.WeightSyncGroup | None = None
+        """This rank's group with the engine, if it sends."""
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
         """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
         self.pusher = WeightPusher(self.method)
         self.raw_gbps: float | None = None
-        """The owner: the weight-sync link's plain broadcast bandwidth (measured once, at start)."""
+        """The owner: the senders' plain broadcast bandwidth to the engine, summed (measured once, at start)."""
         # one engine process per replica, started by its first rank
-        self.is_owner = dist.get_rank() == self.replica[0]
+        self.owner = self.replica[0]
+        self.is_owner = dist.get_rank() == self.owner
         if self.method == "nccl" and not torch.cuda.is_available():
             raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
         spec.cuda_visible_devices = _engine_gpu_for_owner(self.is_owner)
-        if not self.is_owner:
-            return
-        from megatron.core import parallel_state as ps
+        self.role = sender_role(self.group, self.replica)
+        assert not self.is_owner or self.role.sends, "the replica's first rank is TP, CP and PP rank 0: a sender"
+        if self.is_owner:
+            from megatron.core import parallel_state as ps
 
-        spec.seed = seed + ps.get_data_parallel_rank()
-        if self.method != "checkpoint":
-            spec.transfer_backend = STREAM_ENGINE
-        self.process = _EngineProcess(spec)
-        if spec.transfer_backend is not None:
-            port = free_port()
-            (opened,) = self.process.submit("init_transfer", {"host": "127.0.0.1", "port": port, "backend": self.method})
-            self.pair = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend=self.method)
-            self.process.wait_for(opened, "init_transfer")
-            # the link's plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
-            nbytes = weight_stream.RAW_PROBE_BYTES[self.pair.device.type]
-            (received,) = self.process.submit("receive_raw", nbytes, weight_stream.RAW_PROBE_REPEATS)
-            self.raw_gbps = weight_stream.send_raw(self.pair, nbytes)
-            self.process.wait_for(received, "receive_raw")
+            spec.seed = seed + ps.get_data_parallel_rank()
+            if self.method != "checkpoint":
+                spec.transfer_backend = STREAM_ENGINE
+            self.process = _EngineProcess(spec)
+        if self.method == "checkpoint":
+            return
+        # the link's plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
+        self.link = open_links(self.role, self.group, self.owner, self.method, receivers=1, join_engines=self._join)
+        self.raw_gbps = probe_raw(self.link, self.group, self.owner, self._receive_raw)
+
+    def _join(self, senders: list[tuple[str, int]]) -> Callable[[], None]:
+        """The owner: the engine joins every sender's group (``open_links``)."""
+        process = self._owned_process
+        (opened,) = process.submit("init_transfer", {"senders": [list(a) for a in senders], "backend": self.method})
+        return lambda: process.wait_for(opened, "init_transfer")
+
+    def _receive_raw(self, nbytes: int) -> Callable[[], None]:
+        process = self._owned_process
+        (received,) = process.submit("receive_raw", nbytes, weight_stream.RAW_PROBE_REPEATS)
+        return lambda: process.wait_for(received, "receive_raw")
 
     @property
     def _owned_process(self) -> _EngineProcess:
@@ -410,18 +423,26 @@ class SeparateVllmBackend(_VllmBackend):
 
     # -- weights --------------------------------------------------------------------------------------
     def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
-        """The owner streams the export to its engine process, which receives meanwhile."""
-        pairs = weights()
-        if not self.is_owner:
-            n = sum(1 for _ in pairs)  # take part in the collective export
-            return WeightSyncStats(self.method, n, 0, 0.0)
-        process = self._owned_process
-        assert self.pair is not None, "a streaming engine opens its pair group when it starts"
-        opened, done = process.submit("receive_update", replies=2)
-        process.wait_for(opened, "receive_update (opening the session)")
-        sent = weight_stream.send(self.pair, pairs, self.bucket_bytes)
-        process.wait_for(done, "receive_update")
-        return WeightSyncStats(self.method, sent.tensors, sent.bytes, 0.0)
+        """Every sender streams its share of its stage's export to the engine process, which receives from all of them
+        meanwhile; the owner opens the engine's session first and waits for it to end."""
+        share = self.role.pairs(weights.stage_tensors())
+        done = None
+        if self.is_owner:
+            opened, done = self._owned_process.submit("receive_update", replies=2)
+            self._owned_process.wait_for(opened, "receive_update (opening the session)")
+        if self.link is not None:
+            sent = weight_stream.send(self.link, share, self.bucket_bytes)
+            tensors, nbytes = sent.tensors, sent.bytes
+        else:
+            tensors, nbytes = sum(1 for _ in share), 0  # takes part in the collective export
+        if done is not None:
+            self._owned_process.wait_for(done, "receive_update")
+        return self._totals(tensors, nbytes, 0.0)
+
+    def _totals(self, tensors: int, nbytes: int, seconds: float, export_seconds: float = 0.0) -> WeightSyncStats:
+        """Collective over the replica: this replica's push, counted over its senders."""
+        tensors, total, largest, senders = replica_totals(self.group, tensors, nbytes)
+        return WeightSyncStats(self.method, tensors, total, seconds, export_seconds, senders=senders, sender_bytes=largest)
 
     def _reload(self, folder: Path) -> None:
         if self.process is not None:
@@ -444,23 +465,25 @@ class SeparateVllmBackend(_VllmBackend):
         return TaggedRollouts(_rollouts(prompts, results), version, seconds)
 
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
-        """Collective over the training ranks: export the policy now, as a snapshot the owner keeps, and queue the
-        update behind the engine's generations in flight; a background thread streams the snapshot once the engine
-        opens the update session (rollout/weight_push.py), so the trainer does not wait for the generation in flight.
-        The engine tags what it generates afterwards with ``version``."""
-        if not self.is_owner:
+        """Collective over the training ranks: every sender exports its share of the policy now, as a snapshot it keeps,
+        and the owner queues the update behind the engine's generations in flight; a background thread on each sender
+        streams its snapshot once the engine opens the update session (rollout/weight_push.py), so the trainer does not
+        wait for the generation in flight. The engine tags what it generates afterwards with ``version``."""
+        share = self.role.pairs(weights.stage_tensors())
+        if self.link is None:
             self.pusher.wait()
             start = time.perf_counter()
-            n = sum(1 for _ in weights())  # take part in the collective export
-            return WeightSyncStats(self.method, n, 0, time.perf_counter() - start)
-        assert self.pair is not None, "asynchronous GRPO streams weights (weight_sync_method nccl or gloo)"
-        process = self._owned_process
+            n = sum(1 for _ in share)  # take part in the collective export
+            return self._totals(n, 0, time.perf_counter() - start)
 
         def open_session() -> tuple[list[Future], list[Future]]:
-            opened, done = process.submit("receive_update", version, replies=2)
+            if not self.is_owner:
+                return [], []
+            opened, done = self._owned_process.submit("receive_update", version, replies=2)
             return [opened], [done]
 
-        return self.pusher.push(weights, self.pair, self.bucket_bytes, open_session, _EngineProcess.wait_for)
+        stats = self.pusher.push(share, self.link, self.bucket_bytes, open_session, _EngineProcess.wait_for)
+        return self._totals(stats.tensors, stats.bytes, stats.seconds, stats.export_seconds)
 
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""

@@ -58,12 +58,12 @@ def register_stream_engine() -> None:
 
     @dataclass
     class StreamInitInfo(WeightTransferInitInfo):
-        host: str = "127.0.0.1"
-        port: int = 0
+        senders: list[list[Any]] = field(default_factory=list)
+        """``[host, port]`` of every sender's group (rollout/weight_senders.py), in the senders' order."""
         backend: str = "gloo"
-        timeout_s: float = 600.0
+        timeout_s: float = 3600.0
         rank: int = 1
-        """The engine's first rank in the group; its vLLM workers (tensor parallelism) take the next ones."""
+        """The engine's first rank in each group; its vLLM workers (tensor parallelism) take the next ones."""
         world_size: int = 2
 
     @dataclass
@@ -71,20 +71,24 @@ def register_stream_engine() -> None:
         pass
 
     class StreamWeightTransferEngine(WeightTransferEngine[StreamInitInfo, StreamUpdateInfo]):
-        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo (CPU) or NCCL (GPU) pair group."""
+        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo (CPU) or NCCL (GPU) group per sender."""
 
         init_info_cls = StreamInitInfo
         update_info_cls = StreamUpdateInfo
 
-        pair: weight_stream.WeightSyncGroup | None = None  # opened by init_transfer_engine, closed by shutdown
+        groups: list[weight_stream.WeightSyncGroup] = []  # opened by init_transfer_engine, dropped by shutdown
 
         def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
             device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
             # every TP worker of the engine joins and receives the full tensors; vLLM's loader keeps its shard
             rank = init_info.rank + self.parallel_config.rank
-            self.pair = weight_stream.WeightSyncGroup(init_info.host, init_info.port, rank=rank,
-                                                backend=init_info.backend, timeout_s=init_info.timeout_s, device=device,
-                                                world_size=init_info.world_size)
+            for old in self.groups:  # a new set of senders (a restarted fleet) replaces the old one
+                old.close()
+            # the senders wait for their engines in order: joining group i lets sender i go on
+            self.groups = [weight_stream.WeightSyncGroup(host, int(port), rank=rank, backend=init_info.backend,
+                                                         timeout_s=init_info.timeout_s, device=device,
+                                                         world_size=init_info.world_size)
+                           for host, port in init_info.senders]
 
         @property
         def layerwise(self) -> bool:
@@ -108,16 +112,16 @@ def register_stream_engine() -> None:
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # the base class ends with torch.accelerator.synchronize(), which has no CPU meaning
             self.receive_weights(self.parse_update_info(update_info))
-            if self.pair is not None:
-                self.pair.synchronize()
+            for group in self.groups:
+                group.synchronize()
 
         def receive_weights(self, update_info: StreamUpdateInfo) -> None:
-            assert self.pair is not None, "init_transfer_engine opens the pair group before any update"
-            for pairs in weight_stream.receive(self.pair):
+            assert self.groups, "init_transfer_engine opens the senders' groups before any update"
+            for pairs in weight_stream.receive_all(self.groups):
                 self.model.load_weights(pairs)  # type: ignore[operator]  # torch types module attributes as Tensor | Module
 
         def shutdown(self) -> None:
-            self.pair = None
+            self.groups = []
 
         @staticmethod
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
@@ -247,7 +251,7 @@ class VllmEngineHost:
         """The engine's side of the raw-bandwidth probe (weight_stream.py ``send_raw``), over its weight-sync group."""
 
         def probe(worker: Any, nbytes: int, repeats: int) -> None:
-            weight_stream.receive_raw(worker.weight_transfer_engine.pair, nbytes, repeats)
+            weight_stream.in_threads(weight_stream.receive_raw, worker.weight_transfer_engine.groups, nbytes, repeats)
 
         self.llm.collective_rpc(probe, args=(nbytes, repeats))
 

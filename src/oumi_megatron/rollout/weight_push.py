@@ -1,12 +1,12 @@
-"""Asynchronous weight pushes (``grpo.max_staleness`` > 0): the trainer exports the policy at once, keeps a
-snapshot, and a background thread streams it to the engines once they have opened their update sessions, which
-they do after the generations queued before the update. One push at a time. Used by the separate engine process
-(rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py).
+"""Asynchronous weight pushes (``grpo.max_staleness`` > 0): every sender (rollout/weight_senders.py) exports its share
+of the policy at once, keeps a snapshot, and a background thread streams it to the engines once they have opened
+their update sessions, which they do after the generations queued before the update. One push at a time. Used by the
+separate engine process (rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py).
 
 The snapshot lives in host memory (pinned where the tensors are on a GPU), copied tensor by tensor as the exporter
 yields them: a GPU copy of the whole model (141 GB at 70B) does not fit beside training. Above training the GPU then
-holds the exporter's tensor in hand and, while sending, the buckets in flight (weight_stream.send: two); the sending
-rank's host holds the exported model until the push ends."""
+holds the exporter's tensor in hand and, while sending, the buckets in flight (weight_stream.send: two, on a stream
+of the sender's own); each sender's host holds its share (~model / (TP x PP)) until the push ends."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import PolicyWeights, WeightSyncStats
+from oumi_megatron.rollout.base import WeightSyncStats
 
 
 class WeightSyncError(RuntimeError):
@@ -49,15 +49,16 @@ class WeightPusher:
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
         self.pushing: Future | None = None
 
-    def push(self, weights: PolicyWeights, group: weight_stream.WeightSyncGroup, bucket_bytes: int,
+    def push(self, share: Iterable[tuple[str, torch.Tensor]], group: weight_stream.WeightSyncGroup, bucket_bytes: int,
              open_sessions: Callable[[], tuple[list[Future], list[Future]]], wait: Callable[[Future, str], Any]) -> WeightSyncStats:
-        """The sending rank's part of a push: waits for the previous push, exports ``weights`` now into a host snapshot
-        (the next optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
-        (``open_sessions`` queues them: futures that resolve when each is open, and when each is done) and streams
+        """A sender's part of a push: waits for its previous push, exports its ``share`` now into a host snapshot (the
+        next optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
+        (``open_sessions`` queues them: futures that resolve when each is open, and when each is done; the rank that
+        talks to the engines returns them, the other senders none, their broadcasts waiting for the engines) and streams
         the snapshot from the background thread once every session is open. The stats' seconds are the trainer's."""
         self.wait()
         start = time.perf_counter()
-        pairs = weight_stream.TimedPairs(weights())
+        pairs = weight_stream.TimedPairs(share)
         snapshot = host_snapshot(pairs)
         group.synchronize()
         opened, done = open_sessions()
@@ -65,6 +66,9 @@ class WeightPusher:
         def send() -> float:
             if group.device.type == "cuda":
                 torch.cuda.set_device(group.device)
+                # the copies back to the GPU on a stream of their own: on the default stream they would queue
+                # behind the training step's kernels
+                torch.cuda.set_stream(torch.cuda.Stream(group.device))
             for future in opened:
                 wait(future, "receive_update (opening the session)")
             began = time.perf_counter()

@@ -82,12 +82,13 @@ class AsyncRollouts:
     def push(self, weights: PolicyWeights, version: int) -> dict[str, float]:
         """The policy after a step (``version``) to the engines, queued behind their generations; the metrics of the
         previous push's transfer (finished by now, as a rule) and of this push's trainer-side export."""
-        transfer_s = self.backend.wait_pushed()  # the replica's owner streams; other ranks have nothing in flight
+        transfer_s = self.backend.wait_pushed()  # every sender's own push; the owner's includes the engine's update
         out: dict[str, Any] = {}
         if transfer_s is not None and self.last_push is not None:  # this rank's engine (rank 0 logs the metrics)
             out.update({"weight_sync/transfer_s": transfer_s,
                         "weight_sync/gbps": self.last_push.bytes / max(transfer_s, 1e-9) / 1e9})
         self.last_push = stats = self.backend.push_weights(weights, version)
         out.update({"weight_sync/bytes": stats.bytes, "weight_sync/seconds": stats.seconds,
-                    "weight_sync/export_s": stats.export_seconds})
+                    "weight_sync/export_s": stats.export_seconds, "weight_sync/senders": stats.senders,
+                    **({"weight_sync/sender_bytes_max": stats.sender_bytes} if stats.sender_bytes else {})})
         return out

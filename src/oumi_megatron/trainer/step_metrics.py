@@ -128,7 +128,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
         "batch/tokens_saved_fraction": 1.0 - s["processed"] / max(s["padded"], 1.0),
         **timings,  # time/sync_s is 0 for the embedded backend: the rollout engine is the policy itself
         **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps,
-            "weight_sync/export_s": sync.export_seconds}
+            "weight_sync/export_s": sync.export_seconds, "weight_sync/senders": sync.senders,
+            **({"weight_sync/sender_bytes_max": sync.sender_bytes} if sync.sender_bytes else {})}
            if sync is not None else {}),
         "tokens_per_s": float(batch.generated.lengths.sum()) / max(timings["time/rollout_s"], 1e-9),
     }

@@ -33,6 +33,21 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port in 20000-31999 for the rendezvous; set MASTER_PORT")
 
 
+def node_address() -> str:
+    """This node's address as other nodes reach it: the local end of a route to the rendezvous host (MASTER_ADDR; no
+    packet is sent), 127.0.0.1 when the rendezvous is on this host. Where a rank hosts a store others connect to (a
+    weight sender's group)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Create the default process group: NCCL on GPUs, gloo on CPU. Works without torchrun (1 rank)."""
     if dist.is_initialized():

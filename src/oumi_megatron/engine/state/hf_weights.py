@@ -41,11 +41,14 @@ class HFWeightExporter:
         self.own_tasks: list[Any] | None = None
         self.stripped_configs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see _strip_each_config_once
 
+    def _build_tasks(self) -> list[Any]:
+        # what export_hf_weights builds when given none (the public get_conversion_tasks insists on
+        # HF weights, which our config-only bridge does not hold)
+        return self.bridge._model_bridge.build_conversion_tasks(self.bridge.hf_pretrained, self.models)
+
     def _all_tasks(self) -> list[Any]:
         if self.tasks is None:
-            # what export_hf_weights builds when given none (the public get_conversion_tasks insists on
-            # HF weights, which our config-only bridge does not hold)
-            self.tasks = self.bridge._model_bridge.build_conversion_tasks(self.bridge.hf_pretrained, self.models)
+            self.tasks = self._build_tasks()
         return self.tasks
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,11 +58,14 @@ class HFWeightExporter:
 
     def _stage_tasks(self) -> list[Any]:
         """The tasks of the parameters this stage holds; a parameter several stages hold (shared weights of some
-        architectures) is the lowest such stage's, as in Bridge's own broadcast."""
+        architectures) is the lowest such stage's, as in Bridge's own broadcast. Task objects of their own, not the
+        whole-model export's: a mapping settles what it learns over the stages (AutoMapping's parallelism type) on its
+        first use, and one used here by its own stage alone would skip that collective in a whole-model export that
+        the other stages still enter (a hang at PP > 1 when ``__call__`` follows ``stage_tensors``)."""
         if self.own_tasks is None:
             from megatron.core import parallel_state as ps
 
-            mine = [t for t in self._all_tasks() if t is not None and t.megatron_module is not None]
+            mine = [t for t in self._build_tasks() if t is not None and t.megatron_module is not None]
             lower: set[str] = set()
             if ps.get_pipeline_model_parallel_world_size() > 1:
                 names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()

@@ -1,0 +1,105 @@
+"""Who sends the policy's weights to engines outside the trainer's processes (``rollout_placement: separate`` and
+``ray``), and how their links open.
+
+Every rank of a model replica with context-parallel rank 0 sends. Each pipeline stage exports its own tensors
+(``PolicyWeights.stage_tensors``: gathered over TP / EP, nothing crosses stages) and each of the stage's TP ranks
+sends a share of them (weight_stream.share_of) over a group of its own with the engine's workers, which receive from
+every group at once (weight_stream.receive_all). Per push a sender holds and sends ~model / (TP x PP), an asynchronous
+push's host snapshot included, and the senders run at the same time: at 70B on TP8 x PP2, 16 senders of ~8.8 GB
+each instead of rank 0 sending 141 GB. The cost is one communicator per sender on every engine worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oumi_megatron.engine.parallel.distributed import free_port, node_address
+from oumi_megatron.rollout import weight_stream
+
+
+@dataclass(frozen=True)
+class SenderRole:
+    """This rank's part in feeding one set of engines."""
+
+    ranks: list[int]
+    """The senders' global ranks, by pipeline stage, then tensor-parallel rank: group i of an engine is ranks[i]'s."""
+    index: int | None
+    """This rank's position in ``ranks``; None: it does not send."""
+    share: int
+    """Which share of its stage's tensors it sends: its tensor-parallel rank."""
+    shares: int
+    """How many senders split its stage's tensors: the tensor-parallel size."""
+
+    @property
+    def sends(self) -> bool:
+        return self.index is not None
+
+    def pairs(self, stage_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """This sender's share of its stage's tensors. Every rank iterates its stage's export to the end (it is
+        collective); a rank that does not send yields nothing."""
+        if not self.sends:
+            for _ in stage_tensors:
+                pass
+            return
+        yield from weight_stream.share_of(stage_tensors, self.share, self.shares)
+
+
+def sender_role(group: Any, ranks: list[int]) -> SenderRole:
+    """Collective over ``group`` (the replica's gloo group, its global ``ranks``): who sends, and which share."""
+    from megatron.core import parallel_state as ps
+
+    me = (dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+          ps.get_context_parallel_rank())
+    every: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(every, me, group=group)
+    senders = [rank for rank, _, _, cp in sorted(every, key=lambda r: (r[1], r[2])) if cp == 0]
+    index = senders.index(me[0]) if me[0] in senders else None
+    return SenderRole(senders, index, me[2], ps.get_tensor_model_parallel_world_size())
+
+
+def open_links(role: SenderRole, group: Any, owner: int, backend: str, receivers: int,
+               join_engines: Callable[[list[tuple[str, int]]], Callable[[], None]] | None) -> weight_stream.WeightSyncGroup | None:
+    """Collective over ``group``: every sender opens its group (rank 0 of it, hosting its store on this node), of
+    ``1 + receivers`` members. ``join_engines`` runs on ``owner``, the rank that talks to the engines: it asks them to
+    join the senders' groups, in order (addresses as ``[(host, port), ...]``), and returns what waits until they have.
+    This rank's group, None if it does not send."""
+    address = (node_address(), free_port()) if role.sends else None
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (dist.get_rank(), address), group=group)
+    by_rank = dict(every)
+    joined = join_engines([by_rank[r] for r in role.ranks]) if dist.get_rank() == owner and join_engines else None
+    link = None
+    if address is not None:
+        link = weight_stream.WeightSyncGroup(address[0], address[1], rank=0, backend=backend, world_size=1 + receivers)
+    if joined is not None:
+        joined()
+    return link
+
+
+def probe_raw(link: weight_stream.WeightSyncGroup | None, group: Any, owner: int,
+              start_receivers: Callable[[int], Callable[[], None]] | None) -> float | None:
+    """Collective over ``group``: every sender broadcasts a plain buffer over its link at once, the engines receiving
+    every link meanwhile (``start_receivers(nbytes)`` on ``owner`` starts them and returns what waits for them). The
+    senders' GB/s summed, on ``owner`` (None elsewhere): what a push's bandwidth is compared with."""
+    nbytes = weight_stream.RAW_PROBE_BYTES["cuda" if link is not None and link.device.type == "cuda" else "cpu"]
+    received = start_receivers(nbytes) if dist.get_rank() == owner and start_receivers else None
+    gbps = weight_stream.send_raw(link, nbytes) if link is not None else 0.0
+    if received is not None:
+        received()
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, gbps, group=group)
+    return float(sum(every)) if dist.get_rank() == owner else None
+
+
+def replica_totals(group: Any, tensors: int, nbytes: int) -> tuple[int, int, int, int]:
+    """Collective over ``group``: the senders' tensors and bytes summed, the largest sender's bytes, and how many
+    sent something."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (tensors, nbytes), group=group)
+    return (sum(t for t, _ in every), sum(b for _, b in every), max(b for _, b in every),
+            sum(1 for _, b in every if b > 0))
