@@ -56,6 +56,9 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "tp2": {"ranks": 2, "tensor_model_parallel_size": 2},
 }
 PATHS = ("convert", "save", "load", "export", "export_cli", "push")
+PUSH_BUCKET_BYTES = 8 * 2**20
+"""``push``'s buckets: smaller than the smallest model here (27m: 54 MB), so that the two in flight are the same at every
+size and the slope is the snapshot's alone (at 256 MiB, the default, they would grow with the model up to 554m)."""
 MAX_SHARD_FRACTION = 20
 """HF shards of 1/20 of the model: an HF shard is 5 GB of a 141 GB model at 70B, so the bench keeps the same ratio."""
 
@@ -228,7 +231,7 @@ class _Push:
             return future.result()
 
         assert self.link is not None, "every rank of these layouts sends"
-        self.pusher.push(self.role.pairs(self.exporter.stage_tensors()), self.link, 64 * 2**20, sessions, wait)
+        self.pusher.push(self.role.pairs(self.exporter.stage_tensors()), self.link, PUSH_BUCKET_BYTES, sessions, wait)
         self.pusher.wait()
 
     def close(self) -> None:

@@ -13,6 +13,17 @@ scripts/bench_train_step.py). A receiver process on GPU 1 joins a 2-process NCCL
 What is NOT run here: vLLM itself (the GPU image has none), so the receiver unpacks the buckets into
 tensors but does not call vLLM's ``load_weights``. On CPU that load is measured by tests/test_vllm.py.
 ``report`` prints the table of sync.json (scripts/gpu_check.py).
+
+    python scripts/bench_weight_sync.py --slice --out slice.json    # one GPU; scripts/gpu_check.py mode sync_slice
+
+``--slice``: what one sender does per push at the real widths, on one GPU: Llama-3.1-70B and -405B (their
+configs/model_shapes/ configs, random bf16 weights) cut to 1 and 2 layers, built in the trainer's engine. Timed:
+the export alone (``HFWeightExporter``, what a colocated sync feeds the engine; at TP 1 mostly views, the TP
+all-gathers of a real layout are not in it), and an asynchronous push's snapshot (rollout/weight_push.py
+``host_snapshot`` of the stage's export, pinned host memory; the steady state, after the first push pinned the
+memory), each with its peak GPU memory above the trainer's state. The difference between 2 and 1 layers is the per-layer cost; 1 layer minus
+that is the embeddings' and head's. ``slice_report`` extrapolates them to the whole models and to one sender's
+share at the configs' layouts (70B: TP8 x PP2, 16 senders; 405B: TP8 x PP16, 128).
 """
 
 from __future__ import annotations
@@ -50,7 +61,11 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 128.0, 256.0, 512.0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="")
+    p.add_argument("--slice", action="store_true", help="one GPU: the 70B- and 405B-wide slices (module docstring)")
     args = p.parse_args()
+    if args.slice:
+        slice_main(args.out)
+        return
     raw_bytes, raw_reps = 2**30, 5
 
     from oumi_megatron.engine.parallel.distributed import free_port
@@ -122,6 +137,100 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result))
+
+
+SLICE_SHAPES = {"llama-3.1-70b": ("llama-3.1-70b-instruct", 80, 16), "llama-3.1-405b": ("llama-3.1-405b-instruct", 126, 128)}
+"""name: (configs/model_shapes folder, layers of the whole model, senders at configs/train_70b|405b_grpo.yaml's layout)."""
+
+
+def slice_main(out: str) -> None:
+    import gc
+    import os
+
+    import transformers
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.distributed import free_port
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.rollout.weight_push import host_snapshot
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    runs = []
+    for shape, (folder, _, _) in SLICE_SHAPES.items():
+        for layers in (1, 2):
+            os.environ["MASTER_PORT"] = str(free_port())  # a world of one per model, the last one's port may linger
+            cfg = transformers.AutoConfig.from_pretrained(bench_common.REPO / "configs" / "model_shapes" / folder)
+            cfg.num_hidden_layers = layers
+            params = MegatronParams()
+            params.transformer_config.recompute_granularity = None
+            bridge, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(),
+                                                         dtype=torch.bfloat16)
+            exporter = HFWeightExporter(bridge, engine.model)
+            sum(1 for _ in exporter())  # the first export builds the conversion plan
+            row: dict = {"shape": shape, "layers": layers}
+
+            def exported(e: HFWeightExporter = exporter) -> int:
+                return sum(t.numel() * t.element_size() for _, t in e())
+
+            def snapshot(e: HFWeightExporter = exporter) -> int:
+                return sum(t.numel() * t.element_size() for _, t in host_snapshot(e.stage_tensors()))
+
+            # three rounds each: the first snapshot pays for pinning fresh host memory (cudaHostAlloc), later ones
+            # reuse the caching host allocator's blocks, as every push after the first does
+            for name, fn in (("export", exported), ("snapshot", snapshot)):
+                times, peaks = [], []
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    nbytes = fn()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+                    gc.collect()
+                row[f"{name}_first_s"], row[f"{name}_s"] = times[0], min(times[1:])
+                row[f"{name}_peak_above_gib"] = max(peaks)
+                row["bytes"] = nbytes
+            print(json.dumps(row), flush=True)
+            runs.append(row)
+            del bridge, engine, exporter, exported, snapshot, fn  # the closures hold the exporter, and so the model
+            gc.collect()
+            torch.cuda.empty_cache()
+            from oumi_megatron.engine.parallel.distributed import destroy
+
+            destroy()
+    result = {"card": bench_common.card_name(), "runs": runs}
+    print(json.dumps(result, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(result))
+
+
+def slice_report(results_dir: Path) -> str:
+    """The table of ``results_dir``/sync_slice.json: per layer, fixed, and extrapolated to the whole models."""
+    path = results_dir / "sync_slice.json"
+    if not path.is_file():
+        return ""
+    r = json.loads(path.read_text())
+    lines = ["| shape (card) | per layer: GB / export s / snapshot s | embeddings + head: GB / export s / snapshot s "
+             "| whole model: GB / export s / snapshot s | one sender's share: senders / GB / snapshot s "
+             "| peak GPU above training, GiB (export / snapshot, 2 layers) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for shape, (_, layers, senders) in SLICE_SHAPES.items():
+        one, two = (next(x for x in r["runs"] if x["shape"] == shape and x["layers"] == n) for n in (1, 2))
+        per = {k: two[k] - one[k] for k in ("bytes", "export_s", "snapshot_s")}
+        fixed = {k: one[k] - per[k] for k in per}
+        whole = {k: fixed[k] + layers * per[k] for k in per}
+        lines.append(f"| {shape} ({r['card']}) | {per['bytes']/1e9:.2f} / {per['export_s']:.3f} / {per['snapshot_s']:.3f} "
+                     f"| {fixed['bytes']/1e9:.2f} / {fixed['export_s']:.3f} / {fixed['snapshot_s']:.3f} "
+                     f"| {whole['bytes']/1e9:.0f} / {whole['export_s']:.1f} / {whole['snapshot_s']:.1f} "
+                     f"| {senders} / {whole['bytes']/senders/1e9:.1f} / {whole['snapshot_s']/senders:.2f} "
+                     f"| {two['export_peak_above_gib']:.2f} / {two['snapshot_peak_above_gib']:.2f} |")
+    return "\n".join(lines)
 
 
 def report(results_dir: Path) -> str:

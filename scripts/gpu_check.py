@@ -293,6 +293,11 @@ def mode_sync(c: Check) -> None:
     c.sh([*PY, "scripts/bench_weight_sync.py", "--out", c.out("sync.json")], tail=20)
 
 
+def mode_sync_slice(c: Check) -> None:
+    c.sh([*PY, "scripts/bench_weight_sync.py", "--slice", "--out", c.out("sync_slice.json")], log=c.out("sync_slice.log"),
+         tail=8)
+
+
 @dataclass(frozen=True)
 class Mode:
     name: str
@@ -330,6 +335,8 @@ MODES = [
          "+/- ModuleQueue, DP=2 +/- the distributed optimizer"),
     Mode("8b", 2, mode_8b, "Llama-3-8B dimensions with TP=2, with and without CUDA graphs (2 x H200)"),
     Mode("sync", 2, mode_sync, "the weight-sync benchmark, trainer GPU 0 -> receiver GPU 1", default=True),
+    Mode("sync_slice", 1, mode_sync_slice, "one sender's export and push snapshot at the 70B and 405B widths, 1 and 2 "
+         "layers, extrapolated to the whole models (scripts/bench_weight_sync.py --slice; issue 45)"),
 ]
 
 
@@ -490,7 +497,8 @@ def reports() -> list[Callable[[Path], str]]:
     import bench_train_step
     import bench_weight_sync
 
-    return [bench_train_step.report, bench_logprobs.report, grpo_loop_report, vllm_report, real_model_report, bench_weight_sync.report]
+    return [bench_train_step.report, bench_logprobs.report, grpo_loop_report, vllm_report, real_model_report, bench_weight_sync.report,
+            bench_weight_sync.slice_report]
 
 
 def print_reports(results: Path) -> None:

@@ -6,8 +6,9 @@ The trainer stays under torchrun. Its rank 0 connects to Ray (``megatron.ray_add
 GPUs, STRICT_PACK). Multi-node recipe: ``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the
 rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
 
-- Requests: every rank hands its data-parallel replica's prompts to rank 0 (one all-gather), which spreads each
-  replica's prompts over the engines and hands each replica its rollouts back, in order.
+- Requests: each replica's first rank hands its prompts to rank 0 (a gather), which spreads each replica's prompts over
+  the engines and hands each replica's first rank its rollouts back (a scatter), which passes them on in its replica:
+  a rank moves its replica's share, never every replica's.
 - Weights: the first replica's ranks send, each its share of its pipeline stage's tensors (rollout/weight_senders.py),
   over a process group of its own with every engine worker (rollout/weight_stream.py ``WeightSyncGroup``: a TCP store
   on the sender, NCCL on GPUs, gloo on CPU): bucketed broadcasts into each engine's vLLM weight-transfer session
@@ -278,8 +279,12 @@ class RayRolloutBackend:
         self.restarts = 0
         self.engines = params.rollout_engines
         # the first replica's ranks send (every replica holds the same weights); the others only take part in exports
-        self.replica_group, replica = replica_group()
-        role = sender_role(self.replica_group, replica)
+        self.replica_group, self.replica = replica_group()
+        role = sender_role(self.replica_group, self.replica)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (self.dp_rank, self.rank == self.replica[0]))
+        self.replica_firsts: list[tuple[int, bool]] = every
+        """Per global rank: its data-parallel rank, and whether it is its replica's first rank (where results go)."""
         self.role = role if self.dp_rank == 0 else SenderRole(role.ranks, None, role.share, role.shares)
         self.link: weight_stream.WeightSyncGroup | None = None
         """This rank's group with every engine worker, if it sends."""
@@ -347,10 +352,13 @@ class RayRolloutBackend:
 
     # -- requests: every replica's prompts through rank 0 ---------------------------------------------------------------
     def _gather_requests(self, prompts: list[list[int]], n: int) -> dict[int, tuple[list[list[int]], int]] | None:
-        """Collective: every replica's request (its ranks ask for the same prompts), on rank 0."""
-        requests: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(requests, (self.dp_rank, prompts, n))
-        return {dp: (p, k) for dp, p, k in requests} if self.rank == 0 else None
+        """Collective: every replica's request (its ranks ask for the same prompts), on rank 0, sent by the replica's
+        first rank alone: each rank sends at most its replica's prompts and only rank 0 receives (not every rank every
+        replica's, as an all-gather would)."""
+        requests: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        mine = (self.dp_rank, prompts, n) if self.rank == self.replica[0] else None
+        dist.gather_object(mine, requests, dst=0)
+        return {r[0]: (r[1], r[2]) for r in requests if r is not None} if requests is not None else None
 
     def _submit_all(self, requests: dict[int, tuple[list[list[int]], int]], sampling: Any) -> Plan:
         """Rank 0: each replica's prompts spread over the engines round-robin."""
@@ -419,13 +427,28 @@ class RayRolloutBackend:
                     outcome = ("done", self._await(plan))
                 except _EnginesLost as lost:
                     outcome = ("lost", (lost.engines, lost.cause))
-            box = [outcome]
+            # every rank learns whether engines were lost (a few bytes); the results travel by need: rank 0 hands each
+            # replica's first rank its replica's (scatter), which passes them on in the replica
+            box: list[Any] = [(outcome[0], None if outcome[0] == "done" else outcome[1]) if outcome is not None else None]
             dist.broadcast_object_list(box, src=0)
             kind, value = box[0]
             if kind == "done":
-                return value[self.dp_rank]
+                return self._scatter_results(outcome[1] if outcome is not None else None)
             engines, cause = value
             self._recover(engines, cause, [plan, *later])
+
+    def _scatter_results(self, by_replica: dict[int, tuple[int, float, list[Any]]] | None) -> tuple[int, float, list[Any]]:
+        """Collective: this replica's results, from rank 0's ``by_replica`` (data-parallel rank -> results): each rank
+        receives its replica's share once, not every replica's."""
+        firsts: list[Any] = [None] * dist.get_world_size()
+        if self.rank == 0:
+            assert by_replica is not None
+            firsts = [by_replica[dp] if first else None for dp, first in self.replica_firsts]
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, firsts if self.rank == 0 else None, src=0)
+        if len(self.replica) > 1:
+            dist.broadcast_object_list(got, src=self.replica[0], group=self.replica_group)
+        return got[0]
 
     def _recover(self, engines: set[int], cause: str, plans: list[Plan | None]) -> None:
         """Collective: rank 0 restarts ``engines``; every rank exports the policy the engines had, which rank 0 pushes

