@@ -44,7 +44,7 @@ from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, Weig
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_backend import TaggedRollouts, _rollouts, _vllm_sampling
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
-from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_totals, sender_role
+from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
@@ -551,12 +551,10 @@ class RayRolloutBackend:
                 pass
         if self.rank == 0:
             self._reissue([p for _, p in self.in_flight], restarted)
-        tensors, nbytes, largest, senders = replica_totals(self.replica_group, stats.tensors, stats.bytes)
-        return WeightSyncStats(self.method, tensors, nbytes, stats.seconds, stats.export_seconds, senders=senders,
-                               sender_bytes=largest)
+        return replica_stats(self.replica_group, stats)
 
     def _previous_push(self) -> float | None:
-        """Rank 0: wait for the push in flight; its transfer seconds (None: none, or it failed: ``push_failed``)."""
+        """A sender: wait for its push in flight; its transfer seconds (None: none, or it failed: ``push_failed``)."""
         try:
             return self.pusher.wait()
         except WeightSyncError as e:

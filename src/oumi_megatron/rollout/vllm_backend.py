@@ -46,7 +46,7 @@ from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
-from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_totals, sender_role
+from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
 
 
 def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
@@ -382,8 +382,8 @@ class SeparateVllmBackend(_VllmBackend):
             self.process = _EngineProcess(spec)
         if self.method == "checkpoint":
             return
-        # the link's plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
         self.link = open_links(self.role, self.group, self.owner, self.method, receivers=1, join_engines=self._join)
+        # the links' plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
         self.raw_gbps = probe_raw(self.link, self.group, self.owner, self._receive_raw)
 
     def _join(self, senders: list[tuple[str, int]]) -> Callable[[], None]:
@@ -437,12 +437,7 @@ class SeparateVllmBackend(_VllmBackend):
             tensors, nbytes = sum(1 for _ in share), 0  # takes part in the collective export
         if done is not None:
             self._owned_process.wait_for(done, "receive_update")
-        return self._totals(tensors, nbytes, 0.0)
-
-    def _totals(self, tensors: int, nbytes: int, seconds: float, export_seconds: float = 0.0) -> WeightSyncStats:
-        """Collective over the replica: this replica's push, counted over its senders."""
-        tensors, total, largest, senders = replica_totals(self.group, tensors, nbytes)
-        return WeightSyncStats(self.method, tensors, total, seconds, export_seconds, senders=senders, sender_bytes=largest)
+        return replica_stats(self.group, WeightSyncStats(self.method, tensors, nbytes, 0.0))
 
     def _reload(self, folder: Path) -> None:
         if self.process is not None:
@@ -474,7 +469,7 @@ class SeparateVllmBackend(_VllmBackend):
             self.pusher.wait()
             start = time.perf_counter()
             n = sum(1 for _ in share)  # take part in the collective export
-            return self._totals(n, 0, time.perf_counter() - start)
+            return replica_stats(self.group, WeightSyncStats(self.method, n, 0, time.perf_counter() - start))
 
         def open_session() -> tuple[list[Future], list[Future]]:
             if not self.is_owner:
@@ -482,8 +477,8 @@ class SeparateVllmBackend(_VllmBackend):
             opened, done = self._owned_process.submit("receive_update", version, replies=2)
             return [opened], [done]
 
-        stats = self.pusher.push(share, self.link, self.bucket_bytes, open_session, _EngineProcess.wait_for)
-        return self._totals(stats.tensors, stats.bytes, stats.seconds, stats.export_seconds)
+        return replica_stats(self.group, self.pusher.push(share, self.link, self.bucket_bytes, open_session,
+                                                          _EngineProcess.wait_for))
 
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""

@@ -11,6 +11,7 @@ each instead of rank 0 sending 141 GB. The cost is one communicator per sender o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import free_port, node_address
 from oumi_megatron.rollout import weight_stream
+from oumi_megatron.rollout.base import WeightSyncStats
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,10 @@ def probe_raw(link: weight_stream.WeightSyncGroup | None, group: Any, owner: int
     return float(sum(every)) if dist.get_rank() == owner else None
 
 
-def replica_totals(group: Any, tensors: int, nbytes: int) -> tuple[int, int, int, int]:
-    """Collective over ``group``: the senders' tensors and bytes summed, the largest sender's bytes, and how many
-    sent something."""
+def replica_stats(group: Any, mine: WeightSyncStats) -> WeightSyncStats:
+    """Collective over ``group``: the replica's push from each rank's own ``mine``: tensors and bytes summed over the
+    senders, the largest sender's bytes, how many sent something; the seconds stay this rank's."""
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (tensors, nbytes), group=group)
-    return (sum(t for t, _ in every), sum(b for _, b in every), max(b for _, b in every),
-            sum(1 for _, b in every if b > 0))
+    dist.all_gather_object(every, (mine.tensors, mine.bytes), group=group)
+    return dataclasses.replace(mine, tensors=sum(t for t, _ in every), bytes=sum(b for _, b in every),
+                               senders=sum(1 for _, b in every if b > 0), sender_bytes=max(b for _, b in every))
