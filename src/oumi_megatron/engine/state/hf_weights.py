@@ -86,6 +86,21 @@ class HFWeightExporter:
             yield from self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
                                                      conversion_tasks=tasks, merge_adapter_weights=False)
 
+    def tp_shards_unsupported(self) -> str | None:
+        """Why ``tp_shards`` cannot serve this model (None: it can); the same answer on every rank (collective)."""
+        from oumi_megatron.engine.state.tp_shards import unsupported
+
+        reasons: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, unsupported(self.bridge, self._stage_tasks()))
+        return next((r for r in reasons if r is not None), None)
+
+    def tp_shards(self, vocab: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, this rank's TP shard)`` for the whole model, no gather over TP (engine/state/tp_shards.py);
+        ``vocab``: the rows of the real vocabulary this rank's engine holds. Collective over the TP and PP groups."""
+        from oumi_megatron.engine.state.tp_shards import tp_shards
+
+        yield from tp_shards(self._stage_tasks(), vocab)
+
     def save(self, folder: str | Path) -> Path:
         """Collective: the weights as an HF folder (config, safetensors, tokenizer), written atomically, each
         pipeline stage's ranks writing that stage's shards."""
