@@ -99,6 +99,10 @@ def main() -> None:
     # what the model weighs, and its largest tensor: the bounds of a sender's share
     every = [(n, t.numel() * t.element_size()) for n, t in weights()]
     result["model_bytes"], result["largest_tensor_bytes"] = sum(b for _, b in every), max(b for _, b in every)
+    result["lm_head_bytes"] = sum(b for n, b in every if n == "lm_head.weight")
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, stats.bytes)
+    result["bytes_per_rank"] = per_rank
     mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256), 1)
     result["vllm_greedy"] = [group[0].completion_ids for group in greedy]

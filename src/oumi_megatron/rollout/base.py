@@ -70,6 +70,14 @@ class PolicyWeights(Protocol):
         """``(hf_name, full tensor)`` of this rank's pipeline stage, on each of the stage's ranks."""
         ...
 
+    def tp_shards(self, vocab: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, this rank's TP shard)`` for the whole model, ``vocab``: the vocabulary rows its engine holds."""
+        ...
+
+    def tp_shards_unsupported(self) -> str | None:
+        """Why ``tp_shards`` cannot serve this model (None: it can); collective."""
+        ...
+
     def save(self, folder: str | Path) -> Path:
         """The weights as an HF folder, written atomically."""
         ...

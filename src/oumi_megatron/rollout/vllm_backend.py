@@ -16,7 +16,9 @@ train on the same completions, so they must see the same rollouts.
   tensor-parallel group, with vLLM's TP = Megatron's TP over the same ranks (vLLM's
   ``external_launcher`` executor joins the trainer's torch.distributed world; one process: ``uni``).
   A replica with several engines (PP or CP > 1) splits its prompts among them and all-gathers the
-  results. Weights are loaded in memory, bucket by bucket, on every rank (vLLM shards them itself).
+  results. Each rank loads its own TP shard of the whole model into its engine, tensor by tensor (engine/state/
+  tp_shards.py: no gather over TP; for PP > 1 the other stages' shards by broadcast), or, for models that path cannot
+  cut, the full tensors, of which vLLM keeps its shard.
 - ``weight_sync_method: checkpoint`` (either placement): the trainer writes an HF safetensors folder
   (atomically) and the engines reload it.
 
@@ -27,6 +29,7 @@ raises; the trainer never generates with weights it did not push.
 from __future__ import annotations
 
 import collections
+import logging
 import multiprocessing
 import os
 import socket
@@ -47,6 +50,8 @@ from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, Weig
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
+
+logger = logging.getLogger("oumi")
 
 
 def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
@@ -271,6 +276,7 @@ class ColocatedVllmBackend(_VllmBackend):
         self.awake = True  # an engine starts with its weights and KV cache in place
         self.weights_current = True  # ... and with the policy's starting weights
         self.drop_weights_on_sleep = bool(params.enable_weight_sync)
+        self.shard_decision: tuple[bool, tuple[int, int]] | None = None  # see _shard_vocab
         self.host = VllmEngineHost(spec)  # every rank holds (a TP shard of) an engine
 
     # -- rollouts -----------------------------------------------------------------------------------
@@ -330,13 +336,33 @@ class ColocatedVllmBackend(_VllmBackend):
 
     # -- weights --------------------------------------------------------------------------------------
     def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
-        """Every rank loads the export into its engine, tensor by tensor as the exporter yields them (same process,
-        same GPU: no packing into buckets)."""
-        pairs = weight_stream.TimedPairs(weights())
+        """Every rank loads its own TP shard of the whole model into its engine (``weights.tp_shards``: no gather over
+        TP, the other stages' shards over PP), tensor by tensor as they come (same process, same GPU: no buckets).
+        Where the model or the engine cannot take shards (``_shard_vocab``), every rank loads the full tensors."""
         self.wake()  # the trainer woke it before the sync; waking is idempotent
-        self.host.load_in_process(pairs)
+        vocab = self._shard_vocab(weights)
+        pairs = weight_stream.TimedPairs(weights() if vocab is None else weights.tp_shards(vocab))
+        self.host.load_in_process(pairs, shards=vocab is not None)
         self.weights_current = True
-        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
+        return WeightSyncStats("in_memory" if vocab is None else "in_memory_shards", pairs.tensors, pairs.bytes, 0.0,
+                               export_seconds=pairs.seconds)
+
+    def _shard_vocab(self, weights: PolicyWeights) -> tuple[int, int] | None:
+        """Decided at the first sync, the same on every rank: this rank's engine's vocabulary rows when every engine
+        loads TP shards, else None (full tensors), with the reason logged once."""
+        if self.shard_decision is None:
+            why, vocab, engine_rank = self.host.rank_shards()
+            from megatron.core import parallel_state as ps
+
+            if why is None and engine_rank != ps.get_tensor_model_parallel_rank():
+                why = f"the engine's TP rank {engine_rank} is not Megatron's {ps.get_tensor_model_parallel_rank()}"
+            whys: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(whys, why)
+            why = next((w for w in whys if w is not None), None) or weights.tp_shards_unsupported()
+            if why is not None and dist.get_rank() == 0:
+                logger.warning("colocated weight sync: every rank loads the whole model (no TP shards: %s)", why)
+            self.shard_decision = (why is None, vocab)
+        return self.shard_decision[1] if self.shard_decision[0] else None
 
     def _reload(self, folder: Path) -> None:
         self.wake()

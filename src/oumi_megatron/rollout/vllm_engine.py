@@ -21,10 +21,12 @@ prompts cached under the old weights would be reused (measured: 3e-2 logprob err
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,10 +257,28 @@ class VllmEngineHost:
 
         self.llm.collective_rpc(probe, args=(nbytes, repeats))
 
-    def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def rank_shards(self) -> tuple[str | None, tuple[int, int], int]:
+        """Colocated: whether this rank's engine can load its own TP shards (``load_in_process(..., shards=True)``),
+        as ``(why not or None, the rows of the real vocabulary it holds, its TP rank)``."""
+        def ask(worker: Any) -> tuple[str | None, tuple[int, int], int]:
+            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+            model = worker.model_runner.model
+            vocab = next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
+            why = "no vocabulary-parallel embedding" if vocab is None else None
+            if worker.model_runner.model_config.quantization is not None:
+                why = "a quantized engine"
+            rows = (0, 0) if vocab is None else (vocab.shard_indices.org_vocab_start_index,
+                                                 vocab.shard_indices.org_vocab_end_index)
+            return why, rows, get_tensor_model_parallel_rank()
+
+        return self.llm.collective_rpc(ask)[0]
+
+    def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]], shards: bool = False) -> None:
         """Colocated: the trainer's tensors, in this process. The executor runs in this process (uni /
         external_launcher), so ``pairs`` is consumed lazily: at most one exported tensor exists beside the
-        engine's weights. With vLLM TP > 1 every TP rank passes the full tensors and vLLM keeps its shard.
+        engine's weights. ``shards``: each TP rank passes its own shards (engine/state/tp_shards.py), and vLLM's
+        loaders take them as they are (``_loaders_take_own_shards``); else full tensors, of which vLLM keeps its shard.
 
         On GPU an unquantized model computes with its weights as loaded, so the tensors go straight into the
         parameters (one copy each, as verl's and TRL's colocated syncs do). vLLM's layerwise-reload session
@@ -271,11 +291,12 @@ class VllmEngineHost:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
             model = worker.model_runner.model
-            if layerwise:
-                initialize_layerwise_reload(model)
-            model.load_weights(pairs)
-            if layerwise:
-                finalize_layerwise_reload(model, worker.model_runner.model_config)
+            with _loaders_take_own_shards(model) if shards else contextlib.nullcontext():
+                if layerwise:
+                    initialize_layerwise_reload(model)
+                model.load_weights(pairs)
+                if layerwise:
+                    finalize_layerwise_reload(model, worker.model_runner.model_config)
 
         self.llm.collective_rpc(load, args=(pairs,))
         self.llm.reset_prefix_cache()
@@ -303,6 +324,40 @@ class VllmEngineHost:
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@contextlib.contextmanager
+def _loaders_take_own_shards(model: Any) -> Iterator[None]:
+    """vLLM's loaders take a full tensor and cut their rank's block from it: ``tp_rank`` x the block's size (linear
+    layers), the rows ``shard_indices`` names (vocabulary-parallel ones). Given the block itself, for the load only,
+    each linear layer's rank is 0 (its cut is the whole block) and each vocabulary layer's range is all the rows given.
+    The rank lives on the layer (its own loaders) and on each of its parameters (vLLM's parameter classes, which CPU
+    engines use), including the copies that vLLM's layerwise reload re-creates them from (its restore metadata). A
+    linear layer's ``tp_rank`` also decides which rank adds a row-parallel bias: all is restored before any forward."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    saved: list[tuple[Any, str, Any]] = []
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            info = LAYERWISE_INFO.get(m)
+            metas = list(info.restore_metadata[0].values()) if info is not None else []
+            for holder in [m, *m.parameters(recurse=False), *metas]:
+                if hasattr(holder, "tp_rank"):
+                    saved.append((holder, "tp_rank", holder.tp_rank))
+                    holder.tp_rank = 0
+        elif isinstance(m, VocabParallelEmbedding):
+            indices = m.shard_indices
+            rows = indices.org_vocab_end_index - indices.org_vocab_start_index
+            saved += [(m, "org_vocab_size", m.org_vocab_size), (m, "shard_indices", indices)]
+            m.org_vocab_size = rows
+            m.shard_indices = dataclasses.replace(indices, org_vocab_start_index=0, org_vocab_end_index=rows)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
 
 
 def forget_launcher_env() -> None:
