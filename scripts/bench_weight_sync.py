@@ -24,6 +24,16 @@ all-gathers of a real layout are not in it), and an asynchronous push's snapshot
 memory), each with its peak GPU memory above the trainer's state. The difference between 2 and 1 layers is the per-layer cost; 1 layer minus
 that is the embeddings' and head's. ``slice_report`` extrapolates them to the whole models and to one sender's
 share at the configs' layouts (70B: TP8 x PP2, 16 senders; 405B: TP8 x PP16, 128).
+
+    python scripts/bench_weight_sync.py --colocated-slice --out colocated.json   # one GPU + vLLM; gpu_check mode sync_colocated
+
+``--colocated-slice``: the colocated sync itself at the 70B width: Llama-3.1-70B cut to 1 and 2 layers, a random HF
+folder of that shape (examples/scale_task.py) started as a colocated vLLM engine in the trainer's process
+(rollout/vllm_backend.py ``ColocatedVllmBackend``, what ``oumi train`` builds), and its ``sync_weights`` of the
+trainer's engine timed (first and best of 3), with the bytes loaded, the peak GPU memory above the trainer's state
+and the engine's, and a check that the engine then holds the trainer's weights. At TP 1 a rank's shard is the whole
+slice; at the 70B config's TP 8 each rank loads 1/8 of it (engine/state/tp_shards.py), which ``colocated_report``
+extrapolates to, with the engine kept awake (``vllm_sleep: false``: the sleep/wake costs are not in it).
 """
 
 from __future__ import annotations
@@ -62,9 +72,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="")
     p.add_argument("--slice", action="store_true", help="one GPU: the 70B- and 405B-wide slices (module docstring)")
+    p.add_argument("--colocated-slice", action="store_true", help="one GPU + vLLM: the colocated sync at the 70B width")
+    p.add_argument("--layers", type=int, default=0, help="--colocated-slice: this slice alone, in this process")
     args = p.parse_args()
     if args.slice:
         slice_main(args.out)
+        return
+    if args.colocated_slice:
+        colocated_slice_main(args.out, args.layers)
         return
     raw_bytes, raw_reps = 2**30, 5
 
@@ -208,6 +223,104 @@ def slice_main(out: str) -> None:
     print(json.dumps(result, indent=1))
     if out:
         Path(out).write_text(json.dumps(result))
+
+
+def colocated_slice_main(out: str, layers: int = 0, shape: str = "llama-3.1-70b") -> None:
+    """``layers`` 0: each slice (1 and 2 layers) in a process of its own (vLLM's parallel state outlives an engine in
+    its process, so a second engine there fails), then the table's file; else that slice, here."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if not layers:
+        runs = []
+        for n in (1, 2):
+            part = Path(tempfile.mkdtemp()) / "run.json"
+            subprocess.run([sys.executable, __file__, "--colocated-slice", "--layers", str(n), "--out", str(part)],
+                           check=True)
+            runs.append(json.loads(part.read_text()))
+        result = {"card": bench_common.card_name(), "runs": runs}
+        print(json.dumps(result, indent=1))
+        if out:
+            Path(out).write_text(json.dumps(result))
+        return
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.distributed import destroy, free_port
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.examples.scale_task import build_scale_model
+    from oumi_megatron.rollout.vllm_backend import ColocatedVllmBackend
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    os.environ["MASTER_PORT"] = str(free_port())
+    work = Path(tempfile.mkdtemp(prefix=f"colocated_{layers}_"))
+    hf = build_scale_model(work / "hf", shape=shape, num_hidden_layers=layers)
+    torch.cuda.empty_cache()
+    import transformers
+
+    # eager decoding: no graph capture at start-up (the sync does not depend on it)
+    params = MegatronParams(inference_backend="vllm", vllm_sleep=False, vllm_kv_cache_gib=1.0,
+                            vllm_gpu_memory_utilization=0.3, rollout_cuda_graphs="false")
+    params.transformer_config.recompute_granularity = None
+    grpo = MegatronGrpoParams(max_prompt_length=64, max_completion_length=64)
+    bridge, engine = build_engine_from_hf_config(transformers.AutoConfig.from_pretrained(hf), engine_layout(params),
+                                                 params, OptimSettings(), dtype=torch.bfloat16)
+    exporter = HFWeightExporter(bridge, engine.model)
+    backend = ColocatedVllmBackend(str(hf), torch.bfloat16, params, grpo, seed=0, work_dir=work)
+    row: dict = {"shape": shape, "layers": layers}
+    times, peaks = [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        stats = backend.sync_weights(exporter)
+        torch.cuda.synchronize()
+        times.append(stats.seconds)
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+    row.update(method=stats.method, bytes=stats.bytes, tensors=stats.tensors, sync_first_s=times[0],
+               sync_s=min(times[1:]), export_s=stats.export_seconds, peak_above_gib=max(peaks))
+    # the engine now holds the trainer's weights: compare the embedding and the last layer's down projection
+    ours = dict(exporter())
+
+    def diff(worker: object, last: int, embed: torch.Tensor, down: torch.Tensor) -> float:
+        model = worker.model_runner.model  # type: ignore[attr-defined]
+        return max(float((model.model.embed_tokens.weight.float() - embed.float()).abs().max()),
+                   float((model.model.layers[last].mlp.down_proj.weight.float() - down.float()).abs().max()))
+
+    row["max_diff"] = backend.host.llm.collective_rpc(diff, args=(
+        layers - 1, ours["model.embed_tokens.weight"], ours[f"model.layers.{layers - 1}.mlp.down_proj.weight"]))[0]
+    print(json.dumps(row), flush=True)
+    Path(out).write_text(json.dumps(row))
+    destroy()
+
+
+def colocated_report(results_dir: Path) -> str:
+    """The table of ``results_dir``/sync_colocated.json: per layer, fixed, and one rank's share of a whole 70B sync at
+    the config's TP 8 (bytes / 8, time in proportion)."""
+    path = results_dir / "sync_colocated.json"
+    if not path.is_file():
+        return ""
+    r = json.loads(path.read_text())
+    one, two = (next(x for x in r["runs"] if x["layers"] == n) for n in (1, 2))
+    layers, tp = SLICE_SHAPES[one["shape"]][1], 8
+    per = {k: two[k] - one[k] for k in ("bytes", "sync_s")}
+    fixed = {k: one[k] - per[k] for k in per}
+    whole = {k: fixed[k] + layers * per[k] for k in per}
+    return "\n".join([
+        "| colocated sync, vLLM in the trainer's process (card) | method | per layer: GB / s | embeddings + head: GB / s "
+        "| first sync s (2 layers) | peak GPU above, GiB | max diff | whole model at TP 1: GB / s | one rank at TP 8: GB / s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {one['shape']}, 1 and 2 layers ({r['card']}) | {two['method']} | {per['bytes']/1e9:.2f} / {per['sync_s']:.3f} "
+        f"| {fixed['bytes']/1e9:.2f} / {fixed['sync_s']:.3f} | {two['sync_first_s']:.2f} | {two['peak_above_gib']:.2f} "
+        f"| {max(one['max_diff'], two['max_diff']):.1e} | {whole['bytes']/1e9:.0f} / {whole['sync_s']:.2f} "
+        f"| {whole['bytes']/tp/1e9:.1f} / {whole['sync_s']/tp:.2f} |",
+    ])
 
 
 def slice_report(results_dir: Path) -> str:

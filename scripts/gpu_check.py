@@ -298,6 +298,11 @@ def mode_sync_slice(c: Check) -> None:
          tail=8)
 
 
+def mode_sync_colocated(c: Check) -> None:
+    c.sh([*PY, "scripts/bench_weight_sync.py", "--colocated-slice", "--out", c.out("sync_colocated.json")],
+         log=c.out("sync_colocated.log"), tail=8)
+
+
 @dataclass(frozen=True)
 class Mode:
     name: str
@@ -337,6 +342,8 @@ MODES = [
     Mode("sync", 2, mode_sync, "the weight-sync benchmark, trainer GPU 0 -> receiver GPU 1", default=True),
     Mode("sync_slice", 1, mode_sync_slice, "one sender's export and push snapshot at the 70B and 405B widths, 1 and 2 "
          "layers, extrapolated to the whole models (scripts/bench_weight_sync.py --slice; issue 45)"),
+    Mode("sync_colocated", 1, mode_sync_colocated, "the colocated vLLM sync at the 70B width, 1 and 2 layers, extrapolated "
+         "to one rank of a 70B TP 8 sync (scripts/bench_weight_sync.py --colocated-slice; needs vLLM carried; issue 45)"),
 ]
 
 
@@ -498,7 +505,7 @@ def reports() -> list[Callable[[Path], str]]:
     import bench_weight_sync
 
     return [bench_train_step.report, bench_logprobs.report, grpo_loop_report, vllm_report, real_model_report, bench_weight_sync.report,
-            bench_weight_sync.slice_report]
+            bench_weight_sync.slice_report, bench_weight_sync.colocated_report]
 
 
 def print_reports(results: Path) -> None:

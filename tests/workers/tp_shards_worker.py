@@ -1,6 +1,9 @@
 """Each rank's TP shards (engine/state/tp_shards.py) against the gathered whole-model export.
 
-    torchrun --nproc-per-node 4 tests/workers/tp_shards_worker.py CKPT OUT.json --tp 2 --pp 2
+    torchrun --nproc-per-node 4 tests/workers/tp_shards_worker.py OUT.json --arch llama --gqa --tp 2 --pp 2
+
+The model is a randomly initialized tiny one of ``--arch`` (examples/tiny_models.py; ``--gqa``: 4 query heads sharing
+2 key/value heads): both sides are exports of the same parameters, so no checkpoint is needed.
 
 Every rank takes ``HFWeightExporter.tp_shards`` with vLLM's vocabulary rows for its TP rank (padded to 64, TP equal
 ranges), all-gathers the shards over its TP group and rebuilds each HF tensor (concatenated along the one dimension where
@@ -17,8 +20,9 @@ import torch
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("ckpt")
     p.add_argument("out")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--gqa", action="store_true")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     args = p.parse_args()
@@ -27,16 +31,20 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from oumi_megatron.config.megatron_params import MegatronParams
-    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.examples.tiny_models import tiny_config
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     params.transformer_config.recompute_granularity = None
-    bridge, engine = build_engine(args.ckpt, engine_layout(params), params, OptimSettings(lr=1e-3, total_steps=1),
-                                  dtype=torch.float32)
-    weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")
+    config = tiny_config(args.arch, gqa=args.gqa)
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[args.arch]]  # what AutoBridge reads
+    torch.manual_seed(0)  # every rank initializes its shards of the same model
+    bridge, engine = build_engine_from_hf_config(config, engine_layout(params), params,
+                                                 OptimSettings(lr=1e-3, total_steps=1), dtype=torch.float32)
+    weights = HFWeightExporter(bridge, engine.model)
     whole = {n: t.clone() for n, t in weights()}
     vocab = next(t.shape[0] for n, t in whole.items() if n.endswith("embed_tokens.weight"))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()

@@ -33,14 +33,25 @@ def _mapping_types() -> tuple[type, type, tuple[type, ...]]:
     return pm.QKVMapping, pm.GatedMLPMapping, whole
 
 
+def _engine_ignores_post_processing(model_bridge: Any) -> bool:
+    """Whether the bridge leaves its exported tensors as converted, for what a vLLM engine loads. LlamaBridge's
+    ``maybe_modify_converted_hf_weight`` only re-adds the ``rotary_emb.inv_freq`` buffers that old HF checkpoints
+    persisted, which vLLM's loader skips (``AutoWeightsLoader.ROTARY_EMBEDS_UNUSED_WEIGHTS``): Llama models' shards
+    are the same without it."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+
+    override = type(model_bridge).maybe_modify_converted_hf_weight
+    return override in (MegatronModelBridge.maybe_modify_converted_hf_weight, LlamaBridge.maybe_modify_converted_hf_weight)
+
+
 def unsupported(bridge: Any, tasks: list[Any]) -> str | None:
     """Why this stage's ``tasks`` cannot be cut locally (None: they can). Exact mapping types: a subclass may change the
     values it exports (e.g. zero-centred norms)."""
-    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
     from torch.distributed.tensor import DTensor
 
     model_bridge = bridge._model_bridge
-    if type(model_bridge).maybe_modify_converted_hf_weight is not MegatronModelBridge.maybe_modify_converted_hf_weight:
+    if not _engine_ignores_post_processing(model_bridge):
         return f"{type(model_bridge).__name__} post-processes its exported tensors"
     qkv, gated, whole = _mapping_types()
     for task in tasks:
