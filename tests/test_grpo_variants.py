@@ -179,6 +179,24 @@ def test_groups_with_signal_and_the_dynamic_sampling_choice() -> None:
     assert choose_groups(rounds[:1], 3) == ([(0, 0)], [(0, 1), (0, 2)])  # rounds ran out: dropped groups fill
 
 
+def test_collation_payload_per_rank_is_its_share_at_dp4(tmp_path: Path) -> None:
+    """Collation by need, counted at DP 4 (tests/workers/dp_exchange_worker.py, 4 gloo ranks; DP 2 is the dynamic
+    sampling run below): 48 rollouts generated round-robin over the DP ranks and dealt contiguously to the ranks that
+    train on them. Through ``exchange_objects_dp`` each rank receives its own share and nothing else: within 1% of the
+    share's pickled size, a quarter of the batch (seen: 1.0008 x the share, 141 kB of 566 kB; 283 kB each at DP 2),
+    where an all-gather of every rank's rollouts delivers the whole batch to every rank whatever DP is."""
+    out = tmp_path / "dp4.json"
+    proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", "--master-port", str(free_port()),
+                    str(REPO / "tests" / "workers" / "dp_exchange_worker.py"), str(out)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    ranks = json.loads(out.read_text())
+    assert [r["dp"] for r in ranks] == [4] * 4
+    for r in ranks:
+        assert r["got_own_share"], r
+        assert r["share_bytes"] <= r["received_bytes"] <= 1.01 * r["share_bytes"], r
+        assert r["all_gather_bytes"] >= 0.99 * 4 * r["share_bytes"], r  # the old collation: the whole batch
+
+
 def run_dynamic_sampling_worker(model_dir: Path, work: Path, backend: str = "megatron") -> None:
     """tests/workers/dynamic_sampling_worker.py on 2 ranks (gloo on CPU, NCCL on GPUs, tests/test_gpu.py), and its checks:
     "letters" prompts get a constant reward, so their groups must be dropped and further rounds refill the batch

@@ -84,6 +84,9 @@ def _vocab_rows(local: torch.Tensor, wanted: list[VocabRows], tp_rank: int, grou
         lo = max(a[0], b[0])
         return lo, max(lo, min(a[1], b[1]))
 
+    if all(overlap((q * n, (q + 1) * n), w) == w for q, w in enumerate(wanted)):
+        # every rank already holds its engine's rows (TP 1, or ranges that agree): a view, nothing sent, no copy
+        return local[wanted[tp_rank][0] - held[0]:wanted[tp_rank][1] - held[0]]
     sends = [overlap(held, w) for w in wanted]
     send = torch.cat([local[lo - held[0]:hi - held[0]] for lo, hi in sends]).contiguous()
     mine = wanted[tp_rank]
