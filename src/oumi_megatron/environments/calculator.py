@@ -1,0 +1,106 @@
+"""The built-in ``calculator`` environment: the model writes ``<tool_call>{"name": "calculator", "arguments":
+{"expression": "12 * (3 + 4)"}}</tool_call>``, reads the result as a ``tool`` message, and goes on; a turn without a
+call ends the episode (its text is the answer the rewards score).
+
+The evaluator parses the expression with ``ast`` and computes it itself: numbers and ``+ - * / ( )`` only (unary signs
+too), never ``eval``. Its cost is bounded by the input: at most ``MAX_CHARS`` characters and ``MAX_NODES`` syntax nodes,
+no powers, and every intermediate value within ``MAX_ABS``, so no expression runs long or builds huge numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from oumi_megatron.environments.base import EpisodeEnd, Observation, register_environment
+from oumi_megatron.environments.tool_calls import ToolCallParseError, parse_tool_call
+
+MAX_CHARS = 200
+MAX_NODES = 64
+MAX_ABS = 1e15
+
+TOOL_PROMPT = ('You can use a calculator. To compute something, write exactly <tool_call>{"name": "calculator", '
+               '"arguments": {"expression": "EXPRESSION"}}</tool_call> with numbers and + - * / ( ) only, and wait for '
+               'the result. When you know the answer, reply without a tool call.')
+"""What the task prompt tells the model (examples/arithmetic_task.py puts it in the system message)."""
+
+
+class CalculatorError(ValueError):
+    """Why an expression was refused; the message is what the model is told."""
+
+
+_BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def evaluate(expression: str) -> int | float:
+    """The value of an arithmetic ``expression``; ``CalculatorError`` for anything else (names, calls, powers,
+    comparisons, too long, too large, division by zero)."""
+    if not isinstance(expression, str) or not expression.strip():
+        raise CalculatorError("the expression is empty")
+    if len(expression) > MAX_CHARS:
+        raise CalculatorError(f"the expression is longer than {MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise CalculatorError(f"the expression does not parse ({e.msg})") from e
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise CalculatorError(f"the expression has more than {MAX_NODES} parts")
+    return _value(tree.body)
+
+
+def _value(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
+        return _bounded(node.value)  # type: ignore[arg-type]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _value(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp):
+        a, b = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Div):
+            if b == 0:
+                raise CalculatorError("division by zero")
+            return _bounded(a // b if isinstance(a, int) and isinstance(b, int) and a % b == 0 else a / b)
+        op = _BINARY.get(type(node.op))
+        if op is not None:
+            return _bounded(op(a, b))
+    raise CalculatorError("only numbers and + - * / ( ) are allowed")
+
+
+def _bounded(v: int | float) -> int | float:
+    if abs(v) > MAX_ABS or v != v:  # v != v: NaN
+        raise CalculatorError(f"a value passes {MAX_ABS:g}")
+    return v
+
+
+def format_value(v: int | float) -> str:
+    """As the model should read it: integers whole, other values to 10 significant digits."""
+    if isinstance(v, int) or float(v).is_integer():
+        return str(int(v))
+    return f"{v:.10g}"
+
+
+@register_environment("calculator")
+class CalculatorEnvironment:
+    """One calculator call per turn; the episode ends at the first turn without a call (or at ``grpo.max_turns``)."""
+
+    def start(self, row: dict[str, Any]) -> dict[str, int]:
+        return {"tool_calls": 0, "tool_errors": 0}
+
+    def step(self, state: dict[str, int], turn_text: str, turn_ids: list[int]) -> Observation | EpisodeEnd:
+        try:
+            call = parse_tool_call(turn_text)
+        except ToolCallParseError as e:
+            state["tool_calls"] += 1
+            state["tool_errors"] += 1
+            return Observation(f"error: {e}", error=True, parse_failure=True)
+        if call is None:
+            return EpisodeEnd(info=dict(state))
+        state["tool_calls"] += 1
+        if call.name != "calculator":
+            state["tool_errors"] += 1
+            return Observation(f"error: there is no tool {call.name!r}; the tool is 'calculator'", error=True)
+        try:
+            return Observation(format_value(evaluate(call.arguments.get("expression", ""))))
+        except CalculatorError as e:
+            state["tool_errors"] += 1
+            return Observation(f"error: {e}", error=True)
