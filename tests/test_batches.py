@@ -89,3 +89,33 @@ def test_segment_aggregation_equals_one_row_per_sequence() -> None:
     s_seg, c_seg = aggregate(va, a["completion_mask"], "seq_mean", 8, a["segment_ids"])
     # 6 sequences, one untrainable (a skipped reward): it is not in the sequence mean's count
     assert torch.allclose(s_rows, s_seg) and int(c_rows) == int(c_seg) == 5
+
+
+def test_observation_tokens_are_out_of_the_loss_in_both_layouts() -> None:
+    """A multi-turn episode's completion is turn 1 + observation + turn 2 (issue 46): ``Rollout.loss_mask`` marks the
+    policy's tokens, both layouts score only those, and through the real GRPO loss (KL and TIS on) the gradient at every
+    observation position is exactly zero while the policy's tokens get one."""
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.grpo.loss import make_grpo_loss_fn
+    from oumi_megatron.rollout.base import Rollout
+    from oumi_megatron.trainer.batches import mini_batches
+
+    episode = Rollout([1, 2], [3, 4, 90, 91, 92, 5, 6], True, [-0.1] * 7, loss_mask=[1, 1, 0, 0, 0, 1, 1])
+    single = Rollout([1, 2], [7, 8, 9], True, [-0.2] * 3)
+    batch = mini_batches([episode, single], torch.tensor([1.0, -1.0]), torch.tensor([True, True]), 0, 2, 1)[0]
+    assert batch.loss_masks == [[1, 1, 0, 0, 0, 1, 1], None]
+    padded, packed = padded_layout(batch, 2, pad_id=0), packed_layout(batch, 2, pad_id=0)
+    masks = [lay.per_sequence([mb["completion_mask"] for mb in lay.microbatches]) for lay in (padded, packed)]
+    assert masks[0][0].tolist() == masks[1][0].tolist() == [0, 1, 1, 0, 0, 0, 1, 1, 0]  # position t scores token t + 1
+    assert masks[0][1].tolist() == masks[1][1].tolist() == [0, 1, 1, 1, 0]
+    grpo = MegatronGrpoParams(beta=0.1, tis_cap=2.0, max_completion_length=8)
+    mb = padded.microbatches[0]
+    logprobs = torch.full(mb["input_ids"].shape, -1.0, requires_grad=True)
+    extra = {"old_logprobs": torch.full_like(logprobs, -1.1), "ref_logprobs": torch.full_like(logprobs, -0.9)}
+    loss, _, _ = make_grpo_loss_fn(grpo)(logprobs, {**mb, **extra})
+    loss.backward()
+    grad = logprobs.grad[0]
+    assert (grad[3:6] == 0).all() and (grad[[1, 2, 6, 7]] != 0).all(), grad
+    with pytest.raises(ValueError, match="a loss mask of 2 tokens for a completion of 3"):
+        padded_layout(mini_batches([Rollout([1], [2, 3, 4], True, loss_mask=[1, 0])], torch.tensor([1.0]),
+                                   torch.tensor([True]), 0, 1, 1)[0], 1, pad_id=0)

@@ -26,6 +26,10 @@ class Rollout:
     logprobs: list[float] | None = None
     """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
     before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
+    loss_mask: list[int] | None = None
+    """Per completion token, 1 where the policy sampled it and 0 where an environment's observation put it (multi-turn
+    episodes: environments/). Only 1s are trained on and counted in the loss, KL, entropy, TIS and mismatch metrics.
+    None: every completion token is the policy's."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Rollouts -> the engine's microbatches, right-padded or packed.
 
 Both layouts give every token the same tensors, aligned with the engine's logprob positions (position
-t scores token t + 1): ``input_ids``, ``completion_mask`` (1 where a completion token is scored),
+t scores token t + 1): ``input_ids``, ``completion_mask`` (1 where a completion token the policy sampled is scored;
+0 on prompts, padding and an environment's observation tokens),
 ``advantages`` (the sequence's advantage on each of its tokens) and ``segment_ids`` (which sequence a
 token belongs to, numbered across the microbatch, -1 on padding), so the GRPO loss and its
 aggregations are the same code for both.
@@ -39,6 +40,8 @@ class SequenceBatch:
     """[N] bool; False: the sequence is kept but no token is trained on (a skipped reward)."""
     rollout_logprobs: list[list[float]] | None = None
     """The rollout engine's logprobs of each sequence's completion tokens (for mismatch metrics / TIS)."""
+    loss_masks: list[list[int] | None] | None = None
+    """Per sequence, ``Rollout.loss_mask``: which completion tokens are the policy's (None: all of them)."""
 
 
 def mini_batches(rollouts: list[Rollout], advantages: torch.Tensor, trainable: torch.Tensor, first: int,
@@ -57,6 +60,7 @@ def mini_batches(rollouts: list[Rollout], advantages: torch.Tensor, trainable: t
             advantages=advantages[whole],
             trainable=trainable[whole],
             rollout_logprobs=logprobs if len(logprobs) == len(part) else None,
+            loss_masks=[rollouts[i].loss_mask for i in part] if any(rollouts[i].loss_mask for i in part) else None,
         ))
     return out
 
@@ -84,12 +88,15 @@ class MicrobatchLayout:
 
 
 def _fill_row(row: dict[str, torch.Tensor], start: int, ids: list[int], prompt_len: int, advantage: float,
-              trainable: bool, segment: int, rollout_logprobs: list[float] | None) -> None:
+              trainable: bool, segment: int, rollout_logprobs: list[float] | None, loss_mask: list[int] | None) -> None:
     n = len(ids)
     row["input_ids"][start : start + n] = torch.tensor(ids, dtype=torch.long)
     # logprob position t scores token t + 1: completion tokens sit at prompt_len .. n - 1
     if trainable:
-        row["completion_mask"][start + prompt_len - 1 : start + n - 1] = 1.0
+        if loss_mask is not None and len(loss_mask) != n - prompt_len:
+            raise ValueError(f"a loss mask of {len(loss_mask)} tokens for a completion of {n - prompt_len}")
+        row["completion_mask"][start + prompt_len - 1 : start + n - 1] = (
+            1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32))
     if rollout_logprobs is not None:
         row["rollout_logprobs"][start + prompt_len - 1 : start + n - 1] = torch.tensor(rollout_logprobs)
     row["advantages"][start : start + n] = advantage
@@ -114,6 +121,10 @@ def _rollout_logprobs(batch: SequenceBatch, i: int) -> list[float] | None:
     return None if batch.rollout_logprobs is None else batch.rollout_logprobs[i]
 
 
+def _loss_mask(batch: SequenceBatch, i: int) -> list[int] | None:
+    return None if batch.loss_masks is None else batch.loss_masks[i]
+
+
 def _trainable(batch: SequenceBatch) -> list[bool]:
     return [True] * len(batch.token_ids) if batch.trainable is None else batch.trainable.tolist()
 
@@ -132,7 +143,7 @@ def padded_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int) -> M
             i = first + r
             row = {k: v[r] for k, v in mb.items()}
             _fill_row(row, 0, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i], r,
-                      _rollout_logprobs(batch, i))
+                      _rollout_logprobs(batch, i), _loss_mask(batch, i))
             layout.placements.append((len(layout.microbatches), r, 0, len(batch.token_ids[i])))
         layout.microbatches.append(mb)
     return layout
@@ -189,7 +200,7 @@ def packed_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int, min_
             start = 0
             for i in bins[b]:
                 _fill_row(row, start, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i],
-                          segment, _rollout_logprobs(batch, i))
+                          segment, _rollout_logprobs(batch, i), _loss_mask(batch, i))
                 layout.placements[i] = (m, r, start, lengths[i])
                 start += lengths[i]
                 segment += 1
