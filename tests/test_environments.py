@@ -101,3 +101,85 @@ def test_environments_are_chosen_by_name_and_plugins_register_their_own() -> Non
         assert env.step(None, "hi", []) == Observation("HI", role="user", tool_call=False)
     finally:
         ENVIRONMENTS.remove("echo_for_test")
+
+
+class _ScriptedPolicy:
+    """A RolloutBackend (rollout/base.py) whose turns are scripted by the history's length: the driver's bookkeeping
+    alone (budgets, turns, masks, failures). The real backends run it in tests/test_grpo_trainer.py (next part)."""
+
+    EOS = 258
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns, self.calls = turns, []
+
+    def generate(self, prompts, params, n, seed=None):  # noqa: ANN001, ANN201
+        from oumi_megatron.rollout.base import Rollout
+
+        self.calls.append(([len(p) for p in prompts], params.max_new_tokens, n))
+        out = []
+        for p in prompts:
+            group = []
+            for _ in range(n):
+                ids = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)][:params.max_new_tokens]
+                finished = self.EOS in ids
+                ids = ids[:ids.index(self.EOS) + 1] if finished else ids
+                group.append(Rollout(p, ids, finished, [-0.5] * len(ids)))
+            out.append(group)
+        return out
+
+
+def _call(expression: str) -> list[int]:
+    tok = build_byte_tokenizer()
+    text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+    return tok(text, add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
+
+
+def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = build_byte_tokenizer()
+    answer = tok("The answer is 84.", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
+    policy = _ScriptedPolicy([_call("12*7"), answer])
+    groups, stats = run_episodes(policy, tok, build_environment("calculator"), [[1, 2, 3]], [{}],
+                                 SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=4)
+    (episode,) = groups[0]
+    obs, _ = observation_ids(tok, Observation("84"))
+    assert episode.completion_ids == _call("12*7") + obs + answer  # exactly the sampled ids, the observation between
+    assert episode.loss_mask == [1] * len(_call("12*7")) + [0] * len(obs) + [1] * len(answer)
+    assert episode.logprobs == [-0.5] * len(_call("12*7")) + [0.0] * len(obs) + [-0.5] * len(answer)
+    assert episode.finished and stats.turns == [2] and stats.tool_calls == 1 and stats.tool_errors == 0
+    assert stats.observation_tokens == len(obs) and [list(s) for s in stats.sample] == [["turn"], ["observation"], ["turn"]]
+    # the second turn's prompt is the whole history, and its budget what is left
+    assert policy.calls[1] == ([3 + len(_call("12*7")) + len(obs)], 400 - len(_call("12*7")) - len(obs), 1)
+
+
+def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> None:
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = build_byte_tokenizer()
+    calls = _call("1+1")
+    always = _ScriptedPolicy([calls])  # calls the tool every turn
+    groups, stats = run_episodes(always, tok, build_environment("calculator"), [[1], [2]], [{}, {}],
+                                 SamplingParams(max_new_tokens=10_000), n=2, max_turns=3)
+    assert stats.turns == [3] * 4 and all(not r.finished for g in groups for r in g)  # a call left unanswered
+    assert stats.tool_calls == 4 * 3 and len(always.calls) == 3
+    assert [[r.prompt_ids for r in g] for g in groups] == [[[1], [1]], [[2], [2]]]  # n per prompt, in the prompts' order
+    budget = 2 * len(calls) + 20
+    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, build_environment("calculator"), [[1]], [{}],
+                                 SamplingParams(max_new_tokens=budget), n=1, max_turns=10)
+    (cut,) = groups[0]
+    assert len(cut.completion_ids) <= budget and not cut.finished and len(cut.loss_mask) == len(cut.completion_ids)
+
+    class Broken:
+        def start(self, row: dict) -> None:
+            return None
+
+        def step(self, state: None, turn_text: str, turn_ids: list[int]) -> Observation:
+            raise RuntimeError("sandbox died")
+
+    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, Broken(), [[1]], [{}], SamplingParams(max_new_tokens=500),
+                                 n=2, max_turns=3)
+    assert stats.failed == ["episode 0: RuntimeError: sandbox died", "episode 1: RuntimeError: sandbox died"]
+    assert all(not r.finished for r in groups[0]) and stats.turns == [1, 1]
