@@ -7,8 +7,9 @@ import copy
 
 import pytest
 
-from oumi_megatron.environments.base import ENVIRONMENTS, EpisodeEnd, Observation, build_environment, register_environment
+from oumi_megatron.environments.base import EpisodeEnd, Observation
 from oumi_megatron.environments.calculator import MAX_CHARS, CalculatorError, evaluate, format_value
+from oumi_megatron.environments.registry import ENVIRONMENTS, build_environment, register_environment
 from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders, observation_ids
 from oumi_megatron.environments.tool_calls import ToolCallParseError, parse_tool_call
 from oumi_megatron.examples.tiny_models import build_byte_tokenizer

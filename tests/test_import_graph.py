@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),  # process groups, the Megatron-Core model, schedules, checkpoints (engine/parallel/layout.py included)
     ("grpo",),  # the GRPO algorithm: losses, advantages
     ("rollout",),  # rollout backends
+    ("environments",),  # multi-turn episodes over the rollout backends
     ("trainer",),  # the training loop
     ("validation",),  # checks a whole config: field rules, the layout it resolves, the model's split
     ("plan", "examples"),  # the memory planner (it validates); example content, imported by the CLI alone (test below)

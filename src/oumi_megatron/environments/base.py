@@ -1,4 +1,4 @@
-"""What an environment is, and the registry ``grpo.environment`` names one from.
+"""What an environment is (the registry ``grpo.environment`` names one from: environments/registry.py).
 
 An episode starts from a dataset row (``Environment.start``: the per-episode state). After each assistant turn the
 environment gets the turn's text and token ids (``step``) and answers with an ``Observation`` (text the trainer renders
@@ -6,17 +6,13 @@ as a ``tool`` message through the tokenizer's chat template and appends as conte
 an ``EpisodeEnd``. ``info`` travels to the reward functions with the episode (verl's AgentLoop and NeMo-RL's
 environments keep the same split: the environment observes, the rewards score).
 
-Your own: ``@register_environment("my_env")`` on a class with this interface (or a factory returning one) in a module
-named in ``grpo.plugins``; docs/grpo.md has an example. An environment must not run untrusted code unsandboxed.
+An environment must not run untrusted code unsandboxed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-from oumi_megatron.utils.registry import Registry
 
 
 @dataclass
@@ -47,21 +43,3 @@ class Environment(Protocol):
 
     def step(self, state: Any, turn_text: str, turn_ids: list[int]) -> Observation | EpisodeEnd:
         """The answer to one assistant turn (its decoded text and the token ids the policy sampled)."""
-
-
-EnvironmentFactory = Callable[[], Environment]
-"""Builds a fresh environment for a run (a class is one)."""
-
-ENVIRONMENTS: Registry[EnvironmentFactory] = Registry(
-    "environment", "grpo.environment", "your own: @register_environment in a module in grpo.plugins, see docs/grpo.md")
-
-
-def register_environment(name: str) -> Callable[[EnvironmentFactory], EnvironmentFactory]:
-    return ENVIRONMENTS.register(name)
-
-
-def build_environment(name: str) -> Environment:
-    """The environment registered as ``name`` (the built-ins are imported first); the error names the field."""
-    from oumi_megatron.environments import calculator  # noqa: F401 - registers the built-ins
-
-    return ENVIRONMENTS.get(name)()

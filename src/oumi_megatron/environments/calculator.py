@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from oumi_megatron.environments.base import EpisodeEnd, Observation, register_environment
+from oumi_megatron.environments.base import EpisodeEnd, Observation
 from oumi_megatron.environments.tool_calls import ToolCallParseError, parse_tool_call
 
 MAX_CHARS = 200
@@ -79,9 +79,9 @@ def format_value(v: int | float) -> str:
     return f"{v:.10g}"
 
 
-@register_environment("calculator")
 class CalculatorEnvironment:
-    """One calculator call per turn; the episode ends at the first turn without a call (or at ``grpo.max_turns``)."""
+    """``calculator`` (environments/registry.py). One calculator call per turn; the episode ends at the first turn
+    without a call (or at ``grpo.max_turns``)."""
 
     def start(self, row: dict[str, Any]) -> dict[str, int]:
         return {"tool_calls": 0, "tool_errors": 0}
