@@ -23,9 +23,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The longest tests (1-2 minutes each on CI's 2 cores) start first: with two xdist workers the run ends when the
 # later worker does, and one of these started last would leave the other worker idle for its whole length.
 # (Tests that share an expensive module fixture with their neighbours stay where they are.)
-LONGEST_FIRST = ("test_context_and_sequence_parallel_equal_one_rank_on_any_width", "test_grpo_with_vllm_rollouts_learns",
-                 "test_expert_parallel_equals_local_experts_on_any_width", "test_two_rank_data_parallel_packed_moe_run_learns",
-                 "test_single_rank_run_learns", "test_resume_mid_training_continues_exactly")
+LONGEST_FIRST = (  # by their time in the last clean-clone CI run (2026-12-02: 95-270 s each), longest first
+    "test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines",
+    "test_two_nodes_on_one_host_convert_once_resume_and_match_one_node",
+    "test_context_and_sequence_parallel_equal_one_rank_on_any_width", "test_state_paths_hold_a_rank_s_own_share",
+    "test_asynchronous_grpo_one_step_off_policy_learns_and_resumes",
+    "test_an_engine_with_two_tensor_parallel_workers_takes_every_push_from_both_pipeline_stages",
+    "test_two_rank_data_parallel_packed_moe_run_learns", "test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue",
+    "test_grpo_with_vllm_rollouts_learns", "test_single_rank_run_learns",
+    "test_expert_parallel_equals_local_experts_on_any_width", "test_resume_mid_training_continues_exactly")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
