@@ -301,6 +301,13 @@ def colocated_slice_main(out: str, layers: int = 0, shape: str = "llama-3.1-70b"
     destroy()
 
 
+def _by_layer(one: dict, two: dict, keys: tuple[str, ...], layers: int) -> tuple[dict, dict, dict]:
+    """From a 1- and a 2-layer run: (per layer, the fixed rest (embeddings and head), the whole model of ``layers``)."""
+    per = {k: two[k] - one[k] for k in keys}
+    fixed = {k: one[k] - per[k] for k in keys}
+    return per, fixed, {k: fixed[k] + layers * per[k] for k in keys}
+
+
 def colocated_report(results_dir: Path) -> str:
     """The table of ``results_dir``/sync_colocated.json: per layer, fixed, and one rank's share of a whole 70B sync at
     the config's TP 8 (bytes / 8, time in proportion)."""
@@ -310,9 +317,7 @@ def colocated_report(results_dir: Path) -> str:
     r = json.loads(path.read_text())
     one, two = (next(x for x in r["runs"] if x["layers"] == n) for n in (1, 2))
     layers, tp = SLICE_SHAPES[one["shape"]][1], 8
-    per = {k: two[k] - one[k] for k in ("bytes", "sync_s")}
-    fixed = {k: one[k] - per[k] for k in per}
-    whole = {k: fixed[k] + layers * per[k] for k in per}
+    per, fixed, whole = _by_layer(one, two, ("bytes", "sync_s"), layers)
     return "\n".join([
         "| colocated sync, vLLM in the trainer's process (card) | method | per layer: GB / s | embeddings + head: GB / s "
         "| first sync s (2 layers) | peak GPU above, GiB | max diff | whole model at TP 1: GB / s | one rank at TP 8: GB / s |",
@@ -336,9 +341,7 @@ def slice_report(results_dir: Path) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for shape, (_, layers, senders) in SLICE_SHAPES.items():
         one, two = (next(x for x in r["runs"] if x["shape"] == shape and x["layers"] == n) for n in (1, 2))
-        per = {k: two[k] - one[k] for k in ("bytes", "export_s", "snapshot_s")}
-        fixed = {k: one[k] - per[k] for k in per}
-        whole = {k: fixed[k] + layers * per[k] for k in per}
+        per, fixed, whole = _by_layer(one, two, ("bytes", "export_s", "snapshot_s"), layers)
         lines.append(f"| {shape} ({r['card']}) | {per['bytes']/1e9:.2f} / {per['export_s']:.3f} / {per['snapshot_s']:.3f} "
                      f"| {fixed['bytes']/1e9:.2f} / {fixed['export_s']:.3f} / {fixed['snapshot_s']:.3f} "
                      f"| {whole['bytes']/1e9:.0f} / {whole['export_s']:.1f} / {whole['snapshot_s']:.1f} "

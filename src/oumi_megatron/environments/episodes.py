@@ -36,7 +36,8 @@ class EpisodeStats:
     observation_tokens: int = 0
     observations_truncated: int = 0
     failed: list[str] = field(default_factory=list)
-    """Episodes the environment raised in (out of the loss): ``row index: exception``."""
+    """Episodes the environment raised in (out of the loss): ``row i: exception`` (in ``start``) or ``episode k:
+    exception`` (in ``step``)."""
     environment_s: float = 0.0
     sample: list[dict[str, Any]] = field(default_factory=list)
     """The first episode's turns: ``{"turn": text}`` and ``{"observation": text}`` in order."""
@@ -45,25 +46,25 @@ class EpisodeStats:
 @dataclass
 class _Episode:
     prompt: list[int]
-    row: dict[str, Any]
     state: Any
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    last_turn: list[int] = field(default_factory=list)
+    """The policy's ids of its latest turn (what the environment answers)."""
     turns: int = 0
     finished: bool = False
     running: bool = True
     failed: str | None = None
 
-    def take_turn(self, turn: Rollout, budget: int) -> list[int]:
-        """Appends the policy's turn, cut to ``budget`` tokens; returns its ids."""
-        ids = turn.completion_ids[:budget]
+    def take_turn(self, turn: Rollout, budget: int) -> None:
+        """Appends the policy's turn, cut to ``budget`` tokens."""
+        ids = self.last_turn = turn.completion_ids[:budget]
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += list(turn.logprobs[:budget]) if turn.logprobs is not None else [0.0] * len(ids)
         self.turns += 1
         self.finished = turn.finished and len(ids) == len(turn.completion_ids)
-        return ids
 
 
 def run_episodes(backend: RolloutBackend, tokenizer: Any, env: Environment, prompts: list[list[int]],
@@ -79,7 +80,7 @@ def run_episodes(backend: RolloutBackend, tokenizer: Any, env: Environment, prom
     for i, group in enumerate(first):
         for turn in group:
             started = time.perf_counter()
-            e = _Episode(prompts[i], rows[i], None)
+            e = _Episode(prompts[i], None)
             try:
                 e.state = env.start(rows[i])
             except Exception as ex:  # noqa: BLE001 - an environment's failure ends its episode, not the run
@@ -112,7 +113,7 @@ def _answer(e: _Episode, index: int, tokenizer: Any, env: Environment, budget: i
     if not e.finished or len(e.ids) >= budget:  # cut by the budget: nothing more fits
         e.running = False
         return
-    turn_ids = e.ids[len(e.ids) - _last_turn_length(e.mask):]
+    turn_ids = e.last_turn
     text = tokenizer.decode(turn_ids, skip_special_tokens=True)
     started = time.perf_counter()
     try:
@@ -145,12 +146,3 @@ def _answer(e: _Episode, index: int, tokenizer: Any, env: Environment, budget: i
     e.logprobs += [0.0] * len(ids)
     stats.observation_tokens += len(ids)
 
-
-def _last_turn_length(mask: list[int]) -> int:
-    """How many policy tokens the latest turn has (the run of 1s at the end of the mask)."""
-    n = 0
-    for m in reversed(mask):
-        if not m:
-            break
-        n += 1
-    return n
