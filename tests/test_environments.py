@@ -4,6 +4,7 @@ observations rendered through the chat template, and the registry's errors. Pure
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,12 @@ class _ScriptedPolicy:
         return out
 
 
+def _runner(env: object, timeout_s: float = 60.0) -> object:
+    from oumi_megatron.environments.runner import EnvironmentRunner
+
+    return EnvironmentRunner(env, timeout_s)  # type: ignore[arg-type]
+
+
 def _call(expression: str) -> list[int]:
     tok = build_byte_tokenizer()
     text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
@@ -142,7 +149,7 @@ def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
     tok = build_byte_tokenizer()
     answer = tok("The answer is 84.", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
     policy = _ScriptedPolicy([_call("12*7"), answer])
-    groups, stats = run_episodes(policy, tok, build_environment("calculator"), [[1, 2, 3]], [{}],
+    groups, stats = run_episodes(policy, tok, _runner(build_environment("calculator")), [[1, 2, 3]], [{}],
                                  SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=4)
     (episode,) = groups[0]
     obs, _ = observation_ids(tok, Observation("84"))
@@ -162,13 +169,13 @@ def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> 
     tok = build_byte_tokenizer()
     calls = _call("1+1")
     always = _ScriptedPolicy([calls])  # calls the tool every turn
-    groups, stats = run_episodes(always, tok, build_environment("calculator"), [[1], [2]], [{}, {}],
+    groups, stats = run_episodes(always, tok, _runner(build_environment("calculator")), [[1], [2]], [{}, {}],
                                  SamplingParams(max_new_tokens=10_000), n=2, max_turns=3)
     assert stats.turns == [3] * 4 and all(not r.finished for g in groups for r in g)  # a call left unanswered
     assert stats.tool_calls == 4 * 3 and len(always.calls) == 3
     assert [[r.prompt_ids for r in g] for g in groups] == [[[1], [1]], [[2], [2]]]  # n per prompt, in the prompts' order
     budget = 2 * len(calls) + 20
-    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, build_environment("calculator"), [[1]], [{}],
+    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(build_environment("calculator")), [[1]], [{}],
                                  SamplingParams(max_new_tokens=budget), n=1, max_turns=10)
     (cut,) = groups[0]
     assert len(cut.completion_ids) <= budget and not cut.finished and len(cut.loss_mask) == len(cut.completion_ids)
@@ -180,7 +187,106 @@ def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> 
         def step(self, state: None, turn_text: str, turn_ids: list[int]) -> Observation:
             raise RuntimeError("sandbox died")
 
-    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, Broken(), [[1]], [{}], SamplingParams(max_new_tokens=500),
+    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(Broken()), [[1]], [{}], SamplingParams(max_new_tokens=500),
                                  n=2, max_turns=3)
-    assert stats.failed == ["episode 0: RuntimeError: sandbox died", "episode 1: RuntimeError: sandbox died"]
+    assert stats.failed == {0: "step (episode 0): RuntimeError: sandbox died", 1: "step (episode 1): RuntimeError: sandbox died"}
     assert all(not r.finished for r in groups[0]) and stats.turns == [1, 1]
+
+
+def test_an_environment_that_hangs_fails_its_episode_and_the_others_go_on() -> None:
+    """grpo.environment_timeout_s: the hung call's episode is failed, the next call gets a fresh worker thread and the
+    other episodes end normally, with their EpisodeEnd info."""
+    import threading
+
+    from oumi_megatron.environments.base import EpisodeEnd
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    release = threading.Event()
+
+    class HangsOnce:
+        def start(self, row: dict) -> dict:
+            return {"row": row["id"]}
+
+        def step(self, state: dict, turn_text: str, turn_ids: list[int]) -> EpisodeEnd:
+            if state["row"] == 0:
+                release.wait(30)  # hangs (until the test ends)
+            return EpisodeEnd(info={"row": state["row"]})
+
+    tok = build_byte_tokenizer()
+    answer = tok("done", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
+    runner = _runner(HangsOnce(), timeout_s=0.3)
+    groups, stats = run_episodes(_ScriptedPolicy([answer]), tok, runner, [[1], [2]], [{"id": 0}, {"id": 1}],
+                                 SamplingParams(max_new_tokens=100, eos_token_id=258), n=1, max_turns=2)
+    release.set()
+    assert stats.failed == {0: "step (episode 0): no answer within grpo.environment_timeout_s = 0.3 s"}
+    assert stats.infos == [{}, {"row": 1}]
+    assert not groups[0][0].finished and groups[1][0].finished
+    assert 0.3 <= stats.environment_s < 5
+
+
+@pytest.mark.slow
+def test_oumi_train_runs_episodes_on_two_pipeline_stages_and_drops_failed_ones(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``oumi train`` with an environment on PP = 2 (one model replica of two ranks): only the replica's first rank
+    calls the environment (its answers are broadcast), the episodes whose environment raised or timed out are invalid
+    samples (out of the loss and the group statistics) and the run goes on; env/* metrics are in every row."""
+    import json
+
+    from conftest import REPO, free_port, run_cli
+
+    out, calls = tmp_path / "run", tmp_path / "calls.txt"
+    proc = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
+                    "-c", str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml"), "--model.model_name",
+                    str(tiny_model_dir), "--training.output_dir", str(out), "--training.max_steps", "3",
+                    "--megatron.pipeline_model_parallel_size", "2", "--grpo.environment", "flaky_guess_number",
+                    "--grpo.plugins", '["oumi_megatron.examples.demo_task", "flaky_environments"]',
+                    "--grpo.environment_timeout_s", "1"],
+                   env={"PYTHONPATH": str(REPO / "tests" / "plugins"), "FLAKY_ENV_CALLS": str(calls)})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert set(calls.read_text().split()) == {"0"}  # the second stage's rank never called the environment
+    failed = sum(r["env/failed_episodes"] for r in rows)
+    assert failed > 0 and all(r["reward/invalid_samples"] == r["env/failed_episodes"] for r in rows)
+    assert "could not start" in text and "no answer within grpo.environment_timeout_s = 1 s" in text
+    assert any(r["env/turns_max"] >= 2 for r in rows) and all("loss" in r for r in rows)
+    assert "a sample episode" in text and all(r["env/observation_tokens_per_episode"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(("overrides", "field", "text"), [
+    ({"environment": "sandbox"}, "grpo.environment", "'calculator'"),
+    ({"environment": "calculator", "max_turns": 0}, "grpo.max_turns", "integer >= 1"),
+    ({"environment": "calculator", "max_turn_tokens": 10_000}, "grpo.max_turn_tokens", "grpo.max_completion_length ="),
+    ({"environment": "calculator", "environment_timeout_s": 0}, "grpo.environment_timeout_s", "must be > 0"),
+])
+def test_bad_environment_settings_name_the_field(make_config, overrides: dict, field: str, text: str) -> None:  # noqa: ANN001
+    from oumi_megatron.validation import validate_config
+
+    report = validate_config(make_config(grpo={"reward_functions": [{"name": "gsm8k"}], **overrides}), world_size=1,
+                             check_bridge=False)
+    assert field in report.fields() and text in report.format_problems(), report.format_problems()
+
+
+def test_episodes_are_refused_where_they_do_not_run_yet(make_config) -> None:  # noqa: ANN001
+    """Asynchronous GRPO and the embedded backend under expert parallelism: refused with the fix, not run wrongly."""
+    from oumi_megatron.validation import validate_config
+
+    cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator", "max_staleness": 1},
+                      megatron={"inference_backend": "vllm", "rollout_placement": "separate"})
+    problems = validate_config(cfg, world_size=2, check_bridge=False).format_problems()
+    assert "not built for asynchronous GRPO yet" in problems and "max_staleness: 0" in problems, problems
+
+
+def test_a_template_that_cannot_render_the_observation_stops_before_conversion() -> None:
+    from types import SimpleNamespace
+
+    from oumi_megatron.environments.registry import check_environment
+    from oumi_megatron.errors import UserInputError
+
+    tok = build_byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+                        "{{ m.content }}{% endfor %}"
+    with pytest.raises(UserInputError, match="grpo.environment: 'calculator' answers with 'tool' messages.*model.chat_template"):
+        check_environment(SimpleNamespace(environment="calculator"), tok)
+    check_environment(SimpleNamespace(environment=None), tok)  # no environment: nothing to render

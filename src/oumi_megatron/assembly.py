@@ -65,6 +65,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.distributed import init_distributed
     from oumi_megatron.engine.state.conversion import ensure_converted
+    from oumi_megatron.environments.registry import check_environment
     from oumi_megatron.rollout.registry import rollout_mode
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
     from oumi_megatron.trainer.run_dir import check_shared, check_space, plan_start
@@ -75,6 +76,8 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
     rollout_mode(config.megatron).preflight(config)  # e.g. a Ray cluster that holds the engines
     check_space(config, shape, start)  # output_dir's disk holds what the run will write
+    tokenizer = build_tokenizer(config.model)
+    check_environment(config.grpo, tokenizer)  # the chat template renders the environment's observations
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
@@ -87,7 +90,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     bridge, engine = build_engine(checkpoint, layout, config.megatron, settings, dtype, trust_remote_code=trust)
     if global_rank() == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, build_tokenizer(config.model), dataset,
+    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, dataset,
                                       reward_functions=reward_functions, eval_dataset=eval_dataset)
     return AssembledRun(trainer, start.checkpoint)
 
@@ -98,6 +101,7 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     rewards, generation limits and rollout mode, exactly as the evaluation during training (trainer/evaluation.py).
     The weights are read in memory by Megatron-Bridge; nothing is converted on disk."""
     from oumi_megatron.engine.builder import build_inference_engine
+    from oumi_megatron.environments.registry import check_environment, environment_runner
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
     from oumi_megatron.trainer.evaluation import build_evaluators
@@ -114,10 +118,12 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
                                                    work_dir=Path(config.training.output_dir) / "eval_vllm"))
     rewards = ReplicaScorer(RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error, reward_functions))
+    check_environment(config.grpo, tokenizer)
+    environment = environment_runner(config.grpo, rewards.group, rewards.ranks)
     metrics: dict[str, float] = {}
     try:
         for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,
-                                          config.training.per_device_eval_batch_size, engine.device):
+                                          config.training.per_device_eval_batch_size, engine.device, environment):
             metrics.update(evaluator.run())
     finally:
         backend.close()

@@ -435,6 +435,36 @@ def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
                                        "would wait for the engines. Set dynamic_sampling: false, or max_staleness: 0.")
 
 
+def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """``grpo.environment`` (the live registry, after ``grpo.plugins``) and its limits; what episodes do not run under."""
+    g, m = cfg.grpo, cfg.megatron
+    if g.environment is None:
+        return
+    from oumi_megatron.environments.registry import ENVIRONMENTS
+
+    if g.environment not in ENVIRONMENTS:
+        r.add("grpo.environment", ENVIRONMENTS.unknown_message(g.environment) + " Or leave it unset (single-turn).")
+    for name in ("max_turns", "max_observation_tokens"):
+        value = getattr(g, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            r.add(f"grpo.{name}", f"must be an integer >= 1, got {value!r}."
+                                  + (" Typical: 2-8 turns (1: one tool-free answer)." if name == "max_turns" else " Typical: 256."))
+    turn = g.max_turn_tokens
+    if turn is not None and (not isinstance(turn, int) or isinstance(turn, bool) or not 0 < turn <= g.max_completion_length):
+        r.add("grpo.max_turn_tokens", f"must be an integer in [1, grpo.max_completion_length = {g.max_completion_length}] "
+                                      f"or null (a turn may use the whole budget), got {turn!r}.")
+    timeout = g.environment_timeout_s
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        r.add("grpo.environment_timeout_s", f"must be > 0 seconds, got {timeout!r}. Typical: 60.")
+    if g.max_staleness:
+        r.add("grpo.environment", "multi-turn episodes are not built for asynchronous GRPO yet (grpo.max_staleness > 0: "
+                                  "the engines queue single generations). Set max_staleness: 0, or leave environment unset.")
+    if m.expert_model_parallel_size > 1 and m.inference_backend == "megatron":
+        r.add("grpo.environment", "multi-turn episodes on the embedded backend under expert parallelism are not built yet "
+                                  "(the replicas' turns would have to run in lockstep for the experts' all-to-all). Set "
+                                  "megatron.expert_model_parallel_size: 1, or megatron.inference_backend: vllm.")
+
+
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     g = cfg.grpo
     if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
@@ -457,6 +487,7 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
         r.add("grpo.off_policy_correction", f"unknown value {g.off_policy_correction!r}. Use one of "
                                             f"{_fmt_choices(OFF_POLICY_CORRECTIONS)}, or leave it unset.")
     _check_staleness(cfg, r)
+    _check_environment(cfg, r)
     if g.beta < 0:
         r.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
     if g.kl_estimator not in KL_ESTIMATORS:

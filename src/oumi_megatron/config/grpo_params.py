@@ -137,6 +137,30 @@ class MegatronGrpoParams(BaseParams):
     that generation, so the trainer does not wait for it. Up to 4 batches ahead. Metrics ``rollout/staleness_*``,
     ``async/*``."""
 
+    # Multi-turn, tool-using episodes (environments/; docs/grpo.md "Multi-turn episodes and environments").
+    environment: str | None = None
+    """A registered environment (environments/registry.py: the built-in ``calculator``, or your own from ``plugins``)
+    that answers each assistant turn with an observation (e.g. a tool's result, appended as context the policy is not
+    trained on) or ends the episode. None: one completion per sample, scored as it is."""
+
+    max_turns: int = 4
+    """With ``environment``: the most assistant turns per episode (verl's ``max_assistant_turns``); an episode whose
+    last turn still called a tool ends unfinished. ``max_completion_length`` bounds all turns and observations
+    together."""
+
+    max_turn_tokens: int | None = None
+    """With ``environment``: the most tokens of one assistant turn. A turn cut there is closed with the end-of-turn
+    token (context, not trained on) and answered by the environment like one the model ended. None: a turn may use
+    what is left of ``max_completion_length`` (a turn cut by that ends the episode, unfinished)."""
+
+    max_observation_tokens: int = 256
+    """With ``environment``: an observation's text is cut to this many tokens (``env/observations_truncated``)."""
+
+    environment_timeout_s: float = 60.0
+    """With ``environment``: the most seconds one environment call (``start`` or ``step``) may take; an episode whose
+    call takes longer is stopped there and marked invalid (out of the loss and the group statistics, named in the log),
+    and the run goes on."""
+
     # DAPO (Yu et al. 2025): dynamic sampling, overlong shaping and filtering.
     dynamic_sampling: bool = False
     """Drop prompt groups whose rewards are all equal (they have no advantage, so no policy gradient) and refill

@@ -7,9 +7,13 @@ factory returning one) in a module named in ``grpo.plugins``; validation checks 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from oumi_megatron.environments.base import Environment
 from oumi_megatron.environments.calculator import CalculatorEnvironment
+from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders
+from oumi_megatron.environments.runner import EnvironmentRunner
+from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.registry import Registry
 
 EnvironmentFactory = Callable[[], Environment]
@@ -26,6 +30,34 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
 def build_environment(name: str) -> Environment:
     """A fresh environment registered as ``name``; the error names the field and what is registered."""
     return ENVIRONMENTS.get(name)()
+
+
+def check_environment(grpo: Any, tokenizer: Any) -> None:
+    """Before any heavy work: ``grpo.environment`` is registered and the tokenizer's chat template renders its
+    observations (the roles in its ``observation_roles``, default ``("tool",)``); ``UserInputError`` naming the field
+    and the fix otherwise."""
+    if grpo.environment is None:
+        return
+    if grpo.environment not in ENVIRONMENTS:
+        raise UserInputError(f"grpo.environment: {ENVIRONMENTS.unknown_message(grpo.environment)}")
+    roles = getattr(ENVIRONMENTS.get(grpo.environment), "observation_roles", ("tool",))
+    try:
+        for role in roles:
+            check_renders(tokenizer, role)
+    except TemplateCannotRender as e:
+        raise UserInputError(
+            f"grpo.environment: {grpo.environment!r} answers with {', '.join(map(repr, roles))} messages, but {e}. "
+            "Use a model whose chat "
+            "template renders tool messages (ChatML ones do: Qwen2.5, SmolLM2-Instruct), or set model.chat_template "
+            "to such a template.") from e
+
+
+def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = None) -> EnvironmentRunner | None:
+    """``grpo.environment``'s runner for this rank's model replica (``group``/``ranks``: the reward scorer's replica
+    group); None without an environment."""
+    if grpo.environment is None:
+        return None
+    return EnvironmentRunner(build_environment(grpo.environment), grpo.environment_timeout_s, group, ranks)
 
 
 ENVIRONMENTS.add("calculator", CalculatorEnvironment)

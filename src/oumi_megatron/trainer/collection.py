@@ -8,6 +8,9 @@
   an engine that samples n per prompt (vLLM) shares the prompt's prefill. The replica's first rank scores its share
   with the reward functions (trainer/scoring.py: once per sample); the round's scores are gathered over DP, so group
   advantages see whole groups.
+- Multi-turn episodes (``grpo.environment``): each sample is an episode (environments/episodes.py), the policy's
+  turns and the environment's observations; the rewards read the whole episode's text and the info its end gave
+  (``env_info``); an episode whose environment failed is out of the loss and the group statistics.
 - Dynamic sampling (DAPO, ``grpo.dynamic_sampling``): groups whose rewards are all equal carry no signal;
   they are dropped and further rounds refill the batch (up to ``dynamic_sampling_max_rounds``; groups without
   signal fill what is left, untrained).
@@ -29,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.data import prompt_token_ids
+from oumi_megatron.environments.episodes import EpisodeStats, episode_metrics, episode_sums, merge_stats, run_episodes
+from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
 from oumi_megatron.grpo.rewards import RewardResult
 from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp
+from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp, sum_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.ranks import global_rank
@@ -73,6 +78,7 @@ class _Round:
     sample: dict[str, Any] | None
     generation_s: float = 0.0
     decode_ms_per_step: float | None = None
+    episodes: EpisodeStats | None = None
 
 
 def share_as_groups(first: int, count: int, group_size: int) -> tuple[list[int], int]:
@@ -91,7 +97,7 @@ class RolloutCollector:
 
     def __init__(self, dataset: Any, tokenizer: Any, backend: RolloutBackend, rewards: ReplicaScorer,
                  grpo: MegatronGrpoParams, sampling: SamplingParams, prompts_per_rollout: int, seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, environment: EnvironmentRunner | None = None) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.backend = backend
@@ -101,6 +107,9 @@ class RolloutCollector:
         self.prompts_per_rollout = prompts_per_rollout
         self.seed = seed
         self.device = device
+        self.environment = environment
+        """``grpo.environment``'s runner: every sample is a multi-turn episode (None: one completion each)."""
+        self.logged_episode = False
         self.last_collation_bytes = 0
         """Bytes this rank received when dynamic sampling last redistributed the filtered batch over DP."""
         self.order = list(range(len(dataset)))
@@ -125,7 +134,16 @@ class RolloutCollector:
                          prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
                          reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample,
                          generation_s=sum(r.generation_s for r in rounds),
-                         decode_ms_per_step=rounds[-1].decode_ms_per_step)
+                         decode_ms_per_step=rounds[-1].decode_ms_per_step, env_metrics=self._env_metrics(rounds))
+
+    def _env_metrics(self, rounds: list[_Round]) -> dict[str, float]:
+        """The step's ``env/*`` metrics over every DP rank's episodes (collective; ``{}`` without an environment)."""
+        if self.environment is None:
+            return {}
+        stats = merge_stats([r.episodes for r in rounds if r.episodes is not None])
+        sums = sum_dp(episode_sums(stats), self.device)
+        return episode_metrics(sums, max_dp(float(max(stats.turns, default=0)), self.device),
+                               max_dp(stats.environment_s, self.device))
 
     # -- data order -------------------------------------------------------------------------------------------------
     def _next_rows(self, n: int) -> list[dict[str, Any]]:
@@ -155,10 +173,18 @@ class RolloutCollector:
         scores gathered over DP (sample i belongs to prompt i // num_generations)."""
         pending = self._prepare_round(step, index)
         started = time.perf_counter()
-        grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
+        episodes = None
+        if self.environment is not None:
+            g = self.grpo
+            grouped, episodes = run_episodes(self.backend, self.tokenizer, self.environment, pending.prompts,
+                                             [pending.rows[p] for p in pending.groups], self.sampling, pending.n,
+                                             g.max_turns, g.max_observation_tokens, seed=pending.seed,
+                                             max_turn_tokens=g.max_turn_tokens)
+        else:
+            grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
         stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
         return self._score_round(pending, grouped, time.perf_counter() - started,
-                                 None if stats is None else stats.decode_ms_per_step)
+                                 None if stats is None else stats.decode_ms_per_step, episodes)
 
     def _prepare_round(self, step: int, index: int) -> PendingRound:
         """A round's prompts (read from the data order), rendered, and this rank's share of their completions."""
@@ -176,15 +202,43 @@ class RolloutCollector:
                             self.rollout_seed(step, dp_rank, index), position)
 
     def _score_round(self, pending: PendingRound, grouped: list[list[Rollout]], generation_s: float,
-                     decode_ms_per_step: float | None) -> _Round:
+                     decode_ms_per_step: float | None, episodes: EpisodeStats | None = None) -> _Round:
         rows, groups, n = pending.rows, pending.groups, pending.n
         rollouts = [r for group in grouped for r in group]
         completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
         prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
-        rewards = self.rewards(prompts, completions, [rows[p] for p in groups for _ in range(n)])
+        sample_rows = [rows[p] for p in groups for _ in range(n)]
+        if episodes is not None:  # the rewards see how each episode ended (EpisodeEnd.info)
+            sample_rows = [{**row, "env_info": info} for row, info in zip(sample_rows, episodes.infos)]
+        rewards = self.rewards(prompts, completions, sample_rows)
+        if episodes is not None and episodes.failed:
+            self._drop_failed_episodes(pending.step, rewards, episodes, prompts)
         sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
+        if sample is not None and episodes is not None:
+            sample["episode"] = episodes.sample
+            self._log_episode(pending.step, prompts[0], episodes.sample, sample["reward"])
         return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), pending.truncated, rewards.errors, sample,
-                      generation_s, decode_ms_per_step)
+                      generation_s, decode_ms_per_step, episodes)
+
+    def _drop_failed_episodes(self, step: int, rewards: RewardResult, episodes: EpisodeStats, prompts: list[str]) -> None:
+        """Episodes whose environment raised or timed out: invalid (out of the loss and the group statistics, as a
+        skipped reward is), each named in the log with its prompt by the replica's first rank; the run goes on."""
+        bad = torch.tensor([k in episodes.failed for k in range(len(rewards.valid))])
+        rewards.valid &= ~bad
+        rewards.total = torch.where(bad, torch.zeros_like(rewards.total), rewards.total)
+        if self.rewards.is_scorer:
+            for k, why in list(episodes.failed.items())[:5]:
+                logger.warning(f"GRPO step {step + 1}, rank {global_rank()}: the environment failed in episode {k} "
+                               f"(prompt {prompts[k][-120:]!r}): {why}. The episode is left out of the loss.")
+
+    def _log_episode(self, step: int, prompt: str, turns: list[dict[str, Any]], reward: float) -> None:
+        """One episode with its turns, in the log at the first step (every step under ``grpo.log_completions``)."""
+        if global_rank() != 0 or (self.logged_episode and not self.grpo.log_completions):
+            return
+        self.logged_episode = True
+        lines = [f"  {kind}: {text!r}" for part in turns for kind, text in part.items()]
+        logger.info("GRPO step %d, a sample episode (reward %.3f) of prompt %r:\n%s", step + 1, reward, prompt[-200:],
+                    "\n".join(lines) or "  (no turn answered)")
 
     # -- asynchronous GRPO: a step's generation submitted ahead, collected when the trainer gets to it -----------------
     def submit(self, step: int, backend: AsyncRolloutBackend) -> PendingRound:

@@ -14,7 +14,10 @@ Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots; each eval
   an answer in gsm8k's format, "#### N", right or wrong (it separates "learned the format" from
   "learned the arithmetic");
 - ``eval/completion_length/mean`` (tokens) and ``eval/truncated_fraction`` (cut at max_completion_length);
-- ``eval/samples`` and ``eval/time_s``.
+- ``eval/samples`` and ``eval/time_s``;
+- with ``grpo.environment``: each prompt is one greedy episode (environments/episodes.py) scored as in training, and
+  ``eval/tool_call_rate`` (episodes that called a tool) and ``eval/turns_mean``; an episode whose environment failed
+  counts as wrong.
 
 Each data-parallel replica generates its share of the prompts (``training.per_device_eval_batch_size``
 per generate call); the sums are reduced over DP, so every rank returns the same numbers.
@@ -32,6 +35,8 @@ import torch.distributed as dist
 
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.parallel.distributed import data_parallel
+from oumi_megatron.environments.episodes import EpisodeStats, run_episodes
+from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.rollout.base import RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.scoring import ReplicaScorer
@@ -55,8 +60,12 @@ class Evaluator:
     """Greedy generation on ``rows`` (Oumi GRPO dataset rows) with ``backend``; rewards as in training."""
 
     def __init__(self, rows: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
-                 batch_size: int, device: torch.device, prefix: str = "eval") -> None:
+                 batch_size: int, device: torch.device, prefix: str = "eval",
+                 environment: EnvironmentRunner | None = None) -> None:
         self.rows = rows
+        self.environment = environment
+        self.max_turns, self.max_observation_tokens = grpo.max_turns, grpo.max_observation_tokens
+        self.max_turn_tokens = grpo.max_turn_tokens
         self.prefix = prefix
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -87,17 +96,26 @@ class Evaluator:
         share, real = -(-len(self.rows) // dp), len(mine)
         mine += [mine[0] if mine else 0] * (share - real)
         names = [name for name, *_ in self.rewards.specs]
-        # scored, reward, format, length, truncated, n, correct, per function
-        sums = torch.zeros(7 + len(names), dtype=torch.float64)
+        # scored, reward, format, length, truncated, n, correct, episodes with a tool call, turns, per function
+        sums = torch.zeros(9 + len(names), dtype=torch.float64)
         for start in range(0, share, self.batch_size):
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
             keep = max(0, min(len(rows), real - start))
-            rows, rollouts = rows[:keep], [group[0] for group in self.backend.generate(prompts, self.sampling, 1)][:keep]
+            grouped, episodes = self._generate(prompts, rows)
+            rows, rollouts = rows[:keep], [group[0] for group in grouped][:keep]
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+            scored_rows = rows if episodes is None else [{**r, "env_info": i} for r, i in zip(rows, episodes.infos)]
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
-            scored = self.rewards(texts, completions, rows)
+            scored = self.rewards(texts, completions, scored_rows)
+            if episodes is not None:  # a failed episode is scored as wrong
+                for k in episodes.failed:
+                    if k < len(rows):
+                        scored.valid[k], scored.total[k] = True, 0.0
+                        for values in scored.per_function.values():
+                            values[k] = 0.0
+                        completions[k] = ""
             correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, rows),
                                         "the gsm8k accuracy check") if self.check_format else 0
             if not rows:
@@ -110,8 +128,11 @@ class Evaluator:
             sums[4] += sum(not r.finished for r in rollouts)
             sums[5] += len(rows)
             sums[6] += correct
+            if episodes is not None:
+                sums[7] += sum(c > 0 for c in episodes.calls[:keep])
+                sums[8] += sum(episodes.turns[:keep])
             for j, name in enumerate(names):
-                sums[7 + j] += float(scored.per_function[name][valid].sum())
+                sums[9 + j] += float(scored.per_function[name][valid].sum())
         if dp > 1:
             total = sums.to(self.device)
             dist.all_reduce(total, group=group)
@@ -119,14 +140,22 @@ class Evaluator:
         scored_n, n = max(float(sums[0]), 1.0), max(float(sums[5]), 1.0)
         metrics = {
             "reward_mean": float(sums[1]) / scored_n,
-            **{f"reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
+            **{f"reward/{name}": float(sums[9 + j]) / scored_n for j, name in enumerate(names)},
             **({"accuracy": float(sums[6]) / n, "format_rate": float(sums[2]) / n} if self.check_format else {}),
             "completion_length/mean": float(sums[3]) / n,
             "truncated_fraction": float(sums[4]) / n,
+            **({"tool_call_rate": float(sums[7]) / n, "turns_mean": float(sums[8]) / n} if self.environment else {}),
             "samples": int(sums[5]),
             "time_s": time.perf_counter() - started,
         }
         return {f"{self.prefix}/{k}": v for k, v in metrics.items()}
+
+    def _generate(self, prompts: list[list[int]], rows: list[dict[str, Any]]) -> tuple[list[list[Any]], EpisodeStats | None]:
+        """One greedy completion per prompt, or one greedy episode under ``grpo.environment``."""
+        if self.environment is None:
+            return self.backend.generate(prompts, self.sampling, 1), None
+        return run_episodes(self.backend, self.tokenizer, self.environment, prompts, rows, self.sampling, 1,
+                            self.max_turns, self.max_observation_tokens, max_turn_tokens=self.max_turn_tokens)
 
     def summary(self, metrics: dict[str, Any]) -> str:
         """One log line of this set's numbers in ``metrics``."""
@@ -137,12 +166,12 @@ class Evaluator:
 
 
 def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
-                     batch_size: int, device: torch.device) -> list[Evaluator]:
+                     batch_size: int, device: torch.device, environment: EnvironmentRunner | None = None) -> list[Evaluator]:
     """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
     alone (one set, ``eval``)."""
     if not isinstance(eval_sets, dict):
         eval_sets = {"eval": eval_sets}
-    return [Evaluator(rows, tokenizer, rewards, backend, grpo, batch_size, device, prefix=prefix)
+    return [Evaluator(rows, tokenizer, rewards, backend, grpo, batch_size, device, prefix=prefix, environment=environment)
             for prefix, rows in eval_sets.items()]
 
 

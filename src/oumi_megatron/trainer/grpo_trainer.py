@@ -29,6 +29,7 @@ from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+from oumi_megatron.environments.registry import environment_runner
 from oumi_megatron.grpo.algorithm import logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS
@@ -96,8 +97,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_completion_length,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+        # grpo.environment: multi-turn episodes, the environment called once per replica (the scorer's group)
+        environment = environment_runner(g, rewards.group, rewards.ranks)
         self.collector = RolloutCollector(dataset, tokenizer, backend, rewards, g, self.sampling,
-                                          layout.prompts_per_rollout, config.training.seed, engine.device)
+                                          layout.prompts_per_rollout, config.training.seed, engine.device, environment)
         self.reference = ReferenceWeights(engine.model) if g.beta > 0 else None
         self.loss_fn = make_grpo_loss_fn(g)
         self.step = 0
@@ -108,7 +111,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
         self.evaluators = [] if eval_dataset is None else build_evaluators(
-            eval_dataset, tokenizer, rewards, backend, g, config.training.per_device_eval_batch_size, engine.device)
+            eval_dataset, tokenizer, rewards, backend, g, config.training.per_device_eval_batch_size, engine.device,
+            environment)
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 

@@ -76,6 +76,8 @@ class StepBatch:
     """This rank's time in the backend's ``generate`` (every round); the DP ranks generate at the same time."""
     decode_ms_per_step: float | None = None
     """The embedded backend's decode step time (its ``last_stats``); None for backends that do not report it."""
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """The step's ``env/*`` metrics (multi-turn episodes, over every DP rank; ``{}`` without ``grpo.environment``)."""
 
 
 def choose_groups(signal_per_round: list[torch.Tensor], wanted: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
