@@ -123,7 +123,9 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     per_row = [[g[0].completion_ids for g in static.generate([p for p in prompts[:16] for _ in range(4)], greedy, 1)][i * 4:(i + 1) * 4]
                for i in range(16)]
     draws = [[[r.completion_ids for r in g] for g in static.generate(prompts[:16], sampled, 4, seed=11)] for _ in range(2)]
+    continued = continuation_checks(static, prompts[:8], eos)
     return {
+        **continued,
         "static_path": static.path,
         "static_decoder": static.last_stats.path if static.last_stats else None,  # graphs or eager steps, and why
         "static_greedy_tokens": [r.completion_ids for r in got],
@@ -136,6 +138,35 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         "static_sampled_distinct_in_groups": sum(len({tuple(c) for c in g}) for g in draws[0]),
         "static_stats_tokens": static.last_stats.tokens if static.last_stats else -1,
     }
+
+
+def continuation_checks(static, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
+    """Multi-turn episodes on the static cache (rollout/decoding/continuation.py): 8 prompts x 2 rows, three turns,
+    appended blocks of 1-3 ids between them (some rows stop at each turn), each later turn prefilling only its block,
+    against ``generate`` over each row's whole history (greedy): the same tokens, logprobs within 1e-4."""
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=10, pad_token_id=256, greedy=True, eos_token_id=eos)
+    first, turns = static.start_episodes(prompts, greedy, 2)
+    flat = [r for g in first for r in g]
+    same = [[r.completion_ids for r in flat] == [r.completion_ids for g in static.generate(prompts, greedy, 2) for r in g]]
+    histories: list[list[int] | None] = [r.prompt_ids + r.completion_ids for r in flat]
+    worst, continued, pending = 0.0, 0, 0
+    for turn in range(2):
+        appended = [None if h is None or (k + turn) % 5 == 0 else [100 + k, 101, 102 + turn][: 1 + (k + turn) % 3]
+                    for k, h in enumerate(histories)]
+        params = SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True, eos_token_id=eos)
+        got = turns.next_turn(appended, params)
+        going = [k for k, a in enumerate(appended) if a is not None]
+        ref = [g[0] for g in static.generate([histories[k] + appended[k] for k in going], params, 1)]
+        same.append([got[k].completion_ids for k in going] == [r.completion_ids for r in ref])
+        worst = max([worst, *(abs(a - b) for k, r in zip(going, ref) for a, b in zip(got[k].logprobs, r.logprobs))])
+        continued += len(going)
+        pending += sum(1 for k in going if not flat[k].finished) if turn == 0 else 0
+        for k in range(len(histories)):
+            histories[k] = None if appended[k] is None else histories[k] + appended[k] + got[k].completion_ids
+    return {"continued_same_tokens": same, "continued_logprob_max_abs_diff": worst, "continued_rows": continued,
+            "continued_after_a_cut_turn": pending}
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ Token-in / token-out: an episode's completion is the policy's sampled ids of eve
 returned them (with their logprobs), and between turns the observation's ids (environments/rendering.py), marked 0 in
 ``Rollout.loss_mask`` (logprob 0.0 there: never read, the mask excludes them). Nothing is decoded and re-encoded.
 
-Each turn after the first is one ``generate`` call over the episodes still running, each a prompt of its full token
-history (n = 1): what a vLLM engine with prefix caching serves without recomputing the history. The call samples up
+Each turn after the first is one call over the episodes still running. A backend that keeps the histories cached
+(``ContinuesEpisodes``: the embedded static-cache decoder, rollout/decoding/continuation.py) gets only each episode's
+appended ids; any other gets a ``generate`` with each episode's full token history as its prompt (n = 1), what a vLLM
+engine with prefix caching serves without recomputing the history. The call samples up
 to the largest remaining budget; each episode's turn is then cut at its own (the tokens before a cut are drawn as they
 would be with a smaller limit), and an episode cut there ends unfinished, as a single-turn completion does.
 """
@@ -20,7 +22,7 @@ from typing import Any
 from oumi_megatron.environments.base import EpisodeEnd
 from oumi_megatron.environments.rendering import observation_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
-from oumi_megatron.rollout.base import Rollout, RolloutBackend
+from oumi_megatron.rollout.base import ContinuesEpisodes, EpisodeTurns, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 
 
@@ -55,6 +57,8 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     last_turn: list[int] = field(default_factory=list)
     """The policy's ids of its latest turn (what the environment answers)."""
+    appended: list[int] = field(default_factory=list)
+    """The ids put after the latest turn (the observation): what a backend that caches the history prefills."""
     turns: int = 0
     calls: int = 0
     finished: bool = False
@@ -68,6 +72,7 @@ class _Episode:
         """Appends the policy's turn, cut to ``budget`` tokens (what is left of the episode's) and ``turn_limit``."""
         keep = budget if turn_limit is None else min(budget, turn_limit)
         ids = self.last_turn = turn.completion_ids[:keep]
+        self.appended = []
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += list(turn.logprobs[:keep]) if turn.logprobs is not None else [0.0] * len(ids)
@@ -88,7 +93,13 @@ def run_episodes(backend: RolloutBackend, tokenizer: Any, env: EnvironmentRunner
     stats = EpisodeStats()
     budget = params.max_new_tokens
     first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
-    first = backend.generate(prompts, replace(params, max_new_tokens=first_room), n, seed=seed)
+    first_params = replace(params, max_new_tokens=first_room)
+    started_cached = backend.start_episodes(prompts, first_params, n, seed) if isinstance(backend, ContinuesEpisodes) else None
+    cached: EpisodeTurns | None = None
+    if started_cached is not None:
+        first, cached = started_cached
+    else:
+        first = backend.generate(prompts, first_params, n, seed=seed)
     episodes = [_Episode(prompts[i]) for i, group in enumerate(first) for _ in group]
     started = env.start_all([(k, rows[k // n]) for k in range(len(episodes))])
     for k, (e, turn) in enumerate(zip(episodes, (t for group in first for t in group))):
@@ -104,7 +115,12 @@ def run_episodes(backend: RolloutBackend, tokenizer: Any, env: EnvironmentRunner
         room = max(budget - len(e.ids) for e in going)
         room = room if max_turn_tokens is None else min(room, max_turn_tokens)
         turn_seed = None if seed is None else seed + turn_index
-        turns = backend.generate([e.prompt + e.ids for e in going], replace(params, max_new_tokens=room), 1, seed=turn_seed)
+        turn_params = replace(params, max_new_tokens=room)
+        if cached is not None:
+            answered = cached.next_turn([e.appended if e.running else None for e in episodes], turn_params, turn_seed)
+            turns = [[t] for t in answered if t is not None]
+        else:
+            turns = backend.generate([e.prompt + e.ids for e in going], turn_params, 1, seed=turn_seed)
         for e, (turn,) in zip(going, turns):
             e.take_turn(turn, budget - len(e.ids), max_turn_tokens)
     stats.episodes = len(episodes)
@@ -155,6 +171,7 @@ def _answer_turns(episodes: list[_Episode], tokenizer: Any, env: EnvironmentRunn
         if k == 0:
             stats.sample.append({"observation": answer.text})
         e.ids += ids
+        e.appended = ids
         e.mask += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
         stats.observation_tokens += len(ids)

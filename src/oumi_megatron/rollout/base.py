@@ -122,6 +122,28 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
+class EpisodeTurns(Protocol):
+    """A batch of episodes running on an engine that keeps their histories cached (``ContinuesEpisodes``)."""
+
+    def next_turn(self, appended: list[list[int] | None], params: SamplingParams,
+                  seed: int | None = None) -> list[Rollout | None]:
+        """The next turn of each episode whose ``appended`` is not None (those ids, an observation, follow its last
+        turn); None for the others. Only the appended ids are prefilled."""
+        ...
+
+
+@runtime_checkable
+class ContinuesEpisodes(Protocol):
+    """A backend that continues multi-turn episodes from its cache (the embedded one): environments/episodes.py uses
+    it instead of generating each turn from the whole history."""
+
+    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                       seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
+        """The first turn of ``n`` episodes per prompt (grouped as ``generate``'s), and their running batch; None where
+        this engine's path cannot continue them (then each turn is a ``generate`` of the whole history)."""
+        ...
+
+
 @runtime_checkable
 class AsyncRolloutBackend(RolloutBackend, Protocol):
     """A backend whose engines generate while the trainer trains (asynchronous GRPO, ``grpo.max_staleness`` > 0):

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import EngineSleep, EpisodeTurns, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.decoding.continuation import EpisodeDecoding
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
@@ -79,15 +80,22 @@ class MegatronRolloutBackend:
             tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
             self.last_stats = GenerationStats(path=self.path, tokens=generated_tokens(tokens, params), prefill_s=0.0,
                                               decode_steps=tokens.shape[1], decode_s=time.perf_counter() - started)
-        out = []
-        for i in range(rows):
-            toks = tokens[i].tolist()
-            done = params.eos_token_id is not None and params.eos_token_id in toks
-            if done:
-                toks = toks[: toks.index(params.eos_token_id) + 1]
-            out.append(Rollout(prompt_ids=list(prompts[i // n]), completion_ids=toks, finished=done,
-                               logprobs=logprobs[i, : len(toks)].tolist()))
+        out = _rollouts(tokens, logprobs, [prompts[i // n] for i in range(rows)], params)
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                       seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
+        """Multi-turn episodes on the static cache (decoding/continuation.py): later turns prefill only what was
+        appended. None on the ``schedule`` / ``recompute`` paths (each turn is then a ``generate``)."""
+        if self.decoder is None or params.max_new_tokens == 0 or not prompts:
+            return None
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        session = _EmbeddedEpisodes(self, EpisodeDecoding(self.decoder, prompts, n, self.generator))
+        tokens, logprobs, self.last_stats = session.decoding.first_turn(params)
+        out = _rollouts(tokens, logprobs, session.decoding.history_prompts(), params)
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))], session
 
     def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``schedule`` and ``recompute`` paths: tokens [rows, T] and their logprobs, on the host."""
@@ -131,3 +139,33 @@ class MegatronRolloutBackend:
 
     def close(self) -> None:
         pass
+
+
+class _EmbeddedEpisodes:
+    """``EpisodeTurns`` of the embedded backend."""
+
+    def __init__(self, backend: MegatronRolloutBackend, decoding: EpisodeDecoding) -> None:
+        self.backend, self.decoding = backend, decoding
+
+    @torch.no_grad()
+    def next_turn(self, appended: list[list[int] | None], params: SamplingParams,
+                  seed: int | None = None) -> list[Rollout | None]:
+        if seed is not None:
+            self.backend.generator.manual_seed(seed)
+        prompts = [list(h) + list(a) if a is not None else [] for h, a in zip(self.decoding.history, appended)]
+        tokens, logprobs, self.backend.last_stats = self.decoding.next_turn(appended, params)
+        out = _rollouts(tokens, logprobs, prompts, params)
+        return [r if a is not None else None for r, a in zip(out, appended)]
+
+
+def _rollouts(tokens: torch.Tensor, logprobs: torch.Tensor, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+    """One ``Rollout`` per row of ``tokens`` [rows, T]: its tokens up to and including its first EOS."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        toks = tokens[i].tolist()
+        done = params.eos_token_id is not None and params.eos_token_id in toks
+        if done:
+            toks = toks[: toks.index(params.eos_token_id) + 1]
+        out.append(Rollout(prompt_ids=list(prompt), completion_ids=toks, finished=done,
+                           logprobs=logprobs[i, : len(toks)].tolist()))
+    return out

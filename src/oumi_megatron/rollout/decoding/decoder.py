@@ -96,18 +96,25 @@ class StaticCacheDecoder:
         """``n`` completions of each prompt (rows ``i * n .. i * n + n - 1``): tokens [rows, T] (``pad_token_id`` after
         a row's EOS) and their log-probabilities, on the host, with the call's stats."""
         with self.engine.generation_mode():
-            run = _Generation(self.stages, prompts, n, params, self.vocab_size, generator)
-            started = time.perf_counter()
-            run.prefill()
-            run.synchronize()
-            prefill_s = time.perf_counter() - started
-            steps = run.decode(self.graphs, self.check_every, self.engine.forward_peers_done)
-            tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
-            decode_s = time.perf_counter() - started - prefill_s
-            path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path
-            stats = GenerationStats(path=path, tokens=generated_tokens(tokens, params), prefill_s=prefill_s,
-                                    decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes,
-                                    capture_s=run.capture_s)
+            run = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator)
+            tokens, logprobs, stats = self.run(run, run.prefill)
+        return tokens, logprobs, stats
+
+    def run(self, run: _Generation, prefill: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
+        """``prefill`` (the prompts, or a continued turn's block), then the decode steps: tokens and logprobs on the
+        host, with the stats (inside ``engine.generation_mode``)."""
+        params = run.params
+        started = time.perf_counter()
+        prefill()
+        run.synchronize()
+        prefill_s = time.perf_counter() - started
+        steps = run.decode(self.graphs, self.check_every, self.engine.forward_peers_done)
+        tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
+        decode_s = time.perf_counter() - started - prefill_s
+        path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path
+        stats = GenerationStats(path=path, tokens=generated_tokens(tokens, params), prefill_s=prefill_s,
+                                decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes,
+                                capture_s=run.capture_s)
         return tokens, logprobs, stats
 
 
@@ -122,28 +129,31 @@ def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
 
 
 class _Generation:
-    """The device state of one ``generate`` call."""
+    """The device state of one ``generate`` call (or of one turn of an episode: continuation.py)."""
 
-    def __init__(self, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams, vocab_size: int,
-                 generator: torch.Generator) -> None:
+    def __init__(self, stages: PolicyStages, params: SamplingParams, vocab_size: int, generator: torch.Generator,
+                 n: int, rows: int, width: int, cache: StaticKVCache | None = None,
+                 valid: torch.Tensor | None = None) -> None:
+        """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
+        ``cache`` / ``valid``: a continued turn's cache and valid slots (default: empty ones)."""
         self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
         device = stages.device
-        ids, real = left_pad(prompts, params.pad_token_id)
-        self.width = ids.shape[1]
-        rows, new = len(prompts) * n, max(params.max_new_tokens, 1)
+        self.width = width
+        new = max(params.max_new_tokens, 1)
         slots = self.width + new
-        self.prompt_ids, self.prompt_real = ids.to(device), real
+        self.prompt_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.prompt_real = torch.zeros(0, 0, dtype=torch.bool)
+        """The left-padded prompts ``prefill`` runs (``for_prompts``)."""
         self.tokens = torch.full((rows, new), params.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(rows, new, dtype=torch.float32, device=device)
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.valid = valid if valid is not None else torch.zeros(rows, slots, dtype=torch.bool, device=device)
         """Which cache slots each row attends to: its real prompt tokens and its tokens up to its EOS."""
-        self.valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(device)
         self.current = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)
         self.picked = torch.zeros(rows, dtype=torch.long, device=device)
         self.picked_logprob = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
+        self.cache = cache or StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
         self.cursor = self.cache.cursor
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
@@ -155,6 +165,16 @@ class _Generation:
     def synchronize(self) -> None:
         if self.stages.device.type == "cuda":
             torch.cuda.synchronize(self.stages.device)
+
+    @classmethod
+    def for_prompts(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
+                    vocab_size: int, generator: torch.Generator) -> _Generation:
+        """``n`` completions of each of ``prompts``, left-padded to one width (``prefill`` runs them)."""
+        ids, real = left_pad(prompts, params.pad_token_id)
+        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1])
+        run.prompt_ids, run.prompt_real = ids.to(stages.device), real
+        run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
+        return run
 
     # -- the steps ---------------------------------------------------------------------------------------------------
     def prefill(self) -> None:

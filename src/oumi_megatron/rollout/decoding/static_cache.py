@@ -36,6 +36,10 @@ class CacheCursor:
     kv_len: int | None = None
     """Decode, eager: attend over the first ``kv_len`` slots. None: over every slot (CUDA graphs: a fixed shape;
     the mask hides the slots not written yet)."""
+    extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """An episode's next turn (continuation.py): a block of tokens appended to rows whose history is cached; the
+    (row, block position, slot) of each of its real tokens, whose keys/values are written; the block attends over the
+    whole cache under the caller's mask."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -52,6 +56,12 @@ class CachedCoreAttention(torch.nn.Module):
                 attn_mask_type: Any = None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         c = self.cursor
+        if c.extend is not None:  # [block, rows, heads, dim]: write the real tokens, attend over the cache
+            row, position, slot = c.extend
+            self.keys[row, :, slot] = key[position, row]
+            self.values[row, :, slot] = value[position, row]
+            return self.inner(query, self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3), attention_mask,
+                              attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         if c.prefill_repeat:  # [width, prompts, heads, dim]: the prompts attend among themselves
             width = key.shape[0]
             for cache, new in ((self.keys, key), (self.values, value)):
@@ -71,13 +81,16 @@ class StaticKVCache:
     """Keys and values of every attention layer of this rank for ``rows`` sequences of up to ``slots`` tokens."""
 
     def __init__(self, attentions: list[Any], rows: int, slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """``layers``: each layer's (keys, values) already filled (an episode's history, continuation.py)."""
         self.attentions = attentions
         self.cursor = CacheCursor(slot=torch.zeros(1, dtype=torch.long, device=device))
         # zeros, not empty: a slot not written yet is multiplied by a zero attention weight, which must not meet a NaN
-        self.layers = [
-            tuple(torch.zeros(rows, a.num_query_groups_per_partition, slots, a.hidden_size_per_attention_head,
-                              dtype=dtype, device=device) for _ in range(2))
+        self.layers = layers if layers is not None else [
+            (torch.zeros(rows, a.num_query_groups_per_partition, slots, a.hidden_size_per_attention_head,
+                         dtype=dtype, device=device),
+             torch.zeros(rows, a.num_query_groups_per_partition, slots, a.hidden_size_per_attention_head,
+                         dtype=dtype, device=device))
             for a in attentions
         ]
 
