@@ -63,6 +63,10 @@ def test_engine_follows_the_policy_after_sync(converted: Path, tiny_model_dir: P
         assert r["sync"]["tensors"] >= 30  # every HF tensor of the model, streamed in many small buckets
     if placement == "separate":
         assert "vLLM engine process exited" in r["dead_engine_sync"], r["dead_engine_sync"]
+    if method == "gloo":  # multi-turn: greedy episodes of a toy environment are the same on vLLM and embedded
+        vllm, embedded = r["episodes"]["vllm"], r["episodes"]["embedded"]
+        assert vllm == embedded, r["episodes"]
+        assert max(vllm["turns"]) >= 2 and vllm["observation_tokens"] > 0  # observations were appended and answered
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def main() -> None:
     # the rollout mode of these settings, built as the trainer builds it (rollout/registry.py)
     config = StandaloneConfig(model=ModelSection(model_name=args.hf, torch_dtype_str=str(dtype).removeprefix("torch.")),
                               training=TrainingSection(seed=0), megatron=params,
-                              grpo=MegatronGrpoParams(max_prompt_length=32, max_completion_length=12))
+                              grpo=MegatronGrpoParams(max_prompt_length=32, max_completion_length=128))  # episodes: 120
     backend = build_rollout_backend(RolloutContext(engine, config, AutoTokenizer.from_pretrained(args.hf), dtype, out_dir))
     weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")  # what the trainer hands sync_weights
     sample = SamplingParams(temperature=1.0, max_new_tokens=12, pad_token_id=256)
@@ -106,6 +106,8 @@ def main() -> None:
     mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256), 1)
     result["vllm_greedy"] = [group[0].completion_ids for group in greedy]
+    if args.placement == "separate" and dist.get_world_size() == 1:
+        result["episodes"] = greedy_episodes(backend, engine, AutoTokenizer.from_pretrained(args.hf))
     export = out_dir / "hf_export"
     weights.save(export)
     if dist.get_rank() == 0:
@@ -129,6 +131,31 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
     backend.close()
     dist.barrier()
+
+
+def greedy_episodes(vllm_backend, engine, tokenizer) -> dict:  # noqa: ANN001
+    """Greedy multi-turn episodes with the example environment ``guess_number`` on vLLM (each turn a request of the
+    whole history) and on the embedded backend (later turns prefill only the observation, from its static cache),
+    same weights: tokens, loss masks and turns per episode, for the test to compare."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.registry import build_environment
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
+
+    greedy = SamplingParams(temperature=1.0, greedy=True, max_new_tokens=120, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=256)
+    rows = [{"prompt": str(q), "extra_info": {"secret": 50}} for q in PROMPTS]
+    out = {}
+    for name, backend in (("vllm", vllm_backend), ("embedded", MegatronRolloutBackend(engine, 259, path="static"))):
+        env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
+        groups, stats = run_episodes(backend, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
+                                     max_observation_tokens=16, max_turn_tokens=6)
+        out[name] = {"tokens": [g[0].completion_ids for g in groups], "masks": [g[0].loss_mask for g in groups],
+                     "turns": stats.turns, "observation_tokens": stats.observation_tokens}
+    return out
 
 
 if __name__ == "__main__":

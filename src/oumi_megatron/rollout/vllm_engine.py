@@ -197,6 +197,7 @@ class VllmEngineHost:
         kwargs.update(spec.extra)
         self.weights_processed_after_loading = processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
+        self.max_model_len = spec.max_model_len
         self.version = 0
         """The policy version of the weights it holds (asynchronous GRPO): 0 for the ones it started from, then what
         each ``receive_update`` says."""
@@ -213,7 +214,15 @@ class VllmEngineHost:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(logprobs=0, detokenize=False, **sampling)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        # a request's tokens stop at max_model_len: a multi-turn episode's later turn has its whole history as the
+        # prompt and the batch's largest remaining budget as max_tokens (environments/episodes.py), which would
+        # overrun it for the episodes with longer histories (their own budget ends there anyway)
+        per_prompt: Any = params
+        if any(len(p) + params.max_tokens > self.max_model_len for p in prompts):
+            per_prompt = [params.clone() for _ in prompts]
+            for p, each in zip(prompts, per_prompt):
+                each.max_tokens = max(1, min(params.max_tokens, self.max_model_len - len(p)))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         result = []
         for out in outputs:
             samples = []
