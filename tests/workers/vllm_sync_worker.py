@@ -137,13 +137,12 @@ def greedy_episodes(vllm_backend, engine, tokenizer) -> dict:  # noqa: ANN001
     """Greedy multi-turn episodes with the example environment ``guess_number`` on vLLM (each turn a request of the
     whole history) and on the embedded backend (later turns prefill only the observation, from its static cache),
     same weights: tokens, loss masks and turns per episode, for the test to compare."""
+    import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.environments.registry import build_environment
     from oumi_megatron.environments.runner import EnvironmentRunner
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
-
-    import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
 
     greedy = SamplingParams(temperature=1.0, greedy=True, max_new_tokens=120, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=256)

@@ -218,10 +218,11 @@ class VllmEngineHost:
         # prompt and the batch's largest remaining budget as max_tokens (environments/episodes.py), which would
         # overrun it for the episodes with longer histories (their own budget ends there anyway)
         per_prompt: Any = params
-        if any(len(p) + params.max_tokens > self.max_model_len for p in prompts):
+        wanted = params.max_tokens or 0
+        if any(len(p) + wanted > self.max_model_len for p in prompts):
             per_prompt = [params.clone() for _ in prompts]
             for p, each in zip(prompts, per_prompt):
-                each.max_tokens = max(1, min(params.max_tokens, self.max_model_len - len(p)))
+                each.max_tokens = max(1, min(wanted, self.max_model_len - len(p)))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         result = []
         for out in outputs:
