@@ -371,17 +371,21 @@ def run_real_model(c: Check) -> None:
     Oumi's gsm8k reward from .gpu_real/rows (scripts/prepare_gpu_real_model.py). GPU_CHECK_REAL_STEPS caps the steps (a
     run resumes from output/ on a machine still warm), GPU_CHECK_REAL_BASE evaluates the base model too,
     GPU_CHECK_REAL_BACKEND=vllm rolls out with vLLM (GPU_CHECK_REAL_KV_GIB sizes its KV cache), GPU_CHECK_REAL_BUDGET_S
-    (default 540) stops it in time for its metrics to come back, GPU_CHECK_REAL_SAVE_STEPS checkpoints more often."""
+    (default 540) stops it in time for its metrics to come back, GPU_CHECK_REAL_SAVE_STEPS checkpoints more often,
+    GPU_CHECK_REAL_CONFIG runs another config of the task (e.g. configs/smollm2_arithmetic_large_calculator_gpu.yaml; its
+    rows prepared for it)."""
     c.ensure_hf_model("GPU_CHECK_REAL_MODEL", tail=4)
     backend = env("GPU_CHECK_REAL_BACKEND")
-    work = "output/real_gpu" + (f"_{backend}" if backend else "")
+    config = env("GPU_CHECK_REAL_CONFIG", "configs/smollm2_arithmetic_gpu.yaml")
+    stem = Path(config).stem.removeprefix("smollm2_arithmetic").removesuffix("_gpu")
+    work = "output/real_gpu" + stem + (f"_{backend}" if backend else "")
     flags = [*(["--max-steps", env("GPU_CHECK_REAL_STEPS")] if env("GPU_CHECK_REAL_STEPS") else []),
              *(["--eval-base"] if env("GPU_CHECK_REAL_BASE") else []),
              *(["--inference-backend", backend] if backend else []),
              *(["--vllm-kv-cache-gib", env("GPU_CHECK_REAL_KV_GIB")] if env("GPU_CHECK_REAL_KV_GIB") else []),
              *(["--save-steps", env("GPU_CHECK_REAL_SAVE_STEPS")] if env("GPU_CHECK_REAL_SAVE_STEPS") else [])]
     log = c.out("real_model.log")
-    rc = c.sh(["timeout", env("GPU_CHECK_REAL_BUDGET_S", "540"), *PY, "scripts/run_grpo.py", "configs/smollm2_arithmetic_gpu.yaml",
+    rc = c.sh(["timeout", env("GPU_CHECK_REAL_BUDGET_S", "540"), *PY, "scripts/run_grpo.py", config,
                work, "--rows", ".gpu_real/rows", *flags], log=log)
     c.copy(f"{work}/run/metrics.jsonl", c.out("real_metrics.jsonl"))
     c.copy(f"{work}/result.json", c.out("real_result.json"))

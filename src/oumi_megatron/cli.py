@@ -7,7 +7,7 @@
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
     oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
     oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
-    oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200]
+    oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200] [--numbers large]
 
 convert/export run on one process, or on several under torchrun with the matching --tp/--pp.
 
@@ -212,7 +212,7 @@ def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
     for name, value in (("--train", args.train), ("--eval", args.eval)):
         if value < 1:
             raise SystemExit(f"error: {name} {value}: write at least 1 row")
-    paths = write_splits(args.out, train=args.train, eval_=args.eval, seed=args.seed)
+    paths = write_splits(args.out, train=args.train, eval_=args.eval, seed=args.seed, numbers=args.numbers)
     console.print(f"wrote {paths['train']} ({args.train} rows, {len(TRAIN_TEMPLATES)} templates), {paths['eval_seen']} "
                   f"({args.eval} rows, the same templates) and {paths['eval_unseen']} ({args.eval} rows, "
                   f"{len(UNSEEN_TEMPLATES)} templates never trained on)")
@@ -324,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--train", type=int, default=2000, help="training rows")
     a.add_argument("--eval", type=int, default=200, help="rows of each eval set (seen templates, unseen templates)")
     a.add_argument("--seed", type=int, default=0, help="generator seed (the eval sets use other seeds)")
+    a.add_argument("--numbers", choices=("small", "large"), default="small",
+                   help="large: 3-digit sums, 2-digit products (the arithmetic_large_* files, for the calculator task)")
     a.set_defaults(func=cmd_make_arithmetic_data)
     return parser
 

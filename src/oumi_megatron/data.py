@@ -175,10 +175,16 @@ def steps_for_epochs(epochs: float, rows: int, prompts_per_step: int) -> int:
     return max(1, math.ceil(epochs * rows / prompts_per_step))
 
 
-def prompt_token_ids(tokenizer: Any, prompt: Any, limit: int) -> tuple[list[int], int]:
+def prompt_token_ids(tokenizer: Any, prompt: Any, limit: int, system: str | None = None) -> tuple[list[int], int]:
     """A row's ``prompt`` (text or chat messages) rendered with the tokenizer's chat template and the
-    generation prompt, left-truncated to ``limit`` tokens (as TRL does), and its full length."""
+    generation prompt, left-truncated to ``limit`` tokens (as TRL does), and its full length. ``system``: a system
+    message first (an environment's instructions, e.g. how to call its tool), before the row's own if it has one."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    if system:
+        if messages and messages[0].get("role") == "system":
+            messages = [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": system}, *messages]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return ids[-limit:], len(ids)

@@ -38,6 +38,10 @@ class EpisodeEnd:
 
 
 class Environment(Protocol):
+    """Optional attributes: ``system_prompt`` (text put first in every prompt as a system message: how to use the
+    tool) and ``observation_roles`` (the roles its observations take, default ``("tool",)``; validation checks the
+    chat template renders them)."""
+
     def start(self, row: dict[str, Any]) -> Any:
         """The per-episode state for a dataset row (anything; passed back to ``step``)."""
 

@@ -21,8 +21,9 @@ MAX_ABS = 1e15
 
 TOOL_PROMPT = ('You can use a calculator. To compute something, write exactly <tool_call>{"name": "calculator", '
                '"arguments": {"expression": "EXPRESSION"}}</tool_call> with numbers and + - * / ( ) only, and wait for '
-               'the result. When you know the answer, reply without a tool call.')
-"""What the task prompt tells the model (examples/arithmetic_task.py puts it in the system message)."""
+               'the result. For example: <tool_call>{"name": "calculator", "arguments": {"expression": "23*47"}}'
+               '</tool_call> gets the result 1081. When you know the answer, reply without a tool call.')
+"""What every prompt tells the model, as its system message (``CalculatorEnvironment.system_prompt``)."""
 
 
 class CalculatorError(ValueError):
@@ -82,6 +83,8 @@ def format_value(v: int | float) -> str:
 class CalculatorEnvironment:
     """``calculator`` (environments/registry.py). One calculator call per turn; the episode ends at the first turn
     without a call (or at ``grpo.max_turns``)."""
+
+    system_prompt = TOOL_PROMPT
 
     def start(self, row: dict[str, Any]) -> dict[str, int]:
         return {"tool_calls": 0, "tool_errors": 0}

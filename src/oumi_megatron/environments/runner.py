@@ -73,6 +73,8 @@ class EnvironmentRunner:
 
     def __init__(self, env: Environment, timeout_s: float, group: Any = None, ranks: list[int] | None = None) -> None:
         self.env = env
+        self.system_prompt: str | None = getattr(env, "system_prompt", None)
+        """The environment's instructions to the model (how to call its tool): the prompts' system message."""
         self.timeout_s = timeout_s
         self.group = group
         self.ranks = ranks or [0]

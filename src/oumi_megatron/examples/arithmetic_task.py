@@ -33,52 +33,54 @@ ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps
 Step = tuple[int, str, int, int]  # a, operator, b, result
 
 
-def _add(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b = rng.randint(5, 60), rng.randint(3, 40)
+def _add(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b = (rng.randint(100, 999), rng.randint(100, 999)) if big else (rng.randint(5, 60), rng.randint(3, 40))
     return {"a": a, "b": b}, [(a, "+", b, a + b)]
 
 
-def _subtract(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a = rng.randint(20, 90)
-    b = rng.randint(3, a - 5)
+def _subtract(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a = rng.randint(300, 999) if big else rng.randint(20, 90)
+    b = rng.randint(100 if big else 3, a - (100 if big else 5))
     return {"a": a, "b": b}, [(a, "-", b, a - b)]
 
 
-def _multiply(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b = rng.randint(2, 9), rng.randint(3, 12)
+def _multiply(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b = (rng.randint(12, 99), rng.randint(12, 99)) if big else (rng.randint(2, 9), rng.randint(3, 12))
     return {"a": a, "b": b}, [(a, "*", b, a * b)]
 
 
-def _divide(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    b, q = rng.randint(2, 9), rng.randint(2, 12)
+def _divide(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    b, q = (rng.randint(12, 49), rng.randint(12, 99)) if big else (rng.randint(2, 9), rng.randint(2, 12))
     return {"a": b * q, "b": b}, [(b * q, "/", b, q)]
 
 
-def _groups_plus(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b, c = rng.randint(2, 8), rng.randint(3, 10), rng.randint(1, 15)
+def _groups_plus(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b, c = ((rng.randint(12, 60), rng.randint(12, 99), rng.randint(100, 999)) if big else
+               (rng.randint(2, 8), rng.randint(3, 10), rng.randint(1, 15)))
     return {"a": a, "b": b, "c": c}, [(a, "*", b, a * b), (a * b, "+", c, a * b + c)]
 
 
-def _pay_change(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b = rng.randint(2, 6), rng.randint(2, 9)
-    c = a * b + rng.randint(1, 25)
+def _pay_change(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b = (rng.randint(12, 40), rng.randint(12, 99)) if big else (rng.randint(2, 6), rng.randint(2, 9))
+    c = a * b + (rng.randint(100, 999) if big else rng.randint(1, 25))
     return {"a": a, "b": b, "c": c}, [(a, "*", b, a * b), (c, "-", a * b, c - a * b)]
 
 
-def _gain_lose(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b = rng.randint(10, 40), rng.randint(5, 30)
-    c = rng.randint(2, a + b - 1)
+def _gain_lose(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b = (rng.randint(100, 900), rng.randint(100, 900)) if big else (rng.randint(10, 40), rng.randint(5, 30))
+    c = rng.randint(100 if big else 2, a + b - 1)
     return {"a": a, "b": b, "c": c}, [(a, "+", b, a + b), (a + b, "-", c, a + b - c)]
 
 
-def _sum_repeated(rng: random.Random) -> tuple[dict[str, int], list[Step]]:
-    a, b, c = rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 7)
+def _sum_repeated(rng: random.Random, big: bool) -> tuple[dict[str, int], list[Step]]:
+    a, b, c = ((rng.randint(100, 500), rng.randint(100, 500), rng.randint(12, 40)) if big else
+               (rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 7)))
     return {"a": a, "b": b, "c": c}, [(a, "+", b, a + b), (a + b, "*", c, (a + b) * c)]
 
 
 # Operation structure -> (numbers and worked steps, six phrasings). Slots: {name}, {item}, the numbers {a} {b}
 # {c}, and {x}: a distractor number the answer does not use.
-KINDS: dict[str, tuple[Callable[[random.Random], tuple[dict[str, int], list[Step]]], tuple[str, ...]]] = {
+KINDS: dict[str, tuple[Callable[[random.Random, bool], tuple[dict[str, int], list[Step]]], tuple[str, ...]]] = {
     "add": (_add, (
         "{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?",
         "A library had {a} visitors in the morning and {b} in the afternoon. It opened at {x} o'clock. "
@@ -197,43 +199,53 @@ TRAIN_TEMPLATES = tuple(t for t in TEMPLATES if not t.unseen)
 UNSEEN_TEMPLATES = tuple(t for t in TEMPLATES if t.unseen)
 
 
-def make_row(template: Template, rng: random.Random) -> dict:
-    """One problem of ``template``: ``{"question", "answer", "level", "template"}``."""
-    numbers, steps = KINDS[template.kind][0](rng)
+def make_row(template: Template, rng: random.Random, big: bool = False) -> dict:
+    """One problem of ``template``: ``{"question", "answer", "level", "template"}``; ``big``: the larger numbers."""
+    numbers, steps = KINDS[template.kind][0](rng, big)
     question = template.text.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), x=rng.randint(3, 12), **numbers)
     worked = [f"{a}{op}{b}=<<{a}{op}{b}={r}>>{r}." for a, op, b, r in steps]
     return {"question": question, "answer": "\n".join(worked) + f"\n#### {steps[-1][3]}", "level": len(steps),
             "template": template.id}
 
 
-def make_rows(n: int, seed: int, templates: tuple[Template, ...] = TRAIN_TEMPLATES) -> list[dict]:
+def make_rows(n: int, seed: int, templates: tuple[Template, ...] = TRAIN_TEMPLATES, big: bool = False) -> list[dict]:
     """``n`` rows, the templates in turn (each equally often); deterministic in ``seed``."""
     rng = random.Random(seed)
-    return [make_row(templates[i % len(templates)], rng) for i in range(n)]
+    return [make_row(templates[i % len(templates)], rng, big) for i in range(n)]
 
 
 SPLIT_FILES = {"train": "arithmetic_train.jsonl", "eval_seen": "arithmetic_eval_seen.jsonl",
                "eval_unseen": "arithmetic_eval_unseen.jsonl"}
+LARGE_SPLIT_FILES = {split: name.replace("arithmetic_", "arithmetic_large_") for split, name in SPLIT_FILES.items()}
+"""The larger-number split (``numbers: large``): 3-digit sums and differences, 2-digit x 2-digit products, 3-4 digit
+dividends, the same 48 phrasings and the same template split; a 135M model cannot do these in its head, a calculator
+can (environments/calculator.py)."""
 
 
-def write_splits(out_dir: str | Path, train: int = 2000, eval_: int = 200, seed: int = 0) -> dict[str, Path]:
+def write_splits(out_dir: str | Path, train: int = 2000, eval_: int = 200, seed: int = 0,
+                 numbers: str = "small") -> dict[str, Path]:
     """``arithmetic_train.jsonl`` (training templates), ``arithmetic_eval_seen.jsonl`` (training templates, no
-    question also in train) and ``arithmetic_eval_unseen.jsonl`` (the other templates) in ``out_dir``."""
+    question also in train) and ``arithmetic_eval_unseen.jsonl`` (the other templates) in ``out_dir``;
+    ``numbers: large`` writes the ``arithmetic_large_*`` files instead."""
+    if numbers not in ("small", "large"):
+        raise ValueError(f"numbers must be 'small' or 'large', got {numbers!r}")
+    big = numbers == "large"
+    files = LARGE_SPLIT_FILES if big else SPLIT_FILES
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = {"train": make_rows(train, seed)}
+    rows = {"train": make_rows(train, seed, big=big)}
     seen = {r["question"] for r in rows["train"]}
     rows["eval_seen"] = []
     attempt = 0
     while len(rows["eval_seen"]) < eval_:
-        for row in make_rows(eval_, seed + 1000 + attempt):
+        for row in make_rows(eval_, seed + 1000 + attempt, big=big):
             if row["question"] not in seen and len(rows["eval_seen"]) < eval_:
                 seen.add(row["question"])
                 rows["eval_seen"].append(row)
         attempt += 1
-    rows["eval_unseen"] = make_rows(eval_, seed + 2000, UNSEEN_TEMPLATES)
+    rows["eval_unseen"] = make_rows(eval_, seed + 2000, UNSEEN_TEMPLATES, big=big)
     paths = {}
-    for split, name in SPLIT_FILES.items():
+    for split, name in files.items():
         path = paths[split] = out / name
         tmp = path.with_name(f".{path.name}.partial")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows[split]))

@@ -192,7 +192,8 @@ class RolloutCollector:
         dp, dp_rank = dp_size_and_rank()
         position = self.data_position
         rows = self._next_rows(self.prompts_per_rollout)
-        rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
+        system = self.environment.system_prompt if self.environment is not None else None
+        rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length, system) for r in rows]
         full_lengths = [n for _, n in rendered]
         truncated = sum(n > g.max_prompt_length for n in full_lengths)
         self._note_truncation(full_lengths, truncated)

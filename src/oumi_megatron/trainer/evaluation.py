@@ -100,7 +100,8 @@ class Evaluator:
         sums = torch.zeros(9 + len(names), dtype=torch.float64)
         for start in range(0, share, self.batch_size):
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
-            prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length)[0] for r in rows]
+            system = self.environment.system_prompt if self.environment is not None else None
+            prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length, system)[0] for r in rows]
             keep = max(0, min(len(rows), real - start))
             grouped, episodes = self._generate(prompts, rows)
             rows, rollouts = rows[:keep], [group[0] for group in grouped][:keep]
@@ -180,7 +181,8 @@ def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[in
     ``eval_steps``: ``steps`` every eval_steps (an int, or a fraction of max_steps as in HF/TRL),
     ``epoch`` every epoch; both at step 0 and at the end. ``no``: never."""
     strategy = option_value(training.eval_strategy, "no")
-    if strategy == "no":
+    # YAML 1.1 reads an unquoted `no` as false (Oumi then keeps the string "False"): the user meant "no"
+    if strategy in ("no", "False", "false"):
         return set()
     if strategy == "epoch":
         every = max(1, steps_per_epoch)
