@@ -223,6 +223,9 @@ def test_an_environment_that_hangs_fails_its_episode_and_the_others_go_on() -> N
     assert stats.infos == [{}, {"row": 1}]
     assert not groups[0][0].finished and groups[1][0].finished
     assert 0.3 <= stats.environment_s < 5
+    _, again = run_episodes(_ScriptedPolicy([answer]), tok, runner, [[2]], [{"id": 1}],
+                            SamplingParams(max_new_tokens=100, eos_token_id=258), n=1, max_turns=2)
+    assert again.environment_s < 0.3  # this batch's time, not the runner's total
 
 
 @pytest.mark.slow

@@ -91,6 +91,7 @@ def run_episodes(backend: RolloutBackend, tokenizer: Any, env: EnvironmentRunner
     model replica (``env`` calls the environment on its first rank). An episode whose environment call raises or
     times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss)."""
     stats = EpisodeStats()
+    env_seconds_before = env.seconds  # the runner's clock runs over the whole run
     budget = params.max_new_tokens
     first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
     first_params = replace(params, max_new_tokens=first_room)
@@ -127,7 +128,7 @@ def run_episodes(backend: RolloutBackend, tokenizer: Any, env: EnvironmentRunner
     stats.turns = [e.turns for e in episodes]
     stats.calls = [e.calls for e in episodes]
     stats.infos = [e.info for e in episodes]
-    stats.environment_s = env.seconds
+    stats.environment_s = env.seconds - env_seconds_before
     out = [Rollout(e.prompt, e.ids, e.finished and k not in stats.failed, e.logprobs, loss_mask=e.mask)
            for k, e in enumerate(episodes)]
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))], stats
