@@ -187,6 +187,24 @@ def mode_rollout(c: Check) -> None:
             print("\n".join(shown))
 
 
+def mode_episodes(c: Check) -> None:
+    """Multi-turn episodes against single-turn generation (scripts/bench_episodes.py), GPU_CHECK_EPISODES jobs of
+    SHAPE:ROWSxNEW:TURNS[:CUDA_GRAPHS]."""
+    for job in words("GPU_CHECK_EPISODES", "smollm2-135m:128x192:3 qwen2.5-1.5b:128x192:3"):
+        shape, batch, turns, *graphs = job.split(":")
+        tag = f"{shape}_{batch}_{turns}" + (f"_graphs_{graphs[0]}" if graphs else "")
+        log = c.out(f"episodes_{tag}.log")
+        argv = [*PY, "scripts/bench_episodes.py", "--shape", shape, "--batch", batch, "--turns", turns,
+                *(["--cuda-graphs", graphs[0]] if graphs else []), "--out", c.out(f"episodes_{tag}.json")]
+        rc = c.sh(argv, log=log)
+        if c.dry_run:
+            continue
+        text = Path(log).read_text(errors="replace")
+        shown = (tail_lines(text, 30) if rc else []) + grep_after(text, rf"^\| {shape}", 4)
+        if shown:
+            print("\n".join(shown))
+
+
 def mode_grpo(c: Check) -> None:
     # real: GPU_CHECK_GGUF names the GGUF (GPU_CHECK_REAL_MODEL would also start the real-model run); scale: the random
     # Qwen2.5-1.5B shape, built by the bench. Work dirs stay in /tmp/grpo: checkpoints must not travel back.
@@ -320,6 +338,8 @@ MODES = [
          "(GPU_CHECK_REPEAT times, one process each), the fast path + CUDA graphs", default=True),
     Mode("bisect", 1, mode_bisect, "the fast path + CUDA graphs with each fusion off in turn, and with chunked logprobs"),
     Mode("logprobs", 1, mode_logprobs, "the 152k-vocabulary logprob benchmark, full logits vs chunked", default=True),
+    Mode("episodes", 1, mode_episodes, "multi-turn episodes vs single-turn generation, embedded backend "
+         "(scripts/bench_episodes.py) for each SHAPE:ROWSxNEW:TURNS of GPU_CHECK_EPISODES"),
     Mode("rollout", 1, mode_rollout, "generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT"),
     Mode("grpo", 1, mode_grpo, "whole GRPO runs, this project vs TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS "
          "(default real; real needs GPU_CHECK_GGUF), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS"),

@@ -1,0 +1,135 @@
+"""Multi-turn episodes against single-turn generation on the embedded backend, one GPU, same call (issue 46).
+
+    python scripts/bench_episodes.py --shape smollm2-135m --batch 128x192 --turns 3 --out result.json
+
+The same policy tokens either way: ROWS / 8 prompts of 64 random tokens, 8 samples each, NEW tokens per row, no EOS
+(random weights, bf16, temperature 1). Paths:
+- ``single``: one ``generate`` of NEW tokens (the single-turn reference);
+- ``episodes``: ``run_episodes`` (what the trainer runs under ``grpo.environment``) with a toy environment that
+  answers every turn with a 16-character observation, ``--turns`` turns of NEW / turns tokens
+  (``grpo.max_turn_tokens``): later turns continue from the static KV cache (rollout/decoding/continuation.py);
+- ``episodes_recompute``: the same episodes through ``generate`` over each episode's whole history (what a backend
+  without the cache continuation does: every turn prefills the history again).
+
+Reported: policy tokens/s (observation tokens not counted), the ratio to ``single`` (the issue's goal: multi-turn
+within 1.3x of single-turn, i.e. a ratio >= 0.77), decode ms per step of the last call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+import bench_common
+from bench_rollout import measure
+
+
+class _EveryTurnAnswered:
+    """A toy environment: every turn gets the same short observation (the episode ends at the turn limit)."""
+
+    def start(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, state: None, turn_text: str, turn_ids: list[int]) -> Any:
+        from oumi_megatron.environments.base import Observation
+
+        return Observation("result: 12345678")
+
+
+class _HistoryOnly:
+    """The embedded backend without its cache continuation: each later turn is a ``generate`` of the whole history."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.backend.generate(*args, **kwargs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--batch", default="128x192", help="ROWSxNEW_TOKENS (policy tokens per row)")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--cuda-graphs", default="auto", help="megatron.rollout_cuda_graphs (false: eager decode steps)")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    rows, new = (int(x) for x in args.batch.split("x"))
+    if new % args.turns:
+        raise SystemExit(f"--batch: NEW ({new}) must be a multiple of --turns ({args.turns})")
+
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine_from_hf_config
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.rendering import observation_ids
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.examples.tiny_models import build_byte_tokenizer
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    cfg = bench_common.hf_config(args.shape)
+    params = MegatronParams()
+    params.transformer_config.recompute_granularity = None
+    _, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=10),
+                                            dtype=torch.bfloat16)
+    backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=args.cuda_graphs)
+    n = 8
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, cfg.vocab_size, (rows // n, 64), generator=g).tolist()
+    tokenizer = build_byte_tokenizer()  # renders the observations (byte ids, within every shape's vocabulary)
+    observation = len(observation_ids(tokenizer, _EveryTurnAnswered().step(None, "", []))[0])
+    per_turn = new // args.turns
+    budget = new + (args.turns - 1) * observation + 1
+    single = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
+    episodic = SamplingParams(max_new_tokens=budget, pad_token_id=0, temperature=1.0)
+    backend.generate(prompts[:2], SamplingParams(max_new_tokens=4, pad_token_id=0), n)  # warm-up
+
+    def episodes(b: Any) -> Any:
+        return run_episodes(b, tokenizer, EnvironmentRunner(_EveryTurnAnswered(), 60), prompts, [{}] * len(prompts),
+                            episodic, n, max_turns=args.turns, max_observation_tokens=64, seed=1,
+                            max_turn_tokens=per_turn)
+
+    runs = {"single": lambda: backend.generate(prompts, single, n, seed=1), "episodes": lambda: episodes(backend),
+            "episodes_recompute": lambda: episodes(_HistoryOnly(backend))}
+    results: dict[str, dict] = {}
+    for name, fn in runs.items():
+        best = None
+        for _ in range(args.repeat):
+            out, seconds, peak = measure(fn)
+            groups = out[0] if isinstance(out, tuple) else out
+            policy = sum(sum(r.loss_mask) if r.loss_mask is not None else len(r.completion_ids) for g in groups for r in g)
+            stats = backend.last_stats
+            row = {"policy_tokens": policy, "seconds": seconds, "tokens_per_s": policy / seconds, "peak_gib": peak,
+                   "decode_ms_per_step": stats.decode_ms_per_step if stats else None,
+                   "last_call_capture_s": stats.capture_s if stats else None,
+                   "last_call_prefill_s": stats.prefill_s if stats else None}
+            if isinstance(out, tuple):
+                row["turns_mean"] = sum(out[1].turns) / len(out[1].turns)
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+        results[name] = best  # type: ignore[assignment]
+    for r in results.values():
+        r["x_single"] = r["tokens_per_s"] / results["single"]["tokens_per_s"]
+    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "batch": args.batch,
+           "turns": args.turns, "cuda_graphs": args.cuda_graphs, "observation_tokens": observation, "results": results}
+    print(json.dumps(out, indent=1))
+    print(f"\n| {args.shape} {args.batch}, {args.turns} turns, graphs {args.cuda_graphs} | policy tok/s | x single | s | turns "
+          "| last call: capture s / prefill s / decode ms | peak GiB |")
+    for name, r in results.items():
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['x_single']:.2f} | {r['seconds']:.2f} | {r.get('turns_mean', 1):.1f} | "
+              f"{r['last_call_capture_s'] or 0:.3f} / {r['last_call_prefill_s'] or 0:.3f} / {r['decode_ms_per_step'] or 0:.2f} | "
+              f"{r['peak_gib']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
