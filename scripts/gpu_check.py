@@ -513,7 +513,7 @@ def real_model_report(results: Path) -> str:
              "| format | rollout s / train s (last step) | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for prefix in [k.split("/")[0] for k in c[-1] if k.endswith("/accuracy")]:
-        lines.append(f"| configs/smollm2_arithmetic_gpu.yaml | {prefix} | {r['card']} | {c[-1]['step']} "
+        lines.append(f"| {r.get('config', 'configs/smollm2_arithmetic_gpu.yaml')} | {prefix} | {r['card']} | {c[-1]['step']} "
                      f"| {c[0][prefix + '/accuracy']:.3f} -> {c[-1][prefix + '/accuracy']:.3f} "
                      f"| {r['hf_model_eval'][prefix + '/accuracy']:.3f} | {c[-1][prefix + '/format_rate']:.2f} "
                      f"| {t[-1]['time/rollout_s']:.1f} / {t[-1]['time/train_s']:.2f} "

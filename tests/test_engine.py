@@ -289,6 +289,16 @@ def test_on_policy_first_update_reports_what_the_old_logprob_pass_would(converte
     assert got["ratio_sum"] == got["completion_tokens"]  # old logprobs = this forward's: the ratio is exactly 1
 
 
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--pp", "2"]], ids=["one_rank", "tp2", "pp2"])
+def test_observation_tokens_get_no_gradient_on_any_layout(converted: Path, workdir: Path, layout: list[str]) -> None:
+    """Issue 46: changing an out-of-loss observation's tokens (so their logprobs) changes no parameter's gradient,
+    through the real GRPO loss, on 1 rank, TP 2 and PP 2 (engine_worker.py ``observation_mask_check``)."""
+    got = _engine_run(converted, workdir / f"observation_mask_{'_'.join(layout) or 'one_rank'}",
+                      [*layout, "--observation-mask-check"], nproc=2 if layout else 1)
+    assert got["grad_max_abs"] > 1e-6, got  # the step trained on the policy's tokens
+    assert got["grad_max_abs_diff"] == 0.0, got
+
+
 KV_ATOL = 1e-5  # fp32 last-token logits, KV cache vs re-running the prefix; seen <= 3e-7
 
 

@@ -85,6 +85,45 @@ def on_policy_check(engine, out: Path) -> None:  # noqa: ANN001
     dist.barrier()
 
 
+def observation_mask_check(engine, out: Path) -> None:  # noqa: ANN001
+    """Issue 46: a multi-turn episode's observation tokens get exactly no gradient. Two train steps (lr 0: the weights
+    stay) through the real GRPO loss on batches that differ only in each row's last two tokens, an observation at the
+    end of the episode, out of the loss (``completion_mask`` 0) like a mid-episode one (positions 10-13): their
+    logprobs differ, nothing after them is scored, so every parameter's gradient must be the same. Records the largest
+    difference and the largest gradient (a step that trained nothing would also 'match')."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.grpo.loss import make_grpo_loss_fn
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    ids = global_batch(0)
+    mask = torch.ones_like(ids)
+    mask[:, :4] = 0  # the prompt
+    mask[:, 10:14] = 0  # an observation mid-episode
+    mask[:, -3:] = 0  # the final observation's two tokens (the targets of positions -3 and -2), and no target after
+    changed = ids.clone()
+    changed[:, -2:] = (ids[:, -2:] + 7) % 300
+    loss_fn = make_grpo_loss_fn(MegatronGrpoParams(beta=0.0, tis_cap=None, max_completion_length=24))
+    grads = []
+    for batch in (ids, changed):
+        local = batch.chunk(dp)[dp_rank], mask.chunk(dp)[dp_rank]
+        mbs = [{"input_ids": i, "completion_mask": m, "advantages": torch.linspace(-1, 1, i.shape[0]),
+                "rollout_logprobs": torch.zeros(i.shape, dtype=torch.float32)}
+               for i, m in zip(local[0].split(2), local[1].split(2))]
+        engine.train_step(mbs, loss_fn)
+        grads.append({n: g for n, (g, _) in parameter_state(engine).items()})
+    worst = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
+    largest = max(float(g.abs().max()) for g in grads[0].values())
+    stats = torch.tensor([worst, largest], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps({"grad_max_abs_diff": stats[0].item(), "grad_max_abs": stats[1].item()}))
+    dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
@@ -107,6 +146,8 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b", help="megatron.pipeline_schedule")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron.sequence_parallel: true (TP > 1)")
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
+    p.add_argument("--observation-mask-check", action="store_true",
+                   help="only the zero-gradient check of out-of-loss observation tokens (lr 0, two train steps)")
     p.add_argument("--on-policy-check", action="store_true",
                    help="only the GRPO loss's on-policy first update against the forward-only pass (no training)")
     args = p.parse_args()
@@ -136,11 +177,15 @@ def main() -> None:
     params.sequence_parallel = args.sequence_parallel
     if args.grad_accum_fusion:
         params.transformer_config.gradient_accumulation_fusion = True
-    settings = OptimSettings(lr=1e-3, weight_decay=0.01, clip_grad=1.0, total_steps=args.steps)
+    settings = OptimSettings(lr=0.0 if args.observation_mask_check else 1e-3, weight_decay=0.01, clip_grad=1.0,
+                             total_steps=args.steps)
     bridge, engine = build_engine(args.ckpt, engine_layout(params), params, settings, dtype=torch.float32)
 
     if args.on_policy_check:
         on_policy_check(engine, Path(args.out))
+        return
+    if args.observation_mask_check:
+        observation_mask_check(engine, Path(args.out))
         return
     from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, save_checkpoint
 
