@@ -172,19 +172,25 @@ def mode_logprobs(c: Check) -> None:
     c.sh([*PY, "scripts/bench_logprobs.py", "--out", c.out("logprobs.json")], tail=3)
 
 
+def bench_table(c: Check, argv: list[str], log: str, shape: str, rows: int) -> None:
+    """Runs a generation bench into ``log``; prints its table (the line starting ``| SHAPE`` and ``rows`` after it),
+    and its last 30 lines when it failed."""
+    rc = c.sh(argv, log=log)
+    if c.dry_run:
+        return
+    text = Path(log).read_text(errors="replace")
+    shown = (tail_lines(text, 30) if rc else []) + grep_after(text, rf"^\| {shape}", rows)
+    if shown:
+        print("\n".join(shown))
+
+
 def mode_rollout(c: Check) -> None:
     for job in words("GPU_CHECK_ROLLOUT", "smollm2-135m:128x128 qwen2.5-1.5b:128x128"):
         shape, batch, *paths = job.split(":")
         log = c.out(f"rollout_{shape}_{batch}.log")
         argv = [*PY, "scripts/bench_rollout.py", "--shape", shape, "--batch", batch, *(["--paths", paths[0]] if paths and paths[0] else []),
                 "--out", c.out(f"rollout_{shape}_{batch}.json")]
-        rc = c.sh(argv, log=log)
-        if c.dry_run:
-            continue
-        text = Path(log).read_text(errors="replace")
-        shown = (tail_lines(text, 30) if rc else []) + grep_after(text, rf"^\| {shape}", 6)
-        if shown:
-            print("\n".join(shown))
+        bench_table(c, argv, log, shape, 6)
 
 
 def mode_episodes(c: Check) -> None:
@@ -196,13 +202,7 @@ def mode_episodes(c: Check) -> None:
         log = c.out(f"episodes_{tag}.log")
         argv = [*PY, "scripts/bench_episodes.py", "--shape", shape, "--batch", batch, "--turns", turns,
                 *(["--cuda-graphs", graphs[0]] if graphs else []), "--out", c.out(f"episodes_{tag}.json")]
-        rc = c.sh(argv, log=log)
-        if c.dry_run:
-            continue
-        text = Path(log).read_text(errors="replace")
-        shown = (tail_lines(text, 30) if rc else []) + grep_after(text, rf"^\| {shape}", 4)
-        if shown:
-            print("\n".join(shown))
+        bench_table(c, argv, log, shape, 4)
 
 
 def mode_grpo(c: Check) -> None:

@@ -112,13 +112,13 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
         config.model = copy.copy(config.model)
         config.model.model_name = str(model_dir)
     dtype = config.model.torch_dtype
+    tokenizer = build_tokenizer(config.model)
+    check_environment(config.grpo, tokenizer)  # before the weights are read
     _, engine = build_inference_engine(config.model.model_name, layout, config.megatron, dtype,
                                        trust_remote_code=bool(config.model.trust_remote_code))
-    tokenizer = build_tokenizer(config.model)
     backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
                                                    work_dir=Path(config.training.output_dir) / "eval_vllm"))
     rewards = ReplicaScorer(RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error, reward_functions))
-    check_environment(config.grpo, tokenizer)
     environment = environment_runner(config.grpo, rewards.group, rewards.ranks)
     metrics: dict[str, float] = {}
     try:

@@ -35,7 +35,6 @@ class EpisodeStats:
     turns: list[int] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
     """Per episode, the turns that called a tool."""
-    tool_calls: int = 0
     tool_errors: int = 0
     parse_failures: int = 0
     observation_tokens: int = 0
@@ -47,6 +46,15 @@ class EpisodeStats:
     environment_s: float = 0.0
     sample: list[dict[str, Any]] = field(default_factory=list)
     """The first episode's turns: ``{"turn": text}`` and ``{"observation": text}`` in order."""
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(self.calls)
+
+    def reward_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``rows`` (row i: episode i's; the first ``len(rows)`` episodes) with how each episode ended (``env_info``:
+        its ``EpisodeEnd.info``), for the reward functions."""
+        return [{**row, "env_info": info} for row, info in zip(rows, self.infos)]
 
 
 @dataclass
@@ -155,7 +163,6 @@ def _answer_turns(episodes: list[_Episode], tokenizer: Any, env: EnvironmentRunn
         if isinstance(answer, EpisodeEnd):
             e.running, e.info = False, dict(answer.info)
             continue
-        stats.tool_calls += answer.tool_call
         e.calls += answer.tool_call
         stats.tool_errors += answer.error
         stats.parse_failures += answer.parse_failure
@@ -186,7 +193,7 @@ def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
         out.episodes += part.episodes
         for name in ("turns", "calls", "infos"):
             getattr(out, name).extend(getattr(part, name))
-        for name in ("tool_calls", "tool_errors", "parse_failures", "observation_tokens", "observations_truncated",
+        for name in ("tool_errors", "parse_failures", "observation_tokens", "observations_truncated",
                      "environment_s"):
             setattr(out, name, getattr(out, name) + getattr(part, name))
     return out

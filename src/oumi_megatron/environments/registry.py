@@ -47,9 +47,8 @@ def check_environment(grpo: Any, tokenizer: Any) -> None:
     except TemplateCannotRender as e:
         raise UserInputError(
             f"grpo.environment: {grpo.environment!r} answers with {', '.join(map(repr, roles))} messages, but {e}. "
-            "Use a model whose chat "
-            "template renders tool messages (ChatML ones do: Qwen2.5, SmolLM2-Instruct), or set model.chat_template "
-            "to such a template.") from e
+            "Use a model whose chat template renders them (ChatML ones render any role: Qwen2.5, SmolLM2-Instruct), "
+            "or set model.chat_template to such a template.") from e
 
 
 def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = None) -> EnvironmentRunner | None:

@@ -95,6 +95,7 @@ class MegatronRolloutBackend:
         session = _EmbeddedEpisodes(self, EpisodeDecoding(self.decoder, prompts, n, self.generator))
         tokens, logprobs, self.last_stats = session.decoding.first_turn(params)
         out = _rollouts(tokens, logprobs, session.decoding.history_prompts(), params)
+        session.decoding.keep([r.completion_ids for r in out])
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))], session
 
     def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +155,9 @@ class _EmbeddedEpisodes:
             self.backend.generator.manual_seed(seed)
         prompts = [list(h) + list(a) if a is not None else [] for h, a in zip(self.decoding.history, appended)]
         tokens, logprobs, self.backend.last_stats = self.decoding.next_turn(appended, params)
-        out = _rollouts(tokens, logprobs, prompts, params)
-        return [r if a is not None else None for r, a in zip(out, appended)]
+        out = [r if a is not None else None for r, a in zip(_rollouts(tokens, logprobs, prompts, params), appended)]
+        self.decoding.keep([None if r is None else r.completion_ids for r in out])
+        return out
 
 
 def _rollouts(tokens: torch.Tensor, logprobs: torch.Tensor, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:

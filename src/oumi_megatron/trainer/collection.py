@@ -210,7 +210,7 @@ class RolloutCollector:
         prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
         sample_rows = [rows[p] for p in groups for _ in range(n)]
         if episodes is not None:  # the rewards see how each episode ended (EpisodeEnd.info)
-            sample_rows = [{**row, "env_info": info} for row, info in zip(sample_rows, episodes.infos)]
+            sample_rows = episodes.reward_rows(sample_rows)
         rewards = self.rewards(prompts, completions, sample_rows)
         if episodes is not None and episodes.failed:
             self._drop_failed_episodes(pending.step, rewards, episodes, prompts)

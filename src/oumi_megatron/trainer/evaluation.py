@@ -107,7 +107,7 @@ class Evaluator:
             rows, rollouts = rows[:keep], [group[0] for group in grouped][:keep]
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
-            scored_rows = rows if episodes is None else [{**r, "env_info": i} for r, i in zip(rows, episodes.infos)]
+            scored_rows = rows if episodes is None else episodes.reward_rows(rows)
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
             scored = self.rewards(texts, completions, scored_rows)
             if episodes is not None:  # a failed episode is scored as wrong

@@ -48,36 +48,31 @@ class EpisodeDecoding:
         return [list(p) for p in self.prompts for _ in range(self.n)]
 
     def first_turn(self, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
+        """The prompts' first turn; the caller hands each row's kept tokens to ``keep``."""
         d = self.decoder
         with d.engine.generation_mode():
-            run = _Generation.for_prompts(d.stages, self.prompts, self.n, params, d.vocab_size, self.generator)
-            out = d.run(run, run.prefill)
-        self._keep(run, out[0], params, [True] * len(self.history))
-        return out
+            self.run = _Generation.for_prompts(d.stages, self.prompts, self.n, params, d.vocab_size, self.generator)
+            return d.run(self.run, self.run.prefill)
 
     def next_turn(self, appended: list[list[int] | None],
                   params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
         """The next turn of the rows whose ``appended`` is not None (those ids follow the row's last turn); the other
-        rows are done (their tokens in the result are padding)."""
+        rows are done (their tokens in the result are padding). The caller hands the kept tokens to ``keep``."""
         assert self.run is not None, "first_turn comes first"
         d = self.decoder
-        going = [a is not None for a in appended]
         with d.engine.generation_mode():
-            run, extend = _continued(self.run, self.history, appended, params)
-            out = d.run(run, extend)
+            self.run, extend = _continued(self.run, self.history, appended, params)
+            out = d.run(self.run, extend)
         for r, a in enumerate(appended):
             if a is not None:
                 self.history[r] += a
-        self._keep(run, out[0], params, going)
         return out
 
-    def _keep(self, run: _Generation, tokens: torch.Tensor, params: SamplingParams, going: list[bool]) -> None:
-        """Each continuing row's new tokens (up to its EOS) join its history."""
-        self.run = run
-        for r, ids in enumerate(tokens.tolist()):
-            if going[r]:
-                if params.eos_token_id is not None and params.eos_token_id in ids:
-                    ids = ids[: ids.index(params.eos_token_id) + 1]
+    def keep(self, turns: list[list[int] | None]) -> None:
+        """Each continuing row's new turn (its tokens up to and including its EOS, as the caller returned them) joins
+        its history; None: the row did not continue."""
+        for r, ids in enumerate(turns):
+            if ids is not None:
                 self.history[r] += ids
 
 
