@@ -23,7 +23,8 @@ Per row: tokens/s/GPU (prompt + completion tokens of the step's batch over the s
 step 1, the warm-up, left out), step time and its split (ours: weight sync, wake, rollout, sleep, logprobs, train;
 TRL: generate-and-score, which includes its old-logprob pass, and the rest), peak memory (PyTorch's allocator: a
 vLLM engine's own pool is not in it), mean completion length, reward at the first and last 10 steps.
-``--prompts/--generations/--max-new-tokens`` shrink the run (CPU smoke tests).
+``--prompts/--generations/--max-new-tokens`` shrink the run (CPU smoke tests). ``--profile`` adds the step profile of
+our rows: each ``time/*`` phase of trainer/step_profile.py, ms per step (mean over the steps that count).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
         "peak_gib": max((t["perf/peak_gpu_memory_gib"] or 0) for t in train),
         "completion_length": mean_of(train, "completion_length/mean"),
         "completion_length_per_step": [t["completion_length/mean"] for t in train],
+        "profile": {k: mean_of(steady, k) for k in sorted({k for t in steady for k in t if k.startswith("time/")})},
     }
 
 
@@ -149,6 +151,21 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+PROFILE = ("rollout", "prompts", "generate", "decode", "detokenize", "reward", "score_gather", "rollout_host", "sync",
+           "wake", "sleep", "batch_build", "logprob", "train")
+
+
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """Our rows' step profile: ms per step of each phase (trainer/step_profile.py), '-' where a path has none."""
+    ours = [r for r in rows if r.get("profile")]
+    lines = ["| step profile, ms per step | " + " | ".join(PROFILE) + " |", "| --- |" + " --- |" * len(PROFILE)]
+    for r in ours:
+        cells = [fmt(None if r["profile"].get(f"time/{k}_s") is None else 1e3 * r["profile"][f"time/{k}_s"], ".0f")
+                 for k in PROFILE]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--task", default="real", choices=("real", "scale"))
@@ -161,6 +178,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="also print our rows' step profile (time/* phases)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +193,8 @@ def main() -> None:
         return run_trl(args, out, vllm=path == "trl_vllm")
 
     rows, failed = run_rows(args.paths, PATHS, run_path, results / f"{args.task}_result.json")
-    print_report(f"{card_name()}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`", table(rows, args), failed)
+    text = table(rows, args) + ("\n\n" + profile_table(rows) if args.profile else "")
+    print_report(f"{card_name()}, `python scripts/bench_grpo.py {' '.join(sys.argv[1:])}`", text, failed)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ def main() -> None:
                                                    "time/rollout_wait_s", "time/push_s", "weight_sync/transfer_s",
                                                    "weight_sync/gbps", "weight_sync/raw_gbps",
                                                    "weight_sync/fraction_of_raw", "tis/mean_weight")}
+                           | {k: v for k, v in m.items() if k.startswith("time/")}  # the step profile (--profile)
                            for m in metrics if "reward/mean" in m]
         # which generation path ran (e.g. whether the embedded decoder's CUDA graphs were captured)
         last = getattr(trainer.backend, "last_stats", None)

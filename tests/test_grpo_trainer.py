@@ -51,6 +51,13 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
                 "time/rollout_s", "time/train_s", "grad_norm", "entropy",
                 "batch/padding_fraction", "perf/step_s", "perf/train_tokens_per_s", "perf/peak_host_memory_gib"):
         assert key in rows[-1], key
+    # the step profile (trainer/step_profile.py): the rollout phase's parts lie within it and the host's share is the
+    # rest of it after the decoder's loops
+    parts = ("prompts", "generate", "detokenize", "reward", "score_gather")
+    for r in rows:
+        t = {k[len("time/"):-len("_s")]: v for k, v in r.items() if k.startswith("time/")}
+        assert 0 < t["decode"] <= t["generate"] and sum(t[p] for p in parts) <= t["rollout"] + 1e-6, t
+        assert t["rollout_host"] == pytest.approx(t["rollout"] - t["decode"], abs=1e-9) and t["batch_build"] > 0, t
     # the embedded backend samples from the trainer's own weights (fp32): its logprobs (KV cache) equal
     # the trainer's recomputed ones up to rounding
     assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-4 and rows[-1]["mismatch/token_mult_prob_error"] < 1.0001

@@ -60,8 +60,21 @@ class MegatronRolloutBackend:
         self.path = path
         if self.decoder is not None:
             logger.info("rollout: %s", self.decoder.path)
-        self.last_stats: GenerationStats | None = None
-        """The last ``generate`` call's path, tokens, prefill and decode times (the trainer logs them)."""
+        self._last_stats: GenerationStats | None = None
+        self.decode_seconds = 0.0
+        """Seconds in the decoder's prefill and decode loops since start, over every call (the step profile's
+        ``time/decode_s``: the collector reads its growth)."""
+
+    @property
+    def last_stats(self) -> GenerationStats | None:
+        """The last ``generate`` call's (or episode turn's) path, tokens, prefill and decode times (the trainer logs them)."""
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats: GenerationStats | None) -> None:
+        self._last_stats = stats
+        if stats is not None:
+            self.decode_seconds += stats.prefill_s + stats.decode_s
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,

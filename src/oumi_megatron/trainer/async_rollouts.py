@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from oumi_megatron.rollout.base import AsyncRolloutBackend, PolicyWeights, WeightSyncStats
 from oumi_megatron.trainer.collection import PendingRound, RolloutCollector
 from oumi_megatron.trainer.dp import max_dp, sum_dp
+from oumi_megatron.trainer.step_profile import StepProfile
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,7 @@ class AsyncRollouts:
     def next_batch(self, step: int, last_step: int) -> AsyncBatch:
         """Step ``step``'s batch (``step`` GRPO steps done: the policy is version ``step``), after queueing the
         generations of the steps up to ``step + max_staleness`` (none past ``last_step``)."""
+        self.collector.profile = StepProfile()  # this step's host work: its submissions and its batch's scoring
         while len(self.in_flight) <= self.max_staleness and step + len(self.in_flight) < last_step:
             self.in_flight.append(self.collector.submit(step + len(self.in_flight), self.backend))
         pending = self.in_flight.popleft()

@@ -41,6 +41,7 @@ from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp, sum_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
 from oumi_megatron.trainer.scoring import ReplicaScorer
+from oumi_megatron.trainer.step_profile import StepProfile
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -117,11 +118,15 @@ class RolloutCollector:
         self.data_position = 0
         """Prompts read so far (checkpointed)."""
         self.warned_truncation = False
+        self.profile = StepProfile()
+        """The phases of this step's collection (trainer/step_profile.py): a new one for each ``collect``, and for each
+        step of the asynchronous loop (its submissions, then its batch's scoring)."""
 
     def collect(self, step: int) -> StepBatch:
         """The batch of GRPO step ``step + 1``: one round of generation; under ``grpo.dynamic_sampling``, rounds
         until the batch is full of groups whose rewards differ (or ``dynamic_sampling_max_rounds`` ran out: the
         rest is filler, not trained on)."""
+        self.profile = StepProfile()
         rounds = [self._generate_round(step, 0)]
         if self.grpo.dynamic_sampling:
             chosen = self._dynamic_sampling(step, rounds)
@@ -134,7 +139,8 @@ class RolloutCollector:
                          prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
                          reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample,
                          generation_s=sum(r.generation_s for r in rounds),
-                         decode_ms_per_step=rounds[-1].decode_ms_per_step, env_metrics=self._env_metrics(rounds))
+                         decode_ms_per_step=rounds[-1].decode_ms_per_step, env_metrics=self._env_metrics(rounds),
+                         profile=self.profile.metrics())
 
     def _env_metrics(self, rounds: list[_Round]) -> dict[str, float]:
         """The step's ``env/*`` metrics over every DP rank's episodes (collective; ``{}`` without an environment)."""
@@ -173,6 +179,7 @@ class RolloutCollector:
         scores gathered over DP (sample i belongs to prompt i // num_generations)."""
         pending = self._prepare_round(step, index)
         started = time.perf_counter()
+        decoded_before = getattr(self.backend, "decode_seconds", None)  # the embedded decoder's loops (step_profile.py)
         episodes = None
         if self.environment is not None:
             g = self.grpo
@@ -182,18 +189,23 @@ class RolloutCollector:
                                              max_turn_tokens=g.max_turn_tokens)
         else:
             grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
+        generation_s = time.perf_counter() - started
+        self.profile.add("generate", generation_s)
+        if decoded_before is not None:
+            self.profile.add("decode", self.backend.decode_seconds - decoded_before)  # type: ignore[attr-defined]
         stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
-        return self._score_round(pending, grouped, time.perf_counter() - started,
-                                 None if stats is None else stats.decode_ms_per_step, episodes)
+        return self._score_round(pending, grouped, generation_s, None if stats is None else stats.decode_ms_per_step,
+                                 episodes)
 
     def _prepare_round(self, step: int, index: int) -> PendingRound:
         """A round's prompts (read from the data order), rendered, and this rank's share of their completions."""
         g, G = self.grpo, self.grpo.num_generations
         dp, dp_rank = dp_size_and_rank()
         position = self.data_position
-        rows = self._next_rows(self.prompts_per_rollout)
         system = self.environment.system_prompt if self.environment is not None else None
-        rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length, system) for r in rows]
+        with self.profile.phase("prompts"):
+            rows = self._next_rows(self.prompts_per_rollout)
+            rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length, system) for r in rows]
         full_lengths = [n for _, n in rendered]
         truncated = sum(n > g.max_prompt_length for n in full_lengths)
         self._note_truncation(full_lengths, truncated)
@@ -206,20 +218,25 @@ class RolloutCollector:
                      decode_ms_per_step: float | None, episodes: EpisodeStats | None = None) -> _Round:
         rows, groups, n = pending.rows, pending.groups, pending.n
         rollouts = [r for group in grouped for r in group]
-        completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
-        prompts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+        with self.profile.phase("detokenize"):  # each distinct prompt once: a group's completions share it
+            completions = self.tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=True)
+            texts = self.tokenizer.batch_decode(pending.prompts, skip_special_tokens=True)
+            prompts = [texts[i] for i, group in enumerate(grouped) for _ in group]
         sample_rows = [rows[p] for p in groups for _ in range(n)]
         if episodes is not None:  # the rewards see how each episode ended (EpisodeEnd.info)
             sample_rows = episodes.reward_rows(sample_rows)
-        rewards = self.rewards(prompts, completions, sample_rows)
+        with self.profile.phase("reward"):
+            rewards = self.rewards(prompts, completions, sample_rows)
         if episodes is not None and episodes.failed:
             self._drop_failed_episodes(pending.step, rewards, episodes, prompts)
         sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
         if sample is not None and episodes is not None:
             sample["episode"] = episodes.sample
             self._log_episode(pending.step, prompts[0], episodes.sample, sample["reward"])
-        return _Round(rows, rollouts, self._gather_scores(rewards, rollouts), pending.truncated, rewards.errors, sample,
-                      generation_s, decode_ms_per_step, episodes)
+        with self.profile.phase("score_gather"):
+            scores = self._gather_scores(rewards, rollouts)
+        return _Round(rows, rollouts, scores, pending.truncated, rewards.errors, sample, generation_s, decode_ms_per_step,
+                      episodes)
 
     def _drop_failed_episodes(self, step: int, rewards: RewardResult, episodes: EpisodeStats, prompts: list[str]) -> None:
         """Episodes whose environment raised or timed out: invalid (out of the loss and the group statistics, as a
@@ -257,7 +274,8 @@ class RolloutCollector:
         batch = StepBatch(rollouts=r.rollouts, scores=r.scores, group_rows=r.rows,
                           filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
                           prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
-                          reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds)
+                          reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds,
+                          profile=self.profile.metrics())
         return batch, tagged.version, tagged.engine_seconds
 
     def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:

@@ -54,6 +54,7 @@ from oumi_megatron.trainer.step_metrics import (
     step_metrics,
     wandb_settings,
 )
+from oumi_megatron.trainer.step_profile import rollout_host_seconds
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if slept.weights_dropped:
             self.weights_synced_at = -1  # the engines hold no weights until the next sync
         timings = {"time/rollout_s": t_rollout, "time/sync_s": t_sync, "time/wake_s": t_wake,
-                   "time/sleep_s": slept.seconds}
+                   "time/sleep_s": slept.seconds, **batch.profile,
+                   "time/rollout_host_s": rollout_host_seconds(t_rollout, batch.profile)}
         return self._train_on(batch, timings, sync)
 
     def _async_grpo_step(self) -> dict[str, Any]:
@@ -154,7 +156,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         # time/rollout_s: the engine's generation (it overlapped the previous step); time/rollout_wait_s: what the
         # trainer waited for it
         timings = {"time/rollout_s": got.batch.generation_s, "time/rollout_wait_s": got.wait_s, "time/sync_s": t_sync,
-                   "time/wake_s": 0.0, "time/sleep_s": 0.0}
+                   "time/wake_s": 0.0, "time/sleep_s": 0.0, **got.batch.profile}
         metrics = self._train_on(got.batch, timings, None)
         t_push = time.perf_counter()
         metrics.update(self.async_rollouts.push(self.weights, self.step))
@@ -170,6 +172,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
 
     def _train_on(self, batch: StepBatch, timings: dict[str, float], sync: WeightSyncStats | None) -> dict[str, Any]:
         """Advantages, old/ref logprobs, the update and the step's metrics, for a collected batch."""
+        t0 = time.perf_counter()
         counted = batch.scores.valid & ~batch.filler  # skipped rewards and filler groups are outside every statistic
         advantages = self.advantage_estimator(batch.scores.total, counted, self.grpo)
         trainable = counted & (batch.scores.finished | (not self.grpo.mask_truncated_completions))
@@ -179,6 +182,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             return self.last_metrics
         layouts = self._microbatch_layouts(batch, advantages, trainable)
         t1 = time.perf_counter()
+        timings["time/batch_build_s"] = t1 - t0
         logprob_stats = self._old_and_reference_logprobs(layouts)
         t2 = time.perf_counter()
         results = self._update(layouts)

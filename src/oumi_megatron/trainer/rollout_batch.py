@@ -78,6 +78,8 @@ class StepBatch:
     """The embedded backend's decode step time (its ``last_stats``); None for backends that do not report it."""
     env_metrics: dict[str, float] = field(default_factory=dict)
     """The step's ``env/*`` metrics (multi-turn episodes, over every DP rank; ``{}`` without ``grpo.environment``)."""
+    profile: dict[str, float] = field(default_factory=dict)
+    """This rank's collection phases, ``time/<phase>_s`` (trainer/step_profile.py)."""
 
 
 def choose_groups(signal_per_round: list[torch.Tensor], wanted: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
