@@ -216,7 +216,7 @@ def mode_grpo(c: Check) -> None:
             model, rows = "/tmp/scale_model", "/tmp/scale_rows"
         c.whole_run([*PY, "scripts/bench_grpo.py", "--task", task, "--model", model, "--rows", rows,
                      "--steps", env("GPU_CHECK_GRPO_STEPS", "20"), "--paths", env("GPU_CHECK_GRPO_PATHS", "embedded,trl"),
-                     "--out", "/tmp/grpo", "--results", str(c.results)], f"grpo_{task}")
+                     "--profile", "--out", "/tmp/grpo", "--results", str(c.results)], f"grpo_{task}")
 
 
 def mode_async(c: Check) -> None:
