@@ -151,8 +151,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-PROFILE = ("rollout", "prompts", "generate", "decode", "detokenize", "reward", "score_gather", "rollout_host", "sync",
-           "wake", "sleep", "batch_build", "logprob", "train")
+PROFILE = ("rollout", "prompts", "generate", "decode", "prefill", "graph_capture", "detokenize", "reward", "score_gather",
+           "rollout_host", "sync", "wake", "sleep", "batch_build", "logprob", "train")
 
 
 def profile_table(rows: list[dict[str, Any]]) -> str:

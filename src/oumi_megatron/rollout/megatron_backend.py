@@ -61,9 +61,9 @@ class MegatronRolloutBackend:
         if self.decoder is not None:
             logger.info("rollout: %s", self.decoder.path)
         self._last_stats: GenerationStats | None = None
-        self.decode_seconds = 0.0
-        """Seconds in the decoder's prefill and decode loops since start, over every call (the step profile's
-        ``time/decode_s``: the collector reads its growth)."""
+        self.decoder_seconds = {"decode": 0.0, "prefill": 0.0, "graph_capture": 0.0}
+        """Seconds since start, over every call: the decoder's prefill and decode loops (``decode``), and of them the
+        prefills and the CUDA-graph captures (the step profile's ``time/<key>_s``: the collector reads their growth)."""
 
     @property
     def last_stats(self) -> GenerationStats | None:
@@ -74,7 +74,9 @@ class MegatronRolloutBackend:
     def last_stats(self, stats: GenerationStats | None) -> None:
         self._last_stats = stats
         if stats is not None:
-            self.decode_seconds += stats.prefill_s + stats.decode_s
+            for key, seconds in (("decode", stats.prefill_s + stats.decode_s), ("prefill", stats.prefill_s),
+                                 ("graph_capture", stats.capture_s)):
+                self.decoder_seconds[key] += seconds
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,

@@ -179,7 +179,8 @@ class RolloutCollector:
         scores gathered over DP (sample i belongs to prompt i // num_generations)."""
         pending = self._prepare_round(step, index)
         started = time.perf_counter()
-        decoded_before = getattr(self.backend, "decode_seconds", None)  # the embedded decoder's loops (step_profile.py)
+        decoder = getattr(self.backend, "decoder_seconds", None)  # the embedded decoder's loops (step_profile.py)
+        decoded_before = None if decoder is None else dict(decoder)
         episodes = None
         if self.environment is not None:
             g = self.grpo
@@ -191,8 +192,9 @@ class RolloutCollector:
             grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
         generation_s = time.perf_counter() - started
         self.profile.add("generate", generation_s)
-        if decoded_before is not None:
-            self.profile.add("decode", self.backend.decode_seconds - decoded_before)  # type: ignore[attr-defined]
+        if decoder is not None and decoded_before is not None:
+            for key, seconds in decoder.items():
+                self.profile.add(key, seconds - decoded_before[key])
         stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
         return self._score_round(pending, grouped, generation_s, None if stats is None else stats.decode_ms_per_step,
                                  episodes)

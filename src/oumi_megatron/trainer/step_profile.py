@@ -4,7 +4,9 @@ The rollout phase (``time/rollout_s``) splits into:
 - ``time/prompts_s``: reading the step's rows and rendering them with the chat template (host);
 - ``time/generate_s``: the backend's calls (episodes: with the environment's turns);
   - ``time/decode_s``: of it, the embedded decoder's prefill and decode loops (the device's share, measured up to
-    the tokens' copy to the host); other backends report none, so their engine call counts as the device's share;
+    the tokens' copy to the host), with ``time/prefill_s`` and ``time/graph_capture_s`` (its eager first step and
+    the capture of the decode step's CUDA graph) parts of it; other backends report none, so their engine call
+    counts as the device's share;
 - ``time/detokenize_s``: the completions' and prompts' text (prompts once per distinct prompt);
 - ``time/reward_s``: the reward functions (the replica's first rank; the others wait in its broadcast);
 - ``time/score_gather_s``: the round's scores gathered over DP (the overlong penalty with them);
