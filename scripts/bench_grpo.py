@@ -11,7 +11,8 @@ Tasks:
 Rows (each in its own process, one after another), all at the real task's settings (16 prompts x 8 completions per
 GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5 constant, no KL, bf16):
 - ``embedded``: this project with the embedded backend (scripts/run_grpo.py --no-eval: the same
-  trainer as ``oumi train``);
+  trainer as ``oumi train``); ``embedded_capture``: the same with ``megatron.rollout_cuda_graphs_kept: 0`` (the decode
+  step's CUDA graph captured in every generation, as before issue 47);
 - ``vllm``: the same with ``megatron.inference_backend: vllm`` (colocated, sleep/wake, in-memory weight sync);
 - ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
   completions x (max_prompt_length + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
@@ -51,11 +52,11 @@ from bench_common import (
     run_worker,
 )
 
-PATHS = ("embedded", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
+PATHS = ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
 
 
 def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_cache_gib: float = 0.0,
-                sleep: bool = True) -> Path:
+                sleep: bool = True, graphs_kept: int | None = None) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end;
     written as TASK_TAG.yaml (``tag``: the row's, see ``run_ours``)."""
     raw = yaml.safe_load(REAL_CONFIG.read_text())
@@ -63,6 +64,8 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     raw["training"].update(max_steps=args.steps, save_steps=0)
     raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4,
                            vllm_kv_cache_gib=kv_cache_gib, vllm_sleep=sleep)
+    if graphs_kept is not None:
+        raw["megatron"]["rollout_cuda_graphs_kept"] = graphs_kept
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
@@ -71,16 +74,18 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     return path
 
 
-def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False, sleep: bool = True) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool = False, sleep: bool = True,
+             graphs_kept: int | None = None) -> dict[str, Any]:
     completions, max_len = args.prompts * args.generations, real_max_prompt_length() + args.max_new_tokens
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
-    tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake")
+    tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake") + ("_capture" if graphs_kept == 0 else "")
     work = out / f"{args.task}_ours_{tag}"
-    cfg = ours_config(out, args, backend, tag, kv, sleep)
+    cfg = ours_config(out, args, backend, tag, kv, sleep, graphs_kept)
     result, steady, columns = run_worker(work, cfg, args, ["--no-eval", "--converted", str(out / f"{args.task}_converted")])
     train = result["train"]
     return {
-        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake") + ")",
+        "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake")
+                + (", graphs captured per call" if graphs_kept == 0 else "") + ")",
         **columns,
         "wake_s": mean_of(steady, "time/wake_s"), "sleep_s": mean_of(steady, "time/sleep_s"),
         "sync_export_s": mean_of(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
@@ -187,9 +192,10 @@ def main() -> None:
         prepare_scale(args)
 
     def run_path(path: str) -> dict[str, Any]:
-        if path in ("embedded", "vllm", "vllm_kv", "vllm_awake"):
-            return run_ours(args, out, "megatron" if path == "embedded" else "vllm",
-                            sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake")
+        if path in ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake"):
+            return run_ours(args, out, "megatron" if path.startswith("embedded") else "vllm",
+                            sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake",
+                            graphs_kept=0 if path == "embedded_capture" else None)
         return run_trl(args, out, vllm=path == "trl_vllm")
 
     rows, failed = run_rows(args.paths, PATHS, run_path, results / f"{args.task}_result.json")

@@ -244,6 +244,9 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
     assert r["static_logprob_max_abs_diff"] <= 1e-4, r["static_logprob_max_abs_diff"]
     assert r["static_grouped_tokens"] == r["static_per_row_tokens"]
     assert r["static_sampled_runs"][0] == r["static_sampled_runs"][1]  # replayed graphs draw what a seed says
+    # the second call replayed the first's kept graph (no capture) and drew what a decoder capturing afresh draws
+    assert r["static_sampled_capture_s"][0] > 0 and r["static_sampled_capture_s"][1] == 0, r["static_sampled_capture_s"]
+    assert r["static_sampled_fresh_capture"] == r["static_sampled_runs"][1]
     assert r["static_sampled_distinct_in_groups"] > 16
 
 

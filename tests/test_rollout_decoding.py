@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oumi_megatron.rollout.decoding.decoder import resolve_cuda_graphs
+from oumi_megatron.rollout.decoding.decoder import KeptGenerations, resolve_cuda_graphs
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
 
 FREQ_ATOL = 0.015  # 40,000 draws: a frequency's standard error is <= 0.0025
@@ -74,6 +74,23 @@ def test_cuda_graphs_true_where_they_cannot_run_is_an_error_naming_the_field() -
         resolve_cuda_graphs("true", _stages("cuda", pp=2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be one of"):
         resolve_cuda_graphs("sometimes", _stages("cuda"))  # type: ignore[arg-type]
+
+
+def test_a_kept_graph_is_given_back_only_for_its_shape_and_unmoved_storage() -> None:
+    """rollout_cuda_graphs_kept (decoder.py KeptGenerations): a kept generation serves a later call of the same shape
+    while the parameters' storage is where its graph was captured; moved storage (ModuleQueue re-attaching its
+    weights) drops it, and past the limit the least recently used shape goes."""
+    kept = KeptGenerations(limit=2)
+    a, b, c = object(), object(), object()
+    kept.keep("a", (1, 2), a)
+    assert kept.take("a", (1, 3)) is None and kept.take("a", (1, 2)) is None  # moved storage: dropped for good
+    kept.keep("a", (1, 2), a)
+    kept.keep("b", (1, 2), b)
+    assert kept.take("a", (1, 2)) is a  # taken out while it runs ...
+    kept.keep("a", (1, 2), a)  # ... and kept again: now the most recently used
+    kept.keep("c", (1, 2), c)  # over the limit: "b", the least recently used, goes
+    assert list(kept.entries) == ["a", "c"] and kept.take("b", (1, 2)) is None
+    assert KeptGenerations(limit=0).take("a", (1, 2)) is None
 
 
 @pytest.mark.parametrize(("requested", "graphs"), [("auto", True), ("false", False)])

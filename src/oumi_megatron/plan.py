@@ -24,7 +24,9 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   ``vllm_sleep: false``, holds it beside training's activations and logits (the total adds the two); embedded
   rollouts: the static KV cache of the stage's layers (2 x layers x KV heads / TP x head dim x bf16, for this rank's
   completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
-  It lives while generating, when no training activations or logits do: the total takes the larger of the two;
+  It lives while generating, when no training activations or logits do: the total takes the larger of the two,
+  except where the decoder keeps its CUDA graphs (``rollout_cuda_graphs_kept`` > 0, one stage, dense layers): the
+  kept generations' caches stay beside training's memory, and the total adds them (kept x one generation's);
 - **overhead**: the CUDA context, NCCL buffers and allocator reserve outside ``max_memory_allocated`` (measured).
 
 ModuleQueue (last stage) subtracts seed 000's saving from the weights held during the passes, never below the
@@ -78,11 +80,14 @@ class MemoryPlan:
     """Why a rollout engine on GPUs of its own (separate, ray) cannot hold the model there (rollout/registry.py)."""
     engine_weights: float = 0.0
     """GiB of bf16 weights a colocated vLLM engine holds on every GPU (the whole model over TP); 0 without one."""
+    kept_rollout: float = 0.0
+    """Of ``rollout``, the GiB the embedded decoder keeps across steps with its CUDA graphs (the allocator's: part of
+    a training step's peak)."""
 
     @property
     def training_peak(self) -> float:
         """What ``torch.cuda.max_memory_allocated()`` of a training step should read (no rollout, no overhead)."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.kept_rollout
 
     @property
     def fits(self) -> bool | None:
@@ -173,6 +178,13 @@ def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layo
     return cache + sampling
 
 
+def _decoder_keeps_graphs(m: Any, shape: ModelShape, layout: ParallelLayout) -> bool:
+    """Whether the embedded decoder's CUDA graphs (and so its kept caches) run on a GPU for this run
+    (rollout/decoding/decoder.py ``resolve_cuda_graphs``: one pipeline stage, dense layers)."""
+    return (m.rollout_cuda_graphs_kept > 0 and m.rollout_cuda_graphs_choice != "false"
+            and layout.pipeline_parallel == 1 and not shape.is_moe)
+
+
 def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, gpu_memory_gib: float | None = None,
                     overhead_gib: float = CUDA_OVERHEAD_GIB) -> MemoryPlan:
     """Per-GPU memory of ``cfg`` (a MegatronTrainingConfig) for ``shape`` on ``layout`` (from validation)."""
@@ -234,11 +246,15 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;
         # one that stays awake (vllm_sleep: false) holds its memory beside training's
         resident = colocated_vllm and mode.resident_while_training(m)
+        kept = 0.0
+        if mode.memory == DECODER_CACHE and _decoder_keeps_graphs(m, shape, layout):
+            rollout = kept = rollout * m.rollout_cuda_graphs_kept
+            resident = True
         training = activations + logits
         total = weights + grads + optimizer + (training + rollout if resident else max(training, rollout)) + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
                           logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
-                          gpu_memory_gib=gpu_memory_gib)
+                          gpu_memory_gib=gpu_memory_gib, kept_rollout=kept / GIB)
         stage_plans.append(plan)
     best = max(stage_plans, key=lambda x: x.total)
     if colocated_vllm and not gpu_memory_gib and not m.vllm_kv_cache_gib:

@@ -300,6 +300,9 @@ def _check_rollout_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> N
     elif graphs == "true" and m.inference_backend == "megatron" and m.pipeline_model_parallel_size > 1:
         r.add("megatron.rollout_cuda_graphs", "true cannot run with pipeline_model_parallel_size > 1: pipeline stages "
               "exchange activations every token, so decode steps run eagerly. Set it to auto.")
+    if not (isinstance(m.rollout_cuda_graphs_kept, int) and m.rollout_cuda_graphs_kept >= 0):
+        r.add("megatron.rollout_cuda_graphs_kept", f"must be an integer >= 0 (0: capture the decode step's graph in every "
+              f"generation and free its KV cache after it), got {m.rollout_cuda_graphs_kept!r}.")
     if not m.weight_sync_bucket_mb > 0:
         r.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
     if not m.vllm_kv_cache_gib >= 0.0:

@@ -122,7 +122,12 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     grouped = [[r.completion_ids for r in g] for g in static.generate(prompts[:16], greedy, 4)]
     per_row = [[g[0].completion_ids for g in static.generate([p for p in prompts[:16] for _ in range(4)], greedy, 1)][i * 4:(i + 1) * 4]
                for i in range(16)]
-    draws = [[[r.completion_ids for r in g] for g in static.generate(prompts[:16], sampled, 4, seed=11)] for _ in range(2)]
+    draws, capture_s = [], []
+    for _ in range(2):  # on CUDA the second replays the graph the first captured and kept (rollout_cuda_graphs_kept)
+        draws.append([[r.completion_ids for r in g] for g in static.generate(prompts[:16], sampled, 4, seed=11)])
+        capture_s.append(static.last_stats.capture_s if static.last_stats else -1.0)
+    fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
+    fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
     continued = continuation_checks(static, prompts[:8], eos)
     return {
         **continued,
@@ -135,6 +140,8 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         "static_grouped_tokens": grouped,
         "static_per_row_tokens": per_row,
         "static_sampled_runs": draws,
+        "static_sampled_capture_s": capture_s,
+        "static_sampled_fresh_capture": fresh_draws,
         "static_sampled_distinct_in_groups": sum(len({tuple(c) for c in g}) for g in draws[0]),
         "static_stats_tokens": static.last_stats.tokens if static.last_stats else -1,
     }

@@ -246,6 +246,12 @@ class MegatronParams(BaseParams):
     one pipeline stage, dense layers; otherwise eager steps, and the log says why), ``true`` (an error where they
     cannot), ``false`` (eager steps). vLLM engines capture their own graphs."""
 
+    rollout_cuda_graphs_kept: int = 1
+    """With the embedded backend's CUDA graphs: how many shapes (rows, prompt width rounded up to a multiple of 64,
+    sampling settings) keep their decode-step graph and KV cache from one ``generate`` call to the next, so a step
+    whose shape was seen replays without capturing again. The kept caches stay allocated while training (the memory
+    plan adds them to the step's peak). ``0``: capture in every call and free the cache after it."""
+
     rollout_placement: str = "colocated"
     """vLLM engines: ``colocated`` (in the trainer's processes, sharing their GPUs, one engine per
     Megatron TP group with vLLM TP = Megatron TP; they sleep while training), ``separate`` (a

@@ -41,7 +41,7 @@ class MegatronRolloutBackend:
     """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
 
     def __init__(self, engine: MegatronEngine, vocab_size: int, seed: int = 0, path: str = "static",
-                 cuda_graphs: str = "auto") -> None:
+                 cuda_graphs: str = "auto", cuda_graphs_kept: int = 1) -> None:
         if path not in PATHS:
             raise ValueError(f"MegatronRolloutBackend: path must be one of {PATHS}, got {path!r}")
         self.engine = engine
@@ -50,7 +50,7 @@ class MegatronRolloutBackend:
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.decoder: StaticCacheDecoder | None = None
         if path == "static":
-            decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs)
+            decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs, graphs_kept=cuda_graphs_kept)
             why_not = decoder.stages.unsupported_reason()
             if why_not is None:
                 self.decoder = decoder

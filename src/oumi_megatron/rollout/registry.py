@@ -156,7 +156,8 @@ def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
     return MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
-                                  cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice)
+                                  cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice,
+                                  cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept)
 
 
 def _vllm(colocated: bool) -> RolloutBuilder:

@@ -13,6 +13,11 @@ One call (``StaticCacheDecoder.generate``):
    per generation after one eager step and replayed; it reads the engine's parameters in place, so an
    optimizer step needs no re-capture. Pipeline stages (p2p per token) and MoE layers (token dispatch
    sizes go through the host) run the same step eagerly.
+4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graph and device buffers (KV cache
+   included) are kept for its shape, with the prompts' width rounded up to ``WIDTH_BUCKET``; a later call of the
+   same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
+   A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
+   weights to new storage; a graph reading the old addresses would read freed memory).
 
 Positions: rotary angles are those of the cache slot (as Megatron-Core's static inference does), so a
 left-padded row is shifted by a constant, which RoPE (relative) ignores; learned absolute position
@@ -24,9 +29,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +46,10 @@ if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
 
 logger = logging.getLogger("oumi")
+
+WIDTH_BUCKET = 64
+"""Kept graphs: prompts are left-padded to a multiple of this many slots, so steps whose longest prompts differ
+by a few tokens share a graph (RoPE is relative: the extra left padding changes no row's attention)."""
 
 
 @dataclass
@@ -80,15 +90,38 @@ def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str
     return False, f"auto: {blocker}"
 
 
+class KeptGenerations:
+    """Up to ``limit`` generations' device state (graph, buffers, KV cache) by shape, least recently used dropped first;
+    an entry is valid only while the storage it was captured on (``fingerprint``) has not moved."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[Hashable, tuple[tuple[int, ...], Any]] = OrderedDict()
+
+    def take(self, key: Hashable, fingerprint: tuple[int, ...]) -> Any | None:
+        """The generation kept for ``key`` (removed: ``keep`` puts it back), or None (none, or its storage moved)."""
+        entry = self.entries.pop(key, None)
+        return entry[1] if entry is not None and entry[0] == fingerprint else None
+
+    def keep(self, key: Hashable, fingerprint: tuple[int, ...], run: Any) -> None:
+        self.entries[key] = (fingerprint, run)
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+
+
 class StaticCacheDecoder:
     """Generation through ``PolicyStages`` and a static KV cache (the embedded backend's default path)."""
 
-    def __init__(self, engine: MegatronEngine, vocab_size: int, cuda_graphs: str = "auto", check_every: int = 16) -> None:
+    def __init__(self, engine: MegatronEngine, vocab_size: int, cuda_graphs: str = "auto", check_every: int = 16,
+                 graphs_kept: int = 1) -> None:
         self.engine = engine
         self.stages = PolicyStages(engine)
         self.vocab_size = vocab_size
         self.graphs, why = resolve_cuda_graphs(cuda_graphs, self.stages)
         self.check_every = check_every
+        if graphs_kept < 0:
+            raise ValueError(f"megatron.rollout_cuda_graphs_kept must be >= 0, got {graphs_kept}")
+        self.kept = KeptGenerations(graphs_kept if self.graphs else 0)
         self.path = "static KV cache, " + ("CUDA-graph decode steps" if self.graphs else "eager decode steps") + f" ({why})"
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
@@ -96,9 +129,24 @@ class StaticCacheDecoder:
         """``n`` completions of each prompt (rows ``i * n .. i * n + n - 1``): tokens [rows, T] (``pad_token_id`` after
         a row's EOS) and their log-probabilities, on the host, with the call's stats."""
         with self.engine.generation_mode():
-            run = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator)
-            tokens, logprobs, stats = self.run(run, run.prefill)
-        return tokens, logprobs, stats
+            if not self.kept.limit:
+                run = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator)
+                return self.run(run, run.prefill)
+            width = -(-max(len(p) for p in prompts) // WIDTH_BUCKET) * WIDTH_BUCKET
+            key, fingerprint = (len(prompts) * n, width, params), self._storage_fingerprint()
+            kept = self.kept.take(key, fingerprint)
+            if kept is None or kept.generator is not generator:
+                kept = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator, width)
+            else:
+                kept.refill(prompts, n)
+            out = self.run(kept, kept.prefill)
+            if kept.graph is not None:
+                self.kept.keep(key, fingerprint, kept)
+        return out
+
+    def _storage_fingerprint(self) -> tuple[int, ...]:
+        """Where every parameter's data lives: a captured graph reads these addresses."""
+        return tuple(p.data_ptr() for chunk in self.engine.model for p in chunk.parameters())
 
     def run(self, run: _Generation, prefill: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
         """``prefill`` (the prompts, or a continued turn's block), then the decode steps: tokens and logprobs on the
@@ -158,6 +206,8 @@ class _Generation:
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
         self.capture_s = 0.0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        """The decode step's graph once captured; a kept generation replays it in later calls (``refill``)."""
         dtype = stages.config.params_dtype
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device) if stages.takes_additive_masks else None
@@ -168,13 +218,28 @@ class _Generation:
 
     @classmethod
     def for_prompts(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
-                    vocab_size: int, generator: torch.Generator) -> _Generation:
-        """``n`` completions of each of ``prompts``, left-padded to one width (``prefill`` runs them)."""
-        ids, real = left_pad(prompts, params.pad_token_id)
+                    vocab_size: int, generator: torch.Generator, width: int | None = None) -> _Generation:
+        """``n`` completions of each of ``prompts``, left-padded to one width (the longest, or ``width``; ``prefill``
+        runs them)."""
+        ids, real = left_pad(prompts, params.pad_token_id, width)
         run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1])
         run.prompt_ids, run.prompt_real = ids.to(stages.device), real
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run
+
+    def refill(self, prompts: list[list[int]], n: int) -> None:
+        """A kept generation's buffers, in place (the graph reads them), for ``prompts`` of its shape: as ``for_prompts``
+        would set them. The cache keeps the last call's keys and values: a slot is read only once ``valid`` says so."""
+        ids, real = left_pad(prompts, self.params.pad_token_id, self.width)
+        self.n, self.prompt_ids, self.prompt_real = n, ids.to(self.stages.device), real
+        self.tokens.fill_(self.params.pad_token_id)
+        self.logprobs.zero_()
+        self.finished.zero_()
+        self.valid.zero_()
+        self.valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(self.stages.device)
+        self.current.zero_()
+        self.step.zero_()
+        self.capture_s = 0.0
 
     # -- the steps ---------------------------------------------------------------------------------------------------
     def prefill(self) -> None:
@@ -226,14 +291,13 @@ class _Generation:
         """Decode steps after the prefill's token until ``max_new_tokens`` or every row (and every expert peer,
         ``peers_done``) has finished; the number of tokens per row generated."""
         total = self.params.max_new_tokens
-        step, graph = 1, None
+        step = 1
         with self.cache.attached():
             while step < total:
-                if graph is not None:
-                    graph.replay()
-                elif graphs:
-                    graph = self._capture()  # runs this step eagerly, then captures one for the next ones
-                    graphs = graph is not None
+                if self.graph is not None:  # captured in this call, or kept from an earlier one (``refill``)
+                    self.graph.replay()
+                elif graphs and not self.capture_failed:
+                    self.graph = self._capture()  # runs this step eagerly, then captures one for the next ones
                 else:
                     self.decode_step(self.width + step)
                 step += 1

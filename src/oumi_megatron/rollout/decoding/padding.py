@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] left-padded with ``pad_id``, and where the real tokens are (pad may be a real token too)."""
-    length = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] left-padded with ``pad_id`` (L: the longest prompt, or ``width``), and where the real tokens are
+    (pad may be a real token too)."""
+    length = max(len(p) for p in prompts) if width is None else width
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     real = torch.zeros((len(prompts), length), dtype=torch.bool)
     for i, p in enumerate(prompts):
