@@ -26,6 +26,7 @@ weights, HF's bf16 AdamW does not) and activations = peak - state.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -104,8 +105,10 @@ def plan_and_overhead(cfg, params, layout, args) -> dict:  # noqa: ANN001
     from oumi_megatron.plan import estimate_memory
 
     shape = ModelShape.from_config_dict(cfg.to_dict(), args.shape)
-    # the plan of a run whose sequences are this benchmark's: seq tokens each
-    config = StandaloneConfig(megatron=params, grpo=MegatronGrpoParams(max_prompt_length=args.seq, max_completion_length=0))
+    # the plan of a run whose sequences are this benchmark's: seq tokens each; it generates nothing, so no decoder
+    # cache is kept beside training (rollout_cuda_graphs_kept: 0)
+    planned = dataclasses.replace(params, rollout_cuda_graphs_kept=0)
+    config = StandaloneConfig(megatron=planned, grpo=MegatronGrpoParams(max_prompt_length=args.seq, max_completion_length=0))
     plan = estimate_memory(config, shape, layout)
     free, total = torch.cuda.mem_get_info()
     outside = torch.tensor([(total - free - torch.cuda.memory_reserved()) / 2**30,
