@@ -272,13 +272,22 @@ def test_bad_environment_settings_name_the_field(make_config, overrides: dict, f
 
 
 def test_episodes_are_refused_where_they_do_not_run_yet(make_config) -> None:  # noqa: ANN001
-    """Asynchronous GRPO and the embedded backend under expert parallelism: refused with the fix, not run wrongly."""
+    """Asynchronous episodes on the Ray fleet and the embedded backend under expert parallelism: refused with the fix,
+    not run wrongly; asynchronous episodes on a separate engine are accepted (they run: test_vllm.py)."""
     from oumi_megatron.validation import validate_config
 
-    cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator", "max_staleness": 1},
-                      megatron={"inference_backend": "vllm", "rollout_placement": "separate"})
-    problems = validate_config(cfg, world_size=2, check_bridge=False).format_problems()
-    assert "not built for asynchronous GRPO yet" in problems and "max_staleness: 0" in problems, problems
+    def problems(**megatron: object) -> str:
+        cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator", "max_staleness": 1},
+                          megatron={"inference_backend": "vllm", "weight_sync_method": "gloo", **megatron})
+        return validate_config(cfg, world_size=2, check_bridge=False).format_problems()
+
+    assert "grpo.environment" not in problems(rollout_placement="separate"), problems(rollout_placement="separate")
+    ray = problems(rollout_placement="ray")
+    assert "grpo.environment" in ray and "not yet for ray" in ray and "rollout_placement: separate" in ray, ray
+    cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator"},
+                      megatron={"expert_model_parallel_size": 2})
+    ep = validate_config(cfg, world_size=2, check_bridge=False).format_problems()
+    assert "under expert parallelism are not built yet" in ep and "inference_backend: vllm" in ep, ep
 
 
 def test_a_template_that_cannot_render_the_observation_stops_before_conversion() -> None:

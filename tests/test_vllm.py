@@ -181,6 +181,28 @@ def test_asynchronous_grpo_one_step_off_policy_learns_and_resumes(tmp_path: Path
     assert resumed[20]["rollout/staleness_max"] == 0.0 and resumed[20]["time/sync_s"] > 0  # pushed before generating
 
 
+def test_asynchronous_grpo_runs_whole_episodes_one_step_off_policy(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """grpo.environment with grpo.max_staleness: 1 on a separate engine: each step's episodes (the guess_number
+    example, up to 3 turns) run on the engine owner's episode thread while the trainer trains, the weight pushes
+    queued between their turns. Every batch after the first is one version old (the oldest of its turns' versions);
+    the first batch's episodes come from the policy's own weights, so the engine's logprobs of the policy's tokens equal
+    the trainer's (observation tokens are out of the comparison, as out of the loss); later ones differ."""
+    out = tmp_path / "async_episodes"
+    proc = run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml"),
+                    "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out), *ASYNC,
+                    "--training.max_steps", "5"])
+    _check(proc)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0] + [1.0] * 4
+    assert [r["rollout/policy_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert all(r["env/turns_max"] >= 2 and r["env/observation_tokens_per_episode"] > 0 for r in rows), rows
+    assert all(r["env/failed_episodes"] == 0 and r["env/time_s"] > 0 for r in rows)
+    assert rows[0]["mismatch/max_abs_diff"] <= EQUAL, rows[0]
+    assert max(r["mismatch/mean_abs_diff"] for r in rows[1:]) > 1e-3
+    assert "a sample episode" in proc.stdout + proc.stderr  # logged from the main thread, at the first step
+
+
 class _SleepingHost:
     """Stands in for VllmEngineHost (whose vLLM sleep mode needs a GPU) to check the backend's phase bookkeeping:
     records the sleep levels asked for and the generate calls made."""

@@ -459,9 +459,10 @@ def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
     timeout = g.environment_timeout_s
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         r.add("grpo.environment_timeout_s", f"must be > 0 seconds, got {timeout!r}. Typical: 60.")
-    if g.max_staleness:
-        r.add("grpo.environment", "multi-turn episodes are not built for asynchronous GRPO yet (grpo.max_staleness > 0: "
-                                  "the engines queue single generations). Set max_staleness: 0, or leave environment unset.")
+    if g.max_staleness and m.rollout_placement == "ray":
+        r.add("grpo.environment", "asynchronous multi-turn episodes (grpo.max_staleness > 0) are built for "
+                                  "megatron.rollout_placement: separate, not yet for ray (its fleet queues single "
+                                  "generations). Use rollout_placement: separate, or max_staleness: 0.")
     if m.expert_model_parallel_size > 1 and m.inference_backend == "megatron":
         r.add("grpo.environment", "multi-turn episodes on the embedded backend under expert parallelism are not built yet "
                                   "(the replicas' turns would have to run in lockstep for the experts' all-to-all). Set "

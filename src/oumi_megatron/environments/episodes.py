@@ -22,7 +22,7 @@ from typing import Any
 from oumi_megatron.environments.base import EpisodeEnd
 from oumi_megatron.environments.rendering import observation_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
-from oumi_megatron.rollout.base import ContinuesEpisodes, EpisodeTurns, Rollout, RolloutBackend
+from oumi_megatron.rollout.base import ContinuesEpisodes, EpisodeTurns, Generates, Rollout
 from oumi_megatron.rollout.sampling import SamplingParams
 
 
@@ -89,7 +89,7 @@ class _Episode:
         self.at_turn_limit = not self.finished and turn_limit is not None and len(ids) == turn_limit < budget
 
 
-def run_episodes(backend: RolloutBackend, tokenizer: Any, env: EnvironmentRunner, prompts: list[list[int]],
+def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, prompts: list[list[int]],
                  rows: list[dict[str, Any]], params: SamplingParams, n: int, max_turns: int,
                  max_observation_tokens: int | None = None, seed: int | None = None,
                  max_turn_tokens: int | None = None) -> tuple[list[list[Rollout]], EpisodeStats]:

@@ -7,7 +7,7 @@ receive the policy's weights after every optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -85,6 +85,13 @@ class PolicyWeights(Protocol):
     def save(self, folder: str | Path) -> Path:
         """The weights as an HF folder, written atomically."""
         ...
+
+
+class Generates(Protocol):
+    """What multi-turn episodes need of an engine (environments/episodes.py): ``RolloutBackend.generate``."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]: ...
 
 
 class RolloutBackend(Protocol):
@@ -165,4 +172,20 @@ class AsyncRolloutBackend(RolloutBackend, Protocol):
 
     def wait_pushed(self) -> float | None:
         """Wait for the weight push in flight; the seconds its transfer took (None: none was in flight)."""
+        ...
+
+
+EpisodeJob = Callable[[Generates], tuple[list[list[Rollout]], Any]]
+"""A batch of multi-turn episodes (environments/episodes.py ``run_episodes`` with its arguments bound) given an engine to
+generate each turn with: ``(rollouts grouped per prompt, EpisodeStats)``."""
+
+
+@runtime_checkable
+class AsyncEpisodeBackend(AsyncRolloutBackend, Protocol):
+    """An asynchronous backend that runs whole multi-turn episodes as its unit (``grpo.environment`` with
+    ``max_staleness`` > 0): the episodes' turns are generated while the trainer trains, and the result is collected
+    in order with the single generations (``collect(...).episodes``: the job's ``EpisodeStats``)."""
+
+    def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
+        """Queue ``job`` (episodes of ``prompts``); returns at once. Every rank of a replica calls it."""
         ...

@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import EngineSleep, EpisodeJob, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
@@ -189,7 +189,29 @@ class TaggedRollouts:
 
     rollouts: list[list[Rollout]]
     version: int
+    """For episodes, the oldest version among their turns' (a weight push can land between two turns)."""
     engine_seconds: float
+    episodes: Any = None
+    """A multi-turn episode job's ``EpisodeStats`` (``submit_episodes``); None for a single generation."""
+
+
+class _ReplicaEngine:
+    """The replica's engine process as what an episode job generates with (rollout/base.py ``Generates``), on the
+    owner's episode thread: each turn is a ``generate_tagged`` command, queued in order with the trainer's weight
+    pushes and evaluation's calls (the process's pipe is shared under a lock). Keeps the oldest policy version of the
+    turns and the engine's seconds."""
+
+    def __init__(self, process: _EngineProcess) -> None:
+        self.process = process
+        self.version: int | None = None
+        self.seconds = 0.0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        version, seconds, results = self.process.call("generate_tagged", prompts, _vllm_sampling(params, n))
+        self.version = version if self.version is None else min(self.version, version)
+        self.seconds += seconds
+        return _rollouts(prompts, results)
 
 
 class _VllmBackend:
@@ -386,8 +408,11 @@ class SeparateVllmBackend(_VllmBackend):
         self.process: _EngineProcess | None = None
         self.link: weight_stream.WeightSyncGroup | None = None
         """This rank's group with the engine, if it sends."""
-        self.in_flight: collections.deque[tuple[list[list[int]], Future | None]] = collections.deque()
-        """Asynchronous GRPO: submitted generations not collected yet (the owner's futures), oldest first."""
+        self.in_flight: collections.deque[tuple[list[list[int]], Future | None, bool]] = collections.deque()
+        """Asynchronous GRPO: submitted generations not collected yet (the owner's futures; whether an episode job),
+        oldest first."""
+        self.episode_thread: ThreadPoolExecutor | None = None
+        """The owner: where episode jobs run, one at a time in submission order (``submit_episodes``)."""
         self.pusher = WeightPusher(self.method)
         self.raw_gbps: float | None = None
         """The owner: the senders' plain broadcast bandwidth to the engine, summed (measured once, at start)."""
@@ -474,14 +499,44 @@ class SeparateVllmBackend(_VllmBackend):
         """Queue a generation on the replica's engine and return at once; ``collect`` returns the results, in the
         order of submission. Every rank of the replica calls it (the owner sends)."""
         future = self._owned_process.submit("generate_tagged", prompts, _vllm_sampling(params, n))[0] if self.is_owner else None
-        self.in_flight.append((prompts, future))
+        self.in_flight.append((prompts, future, False))
+
+    def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
+        """Queue a batch of multi-turn episodes and return at once: the owner runs ``job`` on its episode thread, the
+        environment's calls included (they are made on the owner alone, so its peers need no broadcast per turn: the
+        finished episodes reach them at ``collect``). Jobs run one at a time in submission order, so a job's first
+        turn is queued on the engine after every weight push made before its submission: a batch is never older than a
+        single generation submitted then would be. Every rank of the replica calls it."""
+        future = None
+        if self.is_owner:
+            if self.episode_thread is None:
+                self.episode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-episodes")
+            future = self.episode_thread.submit(self._run_episodes, job)
+        self.in_flight.append((prompts, future, True))
+
+    def _run_episodes(self, job: EpisodeJob) -> tuple[int, float, list[list[Rollout]], Any]:
+        engine = _ReplicaEngine(self._owned_process)
+        grouped, stats = job(engine)
+        assert engine.version is not None, "an episode job generates its first turn"
+        return engine.version, engine.seconds, grouped, stats
 
     def collect(self) -> TaggedRollouts:
-        """The oldest submitted generation, on every rank of the replica (waits for it)."""
-        prompts, future = self.in_flight.popleft()
-        box: list[Any] = [_EngineProcess.wait_for(future, "generate_tagged") if future is not None else None]
+        """The oldest submitted generation (or episode job), on every rank of the replica (waits for it). A job that
+        failed raises on every rank of the replica, not only on the owner."""
+        prompts, future, episodes = self.in_flight.popleft()
+        box: list[Any] = [None]
+        if future is not None:
+            try:
+                box[0] = _EngineProcess.wait_for(future, "generate_tagged" if not episodes else "an episode job")
+            except Exception as e:  # noqa: BLE001 - the replica's peers raise it too
+                box[0] = RuntimeError(f"asynchronous rollouts failed on the replica's engine: {e}")
         if len(self.replica) > 1:
             dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        if episodes:
+            version, seconds, grouped, stats = box[0]
+            return TaggedRollouts(grouped, version, seconds, stats)
         version, seconds, results = box[0]
         return TaggedRollouts(_rollouts(prompts, results), version, seconds)
 
@@ -515,6 +570,8 @@ class SeparateVllmBackend(_VllmBackend):
 
     def close(self) -> None:
         self.pusher.close()
+        if self.episode_thread is not None:
+            self.episode_thread.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
             self.process.close()
             self.process = None

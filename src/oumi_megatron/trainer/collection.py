@@ -21,6 +21,8 @@ sampled, and DP ranks sample differently.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import logging
 import math
@@ -33,10 +35,11 @@ import torch
 
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.environments.episodes import EpisodeStats, episode_metrics, episode_sums, merge_stats, run_episodes
+from oumi_megatron.environments.registry import environment_runner
 from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
 from oumi_megatron.grpo.rewards import RewardResult
-from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout, RolloutBackend
+from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, Rollout, RolloutBackend
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp, sum_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
@@ -111,6 +114,8 @@ class RolloutCollector:
         self.environment = environment
         """``grpo.environment``'s runner: every sample is a multi-turn episode (None: one completion each)."""
         self.logged_episode = False
+        self._episode_worker: tuple[Any, EnvironmentRunner | None] | None = None
+        """Asynchronous episodes: the tokenizer and environment their thread uses (``submit``)."""
         self.last_collation_bytes = 0
         """Bytes this rank received when dynamic sampling last redistributed the filtered batch over DP."""
         self.order = list(range(len(dataset)))
@@ -262,9 +267,24 @@ class RolloutCollector:
 
     # -- asynchronous GRPO: a step's generation submitted ahead, collected when the trainer gets to it -----------------
     def submit(self, step: int, backend: AsyncRolloutBackend) -> PendingRound:
-        """Read GRPO step ``step + 1``'s prompts and queue their generation on ``backend`` (no waiting)."""
+        """Read GRPO step ``step + 1``'s prompts and queue their generation on ``backend`` (no waiting): under
+        ``grpo.environment``, their whole episodes (``AsyncEpisodeBackend``)."""
         pending = self._prepare_round(step, 0)
-        backend.submit(pending.prompts, self.sampling, pending.n)
+        if self.environment is None:
+            backend.submit(pending.prompts, self.sampling, pending.n)
+            return pending
+        assert isinstance(backend, AsyncEpisodeBackend), "validation refuses asynchronous episodes on this backend"
+        g = self.grpo
+        if self._episode_worker is None:
+            # the episode thread's own tokenizer and environment: the main thread's evaluation uses theirs meanwhile
+            # (a fast tokenizer is not safe to share across threads while it encodes)
+            self._episode_worker = (copy.deepcopy(self.tokenizer), environment_runner(g))
+        tokenizer, env = self._episode_worker
+        assert env is not None
+        backend.submit_episodes(pending.prompts, functools.partial(
+            run_episodes, tokenizer=tokenizer, env=env, prompts=pending.prompts,
+            rows=[pending.rows[p] for p in pending.groups], params=self.sampling, n=pending.n, max_turns=g.max_turns,
+            max_observation_tokens=g.max_observation_tokens, seed=pending.seed, max_turn_tokens=g.max_turn_tokens))
         return pending
 
     def finish(self, pending: PendingRound, backend: AsyncRolloutBackend) -> tuple[StepBatch, int, float]:
@@ -272,12 +292,12 @@ class RolloutCollector:
         and the engine's seconds on it."""
         started = time.perf_counter()
         tagged = backend.collect()
-        r = self._score_round(pending, tagged.rollouts, time.perf_counter() - started, None)
+        r = self._score_round(pending, tagged.rollouts, time.perf_counter() - started, None, tagged.episodes)
         batch = StepBatch(rollouts=r.rollouts, scores=r.scores, group_rows=r.rows,
                           filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
                           prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
                           reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds,
-                          profile=self.profile.metrics())
+                          env_metrics=self._env_metrics([r]), profile=self.profile.metrics())
         return batch, tagged.version, tagged.engine_seconds
 
     def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
