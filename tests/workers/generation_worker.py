@@ -154,7 +154,8 @@ def continuation_checks(static, prompts: list[list[int]], eos: int) -> dict:  # 
     from oumi_megatron.rollout.sampling import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=10, pad_token_id=256, greedy=True, eos_token_id=eos)
-    first, turns = static.start_episodes(prompts, greedy, 2)
+    first, turns = static.start_episodes(prompts, greedy, 2, budget=10 + 2 * (3 + 8))  # 3 turns, blocks of <= 3 ids
+    capture_s = [static.last_stats.capture_s]
     flat = [r for g in first for r in g]
     same = [[r.completion_ids for r in flat] == [r.completion_ids for g in static.generate(prompts, greedy, 2) for r in g]]
     histories: list[list[int] | None] = [r.prompt_ids + r.completion_ids for r in flat]
@@ -164,6 +165,7 @@ def continuation_checks(static, prompts: list[list[int]], eos: int) -> dict:  # 
                     for k, h in enumerate(histories)]
         params = SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True, eos_token_id=eos)
         got = turns.next_turn(appended, params)
+        capture_s.append(static.last_stats.capture_s)
         going = [k for k, a in enumerate(appended) if a is not None]
         ref = [g[0] for g in static.generate([histories[k] + appended[k] for k in going], params, 1)]
         same.append([got[k].completion_ids for k in going] == [r.completion_ids for r in ref])
@@ -173,7 +175,7 @@ def continuation_checks(static, prompts: list[list[int]], eos: int) -> dict:  # 
         for k in range(len(histories)):
             histories[k] = None if appended[k] is None else histories[k] + appended[k] + got[k].completion_ids
     return {"continued_same_tokens": same, "continued_logprob_max_abs_diff": worst, "continued_rows": continued,
-            "continued_after_a_cut_turn": pending}
+            "continued_after_a_cut_turn": pending, "continued_capture_s": capture_s}
 
 
 if __name__ == "__main__":

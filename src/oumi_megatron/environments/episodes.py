@@ -103,7 +103,7 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
     budget = params.max_new_tokens
     first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
     first_params = replace(params, max_new_tokens=first_room)
-    started_cached = backend.start_episodes(prompts, first_params, n, seed) if isinstance(backend, ContinuesEpisodes) else None
+    started_cached = backend.start_episodes(prompts, first_params, n, budget, seed) if isinstance(backend, ContinuesEpisodes) else None
     cached: EpisodeTurns | None = None
     if started_cached is not None:
         first, cached = started_cached

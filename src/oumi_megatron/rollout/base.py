@@ -144,10 +144,12 @@ class ContinuesEpisodes(Protocol):
     """A backend that continues multi-turn episodes from its cache (the embedded one): environments/episodes.py uses
     it instead of generating each turn from the whole history."""
 
-    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int,
+    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, budget: int,
                        seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
         """The first turn of ``n`` episodes per prompt (grouped as ``generate``'s), and their running batch; None where
-        this engine's path cannot continue them (then each turn is a ``generate`` of the whole history)."""
+        this engine's path cannot continue them (then each turn is a ``generate`` of the whole history). ``budget``:
+        the most tokens of an episode's whole completion (turns and observations); a later turn's
+        ``max_new_tokens`` is at most ``params.max_new_tokens``."""
         ...
 
 

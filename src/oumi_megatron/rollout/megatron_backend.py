@@ -99,7 +99,7 @@ class MegatronRolloutBackend:
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int,
+    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, budget: int,
                        seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
         """Multi-turn episodes on the static cache (decoding/continuation.py): later turns prefill only what was
         appended. None on the ``schedule`` / ``recompute`` paths (each turn is then a ``generate``)."""
@@ -107,7 +107,7 @@ class MegatronRolloutBackend:
             return None
         if seed is not None:
             self.generator.manual_seed(seed)
-        session = _EmbeddedEpisodes(self, EpisodeDecoding(self.decoder, prompts, n, self.generator))
+        session = _EmbeddedEpisodes(self, EpisodeDecoding(self.decoder, prompts, n, self.generator, budget))
         tokens, logprobs, self.last_stats = session.decoding.first_turn(params)
         out = _rollouts(tokens, logprobs, session.decoding.history_prompts(), params)
         session.decoding.keep([r.completion_ids for r in out])

@@ -1,27 +1,33 @@
 """Multi-turn episodes on the static cache: each later turn prefills only what was appended (the environment's
 observation), never the history again (``EpisodeDecoding``; environments/episodes.py drives it).
 
+One ``_Generation`` serves every turn of a batch of episodes: its cache has room for the longest prompt, the whole
+episode budget and one more turn (``width + first turn + budget`` slots), so a later turn works in place on the same
+buffers and replays the decode-step CUDA graph the first turn captured (and, with ``rollout_cuda_graphs_kept``, the
+one a previous batch of the same shape captured): no capture and no allocation per turn.
+
 Between turns the rows' histories end at different slots (their turns ended at different steps, their observations
 differ in length). One continued turn:
-1. **Realign.** Every continuing row's cached history is moved, in a new cache sized for this turn, so that its
-   history plus its block (the tokens not cached yet: a turn's last token, the observation) ends at one slot ``C``
-   for every row, the longest row's end. A key cached at slot ``s`` and moved by ``d`` slots is rotated by ``d``
-   (RoPE: a key rotated by the angle of ``s + d`` is what the layer would have written there), values are moved
-   as they are. So each row stays contiguous, and the decode steps after it feed every row at one slot again:
-   the same fixed-shape step (and CUDA graph) as a single-turn generation. One gather per layer per turn, about
-   the cost of one decode step's attention over the cache.
+1. **Realign.** Every continuing row's cached history is moved, within the cache, so that its history plus its block
+   (the tokens not cached yet: a turn's last token, the observation) ends at one slot ``C`` for every row, the longest
+   row's end. A key cached at slot ``s`` and moved by ``d`` slots is rotated by ``d`` (RoPE: a key rotated by the
+   angle of ``s + d`` is what the layer would have written there), values are moved as they are. So each row stays
+   contiguous, and the decode steps after it feed every row at one slot again: the same fixed-shape step (and CUDA
+   graph) as a single-turn generation. One gather per layer per turn, about the cost of one decode step's attention
+   over the cache.
 2. **Extend.** The blocks, left-padded to one width ``L``, run once at slots ``C - L .. C - 1``: their real tokens
    write their keys and values (static_cache.py ``CacheCursor.extend``) and attend to their row's history and to
    the block before them; the last position's logits give each row's first token of the turn.
 3. **Decode** as ``StaticCacheDecoder.generate`` does, from slot ``C``; rows that do not continue are finished.
 
-The cache of a turn holds ``C + max_new_tokens`` slots, where ``C`` is at most the longest prompt plus the
-completion budget: the same bound as a single-turn generation of the whole budget.
+``C`` is at most the longest prompt plus the episode budget (every turn and observation counts against it) and a
+later turn's room at most the first turn's, so the cache never overflows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,10 +41,12 @@ if TYPE_CHECKING:
 
 
 class EpisodeDecoding:
-    """The rows of one batch of episodes (``n`` per prompt, rows ``i * n .. i * n + n - 1``) across their turns."""
+    """The rows of one batch of episodes (``n`` per prompt, rows ``i * n .. i * n + n - 1``) across their turns;
+    ``budget`` bounds each episode's whole completion (turns and observations, as ``run_episodes`` counts it)."""
 
-    def __init__(self, decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, generator: torch.Generator) -> None:
-        self.decoder, self.prompts, self.n, self.generator = decoder, prompts, n, generator
+    def __init__(self, decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, generator: torch.Generator,
+                 budget: int) -> None:
+        self.decoder, self.prompts, self.n, self.generator, self.budget = decoder, prompts, n, generator, budget
         self.run: _Generation | None = None
         self.history: list[list[int]] = [list(p) for p in prompts for _ in range(n)]
         """Per row, the token ids in its cache's order: the prompt, then every turn's and observation's tokens."""
@@ -51,17 +59,20 @@ class EpisodeDecoding:
         """The prompts' first turn; the caller hands each row's kept tokens to ``keep``."""
         d = self.decoder
         with d.engine.generation_mode():
-            self.run = _Generation.for_prompts(d.stages, self.prompts, self.n, params, d.vocab_size, self.generator)
-            return d.run(self.run, self.run.prefill)
+            self.run, keep = d.prepare(self.prompts, self.n, params, self.generator, extra_slots=self.budget)
+            out = d.run(self.run, self.run.prefill)
+            keep()  # for the next batch of this shape: it refills the buffers once this batch's turns are over
+        return out
 
     def next_turn(self, appended: list[list[int] | None],
                   params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
         """The next turn of the rows whose ``appended`` is not None (those ids follow the row's last turn); the other
-        rows are done (their tokens in the result are padding). The caller hands the kept tokens to ``keep``."""
+        rows are done (their tokens in the result are padding). ``params.max_new_tokens`` may not pass the first
+        turn's. The caller hands the kept tokens to ``keep``."""
         assert self.run is not None, "first_turn comes first"
         d = self.decoder
         with d.engine.generation_mode():
-            self.run, extend = _continued(self.run, self.history, appended, params)
+            extend = _continue_in_place(self.run, self.history, appended, params)
             out = d.run(self.run, extend)
         for r, a in enumerate(appended):
             if a is not None:
@@ -76,14 +87,14 @@ class EpisodeDecoding:
                 self.history[r] += ids
 
 
-def _continued(prev: _Generation, history: list[list[int]], appended: list[list[int] | None],
-               params: SamplingParams) -> tuple[_Generation, Callable[[], None]]:
-    """A new turn's ``_Generation`` over a realigned cache, and its prefill (the blocks)."""
-    stages, device = prev.stages, prev.stages.device
-    rows = len(history)
-    valid = prev.valid.cpu()
-    pending = int(prev.cursor.slot)
-    if pending < valid.shape[1]:  # the slot of each row's last token picked: marked valid, never fed (not cached)
+def _continue_in_place(run: _Generation, history: list[list[int]], appended: list[list[int] | None],
+                       params: SamplingParams) -> Callable[[], None]:
+    """``run`` set up for a new turn over its realigned cache, and that turn's prefill (the blocks)."""
+    stages, device = run.stages, run.stages.device
+    rows, slots = len(history), run.valid.shape[1]
+    valid = run.valid.cpu()
+    pending = int(run.cursor.slot)
+    if pending < slots:  # the slot of each row's last token picked: marked valid, never fed (not cached)
         valid[:, pending] = False
     cached = valid.sum(dim=1).tolist()  # the first ``cached[r]`` ids of history[r] are in the cache, contiguous
     end = [int(torch.nonzero(v).max()) + 1 if c else 0 for v, c in zip(valid, cached)]
@@ -101,47 +112,50 @@ def _continued(prev: _Generation, history: list[list[int]], appended: list[list[
     lengths = [len(b) for b in blocks]
     C = max((cached[r] + lengths[r] for r in range(rows) if going[r]), default=1)
     L = max((lengths[r] for r in range(rows) if going[r]), default=1)
+    room = max(params.max_new_tokens, 1)
+    if C + room > slots or room > run.tokens.shape[1]:
+        raise ValueError(f"an episode's turn does not fit its cache: history and block end at slot {C}, the turn "
+                         f"needs {room} more of {slots} slots (at most {run.tokens.shape[1]} per turn); the episodes' "
+                         "budget bounds every turn and observation together (EpisodeDecoding's budget)")
     shift = [C - lengths[r] - end[r] if going[r] else 0 for r in range(rows)]
-    slots = C + max(params.max_new_tokens, 1)
     new_valid = torch.zeros(rows, slots, dtype=torch.bool)
     for r in range(rows):
         if going[r]:
             new_valid[r, C - lengths[r] - cached[r]:C - lengths[r]] = True
-    layers = _realigned(stages, prev.cache, torch.tensor(shift), new_valid.to(device), slots)
-    prev.cache.layers = []  # the old cache is freed as the new one is built
-    cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device, layers=layers)
-    run = _Generation(stages, params, prev.vocab_size, prev.generator, 1, rows, C, cache, new_valid.to(device))
+    new_valid = new_valid.to(device)
+    _realign(stages, run.cache, torch.tensor(shift), new_valid)
+    if replace(params, max_new_tokens=run.captured_params.max_new_tokens) != run.captured_params:
+        run.graph, run.captured_params = None, params  # another sampling: the captured step would draw the old way
+    run.params, run.width = params, C
+    run.restart(new_valid)
 
     def extend() -> None:
         _extend(run, blocks, going, cached, C, L)
 
-    return run, extend
+    return extend
 
 
-def _realigned(stages: PolicyStages, cache: StaticKVCache, shift: torch.Tensor, valid: torch.Tensor,
-               slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's keys and values with row ``r`` moved ``shift[r]`` slots (keys rotated by as many positions) into
-    a cache of ``slots`` slots; zeros where ``valid`` is False."""
+def _realign(stages: PolicyStages, cache: StaticKVCache, shift: torch.Tensor, valid: torch.Tensor) -> None:
+    """Each layer's keys and values with row ``r`` moved ``shift[r]`` slots (keys rotated by as many positions), in
+    place (a captured graph reads these tensors); zeros where ``valid`` is False."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    device = valid.device
-    old_slots = cache.layers[0][0].shape[2] if cache.layers else 0
-    source = (torch.arange(slots)[None, :] - shift[:, None]).clamp(0, max(old_slots - 1, 0)).to(device)
+    device, slots = valid.device, valid.shape[1]
+    source = (torch.arange(slots)[None, :] - shift[:, None]).clamp(0, slots - 1).to(device)
     keep = valid[:, None, :, None]
     freqs = None
     table = stages.rotary_table(int(shift.abs().max()) + 1)
     if table is not None and bool(shift.any()):
         angles = table[shift.abs().to(device)]  # [rows, 1, 1, rot]: the angle of |shift|, negated for a shift left
         freqs = (angles * shift.sign().to(device, angles.dtype)[:, None, None, None]).transpose(0, 1)  # [1, rows, 1, rot]
-    out = []
     for keys, values in cache.layers:
         index = source[:, None, :, None].expand(keys.shape[0], keys.shape[1], slots, keys.shape[3])
-        moved_keys = keys.gather(2, index)
+        moved_keys = keys.gather(2, index)  # a copy: the layer's tensors are then overwritten whole
         if freqs is not None:  # [slots, rows, heads, dim] as Megatron-Core's RoPE takes it
             moved_keys = apply_rotary_pos_emb(moved_keys.permute(2, 0, 1, 3), freqs, config=stages.config)
             moved_keys = moved_keys.permute(1, 2, 0, 3)
-        out.append(((moved_keys * keep).contiguous(), (values.gather(2, index) * keep).contiguous()))
-    return out
+        keys.copy_(moved_keys * keep)
+        values.copy_(values.gather(2, index) * keep)
 
 
 def _extend(run: _Generation, blocks: list[list[int]], going: list[bool], cached: list[int], C: int, L: int) -> None:

@@ -17,7 +17,9 @@ One call (``StaticCacheDecoder.generate``):
    included) are kept for its shape, with the prompts' width rounded up to ``WIDTH_BUCKET``; a later call of the
    same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
-   weights to new storage; a graph reading the old addresses would read freed memory).
+   weights to new storage; a graph reading the old addresses would read freed memory). A batch of multi-turn
+   episodes (``prepare`` with ``extra_slots``, continuation.py) is one such generation: its later turns replay the
+   first turn's graph on the same buffers, and the next batch of the shape replays it again.
 
 Positions: rotary angles are those of the cache slot (as Megatron-Core's static inference does), so a
 left-padded row is shifted by a constant, which RoPE (relative) ignores; learned absolute position
@@ -129,20 +131,33 @@ class StaticCacheDecoder:
         """``n`` completions of each prompt (rows ``i * n .. i * n + n - 1``): tokens [rows, T] (``pad_token_id`` after
         a row's EOS) and their log-probabilities, on the host, with the call's stats."""
         with self.engine.generation_mode():
-            if not self.kept.limit:
-                run = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator)
-                return self.run(run, run.prefill)
-            width = -(-max(len(p) for p in prompts) // WIDTH_BUCKET) * WIDTH_BUCKET
-            key, fingerprint = (len(prompts) * n, width, params), self._storage_fingerprint()
-            kept = self.kept.take(key, fingerprint)
-            if kept is None or kept.generator is not generator:
-                kept = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator, width)
-            else:
-                kept.refill(prompts, n)
-            out = self.run(kept, kept.prefill)
+            run, keep = self.prepare(prompts, n, params, generator)
+            out = self.run(run, run.prefill)
+            keep()
+        return out
+
+    def prepare(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator,
+                extra_slots: int = 0) -> tuple[_Generation, Callable[[], None]]:
+        """The device state of a generation of ``prompts`` with ``extra_slots`` more cache slots than its first
+        ``max_new_tokens`` need (an episode's later turns, continuation.py): the one kept for this shape, refilled in
+        place, or a new one; ``keep()`` after its first decode keeps it for the next call of the shape (once it holds
+        a graph)."""
+        if not self.kept.limit:
+            return _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator,
+                                           extra_slots=extra_slots), lambda: None
+        width = -(-max(len(p) for p in prompts) // WIDTH_BUCKET) * WIDTH_BUCKET
+        key, fingerprint = (len(prompts) * n, width, extra_slots, params), self._storage_fingerprint()
+        kept = self.kept.take(key, fingerprint)
+        if kept is None or kept.generator is not generator:
+            kept = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator, width, extra_slots)
+        else:
+            kept.refill(prompts, n, params)
+
+        def keep() -> None:
             if kept.graph is not None:
                 self.kept.keep(key, fingerprint, kept)
-        return out
+
+        return kept, keep
 
     def _storage_fingerprint(self) -> tuple[int, ...]:
         """Where every parameter's data lives: a captured graph reads these addresses."""
@@ -180,28 +195,29 @@ class _Generation:
     """The device state of one ``generate`` call (or of one turn of an episode: continuation.py)."""
 
     def __init__(self, stages: PolicyStages, params: SamplingParams, vocab_size: int, generator: torch.Generator,
-                 n: int, rows: int, width: int, cache: StaticKVCache | None = None,
-                 valid: torch.Tensor | None = None) -> None:
+                 n: int, rows: int, width: int, extra_slots: int = 0) -> None:
         """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
-        ``cache`` / ``valid``: a continued turn's cache and valid slots (default: empty ones)."""
+        ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (an episode's later turns)."""
         self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
+        self.captured_params = params
+        """The sampling the graph (once captured) replays; a continued turn may change only ``max_new_tokens``."""
         device = stages.device
-        self.width = width
+        self.width = self.prompt_width = width
         new = max(params.max_new_tokens, 1)
-        slots = self.width + new
+        slots = self.width + new + extra_slots
         self.prompt_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.prompt_real = torch.zeros(0, 0, dtype=torch.bool)
         """The left-padded prompts ``prefill`` runs (``for_prompts``)."""
         self.tokens = torch.full((rows, new), params.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(rows, new, dtype=torch.float32, device=device)
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.valid = valid if valid is not None else torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
         """Which cache slots each row attends to: its real prompt tokens and its tokens up to its EOS."""
         self.current = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)
         self.picked = torch.zeros(rows, dtype=torch.long, device=device)
         self.picked_logprob = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.cache = cache or StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
+        self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
         self.cursor = self.cache.cursor
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
@@ -218,25 +234,34 @@ class _Generation:
 
     @classmethod
     def for_prompts(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
-                    vocab_size: int, generator: torch.Generator, width: int | None = None) -> _Generation:
+                    vocab_size: int, generator: torch.Generator, width: int | None = None,
+                    extra_slots: int = 0) -> _Generation:
         """``n`` completions of each of ``prompts``, left-padded to one width (the longest, or ``width``; ``prefill``
         runs them)."""
         ids, real = left_pad(prompts, params.pad_token_id, width)
-        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1])
+        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1], extra_slots)
         run.prompt_ids, run.prompt_real = ids.to(stages.device), real
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run
 
-    def refill(self, prompts: list[list[int]], n: int) -> None:
-        """A kept generation's buffers, in place (the graph reads them), for ``prompts`` of its shape: as ``for_prompts``
-        would set them. The cache keeps the last call's keys and values: a slot is read only once ``valid`` says so."""
-        ids, real = left_pad(prompts, self.params.pad_token_id, self.width)
+    def refill(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        """A kept generation's buffers, in place (the graph reads them), for ``prompts`` of its shape and ``params``
+        (those it was made with): as ``for_prompts`` would set them. The cache keeps the last call's keys and values:
+        a slot is read only once ``valid`` says so."""
+        self.params, self.width = params, self.prompt_width  # an episode's later turns changed them
+        ids, real = left_pad(prompts, params.pad_token_id, self.width)
         self.n, self.prompt_ids, self.prompt_real = n, ids.to(self.stages.device), real
+        valid = torch.zeros_like(self.valid)
+        valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(self.stages.device)
+        self.restart(valid)
+
+    def restart(self, valid: torch.Tensor) -> None:
+        """Every per-call buffer reset in place for a new decode (a refilled call, or an episode's next turn, whose
+        realigned history ``valid`` marks)."""
         self.tokens.fill_(self.params.pad_token_id)
         self.logprobs.zero_()
         self.finished.zero_()
-        self.valid.zero_()
-        self.valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(self.stages.device)
+        self.valid.copy_(valid)
         self.current.zero_()
         self.step.zero_()
         self.capture_s = 0.0
@@ -316,6 +341,7 @@ class _Generation:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self.generator)
+        self.captured_params = self.params
         try:
             with torch.cuda.graph(graph):
                 self.decode_step(None)

@@ -10,8 +10,9 @@ layer's real core attention (SDPA or Megatron's local one) over the cache. Nothi
 on a host value, so the whole step can be captured once and replayed.
 
 Layout: [rows, kv heads of this TP rank, slots, head dim] per layer, which the core attention receives as
-[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens``. The cache lives for
-one generation and is freed with it.
+[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens`` (an episode's: the whole
+budget more, continuation.py). The cache lives for one generation (or batch of episodes) and is freed with it,
+unless the decoder keeps it with its CUDA graph (decoder.py, ``rollout_cuda_graphs_kept``).
 """
 
 from __future__ import annotations
@@ -81,12 +82,11 @@ class StaticKVCache:
     """Keys and values of every attention layer of this rank for ``rows`` sequences of up to ``slots`` tokens."""
 
     def __init__(self, attentions: list[Any], rows: int, slots: int, dtype: torch.dtype,
-                 device: torch.device, layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        """``layers``: each layer's (keys, values) already filled (an episode's history, continuation.py)."""
+                 device: torch.device) -> None:
         self.attentions = attentions
         self.cursor = CacheCursor(slot=torch.zeros(1, dtype=torch.long, device=device))
         # zeros, not empty: a slot not written yet is multiplied by a zero attention weight, which must not meet a NaN
-        self.layers = layers if layers is not None else [
+        self.layers = [
             (torch.zeros(rows, a.num_query_groups_per_partition, slots, a.hidden_size_per_attention_head,
                          dtype=dtype, device=device),
              torch.zeros(rows, a.num_query_groups_per_partition, slots, a.hidden_size_per_attention_head,
