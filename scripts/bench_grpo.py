@@ -31,6 +31,7 @@ our rows: each ``time/*`` phase of trainer/step_profile.py, ms per step (mean ov
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -69,6 +70,13 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
+    for setting in args.set:  # SECTION.KEY=VALUE (YAML), after the bench's own settings
+        dotted, value = setting.split("=", 1)
+        *parents, key = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = yaml.safe_load(value)
     path = out / f"{args.task}_{tag}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -79,13 +87,17 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     completions, max_len = args.prompts * args.generations, real_max_prompt_length() + args.max_new_tokens
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
     tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake") + ("_capture" if graphs_kept == 0 else "")
+    if args.set:  # a work folder (and config) of its own: a run never resumes another setting's checkpoint
+        tag += "_" + hashlib.sha1("\n".join(args.set).encode()).hexdigest()[:8]
     work = out / f"{args.task}_ours_{tag}"
     cfg = ours_config(out, args, backend, tag, kv, sleep, graphs_kept)
     result, steady, columns = run_worker(work, cfg, args, ["--no-eval", "--converted", str(out / f"{args.task}_converted")])
     train = result["train"]
     return {
         "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake")
-                + (", graphs captured per call" if graphs_kept == 0 else "") + ")",
+                + (", graphs captured per call" if graphs_kept == 0 else "") + "".join(f", {s}" for s in args.set) + ")",
+        "processed_tokens": mean_of(train, "batch/processed_tokens"),
+        "padding_fraction": mean_of(train, "batch/padding_fraction"),
         **columns,
         "wake_s": mean_of(steady, "time/wake_s"), "sleep_s": mean_of(steady, "time/sleep_s"),
         "sync_export_s": mean_of(steady, "weight_sync/export_s"),  # of sync_s, the exporter's share
@@ -157,7 +169,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 PROFILE = ("rollout", "prompts", "generate", "decode", "prefill", "graph_capture", "detokenize", "reward", "score_gather",
-           "rollout_host", "sync", "wake", "sleep", "batch_build", "logprob", "train")
+           "rollout_host", "sync", "wake", "sleep", "batch_build", "logprob", "train",
+           "train_forward_backward", "train_optimizer")
 
 
 def profile_table(rows: list[dict[str, Any]]) -> str:
@@ -184,6 +197,8 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="also print our rows' step profile (time/* phases)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting of our runs' config (YAML value), e.g. megatron.enable_sequence_packing=true")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

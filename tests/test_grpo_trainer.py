@@ -59,6 +59,8 @@ def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tin
         assert 0 < t["prefill"] + t["graph_capture"] <= t["decode"] <= t["generate"], t
         assert sum(t[p] for p in parts) <= t["rollout"] + 1e-6, t
         assert t["rollout_host"] == pytest.approx(t["rollout"] - t["decode"], abs=1e-9) and t["batch_build"] > 0, t
+        assert 0 < t["train_forward_backward"] and 0 < t["train_optimizer"], t
+        assert t["train_forward_backward"] + t["train_optimizer"] <= t["train"], t
     # the embedded backend samples from the trainer's own weights (fp32): its logprobs (KV cache) equal
     # the trainer's recomputed ones up to rounding
     assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-4 and rows[-1]["mismatch/token_mult_prob_error"] < 1.0001

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +59,11 @@ class StepResult:
     """Whether ModuleQueue streamed the last stage's weights in this step (engine/parallel/module_queue.py)."""
     module_queue_offloaded_mib: float = 0.0
     """MiB of weights ModuleQueue released from the GPU in this step (every microbatch), summed over all ranks."""
+    forward_backward_s: float = 0.0
+    """Seconds of this rank's forward and backward passes (the schedule, the gradients' reduction included), up to
+    the device finishing them."""
+    optimizer_s: float = 0.0
+    """Seconds of this rank's optimizer step (the gradient norm, the update, the distributed optimizer's gathers)."""
 
 
 def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
@@ -534,15 +540,21 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         for queue, param_buffers in self._module_queues:
             queue.begin_step(param_buffers)
+        started = time.perf_counter()
         try:
             outputs = self._run(microbatches, loss_fn, temperature, forward_only=False, with_entropy=with_entropy)
         finally:  # every weight back on the GPU before the optimizer step (also after an error)
             for queue, _ in self._module_queues:
                 queue.end_step()
+        if self.device.type == "cuda":  # costs nothing: the optimizer step waits for the gradients anyway
+            torch.cuda.synchronize(self.device)
+        forward_backward_s = time.perf_counter() - started
         deferred = self._deferred_wgrad_ops()
         mq_active, mq_mib = self._module_queue_stats()
+        started = time.perf_counter()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
+        optimizer_s = time.perf_counter() - started  # the step reads the gradient norm on the host: device time in
         self.step_count += 1
         totals = self._reduce_metrics(outputs)
         count = totals.pop("count")
@@ -558,6 +570,8 @@ class MegatronEngine:
             deferred_wgrad_ops=deferred,
             module_queue_active=mq_active,
             module_queue_offloaded_mib=mq_mib,
+            forward_backward_s=forward_backward_s,
+            optimizer_s=optimizer_s,
         )
 
     def _module_queue_stats(self) -> tuple[bool, float]:

@@ -122,6 +122,9 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
         # ModuleQueue on the last stage: whether it streamed weights, and the MiB it released (all updates)
         "module_queue/active": any(r.module_queue_active for r in results),
         "module_queue/offloaded_mib": sum(r.module_queue_offloaded_mib for r in results),
+        # of time/train_s: the forward and backward passes and the optimizer steps (the rest: the host's batches)
+        "time/train_forward_backward_s": sum(r.forward_backward_s for r in results),
+        "time/train_optimizer_s": sum(r.optimizer_s for r in results),
         "batch/real_tokens": int(s["real"]),
         "batch/processed_tokens": int(s["processed"]),
         "batch/padding_fraction": 1.0 - s["real"] / max(s["processed"], 1.0),

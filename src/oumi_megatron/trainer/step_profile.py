@@ -12,7 +12,8 @@ The rollout phase (``time/rollout_s``) splits into:
 - ``time/score_gather_s``: the round's scores gathered over DP (the overlong penalty with them);
 - ``time/rollout_host_s``: the rollout phase less the device's share: everything a faster decoder would not remove.
 The update splits into ``time/batch_build_s`` (advantages, microbatch layouts), ``time/logprob_s`` and
-``time/train_s``. Device work is timed where its results reach the host, so no phase hides another's queued kernels.
+``time/train_s`` (with ``time/train_forward_backward_s`` and ``time/train_optimizer_s`` parts of it). Device work
+is timed where its results reach the host, so no phase hides another's queued kernels.
 """
 
 from __future__ import annotations
