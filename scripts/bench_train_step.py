@@ -27,6 +27,7 @@ weights, HF's bf16 AdamW does not) and activations = peak - state.
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -145,6 +146,10 @@ def main() -> None:
     p.add_argument("--shape", default="0.8b", choices=sorted(bench_common.TRAIN_SHAPES),
                    help="8b: Llama-3-8B dimensions (needs 2 x 141 GB GPUs, e.g. --tp 2)")
     p.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
+    p.add_argument("--vocab", type=int, default=None, help="override the shape's vocabulary (e.g. 151936, Qwen2.5's)")
+    p.add_argument("--grpo-loss", action="store_true",
+                   help="the GRPO loss (grpo/loss.py, default grpo: settings) on policy with the entropy output, as the "
+                        "loop's first update runs it: the last half of each row is the completion")
     p.add_argument("--module-queue", type=int, default=0, metavar="CHUNKS",
                    help="megatron.enable_module_queue with this many output-layer chunks (0: off)")
     p.add_argument("--tp", type=int, default=1)
@@ -202,8 +207,15 @@ def main() -> None:
             target = getattr(target, part)
         setattr(target, field, parsed)
     cfg = bench_common.hf_config(args.shape, args.seq, args.layers)
+    if args.vocab:
+        cfg.vocab_size = args.vocab
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), generator=g)} for _ in range(args.microbatches)]
+    if args.grpo_loss:
+        for b in batches:
+            b["completion_mask"] = torch.zeros(args.mbs, args.seq)
+            b["completion_mask"][:, args.seq // 2 - 1:-1] = 1.0  # position t scores token t + 1
+            b["advantages"] = torch.randn(args.mbs, generator=g)
     dp = int(os.environ.get("WORLD_SIZE", "1")) // (args.tp * args.pp * args.cp)  # each DP rank runs these microbatches
     tokens = args.mbs * args.microbatches * args.seq * dp
     name = bench_common.card_name()
@@ -217,6 +229,13 @@ def main() -> None:
 
     def loss_fn(logprobs: torch.Tensor, batch: dict) -> tuple:
         return -logprobs.sum(), torch.tensor(logprobs.numel()), {}
+
+    if args.grpo_loss:
+        from oumi_megatron.config.grpo_params import MegatronGrpoParams
+        from oumi_megatron.grpo.loss import make_grpo_loss_fn
+
+        loss_fn = make_grpo_loss_fn(MegatronGrpoParams(max_completion_length=args.seq // 2))  # noqa: F811
+    train_step = functools.partial(engine.train_step, with_entropy=args.grpo_loss)
 
     if args.compile_layers:
         from oumi_megatron.engine.wrappers import unwrap
@@ -244,20 +263,20 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
-        r = engine.train_step(batches, loss_fn)
+        r = train_step(batches, loss_fn)
         torch.cuda.synchronize()
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     if args.profile:
-        profile_step(lambda: engine.train_step(batches, loss_fn), args.profile)
+        profile_step(lambda: train_step(batches, loss_fn), args.profile)
     phase_ms = None
     # one more (untimed) step with CUDA events around each F, B and W, per stage
     if SCHEDULES.get(layout.pipeline_schedule).defers_weight_gradients:
         from oumi_megatron.engine.parallel.zero_bubble import PhaseTimes
 
         PhaseTimes.enabled = True
-        engine.train_step(batches, loss_fn)
+        train_step(batches, loss_fn)
         PhaseTimes.enabled = False
         phase_ms = [None] * dist.get_world_size()
         dist.all_gather_object(phase_ms, {k: round(v, 2) for k, v in PhaseTimes.mean_ms().items()})
@@ -299,6 +318,8 @@ def main() -> None:
         "params_b": round(flops_per_token(cfg, 0) / 6e9, 3),
     }
     result["settings"] = args.set
+    result.update(vocab=cfg.vocab_size, loss="grpo (on policy, with entropy)" if args.grpo_loss else "sum of logprobs",
+                  forward_backward_s=round(r.forward_backward_s, 4), optimizer_s=round(r.optimizer_s, 4))
     # ModuleQueue: chunks (0 = off), MiB released per step, and seed 000's estimate of its saving on the last
     # stage, N x layer_size - V x H / num_chunks (bf16)
     h, v = cfg.hidden_size, cfg.vocab_size
