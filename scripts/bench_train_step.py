@@ -201,9 +201,10 @@ def main() -> None:
     for item in args.set:
         key, value = item.split("=", 1)
         parsed = {"true": True, "false": False, "null": None}.get(value.lower(), _number_or_text(value))
-        *path, field = key.split(".")  # "x" is transformer_config.x; "optimizer_config.x" names its section
+        *path, field = key.split(".")  # "x" is transformer_config.x (else megatron.x); "optimizer_config.x" its section
         target = params
-        for part in path or ["transformer_config"]:
+        top_level = not path and not hasattr(params.transformer_config, field) and hasattr(params, field)
+        for part in path or ([] if top_level else ["transformer_config"]):
             target = getattr(target, part)
         setattr(target, field, parsed)
     cfg = bench_common.hf_config(args.shape, args.seq, args.layers)

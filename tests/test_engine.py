@@ -440,6 +440,33 @@ def test_atomic_directory_never_exposes_partial_output(tmp_path: Path) -> None:
     assert partial_path(target).exists() and not (target / "new").exists()
 
 
+@pytest.mark.parametrize(("dtype", "temperature"), [(torch.float32, 1.0), (torch.bfloat16, 0.7)])
+def test_fused_logprob_statistics_equal_the_eager_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                       temperature: float) -> None:
+    """``megatron.logprob_fusion``'s expressions (engine/kernels/chunked_logprobs.py FUSED_STATISTICS), run uncompiled,
+    give exactly the eager path's logprobs, entropy and gradients (the same operations in the same order);
+    tests/test_gpu.py compares their compiled form. One rank: no TP group to reduce over."""
+    from oumi_megatron.engine.kernels import chunked_logprobs as cl
+
+    monkeypatch.setattr(cl, "_tp", lambda: (None, 1, 0))
+    monkeypatch.setattr(cl, "_fused", cl.FUSED_STATISTICS.__getitem__)
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(6, 2, 16, generator=g).to(dtype), torch.randn(50, 16, generator=g).to(dtype)  # [s, b, h]
+    targets = torch.randint(0, 50, (2, 6), generator=g)
+    outs = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logprobs, entropy = cl.chunked_token_logprobs(h, w, targets, temperature, chunk_tokens=5, with_entropy=True,
+                                                      fused=fused)
+        (logprobs * torch.linspace(-1, 1, 12).view(2, 6)).sum().backward()
+        outs.append((logprobs, entropy, h.grad, w.grad))
+    for eager, fused_out in zip(*outs, strict=True):
+        assert torch.equal(eager, fused_out)
+    logits = (hidden.transpose(0, 1) @ weight.t()).float() / temperature  # the reference: full logits
+    reference = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+    assert (outs[1][0] - reference).abs().max() <= 1e-5
+
+
 def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
     """``logprob_chunk_tokens: null`` on a GPU: full logits up to one auto-sized chunk (512 MiB of fp32),
     chunks beyond (the 152k-vocabulary case the chunked path exists for)."""

@@ -122,6 +122,30 @@ def test_fused_optimizer_kernels_match_megatron_fallbacks_on_gpu() -> None:
     assert abs(ours.item() - theirs.item()) <= 1e-6 * theirs.item()
 
 
+def test_compiled_logprob_statistics_match_the_eager_path_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``megatron.logprob_fusion`` compiled (torch.compile) against the eager chunked path, bf16 on the GPU, a 151,936
+    vocabulary, T = 0.7: logprobs and entropy within 1e-4 absolute (fp32 sums in another order; values O(10)), the
+    hidden states' and weight's gradients within 1e-2 of their norm (bf16 logit gradients may round the other way)."""
+    from oumi_megatron.engine.kernels import chunked_logprobs as cl
+
+    monkeypatch.setattr(cl, "_tp", lambda: (None, 1, 0))
+    torch.manual_seed(0)
+    hidden = (torch.randn(256, 4, 512, device="cuda") * 0.5).bfloat16()  # [s, b, h]
+    weight = (torch.randn(151_936, 512, device="cuda") * 0.05).bfloat16()
+    targets = torch.randint(0, 151_936, (4, 256), device="cuda")
+    scale = torch.randn(4, 256, device="cuda")
+    outs = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logprobs, entropy = cl.chunked_token_logprobs(h, w, targets, 0.7, chunk_tokens=384, with_entropy=True,
+                                                      fused=fused)
+        (logprobs * scale).sum().backward()
+        outs.append((logprobs, entropy, h.grad.float(), w.grad.float()))
+    (lp, ent, gh, gw), (lp_f, ent_f, gh_f, gw_f) = outs
+    assert (lp - lp_f).abs().max() <= 1e-4 and (ent - ent_f).abs().max() <= 1e-4
+    assert (gh - gh_f).norm() <= 1e-2 * gh.norm() and (gw - gw_f).norm() <= 1e-2 * gw.norm()
+
+
 @pytest.mark.parametrize("first", [0, 1536], ids=["first_chunk", "later_chunk"])
 def test_prefix_causal_flash_attention_matches_masked_sdpa_on_gpu(first: int) -> None:
     """CP's query-chunk attention on two flash calls merged by log-sum-exp (engine/kernels/chunk_attention.py) against

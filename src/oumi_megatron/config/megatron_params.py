@@ -201,6 +201,12 @@ class MegatronParams(BaseParams):
     ~512 MiB of fp32 logits where one microbatch's logits would pass that (full logits below); off on
     the CPU; 0 = off (full logits)."""
 
+    logprob_fusion: bool | None = None
+    """The chunked logprob path's softmax statistics (max, log-sum-exp, target logit, entropy; the backward's softmax
+    gradient) each in one compiled kernel (torch.compile) that reads a chunk's logits once in the model dtype, instead
+    of fp32 passes one by one (engine/kernels/chunked_logprobs.py). Same math, sums in another order (fp32 rounding).
+    null = on with CUDA, off on the CPU."""
+
     enable_sequence_packing: bool = False
     """Pack variable-length sequences into microbatches (no padding)."""
 

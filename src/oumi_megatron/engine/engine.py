@@ -181,6 +181,8 @@ class _RunSettings:
     chunked: bool
     """Logprobs straight from the last hidden states (engine/kernels/chunked_logprobs.py), not from full logits."""
     chunk_tokens: int | None
+    fused_logprobs: bool
+    """The chunked path's statistics in compiled kernels (``megatron.logprob_fusion``)."""
     with_entropy: bool
     packing: dict[int, Any]
     """Microbatch index -> PackedSeqParams of its packed rows (the varlen kernel)."""
@@ -378,6 +380,11 @@ class MegatronEngine:
             return 0 if torch.cuda.is_available() else None
         return int(value) or None
 
+    def logprob_fusion(self) -> bool:
+        """Whether the chunked logprob path compiles its statistics (``megatron.logprob_fusion``; null: with CUDA)."""
+        value = self.params.logprob_fusion
+        return torch.cuda.is_available() if value is None else bool(value)
+
     def chunks_logprobs(self, tokens_per_microbatch: int) -> bool:
         """Whether a training / logprob pass over microbatches of this many tokens takes the chunked logprob
         path (auto: only where one microbatch's fp32 logits would pass one chunk, engine/kernels/chunked_logprobs.py)."""
@@ -444,7 +451,8 @@ class MegatronEngine:
         if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation: _context_parallel_off
             raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
         run = _RunSettings(loss_fn=loss_fn, temperature=temperature, widths=widths, micro_batch_size=mbs, cp=cp,
-                           chunked=chunked, chunk_tokens=chunk, with_entropy=with_entropy, packing=packing,
+                           chunked=chunked, chunk_tokens=chunk, fused_logprobs=self.logprob_fusion(),
+                           with_entropy=with_entropy, packing=packing,
                            keep_logits=keep_logits, inference_context=inference_context)
         return self._run_schedule(partial(self._forward_step, run), batches, seq_len, mbs, forward_only)
 
@@ -500,6 +508,7 @@ class MegatronEngine:
             extra["output_processor"] = logprob_output_processor
             extra["output_processor_context"] = processed = {
                 "targets": inputs["target_ids"], "temperature": run.temperature, "chunk_tokens": run.chunk_tokens,
+                "fused": run.fused_logprobs,
                 "with_entropy": run.with_entropy}
         output = model(
             input_ids=inputs["input_ids"],

@@ -12,10 +12,19 @@ Megatron-Core's linear layers do.
 
 It runs through Megatron-Core's ``GPTModel.forward(output_processor=...)`` hook on the last stage:
 :func:`logprob_output_processor` replaces the output layer + logits there.
+
+**Fused statistics** (``megatron.logprob_fusion``, on with CUDA): the eager path walks each chunk's logits in fp32
+about ten times (the fp32 copy, max, subtract, exp, sums, entropy; the backward's softmax gradient likewise); at a
+152k vocabulary that memory traffic, not the GEMMs, is most of the output layer's time. Fused, the same expressions
+are compiled (torch.compile) into one kernel per reduction that reads the GEMM's model-dtype output once: the max,
+then the sums given the (TP-reduced) max, and in the backward one kernel that writes the logits' gradient in the
+model dtype. Same math and the same TP reductions; the sums' order differs, so results agree to fp32 rounding
+(tests/test_gpu.py compares them with the eager path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +51,56 @@ def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) ->
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _chunk_max(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each row's max of the fp32 logits / T (one chunk's GEMM output ``z``)."""
+    return _scaled(z, temperature).amax(dim=-1)
+
+
+def _chunk_sums(z: torch.Tensor, temperature: float, m: torch.Tensor, index: torch.Tensor, mine: torch.Tensor,
+                with_entropy: bool) -> torch.Tensor:
+    """[2 or 3, rows]: sum exp(z' - m), the target's z' (0 where this shard lacks it) and, ``with_entropy``,
+    sum exp(z' - m) (z' - m), where z' = fp32 logits / T."""
+    zs = _scaled(z, temperature)
+    target = torch.where(mine, zs.gather(1, index[:, None])[:, 0], 0.0)
+    shifted = zs - m[:, None]
+    e = shifted.exp()
+    parts = [e.sum(dim=-1), target]
+    if with_entropy:
+        parts.append((e * shifted).sum(dim=-1))
+    return torch.stack(parts)
+
+
+def _chunk_logit_grad(z: torch.Tensor, temperature: float, lse: torch.Tensor, g: torch.Tensor, index: torch.Tensor,
+                      mine: torch.Tensor) -> torch.Tensor:
+    """d logprob / d logits of one chunk times the incoming gradient ``g``, in ``z``'s dtype:
+    (onehot(target) - softmax(z')) g / T."""
+    p = (_scaled(z, temperature) - lse[:, None]).exp()
+    columns = torch.arange(z.shape[1], device=z.device)
+    onehot = (columns[None, :] == index[:, None]) & mine[:, None]
+    dz = p * -g[:, None] + torch.where(onehot, g[:, None], 0.0)
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(z.dtype)
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = z.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+FUSED_STATISTICS: dict[str, Callable[..., torch.Tensor]] = {"max": _chunk_max, "sums": _chunk_sums,
+                                                            "grad": _chunk_logit_grad}
+"""What the fused path compiles, by name (tests run them uncompiled against the eager path)."""
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _fused(name: str) -> Callable[..., torch.Tensor]:
+    """The compiled form of ``FUSED_STATISTICS[name]``, built on first use (each reads a chunk's logits once)."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(FUSED_STATISTICS[name])
+    return _COMPILED[name]
+
+
 def _local_targets(targets: torch.Tensor, start: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(index into this rank's vocabulary shard, clamped; whether the shard holds the target)."""
     local = targets - start
@@ -63,7 +122,7 @@ def _all_reduce(t: torch.Tensor, op: Any, group: Any, world: int) -> torch.Tenso
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool, fuse_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool, fuse_wgrad: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden [N, h] (model dtype), weight [V/tp, h] (this rank's vocabulary shard), targets [N] global ids
         group, world, rank = _tp()
         vocab = weight.shape[0]
@@ -73,23 +132,29 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, chunk):
-            z = _scaled_logits(hidden[i : i + chunk], weight, temperature)
             index, mine = _local_targets(targets[i : i + chunk], start, vocab)
-            target = torch.where(mine, z.gather(1, index[:, None])[:, 0], 0.0)
-            m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group, world)
-            z.sub_(m[:, None])
-            e = z.exp()
-            parts = [e.sum(dim=-1), target]
-            if with_entropy:
-                parts.append((e * z).sum(dim=-1))
-            sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group, world)
+            if fused:  # the GEMM's model-dtype output, read once per kernel
+                raw = hidden[i : i + chunk] @ weight.t()
+                m = _all_reduce(_fused("max")(raw, temperature), dist.ReduceOp.MAX, group, world)
+                sums = _all_reduce(_fused("sums")(raw, temperature, m, index, mine, with_entropy), dist.ReduceOp.SUM,
+                                   group, world)
+            else:
+                z = _scaled_logits(hidden[i : i + chunk], weight, temperature)
+                target = torch.where(mine, z.gather(1, index[:, None])[:, 0], 0.0)
+                m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group, world)
+                z.sub_(m[:, None])
+                e = z.exp()
+                parts = [e.sum(dim=-1), target]
+                if with_entropy:
+                    parts.append((e * z).sum(dim=-1))
+                sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group, world)
             log_s = sums[0].log()
             lse[i : i + chunk] = m + log_s
             logprobs[i : i + chunk] = sums[1] - m - log_s
             if with_entropy:  # H = log sum exp(z') - E_p[z'] with z' = z - m
                 entropy[i : i + chunk] = log_s - sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk, ctx.fuse_wgrad, ctx.start = temperature, chunk, fuse_wgrad, start
+        ctx.temperature, ctx.chunk, ctx.fuse_wgrad, ctx.start, ctx.fused = temperature, chunk, fuse_wgrad, start, fused
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -106,16 +171,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[i : i + ctx.chunk]
-            z = _scaled_logits(h, weight, t)
-            # d logprob / d z = onehot(target) - softmax(z); times the incoming gradient, / T for the scaling
             g = grad[i : i + ctx.chunk].float()
-            p = z.sub_(lse[i : i + ctx.chunk, None]).exp_()
-            dz = p.mul_(-g[:, None])
             index, mine = _local_targets(targets[i : i + ctx.chunk], start, vocab)
-            dz.scatter_add_(1, index[:, None], torch.where(mine, g, 0.0)[:, None])  # no host sync
-            if t != 1.0:
-                dz.div_(t)
-            dz = dz.to(hidden.dtype)
+            if ctx.fused:
+                dz = _fused("grad")(h @ weight.t(), t, lse[i : i + ctx.chunk], g, index, mine)
+            else:
+                z = _scaled_logits(h, weight, t)
+                # d logprob / d z = onehot(target) - softmax(z); times the incoming gradient, / T for the scaling
+                p = z.sub_(lse[i : i + ctx.chunk, None]).exp_()
+                dz = p.mul_(-g[:, None])
+                dz.scatter_add_(1, index[:, None], torch.where(mine, g, 0.0)[:, None])  # no host sync
+                if t != 1.0:
+                    dz.div_(t)
+                dz = dz.to(hidden.dtype)
             grad_hidden[i : i + ctx.chunk] = dz @ weight
             accumulate_wgrad(h, dz, wgrad)
         _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, world)  # each rank holds a vocabulary shard's part
@@ -128,7 +196,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 weight.grad_added_to_main_grad = True
         else:
             grad_w = wgrad.to(weight.dtype)
-        return grad_hidden, grad_w, None, None, None, None, None
+        return grad_hidden, grad_w, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -139,12 +207,14 @@ def chunked_token_logprobs(
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
     fuse_wgrad: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [b, s] fp32, entropy [b, s] fp32 or None) of softmax(hidden @ weight^T / T)."""
+    """(logprobs [b, s] fp32, entropy [b, s] fp32 or None) of softmax(hidden @ weight^T / T); ``fused``: the
+    statistics in compiled kernels (module docstring)."""
     s, b, h = hidden.shape
     flat = hidden.transpose(0, 1).reshape(b * s, h)
     logprobs, entropy = _ChunkedLogprobs.apply(flat, weight, targets.reshape(-1), float(temperature),
-                                               int(chunk_tokens), with_entropy, fuse_wgrad)
+                                               int(chunk_tokens), with_entropy, fuse_wgrad, fused)
     return logprobs.view(b, s), (entropy.view(b, s) if with_entropy else None)
 
 
@@ -165,6 +235,7 @@ def logprob_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, 
     logprobs, entropy = chunked_token_logprobs(
         hidden_states, weight, context["targets"], context["temperature"], chunk,
         context["with_entropy"], fuse_wgrad=bool(getattr(config, "gradient_accumulation_fusion", False)),
+        fused=bool(context.get("fused", False)),
     )
     context["entropy"] = entropy
     return logprobs
