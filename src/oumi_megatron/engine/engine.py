@@ -563,7 +563,7 @@ class MegatronEngine:
         started = time.perf_counter()
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        optimizer_s = time.perf_counter() - started  # the step reads the gradient norm on the host: device time in
+        optimizer_s = time.perf_counter() - started  # its device time is in: the step reads the gradient norm on the host
         self.step_count += 1
         totals = self._reduce_metrics(outputs)
         count = totals.pop("count")

@@ -24,6 +24,7 @@ model dtype. Same math and the same TP reductions; the sums' order differs, so r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -91,14 +92,12 @@ def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
 FUSED_STATISTICS: dict[str, Callable[..., torch.Tensor]] = {"max": _chunk_max, "sums": _chunk_sums,
                                                             "grad": _chunk_logit_grad}
 """What the fused path compiles, by name (tests run them uncompiled against the eager path)."""
-_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
 
 
+@functools.cache
 def _fused(name: str) -> Callable[..., torch.Tensor]:
     """The compiled form of ``FUSED_STATISTICS[name]``, built on first use (each reads a chunk's logits once)."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(FUSED_STATISTICS[name])
-    return _COMPILED[name]
+    return torch.compile(FUSED_STATISTICS[name])
 
 
 def _local_targets(targets: torch.Tensor, start: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

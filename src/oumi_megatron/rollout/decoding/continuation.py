@@ -27,7 +27,6 @@ later turn's room at most the first turn's, so the cache never overflows.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,9 +123,7 @@ def _continue_in_place(run: _Generation, history: list[list[int]], appended: lis
             new_valid[r, C - lengths[r] - cached[r]:C - lengths[r]] = True
     new_valid = new_valid.to(device)
     _realign(stages, run.cache, torch.tensor(shift), new_valid)
-    if replace(params, max_new_tokens=run.captured_params.max_new_tokens) != run.captured_params:
-        run.graph, run.captured_params = None, params  # another sampling: the captured step would draw the old way
-    run.params, run.width = params, C
+    run.use(params, C)
     run.restart(new_valid)
 
     def extend() -> None:

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -248,12 +248,19 @@ class _Generation:
         """A kept generation's buffers, in place (the graph reads them), for ``prompts`` of its shape and ``params``
         (those it was made with): as ``for_prompts`` would set them. The cache keeps the last call's keys and values:
         a slot is read only once ``valid`` says so."""
-        self.params, self.width = params, self.prompt_width  # an episode's later turns changed them
+        self.use(params, self.prompt_width)  # an episode's later turns changed them
         ids, real = left_pad(prompts, params.pad_token_id, self.width)
         self.n, self.prompt_ids, self.prompt_real = n, ids.to(self.stages.device), real
         valid = torch.zeros_like(self.valid)
         valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(self.stages.device)
         self.restart(valid)
+
+    def use(self, params: SamplingParams, width: int) -> None:
+        """The next call (or turn) decodes with ``params`` from slot ``width``. A captured graph that samples otherwise
+        is dropped; ``max_new_tokens`` may differ (the host counts the steps)."""
+        if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
+            self.graph = None  # ``_capture`` records the next graph's sampling
+        self.params, self.width = params, width
 
     def restart(self, valid: torch.Tensor) -> None:
         """Every per-call buffer reset in place for a new decode (a refilled call, or an episode's next turn, whose
