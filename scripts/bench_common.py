@@ -65,7 +65,7 @@ LAW_SIZES: dict[str, dict[str, int]] = {  # bench_scale_laws's sizes
     "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, vocab_size=16384),
     "554m": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, vocab_size=32768),
 }
-TRAIN_SHAPES = ("0.8b", "8b", "moe", "qwen7b")  # bench_train_step --shape
+TRAIN_SHAPES = ("0.8b", "8b", "moe", "qwen7b", "smollm2-135m", "qwen2.5-1.5b")  # bench_train_step --shape
 ROLLOUT_SHAPES = ("smollm2-135m", "qwen2.5-1.5b")  # bench_rollout --shape
 _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                   "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
