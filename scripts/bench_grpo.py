@@ -78,8 +78,9 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
     if args.task == "scale" or not _cuda():
-        # the config's training CUDA graphs pay for a 135M model's launch-bound layers; the 1.5B shape's are not
-        # (43.1% vs 42.7% MFU at its loop shape), and padding every row to 384 tokens would cost it compute
+        # training CUDA graphs, where the config turns them on, pay for a 135M model's launch-bound layers; the 1.5B
+        # shape's are not launch-bound (43.1% vs 42.7% MFU at its loop shape), and padding every row to prompt +
+        # completion would cost it compute. A --set below still wins.
         raw["megatron"]["transformer_config"].update(cuda_graph_impl="none", cuda_graph_seq_length=None)
     for setting in args.set:  # SECTION.KEY=VALUE (YAML), after the bench's own settings
         dotted, value = setting.split("=", 1)

@@ -91,10 +91,11 @@ def test_cuda_graphs_match_eager_on_gpu(tmp_path_factory: pytest.TempPathFactory
 
 def test_training_cuda_graphs_in_the_grpo_loop_match_eager_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The demo's GRPO loop with training CUDA graphs against the same loop eager, bf16: the first step (same
-    rollouts: same seed and weights, generation runs eagerly either way) gives the same loss, grad norm and entropy.
-    The step trains on policy (one PPO epoch): its old logprobs and entropy come from its own graphed training
-    forward, not from a separate pass. Tolerances as test_cuda_graphs_match_eager_on_gpu (padding to the graphs'
-    length changes the GEMM shapes, so bf16 sums differ in their last bits)."""
+    rollouts: same seed and weights; generation never replays the training graphs) gives the same loss, grad norm
+    and entropy. The loop's padded rows carry segment ids, which eager training sends through the varlen kernel;
+    graphed training takes the causal path instead (PackedSeqParams is no graph input, and Megatron-Core's capture
+    failed on it). Tolerances as test_cuda_graphs_match_eager_on_gpu (padding to the graphs' length changes the GEMM
+    shapes, so bf16 sums differ in their last bits)."""
     firsts = {}
     for variant in ("eager", "graphs"):
         work = tmp_path_factory.mktemp(f"gpu_loop_{variant}")

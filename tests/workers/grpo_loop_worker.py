@@ -37,7 +37,7 @@ def overrides(args: argparse.Namespace, work: Path, hf: Path) -> list[str]:
         out += ["megatron.inference_backend=vllm", "megatron.rollout_placement=separate", f"megatron.weight_sync_method={method}"]
     if args.max_staleness:
         out += [f"grpo.max_staleness={args.max_staleness}", "grpo.off_policy_correction=tis"]
-    return out
+    return out + args.set
 
 
 def main() -> None:
@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--vllm-separate", action="store_true",
                    help="inference_backend: vllm, rollout_placement: separate (the engine on the GPU after the trainer's)")
     p.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness (with --vllm-separate)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="one more override of the config, after the worker's own (repeatable)")
     p.add_argument("--reward-log", default=None, help="a folder: each rank writes how many completions its reward "
                    "function was called with (rank{r}.json), to count the calls per sample")
     args = p.parse_args()

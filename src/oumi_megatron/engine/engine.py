@@ -441,7 +441,10 @@ class MegatronEngine:
         widths = [mb["input_ids"].shape[1] for mb in microbatches]
         batches, seq_len, mbs = self._pad_microbatches(microbatches, forward_only)
         device = self.device
-        packing = self._varlen_packing(batches, seq_len) if self.packed_attention == "varlen" and inference_context is None else {}
+        # not under training CUDA graphs: PackedSeqParams is no graph input (its boundaries would be captured as constants)
+        graphed = not forward_only and cuda_graphs_enabled(self.params)
+        packing = (self._varlen_packing(batches, seq_len)
+                   if self.packed_attention == "varlen" and inference_context is None and not graphed else {})
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
         # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
         # wanted (generation keeps the last position's) or a KV cache is in use.

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.engine.engine import StepResult
+from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter
 from oumi_megatron.environments.registry import environment_runner
@@ -247,9 +248,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
 
     def _first_update_on_policy(self) -> bool:
         """Whether the step's first mini-batch takes its old logprobs from its own training forward: it is seen
-        once (one PPO epoch) by the policy that generated it. Training CUDA graphs hold the transformer layers only;
-        the logprobs and entropy come from the output layer after them, eagerly, so they change nothing here."""
-        return self.grpo.ppo_epochs == 1
+        once (one PPO epoch) by the policy that generated it. Not under training CUDA graphs, which are captured
+        without the entropy output."""
+        return self.grpo.ppo_epochs == 1 and not cuda_graphs_enabled(self.config.megatron)
 
     def _old_and_reference_logprobs(self, layouts: list[MicrobatchLayout]) -> dict[str, float]:
         """Before any update of this step, without gradients: each microbatch gets ``old_logprobs`` (and
