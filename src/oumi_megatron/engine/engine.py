@@ -441,10 +441,10 @@ class MegatronEngine:
         widths = [mb["input_ids"].shape[1] for mb in microbatches]
         batches, seq_len, mbs = self._pad_microbatches(microbatches, forward_only)
         device = self.device
-        # not under training CUDA graphs: PackedSeqParams is no graph input (its boundaries would be captured as constants)
-        graphed = not forward_only and cuda_graphs_enabled(self.params)
-        packing = (self._varlen_packing(batches, seq_len)
-                   if self.packed_attention == "varlen" and inference_context is None and not graphed else {})
+        # not under training CUDA graphs: PackedSeqParams is no graph input (Megatron-Core made a graph per microbatch
+        # of it and its capture failed); padded rows take the causal path there, the same attention for them
+        varlen = self.packed_attention == "varlen" and inference_context is None and not self._graphed(forward_only)
+        packing = self._varlen_packing(batches, seq_len) if varlen else {}
         batches = [{**{k: _to_device(v, device) for k, v in b.items()}, "_index": torch.tensor(i)} for i, b in enumerate(batches)]
         # Logprobs straight from the last hidden states (no full logits) unless the logits themselves are
         # wanted (generation keeps the last position's) or a KV cache is in use.
@@ -463,7 +463,7 @@ class MegatronEngine:
                           forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """``_prepare``, at CUDA graphs' fixed length where training runs through them (graphs also fix the
         micro batch size: the one they were captured for)."""
-        graphs = not forward_only and cuda_graphs_enabled(self.params)
+        graphs = self._graphed(forward_only)
         batches, seq_len, mbs = self._prepare(microbatches, self.params.transformer_config.cuda_graph_seq_length if graphs else None)
         if graphs:
             if self._graph_mbs is not None and mbs != self._graph_mbs:
@@ -471,6 +471,11 @@ class MegatronEngine:
                                  "Keep megatron.micro_batch_size fixed, or set cuda_graph_impl: none")
             self._graph_mbs = mbs
         return batches, seq_len, mbs
+
+    def _graphed(self, forward_only: bool) -> bool:
+        """Whether a pass runs through the training CUDA graphs: training passes with them on; forward-only passes
+        stay eager (``_forward_only``)."""
+        return not forward_only and cuda_graphs_enabled(self.params)
 
     def _varlen_packing(self, batches: list[dict[str, torch.Tensor]], seq_len: int) -> dict[int, Any]:
         """Packed rows through the varlen kernel: microbatch index -> PackedSeqParams, the sequence boundaries
