@@ -56,13 +56,6 @@ from bench_common import (
 PATHS = ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
 
 
-def _cuda() -> bool:
-    """Whether the rows run on a GPU, without making a CUDA context in this parent process (the rows' memory)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_cache_gib: float = 0.0,
                 sleep: bool = True, graphs_kept: int | None = None) -> Path:
     """configs/smollm2_arithmetic_gpu.yaml for a throughput run: ``steps`` steps, no checkpoints until the end;
@@ -77,11 +70,6 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
-    if args.task == "scale" or not _cuda():
-        # training CUDA graphs, where the config turns them on, pay for a 135M model's launch-bound layers; the 1.5B
-        # shape's are not launch-bound (43.1% vs 42.7% MFU at its loop shape), and padding every row to prompt +
-        # completion would cost it compute. A --set below still wins.
-        raw["megatron"]["transformer_config"].update(cuda_graph_impl="none", cuda_graph_seq_length=None)
     for setting in args.set:  # SECTION.KEY=VALUE (YAML), after the bench's own settings
         dotted, value = setting.split("=", 1)
         *parents, key = dotted.split(".")
