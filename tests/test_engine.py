@@ -299,6 +299,25 @@ def test_observation_tokens_get_no_gradient_on_any_layout(converted: Path, workd
     assert got["grad_max_abs_diff"] == 0.0, got
 
 
+def test_episodes_under_expert_parallelism_match_one_rank(moe_converted: Path, workdir: Path) -> None:
+    """Multi-turn episodes on the embedded backend with the tiny MoE under EP = 2 (DP = 2): each rank runs its own
+    prompt set, and rank 0's episodes end a turn earlier and with less room than rank 1's, so the peers must agree on
+    every turn (rank 0 runs the last one with no row continuing). Greedy, fp32: each set's episodes (tokens, loss
+    masks, turns) equal one rank's run of that set with all four experts, logprobs within 1e-4."""
+    reference = _engine_run(moe_converted, workdir / "episodes_one_rank", ["--episodes-check"], nproc=1)
+    got = _engine_run(moe_converted, workdir / "episodes_ep2", ["--ep", "2", "--episodes-check"], nproc=2)
+    assert got["path"] == reference["path"] == "static"
+    ref, ep = reference["sets"], got["sets"]
+    assert sorted(ep) == sorted(ref) == ["0", "1"]
+    assert ref["0"]["turns"] == [1, 1, 2, 2] and ref["1"]["turns"] == [3, 3, 3, 3], ref  # the sets diverge
+    for s in ("0", "1"):
+        assert ep[s]["ids"] == ref[s]["ids"] and ep[s]["mask"] == ref[s]["mask"], s
+        assert ep[s]["turns"] == ref[s]["turns"], s
+        assert 0 in ep[s]["mask"][-1], s  # observations in the episodes, masked
+        worst = max(abs(a - b) for x, y in zip(ep[s]["logprobs"], ref[s]["logprobs"]) for a, b in zip(x, y))
+        assert worst <= 1e-4, (s, worst)
+
+
 KV_ATOL = 1e-5  # fp32 last-token logits, KV cache vs re-running the prefix; seen <= 3e-7
 
 

@@ -272,8 +272,9 @@ def test_bad_environment_settings_name_the_field(make_config, overrides: dict, f
 
 
 def test_episodes_are_refused_where_they_do_not_run_yet(make_config) -> None:  # noqa: ANN001
-    """Asynchronous episodes on the Ray fleet and the embedded backend under expert parallelism: refused with the fix,
-    not run wrongly; asynchronous episodes on a separate engine are accepted (they run: test_vllm.py)."""
+    """Asynchronous episodes on the Ray fleet: refused with the fix, not run wrongly; asynchronous episodes on a
+    separate engine are accepted (they run: test_vllm.py), and so are episodes on the embedded backend under expert
+    parallelism (they run: test_engine.py's test_episodes_under_expert_parallelism_match_one_rank)."""
     from oumi_megatron.validation import validate_config
 
     def problems(**megatron: object) -> str:
@@ -287,7 +288,7 @@ def test_episodes_are_refused_where_they_do_not_run_yet(make_config) -> None:  #
     cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator"},
                       megatron={"expert_model_parallel_size": 2})
     ep = validate_config(cfg, world_size=2, check_bridge=False).format_problems()
-    assert "under expert parallelism are not built yet" in ep and "inference_backend: vllm" in ep, ep
+    assert "grpo.environment" not in ep, ep
 
 
 def test_a_template_that_cannot_render_the_observation_stops_before_conversion() -> None:

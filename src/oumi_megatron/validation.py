@@ -463,10 +463,6 @@ def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
         r.add("grpo.environment", "asynchronous multi-turn episodes (grpo.max_staleness > 0) are built for "
                                   "megatron.rollout_placement: separate, not yet for ray (its fleet queues single "
                                   "generations). Use rollout_placement: separate, or max_staleness: 0.")
-    if m.expert_model_parallel_size > 1 and m.inference_backend == "megatron":
-        r.add("grpo.environment", "multi-turn episodes on the embedded backend under expert parallelism are not built yet "
-                                  "(the replicas' turns would have to run in lockstep for the experts' all-to-all). Set "
-                                  "megatron.expert_model_parallel_size: 1, or megatron.inference_backend: vllm.")
 
 
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:

@@ -124,6 +124,65 @@ def observation_mask_check(engine, out: Path) -> None:  # noqa: ANN001
     dist.barrier()
 
 
+EPISODE_PROMPTS = [[[5, 17, 42, 99, 7], [3, 250, 11]], [[8, 8, 8, 8, 120, 64, 1], [77, 31, 200, 9]]]
+
+
+class _SetEnvironment:
+    """Episodes that end differently per prompt set: set 0's first prompt ends after its first turn, its second after
+    a long observation and a second turn (little room left); set 1's episodes get a short observation every turn and
+    run to ``max_turns``. Under EP = 2 each rank runs one set, so rank 0's episodes end while rank 1's go on."""
+
+    def start(self, row: dict) -> dict:
+        return dict(row, turns=0)
+
+    def step(self, state: dict, turn_text: str, turn_ids: list[int]):  # noqa: ANN201
+        from oumi_megatron.environments.base import EpisodeEnd, Observation
+
+        state["turns"] += 1
+        if state["set"] == 1:
+            return Observation("ok", role="tool")
+        if state["prompt"] == 0 or state["turns"] == 2:
+            return EpisodeEnd(info={"turns": state["turns"]})
+        return Observation("the answer is a rather long sentence", role="tool")
+
+
+def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
+    """Multi-turn episodes on the embedded backend under EP: rank r (a replica) runs prompt set r, greedy; one rank
+    runs both sets in turn. The expert peers must take every turn together (episodes.py, ``peers_agree``) although
+    rank 0's episodes end first and leave less room: without it rank 1 waits in an all-to-all for good. Records each
+    set's episodes (tokens, masks, logprobs, turns)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.examples.tiny_models import build_byte_tokenizer
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tokenizer = build_byte_tokenizer()
+    backend = MegatronRolloutBackend(engine, len(tokenizer), path="static")
+    greedy = SamplingParams(max_new_tokens=70, pad_token_id=256, eos_token_id=258, greedy=True)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    sets = [dp_rank] if dp == len(EPISODE_PROMPTS) else list(range(len(EPISODE_PROMPTS)))
+    mine = {}
+    for s in sets:
+        prompts = EPISODE_PROMPTS[s]
+        groups, stats = run_episodes(backend, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
+                                     [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
+                                     max_turn_tokens=8)
+        episodes = [r for g in groups for r in g]
+        mine[s] = {"ids": [r.completion_ids for r in episodes], "mask": [r.loss_mask for r in episodes],
+                   "logprobs": [r.logprobs for r in episodes], "turns": stats.turns}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        merged = {str(k): v for part in gathered for k, v in part.items()}
+        (out / "result.json").write_text(json.dumps({"sets": merged, "path": backend.path}))
+    dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
@@ -148,6 +207,8 @@ def main() -> None:
     p.add_argument("--grad-accum-fusion", action="store_true", help="transformer_config.gradient_accumulation_fusion: true")
     p.add_argument("--observation-mask-check", action="store_true",
                    help="only the zero-gradient check of out-of-loss observation tokens (lr 0, two train steps)")
+    p.add_argument("--episodes-check", action="store_true",
+                   help="only multi-turn episodes on the embedded backend, one prompt set per data-parallel rank")
     p.add_argument("--on-policy-check", action="store_true",
                    help="only the GRPO loss's on-policy first update against the forward-only pass (no training)")
     args = p.parse_args()
@@ -183,6 +244,9 @@ def main() -> None:
 
     if args.on_policy_check:
         on_policy_check(engine, Path(args.out))
+        return
+    if args.episodes_check:
+        expert_parallel_episodes_check(engine, Path(args.out))
         return
     if args.observation_mask_check:
         observation_mask_check(engine, Path(args.out))

@@ -415,13 +415,18 @@ class MegatronEngine:
     def forward_peers_done(self, done: bool) -> bool:
         """Whether ``done`` holds on this rank and on all its expert peers (a collective over them; no
         communication without EP). Generation loops stop on it, so that no peer waits in an all-to-all."""
+        return self.max_over_expert_peers([0 if done else 1])[0] == 0
+
+    def max_over_expert_peers(self, values: list[int]) -> list[int]:
+        """Each of ``values``' largest value over this rank and its expert peers (a collective over them; ``values``
+        as they are without EP): what peers that must run the same forwards agree on first."""
         if self.expert_peers == 1:
-            return done
+            return list(values)
         from megatron.core import parallel_state as ps
 
-        flag = torch.tensor([0 if done else 1], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
-        return flag.item() == 0
+        flat = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+        return [int(v) for v in flat.tolist()]
 
     def _run(
         self,

@@ -12,6 +12,9 @@ appended ids; any other gets a ``generate`` with each episode's full token histo
 engine with prefix caching serves without recomputing the history. The call samples up
 to the largest remaining budget; each episode's turn is then cut at its own (the tokens before a cut are drawn as they
 would be with a smaller limit), and an episode cut there ends unfinished, as a single-turn completion does.
+Under expert parallelism the replicas take every cached turn together (``EpisodeTurns.peers_agree``: each MoE
+layer's all-to-all pairs their forwards): a replica whose episodes have all ended still runs the turn, with no row
+continuing, until none of its peers' episodes go on, and the turn's room is the largest any peer asks.
 """
 
 from __future__ import annotations
@@ -119,10 +122,13 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
         _answer_turns(episodes, tokenizer, env, budget, turn_index == max_turns, max_observation_tokens, stats,
                       params.eos_token_id)
         going = [e for e in episodes if e.running]
-        if not going:
-            break
-        room = max(budget - len(e.ids) for e in going)
+        room = max((budget - len(e.ids) for e in going), default=0)
         room = room if max_turn_tokens is None else min(room, max_turn_tokens)
+        any_going = bool(going)
+        if cached is not None:  # expert peers take every turn together: each turn's room is the largest of theirs
+            any_going, room = cached.peers_agree(any_going, room)
+        if not any_going:
+            break
         turn_seed = None if seed is None else seed + turn_index
         turn_params = replace(params, max_new_tokens=room)
         if cached is not None:

@@ -138,6 +138,13 @@ class EpisodeTurns(Protocol):
         turn); None for the others. Only the appended ids are prefilled."""
         ...
 
+    def peers_agree(self, going: bool, room: int) -> tuple[bool, int]:
+        """Whether another turn runs and its ``max_new_tokens``, agreed with the engine's ranks that must take every
+        turn together (expert-parallel peers: each MoE layer's all-to-all pairs their forwards), given this rank's:
+        whether any of its episodes go on, and the most tokens they have room for. A rank whose episodes have all
+        ended still takes the turn (no row continues). As given where there are no such peers. Collective."""
+        ...
+
 
 @runtime_checkable
 class ContinuesEpisodes(Protocol):

@@ -49,14 +49,17 @@ class MegatronRolloutBackend:
         # on the model's device: the draw happens where the logits are, the same on every rank for a seed
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.decoder: StaticCacheDecoder | None = None
+        self.decoder_unsupported: str | None = None
+        """What of the model the static-cache decoder does not cover, when it fell back to the schedule path."""
         if path == "static":
             decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs, graphs_kept=cuda_graphs_kept)
-            why_not = decoder.stages.unsupported_reason()
-            if why_not is None:
+            self.decoder_unsupported = decoder.stages.unsupported_reason()
+            if self.decoder_unsupported is None:
                 self.decoder = decoder
             else:
                 path = "schedule"
-                logger.info("rollout: Megatron-Core's schedule path (the static-cache decoder does not cover %s)", why_not)
+                logger.info("rollout: Megatron-Core's schedule path (the static-cache decoder does not cover %s)",
+                            self.decoder_unsupported)
         self.path = path
         if self.decoder is not None:
             logger.info("rollout: %s", self.decoder.path)
@@ -173,6 +176,10 @@ class _EmbeddedEpisodes:
         out = [r if a is not None else None for r, a in zip(_rollouts(tokens, logprobs, prompts, params), appended)]
         self.decoding.keep([None if r is None else r.completion_ids for r in out])
         return out
+
+    def peers_agree(self, going: bool, room: int) -> tuple[bool, int]:
+        any_going, most_room = self.backend.engine.max_over_expert_peers([int(going), room])
+        return bool(any_going), most_room
 
 
 def _rollouts(tokens: torch.Tensor, logprobs: torch.Tensor, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:

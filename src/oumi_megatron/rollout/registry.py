@@ -155,9 +155,19 @@ def as_asynchronous(backend: RolloutBackend, params: MegatronParams) -> AsyncRol
 def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
-    return MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
-                                  cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice,
-                                  cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept)
+    backend = MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
+                                     cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice,
+                                     cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept)
+    if ctx.config.grpo.environment is not None and backend.decoder is None and ctx.engine.expert_peers > 1:
+        from oumi_megatron.errors import UserInputError
+
+        # the schedule path generates each turn from the whole history, one generate per replica, and a replica whose
+        # episodes have ended would leave its expert peers waiting in an all-to-all
+        raise UserInputError(f"grpo.environment: multi-turn episodes under expert parallelism (megatron."
+                             f"expert_model_parallel_size = {ctx.engine.expert_peers}) run on the embedded static-cache "
+                             f"decoder, which does not cover this model ({backend.decoder_unsupported}). Set "
+                             "megatron.inference_backend: vllm, or megatron.expert_model_parallel_size: 1.")
+    return backend
 
 
 def _vllm(colocated: bool) -> RolloutBuilder:
