@@ -353,6 +353,8 @@ def _check_static_path(r: dict, reference: dict | None = None) -> None:
     assert r["static_sampled_runs"][0] == r["static_sampled_runs"][1]
     assert r["static_sampled_distinct_in_groups"] > 16  # sampling, not one completion copied into every row
     assert r["static_stats_tokens"] > 0
+    # an environment's stop tokens end rows as EOS does, on both paths, and some rows end at one
+    assert r["stop_tokens_cut_static"] and r["stop_tokens_cut_schedule"] and r["stop_tokens_rows"] >= 1
     # multi-turn: continued turns prefill only their blocks and give what generating from the whole history gives
     assert r["continued_same_tokens"] == [True, True, True] and r["continued_rows"] >= 16
     assert r["continued_logprob_max_abs_diff"] <= 1e-4 and r["continued_after_a_cut_turn"] >= 1

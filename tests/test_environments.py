@@ -4,6 +4,7 @@ observations rendered through the chat template, and the registry's errors. Pure
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,36 @@ def test_a_calculator_episode_observes_each_call_and_ends_without_one() -> None:
     assert isinstance(steps[4], EpisodeEnd) and steps[4].info == {"tool_calls": 4, "tool_errors": 3}
 
 
+@pytest.mark.parametrize(("text", "expression"), [
+    ("Omar has 964 + 494 =", "964 + 494"), ("so 2 * (3 + 4) =", "2 * (3 + 4)"), ("<<964+494=", "964+494"),
+    ("It costs 5. 3 + 4 =", "3 + 4"), ("5, 6 + 1 =", "6 + 1"), ("1,234 + 5 =", "1234 + 5"), ("$12 × 3 =", "12 * 3"),
+    ("3 - -2 =", "3 - -2"), ("a (3 + 4) ... 5 * 2 =", "5 * 2"), ("10 ÷ 4 =", "10 / 4"),
+    ("x =", None), ("Omar has 964 =", None), ("964 + 494 = 1458", None), ("1 + =", None), ("2 ** 3 =", None),
+])
+def test_the_inline_calculator_reads_the_expression_before_the_equals_sign(text: str, expression: str | None) -> None:
+    from oumi_megatron.environments.calculator import trailing_expression
+
+    assert trailing_expression(text) == expression
+
+
+def test_an_inline_calculator_episode_fills_in_values_and_ends_at_the_end_of_turn() -> None:
+    env = build_environment("calculator_inline")
+    assert env.stop_strings == ("=",) and env.observation_roles == ()
+    state = env.start({})
+    steps = [env.step(state, text, []) for text in ("Omar has 964 + 494 =", "so 1458-8=", "x =", "#### 1450")]
+    assert steps[:3] == [Observation(" 1458"), Observation("1450"), Observation("", tool_call=False)]
+    assert steps[3] == EpisodeEnd(info={"tool_calls": 2, "tool_errors": 0})
+
+
+def test_stop_tokens_are_the_tokens_ending_in_a_stop_string() -> None:
+    from oumi_megatron.environments.rendering import stop_token_ids
+
+    tok = build_byte_tokenizer()
+    assert stop_token_ids(tok, ("=",)) == tuple(tok("=", add_special_tokens=False)["input_ids"])
+    assert stop_token_ids(tok, ()) == ()
+    assert set(stop_token_ids(tok, ("=", "?"))) == set(tok("=?", add_special_tokens=False)["input_ids"])
+
+
 def test_an_observation_is_the_chat_template_s_tool_message_and_the_next_assistant_header() -> None:
     tok = build_byte_tokenizer()
     ids, cut = observation_ids(tok, Observation("84"))
@@ -116,15 +147,18 @@ class _ScriptedPolicy:
 
     def generate(self, prompts, params, n, seed=None):  # noqa: ANN001, ANN201
         from oumi_megatron.rollout.base import Rollout
+        from oumi_megatron.rollout.sampling import first_end
 
         self.calls.append(([len(p) for p in prompts], params.max_new_tokens, n))
+        self.stops = params.stop_token_ids
         out = []
         for p in prompts:
             group = []
             for _ in range(n):
                 ids = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)][:params.max_new_tokens]
-                finished = self.EOS in ids
-                ids = ids[:ids.index(self.EOS) + 1] if finished else ids
+                end = first_end(ids, replace(params, eos_token_id=self.EOS))  # as the backends end rows
+                finished = end is not None
+                ids = ids[:end + 1] if end is not None else ids
                 group.append(Rollout(p, ids, finished, [-0.5] * len(ids)))
             out.append(group)
         return out
@@ -160,6 +194,31 @@ def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
     assert stats.observation_tokens == len(obs) and [list(s) for s in stats.sample] == [["turn"], ["observation"], ["turn"]]
     # the second turn's prompt is the whole history, and its budget what is left
     assert policy.calls[1] == ([3 + len(_call("12*7")) + len(obs)], 400 - len(_call("12*7")) - len(obs), 1)
+
+
+def test_inline_episodes_stop_at_the_equals_sign_and_continue_the_assistant_s_message() -> None:
+    """calculator_inline: the turns end at "=" (the sampling's stop tokens), each value joins the assistant's message
+    as its plain text ids (no template, no end-of-turn token), masked; the episode ends at the end-of-turn token."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = build_byte_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = [ids("Omar has 964 + 494 ="), ids(" so x ="), ids(" 1458 - 8 ="), ids(" #### 1450") + [_ScriptedPolicy.EOS]]
+    policy = _ScriptedPolicy(turns)
+    groups, stats = run_episodes(policy, tok, _runner(build_environment("calculator_inline")), [[1, 2, 3]], [{}],
+                                 SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=8)
+    (episode,) = groups[0]
+    assert policy.stops == tuple(ids("="))  # every turn's sampling stops at "=" too
+    assert episode.completion_ids == turns[0] + ids(" 1458") + turns[1] + turns[2] + ids(" 1450") + turns[3]
+    assert episode.loss_mask == ([1] * len(turns[0]) + [0] * 5 + [1] * len(turns[1]) + [1] * len(turns[2]) + [0] * 5
+                                 + [1] * len(turns[3]))
+    assert tok.decode(episode.completion_ids, skip_special_tokens=True) == "Omar has 964 + 494 = 1458 so x = 1458 - 8 = 1450 #### 1450"
+    assert episode.finished and stats.turns == [4] and stats.tool_calls == 2 and stats.observation_tokens == 10
+    # an episode whose last turn stops at "=" (max_turns) is not finished: it ended at no end-of-turn token
+    groups, stats = run_episodes(_ScriptedPolicy(turns[:1]), tok, _runner(build_environment("calculator_inline")),
+                                 [[1]], [{}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=2)
+    assert not groups[0][0].finished and stats.turns == [2]
 
 
 def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> None:

@@ -8,11 +8,13 @@ Left-padded prompts of different lengths. Records (rank 0):
 - sampled completions (same seed) with and without the cache, with an EOS that ends some rows early;
 - the static-cache path (rollout/decoding/) against Megatron-Core's schedule path: greedy tokens of 64
   prompts of mixed lengths with an EOS, their logprobs, a sampled run twice with one seed, and a GRPO-style
-  batch (16 prompts x 4 completions) whose groups share one prefill against one prefill per row.
+  batch (16 prompts x 4 completions) whose groups share one prefill against one prefill per row;
+- stop tokens (``SamplingParams.stop_token_ids``) on both paths: the greedy runs cut at each row's first EOS or stop.
 """
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -129,8 +131,22 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
     continued = continuation_checks(static, prompts[:8], eos)
+    # stop tokens (an environment's stop_strings) end rows as EOS does: the runs cut at each row's first end token
+    ends_at_5 = [g[0].completion_ids[4] for g in probe if eos not in g[0].completion_ids[:5]]
+    stop = int(torch.tensor([t for t in ends_at_5 if t != eos]).mode().values)
+    stopping = replace(greedy, stop_token_ids=(stop,))
+    stopped = {name: [g[0] for g in backend.generate(prompts, stopping, 1)] for name, backend in
+               (("static", static), ("schedule", schedule))}
+
+    def cut(ids: list[int]) -> list[int]:
+        end = next((i for i, t in enumerate(ids) if t in (eos, stop)), None)
+        return ids if end is None else ids[:end + 1]
+
     return {
         **continued,
+        "stop_tokens_cut_static": [r.completion_ids for r in stopped["static"]] == [cut(r.completion_ids) for r in got],
+        "stop_tokens_cut_schedule": [r.completion_ids for r in stopped["schedule"]] == [cut(r.completion_ids) for r in ref],
+        "stop_tokens_rows": sum(1 for r in stopped["static"] if r.finished and r.completion_ids[-1] == stop),
         "static_path": static.path,
         "static_decoder": static.last_stats.path if static.last_stats else None,  # graphs or eager steps, and why
         "static_greedy_tokens": [r.completion_ids for r in got],

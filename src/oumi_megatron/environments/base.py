@@ -39,8 +39,10 @@ class EpisodeEnd:
 
 class Environment(Protocol):
     """Optional attributes: ``system_prompt`` (text put first in every prompt as a system message: how to use the
-    tool) and ``observation_roles`` (the roles its observations take, default ``("tool",)``; validation checks the
-    chat template renders them)."""
+    tool), ``observation_roles`` (the roles its observations take, default ``("tool",)``; validation checks the
+    chat template renders them) and ``stop_strings`` (a turn also ends at any token whose text ends with one of
+    them, e.g. ``("=",)``; the observation that answers such a turn is not a message: its text is appended inside the
+    assistant's message, as is, and the policy's next turn continues that message: GSM8K's calculator)."""
 
     def start(self, row: dict[str, Any]) -> Any:
         """The per-episode state for a dataset row (anything; passed back to ``step``)."""

@@ -1,6 +1,14 @@
-"""The built-in ``calculator`` environment: the model writes ``<tool_call>{"name": "calculator", "arguments":
-{"expression": "12 * (3 + 4)"}}</tool_call>``, reads the result as a ``tool`` message, and goes on; a turn without a
-call ends the episode (its text is the answer the rewards score).
+"""The built-in calculators.
+
+``calculator``: the model writes ``<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}
+</tool_call>``, reads the result as a ``tool`` message, and goes on; a turn without a call ends the episode (its text
+is the answer the rewards score).
+
+``calculator_inline``: GSM8K's own calculator (Cobbe et al., 2021), for a model that has never seen a tool-call
+format: a turn ends wherever the model writes ``=`` (``stop_strings``); if an arithmetic expression stands right
+before it (``... has 964 + 494 =``), its value is written after it, inside the assistant's message, and the model
+goes on from there (``... = 1458``); the value's tokens are context, not trained on. A turn that ends with the
+end-of-turn token ends the episode. The model is told nothing: it writes such equations by itself.
 
 The evaluator parses the expression with ``ast`` and computes it itself: numbers and ``+ - * / ( )`` only (unary signs
 too), never ``eval``. Its cost is bounded by the input: at most ``MAX_CHARS`` characters and ``MAX_NODES`` syntax nodes,
@@ -10,6 +18,7 @@ no powers, and every intermediate value within ``MAX_ABS``, so no expression run
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any
 
 from oumi_megatron.environments.base import EpisodeEnd, Observation
@@ -107,3 +116,53 @@ class CalculatorEnvironment:
         except CalculatorError as e:
             state["tool_errors"] += 1
             return Observation(f"error: {e}", error=True)
+
+
+_ARITHMETIC_TAIL = re.compile(r"[0-9.$\s()+\-*/\u00d7\u00f7]+$")
+"""The longest run of digits, points, brackets and operators at a text's end (``\u00d7`` and ``\u00f7``: the signs
+for times and divided by)."""
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def trailing_expression(text: str) -> str | None:
+    """The arithmetic expression that ``text`` ends with, before its final ``=``, as ``evaluate`` takes it (thousands
+    separators and ``$`` dropped, the signs for times and divided by as ``*`` and ``/``); None where there is none (no
+    ``=`` at the end, a lone number, words). The longest tail that evaluates, so ``so 2 * (3 + 4) =`` is
+    ``2 * (3 + 4)`` and ``(3 + 4) ... 5 * 2 =`` is ``5 * 2``."""
+    body = text.rstrip()
+    if not body.endswith("="):
+        return None
+    match = _ARITHMETIC_TAIL.search(_THOUSANDS.sub("", body[:-1]))
+    if match is None:
+        return None
+    tail = match.group(0).replace("$", "").replace("\u00d7", "*").replace("\u00f7", "/")
+    for start in range(len(tail)):
+        candidate = tail[start:].strip()
+        if not candidate or not re.search(r"\d\s*[+\-*/]\s*[(\d.+\-]", candidate):  # needs an operation
+            continue
+        try:
+            evaluate(candidate)
+        except CalculatorError:
+            continue
+        return candidate
+    return None
+
+
+class InlineCalculatorEnvironment:
+    """``calculator_inline`` (environments/registry.py): an expression before ``=`` gets its value; one per turn."""
+
+    stop_strings = ("=",)
+    observation_roles = ()  # its answers are text inside the assistant's message, never a message of a role
+
+    def start(self, row: dict[str, Any]) -> dict[str, int]:
+        return {"tool_calls": 0, "tool_errors": 0}
+
+    def step(self, state: dict[str, int], turn_text: str, turn_ids: list[int]) -> Observation | EpisodeEnd:
+        if not turn_text.rstrip().endswith("="):  # the turn ended with the end-of-turn token (or was cut)
+            return EpisodeEnd(info=dict(state))
+        expression = trailing_expression(turn_text)
+        if expression is None:  # an "=" after words ("x = ..."): nothing to compute, the model goes on
+            return Observation("", tool_call=False)
+        state["tool_calls"] += 1
+        value = format_value(evaluate(expression))  # trailing_expression returns only expressions that evaluate
+        return Observation(f" {value}" if turn_text.rstrip().endswith(" =") else value)  # spaced as the "=" is

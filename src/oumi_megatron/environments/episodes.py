@@ -12,6 +12,9 @@ appended ids; any other gets a ``generate`` with each episode's full token histo
 engine with prefix caching serves without recomputing the history. The call samples up
 to the largest remaining budget; each episode's turn is then cut at its own (the tokens before a cut are drawn as they
 would be with a smaller limit), and an episode cut there ends unfinished, as a single-turn completion does.
+An environment with ``stop_strings`` also ends turns at their tokens (``SamplingParams.stop_token_ids``); its answer to
+such a turn continues the assistant's message (rendering.py ``inline_ids``: the text as is, no template), and the
+episode is finished only where its last turn ended with the end-of-turn token.
 Under expert parallelism the replicas take every cached turn together (``EpisodeTurns.peers_agree``: each MoE
 layer's all-to-all pairs their forwards): a replica whose episodes have all ended still runs the turn, with no row
 continuing, until none of its peers' episodes go on, and the turn's room is the largest any peer asks.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from oumi_megatron.environments.base import EpisodeEnd
-from oumi_megatron.environments.rendering import observation_ids
+from oumi_megatron.environments.rendering import inline_ids, observation_ids, stop_token_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
 from oumi_megatron.rollout.base import ContinuesEpisodes, EpisodeTurns, Generates, Rollout
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -73,14 +76,17 @@ class _Episode:
     turns: int = 0
     calls: int = 0
     finished: bool = False
-    """The latest turn ended with the end-of-turn token the policy sampled."""
+    """The latest turn ended with the end-of-turn token (or a stop token) the policy sampled."""
+    stopped: bool = False
+    """The latest turn ended with one of the environment's stop tokens: its answer continues the assistant's message."""
     at_turn_limit: bool = False
     """The latest turn was cut at ``max_turn_tokens`` (not at the episode's budget): it is closed and answered."""
     running: bool = True
     info: dict[str, Any] = field(default_factory=dict)
 
-    def take_turn(self, turn: Rollout, budget: int, turn_limit: int | None) -> None:
-        """Appends the policy's turn, cut to ``budget`` tokens (what is left of the episode's) and ``turn_limit``."""
+    def take_turn(self, turn: Rollout, budget: int, turn_limit: int | None, stops: frozenset[int] = frozenset()) -> None:
+        """Appends the policy's turn, cut to ``budget`` tokens (what is left of the episode's) and ``turn_limit``;
+        ``stops``: the environment's stop tokens."""
         keep = budget if turn_limit is None else min(budget, turn_limit)
         ids = self.last_turn = turn.completion_ids[:keep]
         self.appended = []
@@ -89,6 +95,7 @@ class _Episode:
         self.logprobs += list(turn.logprobs[:keep]) if turn.logprobs is not None else [0.0] * len(ids)
         self.turns += 1
         self.finished = turn.finished and len(ids) == len(turn.completion_ids)
+        self.stopped = self.finished and ids[-1] in stops
         self.at_turn_limit = not self.finished and turn_limit is not None and len(ids) == turn_limit < budget
 
 
@@ -103,6 +110,9 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
     times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss)."""
     stats = EpisodeStats()
     env_seconds_before = env.seconds  # the runner's clock runs over the whole run
+    stops = frozenset(stop_token_ids(tokenizer, env.stop_strings))
+    if stops:
+        params = replace(params, stop_token_ids=tuple(sorted(stops)))
     budget = params.max_new_tokens
     first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
     first_params = replace(params, max_new_tokens=first_room)
@@ -115,7 +125,7 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
     episodes = [_Episode(prompts[i]) for i, group in enumerate(first) for _ in group]
     started = env.start_all([(k, rows[k // n]) for k in range(len(episodes))])
     for k, (e, turn) in enumerate(zip(episodes, (t for group in first for t in group))):
-        e.take_turn(turn, budget, max_turn_tokens)
+        e.take_turn(turn, budget, max_turn_tokens, stops)
         if started[k] is not None:
             stats.failed[k], e.running = started[k].reason, False  # type: ignore[union-attr]
     for turn_index in range(1, max_turns + 1):
@@ -137,13 +147,13 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
         else:
             turns = backend.generate([e.prompt + e.ids for e in going], turn_params, 1, seed=turn_seed)
         for e, (turn,) in zip(going, turns):
-            e.take_turn(turn, budget - len(e.ids), max_turn_tokens)
+            e.take_turn(turn, budget - len(e.ids), max_turn_tokens, stops)
     stats.episodes = len(episodes)
     stats.turns = [e.turns for e in episodes]
     stats.calls = [e.calls for e in episodes]
     stats.infos = [e.info for e in episodes]
     stats.environment_s = env.seconds - env_seconds_before
-    out = [Rollout(e.prompt, e.ids, e.finished and k not in stats.failed, e.logprobs, loss_mask=e.mask)
+    out = [Rollout(e.prompt, e.ids, e.finished and not e.stopped and k not in stats.failed, e.logprobs, loss_mask=e.mask)
            for k, e in enumerate(episodes)]
     return [out[i * n:(i + 1) * n] for i in range(len(prompts))], stats
 
@@ -175,7 +185,10 @@ def _answer_turns(episodes: list[_Episode], tokenizer: Any, env: EnvironmentRunn
         if last_turn:  # max_turns assistant turns taken: the observation would have no turn to answer it
             e.running, e.finished = False, False
             continue
-        ids, truncated = observation_ids(tokenizer, answer, max_observation_tokens)
+        if e.stopped:  # inside the assistant's message, as the environment wrote it
+            ids, truncated = inline_ids(tokenizer, answer, max_observation_tokens)
+        else:
+            ids, truncated = observation_ids(tokenizer, answer, max_observation_tokens)
         if e.at_turn_limit and eos_token_id is not None:  # the turn the limit cut is closed as the template closes one
             ids = [eos_token_id, *ids]
         stats.observations_truncated += truncated

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from oumi_megatron.environments.base import Environment
-from oumi_megatron.environments.calculator import CalculatorEnvironment
+from oumi_megatron.environments.calculator import CalculatorEnvironment, InlineCalculatorEnvironment
 from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders
 from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.errors import UserInputError
@@ -60,3 +60,4 @@ def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = N
 
 
 ENVIRONMENTS.add("calculator", CalculatorEnvironment)
+ENVIRONMENTS.add("calculator_inline", InlineCalculatorEnvironment)

@@ -58,6 +58,25 @@ def observation_ids(tokenizer: Any, observation: Observation, max_tokens: int | 
     return [*head, *text, *tail], truncated
 
 
+def inline_ids(tokenizer: Any, observation: Observation, max_tokens: int | None = None) -> tuple[list[int], bool]:
+    """(the ids of an observation that continues the assistant's message: its text as is, no template; whether the
+    text was cut to ``max_tokens``)."""
+    ids = tokenizer(observation.text, add_special_tokens=False)["input_ids"] if observation.text else []
+    truncated = max_tokens is not None and len(ids) > max_tokens
+    return (ids[:max_tokens] if truncated else ids), truncated
+
+
+@lru_cache(maxsize=16)
+def stop_token_ids(tokenizer: Any, stop_strings: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary's tokens whose text ends with one of ``stop_strings`` (special tokens excepted): where a turn
+    stops for an environment's ``stop_strings``. Read once per tokenizer (a decode per token)."""
+    if not stop_strings:
+        return ()
+    special = set(tokenizer.all_special_ids)
+    return tuple(i for i in range(len(tokenizer)) if i not in special
+                 and tokenizer.decode([i], skip_special_tokens=False).endswith(stop_strings))
+
+
 def check_renders(tokenizer: Any, role: str = "tool") -> None:
     """``TemplateCannotRender`` when the tokenizer's chat template cannot render an observation (validation)."""
     _template_parts(tokenizer, role)

@@ -75,6 +75,8 @@ class EnvironmentRunner:
         self.env = env
         self.system_prompt: str | None = getattr(env, "system_prompt", None)
         """The environment's instructions to the model (how to call its tool): the prompts' system message."""
+        self.stop_strings: tuple[str, ...] = tuple(getattr(env, "stop_strings", ()))
+        """Turns also end at tokens whose text ends with one of these (answered inside the assistant's message)."""
         self.timeout_s = timeout_s
         self.group = group
         self.ranks = ranks or [0]

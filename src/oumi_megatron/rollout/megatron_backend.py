@@ -27,7 +27,7 @@ from oumi_megatron.rollout.base import EngineSleep, EpisodeTurns, PolicyWeights,
 from oumi_megatron.rollout.decoding.continuation import EpisodeDecoding
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
-from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
+from oumi_megatron.rollout.sampling import SamplingParams, first_end, pick_tokens
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
@@ -136,8 +136,8 @@ class MegatronRolloutBackend:
             new_logprobs.append(logprob)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             real = torch.cat([real, ~finished[:, None]], dim=1)
-            if params.eos_token_id is not None:
-                finished |= nxt == params.eos_token_id
+            if params.end_ids:
+                finished |= torch.isin(nxt, torch.tensor(params.end_ids))
             if self.engine.forward_peers_done(bool(finished.all())):  # under EP, when every expert peer is done too
                 break
         return torch.stack(new_tokens, dim=1), torch.stack(new_logprobs, dim=1)
@@ -183,13 +183,14 @@ class _EmbeddedEpisodes:
 
 
 def _rollouts(tokens: torch.Tensor, logprobs: torch.Tensor, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-    """One ``Rollout`` per row of ``tokens`` [rows, T]: its tokens up to and including its first EOS."""
+    """One ``Rollout`` per row of ``tokens`` [rows, T]: its tokens up to and including its first EOS (or stop token)."""
     out = []
     for i, prompt in enumerate(prompts):
         toks = tokens[i].tolist()
-        done = params.eos_token_id is not None and params.eos_token_id in toks
-        if done:
-            toks = toks[: toks.index(params.eos_token_id) + 1]
+        end = first_end(toks, params)
+        done = end is not None
+        if end is not None:
+            toks = toks[: end + 1]
         out.append(Rollout(prompt_ids=list(prompt), completion_ids=toks, finished=done,
                            logprobs=logprobs[i, : len(toks)].tolist()))
     return out

@@ -16,6 +16,20 @@ class SamplingParams:
     pad_token_id: int = 0
     greedy: bool = False
     """Take the most likely token (for tests and evaluation); GRPO samples."""
+    stop_token_ids: tuple[int, ...] = ()
+    """More tokens that end a row, as EOS does (kept, like EOS): an environment's ``stop_strings`` (a multi-turn
+    episode's turn ends there and the environment answers inside the assistant's message)."""
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every token that ends a row: EOS, then the stop tokens."""
+        return (*(() if self.eos_token_id is None else (self.eos_token_id,)), *self.stop_token_ids)
+
+
+def first_end(ids: list[int], params: SamplingParams) -> int | None:
+    """The index of the first token of ``ids`` that ends a row (``params.end_ids``), or None."""
+    ends = set(params.end_ids)
+    return next((i for i, t in enumerate(ids) if t in ends), None)
 
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,

@@ -172,7 +172,7 @@ def _vllm_sampling(params: SamplingParams, n: int) -> dict[str, Any]:
     """vLLM's SamplingParams arguments for ``n`` samples per prompt (its greedy decoding is temperature 0)."""
     return dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                 max_tokens=params.max_new_tokens,
-                stop_token_ids=[params.eos_token_id] if params.eos_token_id is not None else None)
+                stop_token_ids=list(params.end_ids) or None)
 
 
 def _rollouts(prompts: list[list[int]], results: Any) -> list[list[Rollout]]:

@@ -182,10 +182,11 @@ class StaticCacheDecoder:
 
 
 def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
-    """Tokens of ``tokens`` [rows, T] a generation produced: each row's up to and including its first EOS."""
-    if params.eos_token_id is None:
+    """Tokens of ``tokens`` [rows, T] a generation produced: each row's up to and including its first EOS (or stop
+    token)."""
+    if not params.end_ids:
         return tokens.numel()
-    ended = (tokens == params.eos_token_id).int()
+    ended = torch.isin(tokens, torch.tensor(params.end_ids)).int()
     # a row counts its tokens up to its first EOS (inclusive); after it only padding
     after_eos = (ended.cumsum(1) - ended) > 0
     return int((~after_eos).sum())
@@ -198,7 +199,8 @@ class _Generation:
                  n: int, rows: int, width: int, extra_slots: int = 0) -> None:
         """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
         ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (an episode's later turns)."""
-        self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
+        self.stages, self.n, self.vocab_size, self.generator = stages, n, vocab_size, generator
+        self._set_params(params)
         self.captured_params = params
         """The sampling the graph (once captured) replays; a continued turn may change only ``max_new_tokens``."""
         device = stages.device
@@ -260,7 +262,13 @@ class _Generation:
         is dropped; ``max_new_tokens`` may differ (the host counts the steps)."""
         if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
             self.graph = None  # ``_capture`` records the next graph's sampling
-        self.params, self.width = params, width
+        self._set_params(params)
+        self.width = width
+
+    def _set_params(self, params: SamplingParams) -> None:
+        self.params = params
+        self.ends = torch.tensor(params.end_ids, dtype=torch.long, device=self.stages.device) if params.end_ids else None
+        """The tokens that end a row (EOS and the stop tokens), on the device: a step's graph compares against them."""
 
     def restart(self, valid: torch.Tensor) -> None:
         """Every per-call buffer reset in place for a new decode (a refilled call, or an episode's next turn, whose
@@ -313,8 +321,8 @@ class _Generation:
         self.tokens.index_copy_(1, self.step, token[:, None])
         self.logprobs.index_copy_(1, self.step, self.picked_logprob[:, None])
         self.valid.index_copy_(1, self.cursor.slot, (~self.finished)[:, None])  # the slot ``token`` is fed at
-        if self.params.eos_token_id is not None:
-            self.finished |= token == self.params.eos_token_id
+        if self.ends is not None:
+            self.finished |= (token[:, None] == self.ends[None, :]).any(dim=1)
         self.current.copy_(token[:, None])
         self.step += 1
 
