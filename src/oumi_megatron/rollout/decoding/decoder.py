@@ -192,6 +192,10 @@ def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
     return int((~after_eos).sum())
 
 
+def _end_tokens(params: SamplingParams, device: torch.device) -> torch.Tensor | None:
+    return torch.tensor(params.end_ids, dtype=torch.long, device=device) if params.end_ids else None
+
+
 class _Generation:
     """The device state of one ``generate`` call (or of one turn of an episode: continuation.py)."""
 
@@ -199,8 +203,9 @@ class _Generation:
                  n: int, rows: int, width: int, extra_slots: int = 0) -> None:
         """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
         ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (an episode's later turns)."""
-        self.stages, self.n, self.vocab_size, self.generator = stages, n, vocab_size, generator
-        self._set_params(params)
+        self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
+        self.ends = _end_tokens(params, stages.device)
+        """The tokens that end a row (EOS and the stop tokens), on the device; a captured step reads this tensor."""
         self.captured_params = params
         """The sampling the graph (once captured) replays; a continued turn may change only ``max_new_tokens``."""
         device = stages.device
@@ -262,13 +267,9 @@ class _Generation:
         is dropped; ``max_new_tokens`` may differ (the host counts the steps)."""
         if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
             self.graph = None  # ``_capture`` records the next graph's sampling
-        self._set_params(params)
-        self.width = width
-
-    def _set_params(self, params: SamplingParams) -> None:
-        self.params = params
-        self.ends = torch.tensor(params.end_ids, dtype=torch.long, device=self.stages.device) if params.end_ids else None
-        """The tokens that end a row (EOS and the stop tokens), on the device: a step's graph compares against them."""
+        if params.end_ids != self.params.end_ids:  # a new tensor only then: a kept graph reads the one it was captured on
+            self.ends = _end_tokens(params, self.stages.device)
+        self.params, self.width = params, width
 
     def restart(self, valid: torch.Tensor) -> None:
         """Every per-call buffer reset in place for a new decode (a refilled call, or an episode's next turn, whose
