@@ -51,16 +51,13 @@ def _cached_parts(tokenizer: Any, role: str) -> tuple[list[int], list[int]]:
 def observation_ids(tokenizer: Any, observation: Observation, max_tokens: int | None = None) -> tuple[list[int], bool]:
     """(the ids to append after the assistant's turn, whether the text was cut to ``max_tokens``)."""
     head, tail = _cached_parts(tokenizer, observation.role)
-    text = tokenizer(observation.text, add_special_tokens=False)["input_ids"] if observation.text else []
-    truncated = max_tokens is not None and len(text) > max_tokens
-    if truncated:
-        text = text[:max_tokens]
+    text, truncated = inline_ids(tokenizer, observation, max_tokens)
     return [*head, *text, *tail], truncated
 
 
 def inline_ids(tokenizer: Any, observation: Observation, max_tokens: int | None = None) -> tuple[list[int], bool]:
-    """(the ids of an observation that continues the assistant's message: its text as is, no template; whether the
-    text was cut to ``max_tokens``)."""
+    """(the ids of the observation's text alone, as is: what continues the assistant's message after a stop string,
+    and what a template's message holds; whether the text was cut to ``max_tokens``)."""
     ids = tokenizer(observation.text, add_special_tokens=False)["input_ids"] if observation.text else []
     truncated = max_tokens is not None and len(ids) > max_tokens
     return (ids[:max_tokens] if truncated else ids), truncated
