@@ -110,9 +110,10 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
     times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss)."""
     stats = EpisodeStats()
     env_seconds_before = env.seconds  # the runner's clock runs over the whole run
-    stops = frozenset(stop_token_ids(tokenizer, env.stop_strings))
-    if stops:
-        params = replace(params, stop_token_ids=tuple(sorted(stops)))
+    stop_ids = stop_token_ids(tokenizer, env.stop_strings)
+    stops = frozenset(stop_ids)
+    if stop_ids:
+        params = replace(params, stop_token_ids=stop_ids)
     budget = params.max_new_tokens
     first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
     first_params = replace(params, max_new_tokens=first_room)

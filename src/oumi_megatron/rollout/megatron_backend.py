@@ -27,7 +27,7 @@ from oumi_megatron.rollout.base import EngineSleep, EpisodeTurns, PolicyWeights,
 from oumi_megatron.rollout.decoding.continuation import EpisodeDecoding
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
-from oumi_megatron.rollout.sampling import SamplingParams, first_end, pick_tokens
+from oumi_megatron.rollout.sampling import SamplingParams, end_token_tensor, first_end, pick_tokens
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
@@ -120,6 +120,7 @@ class MegatronRolloutBackend:
         """The ``schedule`` and ``recompute`` paths: tokens [rows, T] and their logprobs, on the host."""
         ids, real = left_pad(expanded, params.pad_token_id)
         finished = torch.zeros(len(expanded), dtype=torch.bool)
+        ends = end_token_tensor(params)
         new_tokens: list[torch.Tensor] = []
         new_logprobs: list[torch.Tensor] = []
         cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.path == "schedule" else None
@@ -136,8 +137,8 @@ class MegatronRolloutBackend:
             new_logprobs.append(logprob)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             real = torch.cat([real, ~finished[:, None]], dim=1)
-            if params.end_ids:
-                finished |= torch.isin(nxt, torch.tensor(params.end_ids))
+            if ends is not None:
+                finished |= torch.isin(nxt, ends)
             if self.engine.forward_peers_done(bool(finished.all())):  # under EP, when every expert peer is done too
                 break
         return torch.stack(new_tokens, dim=1), torch.stack(new_logprobs, dim=1)

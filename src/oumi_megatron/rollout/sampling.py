@@ -26,6 +26,11 @@ class SamplingParams:
         return (*(() if self.eos_token_id is None else (self.eos_token_id,)), *self.stop_token_ids)
 
 
+def end_token_tensor(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """``params.end_ids`` as a tensor on ``device`` (what a row's tokens are compared with); None when nothing ends a row."""
+    return torch.tensor(params.end_ids, dtype=torch.long, device=device) if params.end_ids else None
+
+
 def first_end(ids: list[int], params: SamplingParams) -> int | None:
     """The index of the first token of ``ids`` that ends a row (``params.end_ids``), or None."""
     ends = set(params.end_ids)

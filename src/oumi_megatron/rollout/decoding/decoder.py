@@ -42,7 +42,7 @@ from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
 from oumi_megatron.rollout.decoding.static_cache import StaticKVCache
-from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
+from oumi_megatron.rollout.sampling import SamplingParams, end_token_tensor, pick_tokens
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
@@ -184,16 +184,13 @@ class StaticCacheDecoder:
 def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
     """Tokens of ``tokens`` [rows, T] a generation produced: each row's up to and including its first EOS (or stop
     token)."""
-    if not params.end_ids:
+    ends = end_token_tensor(params)
+    if ends is None:
         return tokens.numel()
-    ended = torch.isin(tokens, torch.tensor(params.end_ids)).int()
+    ended = torch.isin(tokens, ends).int()
     # a row counts its tokens up to its first EOS (inclusive); after it only padding
     after_eos = (ended.cumsum(1) - ended) > 0
     return int((~after_eos).sum())
-
-
-def _end_tokens(params: SamplingParams, device: torch.device) -> torch.Tensor | None:
-    return torch.tensor(params.end_ids, dtype=torch.long, device=device) if params.end_ids else None
 
 
 class _Generation:
@@ -204,7 +201,7 @@ class _Generation:
         """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
         ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (an episode's later turns)."""
         self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
-        self.ends = _end_tokens(params, stages.device)
+        self.ends = end_token_tensor(params, stages.device)
         """The tokens that end a row (EOS and the stop tokens), on the device; a captured step reads this tensor."""
         self.captured_params = params
         """The sampling the graph (once captured) replays; a continued turn may change only ``max_new_tokens``."""
@@ -268,7 +265,7 @@ class _Generation:
         if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
             self.graph = None  # ``_capture`` records the next graph's sampling
         if params.end_ids != self.params.end_ids:  # a new tensor only then: a kept graph reads the one it was captured on
-            self.ends = _end_tokens(params, self.stages.device)
+            self.ends = end_token_tensor(params, self.stages.device)
         self.params, self.width = params, width
 
     def restart(self, valid: torch.Tensor) -> None:
