@@ -301,14 +301,19 @@ def test_observation_tokens_get_no_gradient_on_any_layout(converted: Path, workd
 
 def test_episodes_under_expert_parallelism_match_one_rank(moe_converted: Path, workdir: Path) -> None:
     """Multi-turn episodes on the embedded backend with the tiny MoE under EP = 2 (DP = 2): each rank runs its own
-    prompt set, and rank 0's episodes end a turn earlier and with less room than rank 1's, so the peers must agree on
-    every turn (rank 0 runs the last one with no row continuing). Greedy, fp32: each set's episodes (tokens, loss
-    masks, turns) equal one rank's run of that set with all four experts, logprobs within 1e-4."""
+    prompt set, and rank 0's episodes end a turn earlier and with less room than rank 1's, so the peers must take every
+    decode step together until both are over. Greedy, fp32: each set's episodes (tokens, loss masks, turns) equal one
+    rank's run of that set with all four experts, logprobs within 1e-4; and one rank's episodes without a turn barrier
+    equal its turn-synchronous ones (each turn a generate of the whole histories)."""
     reference = _engine_run(moe_converted, workdir / "episodes_one_rank", ["--episodes-check"], nproc=1)
     got = _engine_run(moe_converted, workdir / "episodes_ep2", ["--ep", "2", "--episodes-check"], nproc=2)
     assert got["path"] == reference["path"] == "static"
     ref, ep = reference["sets"], got["sets"]
-    assert sorted(ep) == sorted(ref) == ["0", "1"]
+    assert sorted(ep) == ["0", "1"] and sorted(ref) == ["0", "1", "reference0", "reference1"]
+    for s in ("0", "1"):
+        assert ref[s]["ids"] == ref[f"reference{s}"]["ids"] and ref[s]["turns"] == ref[f"reference{s}"]["turns"], s
+        assert max(abs(a - b) for x, y in zip(ref[s]["logprobs"], ref[f"reference{s}"]["logprobs"])
+                   for a, b in zip(x, y)) <= 1e-4, s
     assert ref["0"]["turns"] == [1, 1, 2, 2] and ref["1"]["turns"] == [3, 3, 3, 3], ref  # the sets diverge
     for s in ("0", "1"):
         assert ep[s]["ids"] == ref[s]["ids"] and ep[s]["mask"] == ref[s]["mask"], s
@@ -355,12 +360,20 @@ def _check_static_path(r: dict, reference: dict | None = None) -> None:
     assert r["static_stats_tokens"] > 0
     # an environment's stop tokens end rows as EOS does, on both paths, and some rows end at one
     assert r["stop_tokens_cut_static"] and r["stop_tokens_cut_schedule"] and r["stop_tokens_rows"] >= 1
-    # multi-turn: continued turns prefill only their blocks and give what generating from the whole history gives
-    assert r["continued_same_tokens"] == [True, True, True] and r["continued_rows"] >= 16
-    assert r["continued_logprob_max_abs_diff"] <= 1e-4 and r["continued_after_a_cut_turn"] >= 1
+    # multi-turn without a turn barrier: observations fed as forced tokens while other rows decode give the episodes of
+    # the turn-synchronous reference (each turn a generate of the whole histories), static and schedule paths alike
+    assert r["episodes_same_tokens"] == [True, True] and r["episodes_logprob_max_abs_diff"] <= 1e-4, r
+    assert "without a turn barrier" in r["episodes_path"]
+    assert len(set(r["episodes_turns"])) == 3, r  # rows end after 1, 2 and 3 turns
+    # the batch's decode steps: its longest episode, plus up to EPISODE_CHECK_EVERY - 1 steps of waiting for each
+    # answer (3 turns) and for the last look
+    from oumi_megatron.rollout.decoding.episodes import EPISODE_CHECK_EVERY
+
+    assert r["episodes_critical_path"] - 1 <= r["episodes_decode_steps"] <= r["episodes_critical_path"] + 4 * (EPISODE_CHECK_EVERY - 1), r
     if reference is not None:
         assert r["static_greedy_tokens"] == reference["static_greedy_tokens"]
         assert r["static_sampled_runs"][0] == reference["static_sampled_runs"][0]
+        assert r["episodes_turns"] == reference["episodes_turns"] and r["episodes_decode_steps"] == reference["episodes_decode_steps"]
 
 
 @pytest.mark.parametrize("layout", [["--pp", "2", "--vpp", "2"], ["--tp", "2"]], ids=["pp2_vpp2", "tp2"])

@@ -148,9 +148,10 @@ class _SetEnvironment:
 
 def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
     """Multi-turn episodes on the embedded backend under EP: rank r (a replica) runs prompt set r, greedy; one rank
-    runs both sets in turn. The expert peers must take every turn together (episodes.py, ``peers_agree``) although
-    rank 0's episodes end first and leave less room: without it rank 1 waits in an all-to-all for good. Records each
-    set's episodes (tokens, masks, logprobs, turns)."""
+    runs both sets, also turn by turn (the reference). The expert peers must take every decode step together
+    (rollout/decoding/episodes.py: the loop ends when every peer's episodes are over) although rank 0's episodes end
+    first: otherwise rank 1 waits in an all-to-all for good. Records each set's episodes (tokens, masks, logprobs,
+    turns)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -165,15 +166,22 @@ def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
     greedy = SamplingParams(max_new_tokens=70, pad_token_id=256, eos_token_id=258, greedy=True)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     sets = [dp_rank] if dp == len(EPISODE_PROMPTS) else list(range(len(EPISODE_PROMPTS)))
+    class GenerateOnly:  # the same engine seen through generate alone: episodes turn by turn (rollout/turns.py)
+        def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return backend.generate(*args, **kwargs)
+
     mine = {}
-    for s in sets:
-        prompts = EPISODE_PROMPTS[s]
-        groups, stats = run_episodes(backend, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
-                                     [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
-                                     max_turn_tokens=8)
-        episodes = [r for g in groups for r in g]
-        mine[s] = {"ids": [r.completion_ids for r in episodes], "mask": [r.loss_mask for r in episodes],
-                   "logprobs": [r.logprobs for r in episodes], "turns": stats.turns}
+    # one rank: both sets, also turn by turn (the turn-synchronous reference; under EP its replicas' turn counts differ)
+    engines = [("", backend)] + ([("reference", GenerateOnly())] if len(sets) > 1 else [])
+    for tag, engine in engines:
+        for s in sets:
+            prompts = EPISODE_PROMPTS[s]
+            groups, stats = run_episodes(engine, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
+                                         [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
+                                         max_turn_tokens=8)
+            episodes = [r for g in groups for r in g]
+            mine[f"{tag}{s}"] = {"ids": [r.completion_ids for r in episodes], "mask": [r.loss_mask for r in episodes],
+                                 "logprobs": [r.logprobs for r in episodes], "turns": stats.turns}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

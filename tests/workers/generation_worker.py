@@ -130,7 +130,7 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         capture_s.append(static.last_stats.capture_s if static.last_stats else -1.0)
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
-    continued = continuation_checks(static, prompts[:8], eos)
+    continued = episode_checks(static, schedule, prompts[:8], eos)
     # stop tokens (an environment's stop_strings) end rows as EOS does: the runs cut at each row's first end token
     ends_at_5 = [g[0].completion_ids[4] for g in probe if eos not in g[0].completion_ids[:5]]
     stop = int(torch.tensor([t for t in ends_at_5 if t != eos]).mode().values)
@@ -163,35 +163,71 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     }
 
 
-def continuation_checks(static, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
-    """Multi-turn episodes on the static cache (rollout/decoding/continuation.py): 8 prompts x 2 rows, three turns,
-    appended blocks of 1-3 ids between them (some rows stop at each turn), each later turn prefilling only its block,
-    against ``generate`` over each row's whole history (greedy): the same tokens, logprobs within 1e-4."""
-    from oumi_megatron.rollout.sampling import SamplingParams
+class ScriptedTurns:
+    """A TurnHandler (rollout/base.py) whose answers depend only on the row, its turn count and its tokens so far:
+    rows end at different turns (some at their first), observations of 1-3 ids, rooms of 5-8 tokens within a budget, so
+    the same greedy episodes come out of any backend that runs them faithfully."""
 
-    greedy = SamplingParams(max_new_tokens=10, pad_token_id=256, greedy=True, eos_token_id=eos)
-    first, turns = static.start_episodes(prompts, greedy, 2, budget=10 + 2 * (3 + 8))  # 3 turns, blocks of <= 3 ids
-    capture_s = [static.last_stats.capture_s]
-    flat = [r for g in first for r in g]
-    same = [[r.completion_ids for r in flat] == [r.completion_ids for g in static.generate(prompts, greedy, 2) for r in g]]
-    histories: list[list[int] | None] = [r.prompt_ids + r.completion_ids for r in flat]
-    worst, continued, pending = 0.0, 0, 0
-    for turn in range(2):
-        appended = [None if h is None or (k + turn) % 5 == 0 else [100 + k, 101, 102 + turn][: 1 + (k + turn) % 3]
-                    for k, h in enumerate(histories)]
-        params = SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True, eos_token_id=eos)
-        got = turns.next_turn(appended, params)
-        capture_s.append(static.last_stats.capture_s)
-        going = [k for k, a in enumerate(appended) if a is not None]
-        ref = [g[0] for g in static.generate([histories[k] + appended[k] for k in going], params, 1)]
-        same.append([got[k].completion_ids for k in going] == [r.completion_ids for r in ref])
-        worst = max([worst, *(abs(a - b) for k, r in zip(going, ref) for a, b in zip(got[k].logprobs, r.logprobs))])
-        continued += len(going)
-        pending += sum(1 for k in going if not flat[k].finished) if turn == 0 else 0
-        for k in range(len(histories)):
-            histories[k] = None if appended[k] is None else histories[k] + appended[k] + got[k].completion_ids
-    return {"continued_same_tokens": same, "continued_logprob_max_abs_diff": worst, "continued_rows": continued,
-            "continued_after_a_cut_turn": pending, "continued_capture_s": capture_s}
+    def __init__(self, rows: int, budget: int) -> None:
+        self.budget, self.ids = budget, [[] for _ in range(rows)]
+        self.turns = [0] * rows
+
+    def turns_ended(self, ends):  # noqa: ANN001, ANN201
+        from oumi_megatron.rollout.base import NextTurn
+
+        out = []
+        for end in ends:
+            r = end.row
+            self.ids[r] += end.ids
+            self.turns[r] += 1
+            block = [100 + r % 7, 101, 102 + self.turns[r]][: 1 + (r + self.turns[r]) % 3]
+            left = self.budget - len(self.ids[r]) - len(block)
+            if (r + self.turns[r]) % 5 == 0 or self.turns[r] >= 3 or left < 2:
+                out.append(None)
+                continue
+            self.ids[r] += block
+            out.append(NextTurn(block, min(left, 5 + r % 4)))
+        return out
+
+
+def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
+    """Multi-turn episodes without a turn barrier (rollout/decoding/episodes.py): 8 prompts x 2 rows, up to three
+    turns, observations fed as forced tokens while other rows decode, against the turn-synchronous reference
+    (rollout/turns.py: each turn a ``generate`` of every going row's whole history) on the static path and on the
+    schedule path (greedy): the same episodes, logprobs within 1e-4; the decode steps within the critical path's bound."""
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.rollout.turns import turn_by_turn
+
+    greedy = SamplingParams(max_new_tokens=6, pad_token_id=256, greedy=True, eos_token_id=eos)
+    budget = 30
+    runs = {}
+    for name, go in (("native", lambda h: static.run_episodes(prompts, greedy, 2, h, budget, 3)),
+                     ("reference_static", lambda h: turn_by_turn(static, prompts, greedy, 2, h)),
+                     ("reference_schedule", lambda h: turn_by_turn(schedule, prompts, greedy, 2, h))):
+        handler = Recorder(ScriptedTurns(len(prompts) * 2, budget))
+        engine = go(handler)
+        runs[name] = {"ids": handler.inner.ids, "turns": handler.inner.turns, "logprobs": handler.logprobs,
+                      "decode_steps": engine.decode_steps}
+    native = runs["native"]
+    worst = max(abs(a - b) for ref in ("reference_static", "reference_schedule")
+                for x, y in zip(native["logprobs"], runs[ref]["logprobs"]) for a, b in zip(x, y))
+    return {"episodes_same_tokens": [native["ids"] == runs[r]["ids"] for r in ("reference_static", "reference_schedule")],
+            "episodes_turns": native["turns"], "episodes_logprob_max_abs_diff": worst,
+            "episodes_decode_steps": native["decode_steps"],
+            "episodes_critical_path": max(len(ids) for ids in native["ids"]),
+            "episodes_path": static.last_stats.path if static.last_stats else None}
+
+
+class Recorder:
+    """A TurnHandler that keeps each row's sampled logprobs in order and passes the turns on."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.logprobs = inner, [[] for _ in inner.ids]
+
+    def turns_ended(self, ends):  # noqa: ANN001, ANN201
+        for end in ends:
+            self.logprobs[end.row] += end.logprobs
+        return self.inner.turns_ended(ends)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,24 @@
-"""Multi-turn episodes on any rollout backend: generate a turn, let the environment answer, append its observation
-as token ids, generate the next turn from the whole history, until the environment ends the episode, ``max_turns``
-assistant turns were taken, or the completion budget is spent.
+"""Multi-turn episodes on any rollout backend: the policy takes a turn, the environment answers, its observation is
+appended as token ids, and the policy takes the next turn from the whole history, until the environment ends the
+episode, ``max_turns`` assistant turns were taken, or the completion budget is spent.
 
 Token-in / token-out: an episode's completion is the policy's sampled ids of every turn exactly as the backend
 returned them (with their logprobs), and between turns the observation's ids (environments/rendering.py), marked 0 in
 ``Rollout.loss_mask`` (logprob 0.0 there: never read, the mask excludes them). Nothing is decoded and re-encoded.
 
-Each turn after the first is one call over the episodes still running. A backend that keeps the histories cached
-(``ContinuesEpisodes``: the embedded static-cache decoder, rollout/decoding/continuation.py) gets only each episode's
-appended ids; any other gets a ``generate`` with each episode's full token history as its prompt (n = 1), what a vLLM
-engine with prefix caching serves without recomputing the history. The call samples up
-to the largest remaining budget; each episode's turn is then cut at its own (the tokens before a cut are drawn as they
-would be with a smaller limit), and an episode cut there ends unfinished, as a single-turn completion does.
+``Episodes`` is the episodes' side of a batch (rollout/base.py ``TurnHandler``): it keeps each episode's ids, mask and
+counts, and answers each ended turn with the next one (its observation and room) or with the episode's end. The
+backend decides when turns are taken: the embedded static-cache decoder runs every episode at its own pace (a row
+whose turn ends is answered while the others still decode: rollout/decoding/episodes.py); any other backend takes
+turn by turn, one ``generate`` of every going episode's history per turn (rollout/turns.py). Both are one call,
+``run_episodes`` here.
+
+Each turn samples up to its room: the episode's budget left, and ``max_turn_tokens``. A turn cut at the budget ends
+the episode unfinished (as a single-turn completion cut at max_completion_length); a turn cut at ``max_turn_tokens``
+is closed with the end-of-turn token (as context) and answered.
 An environment with ``stop_strings`` also ends turns at their tokens (``SamplingParams.stop_token_ids``); its answer to
 such a turn continues the assistant's message (rendering.py ``inline_ids``: the text as is, no template), and the
 episode is finished only where its last turn ended with the end-of-turn token.
-Under expert parallelism the replicas take every cached turn together (``EpisodeTurns.peers_agree``: each MoE
-layer's all-to-all pairs their forwards): a replica whose episodes have all ended still runs the turn, with no row
-continuing, until none of its peers' episodes go on, and the turn's room is the largest any peer asks.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from typing import Any
 from oumi_megatron.environments.base import EpisodeEnd
 from oumi_megatron.environments.rendering import inline_ids, observation_ids, stop_token_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
-from oumi_megatron.rollout.base import ContinuesEpisodes, EpisodeTurns, Generates, Rollout
+from oumi_megatron.rollout.base import EpisodeRun, Generates, NextTurn, Rollout, RunsEpisodes, TurnEnd
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.rollout.turns import turn_by_turn
 
 
 @dataclass
 class EpisodeStats:
-    """What a batch of episodes did, for the step's ``env/*`` metrics (episode ``k`` is sample ``k`` of the result,
-    groups flattened)."""
+    """What a batch of episodes did, for the step's ``env/*`` and ``rollout/*`` metrics (episode ``k`` is sample ``k``
+    of the result, groups flattened)."""
 
     episodes: int = 0
     turns: list[int] = field(default_factory=list)
@@ -52,6 +54,10 @@ class EpisodeStats:
     environment_s: float = 0.0
     sample: list[dict[str, Any]] = field(default_factory=list)
     """The first episode's turns: ``{"turn": text}`` and ``{"observation": text}`` in order."""
+    engine: EpisodeRun = field(default_factory=EpisodeRun)
+    """What the batch cost the engine: decode steps, each continued turn's time to first token, concurrency."""
+    critical_path_tokens: int = 0
+    """The longest episode's completion tokens, observations included: the least decode steps the batch could take."""
 
     @property
     def tool_calls(self) -> int:
@@ -72,34 +78,145 @@ class _Episode:
     last_turn: list[int] = field(default_factory=list)
     """The policy's ids of its latest turn (what the environment answers)."""
     appended: list[int] = field(default_factory=list)
-    """The ids put after the latest turn (the observation): what a backend that caches the history prefills."""
+    """The ids put after the latest turn (the observation): what the backend feeds before the next turn."""
+    logprobs_missing: bool = False
+    """A turn came without the engine's logprobs: the rollout has none (the mismatch metrics skip it)."""
+    room: int = 0
+    """The latest turn's room (the most tokens it could sample)."""
+    room_is_turn_limit: bool = False
+    """That room was ``max_turn_tokens``, less than the budget left: a turn that fills it is closed and answered."""
     turns: int = 0
     calls: int = 0
     finished: bool = False
     """The latest turn ended with the end-of-turn token (or a stop token) the policy sampled."""
     stopped: bool = False
     """The latest turn ended with one of the environment's stop tokens: its answer continues the assistant's message."""
-    at_turn_limit: bool = False
-    """The latest turn was cut at ``max_turn_tokens`` (not at the episode's budget): it is closed and answered."""
     running: bool = True
     info: dict[str, Any] = field(default_factory=dict)
 
-    def take_turn(self, turn: Rollout, budget: int, turn_limit: int | None, stops: frozenset[int] = frozenset()) -> None:
-        """Appends the policy's turn, cut to ``budget`` tokens (what is left of the episode's) and ``turn_limit``;
-        ``stops``: the environment's stop tokens."""
-        keep = budget if turn_limit is None else min(budget, turn_limit)
-        ids = self.last_turn = turn.completion_ids[:keep]
-        self.appended = []
+    def take_turn(self, turn: TurnEnd, stops: frozenset[int]) -> None:
+        """Appends the policy's turn (``stops``: the environment's stop tokens)."""
+        ids = self.last_turn = turn.ids
         self.ids += ids
         self.mask += [1] * len(ids)
-        self.logprobs += list(turn.logprobs[:keep]) if turn.logprobs is not None else [0.0] * len(ids)
+        if turn.logprobs is None:
+            self.logprobs_missing = True
+        self.logprobs += turn.logprobs if turn.logprobs is not None else [0.0] * len(ids)
         self.turns += 1
-        self.finished = turn.finished and len(ids) == len(turn.completion_ids)
+        self.finished = turn.ended
         self.stopped = self.finished and ids[-1] in stops
-        self.at_turn_limit = not self.finished and turn_limit is not None and len(ids) == turn_limit < budget
+
+    @property
+    def at_turn_limit(self) -> bool:
+        """The latest turn was cut at ``max_turn_tokens`` (not at the episode's budget): it is closed and answered."""
+        return not self.finished and self.room_is_turn_limit and len(self.last_turn) == self.room
 
 
-def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, prompts: list[list[int]],
+class Episodes:
+    """The episodes of one batch (``n`` per prompt, episode ``k`` of prompt ``k // n``): a ``TurnHandler``. Collective
+    over the model replica (``env`` calls the environment on its first rank): build it, hand it to a backend, then read
+    ``rollouts``. ``env`` None: single-turn samples, every turn ends its episode."""
+
+    def __init__(self, tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]], rows: list[dict[str, Any]],
+                 n: int, budget: int, max_turns: int, max_observation_tokens: int | None = None,
+                 max_turn_tokens: int | None = None, stops: tuple[int, ...] = (), eos_token_id: int | None = None) -> None:
+        self.tokenizer, self.env, self.n = tokenizer, env, n
+        self.budget, self.max_turns, self.max_observation_tokens = budget, max_turns, max_observation_tokens
+        self.max_turn_tokens, self.stops, self.eos_token_id = max_turn_tokens, frozenset(stops), eos_token_id
+        self.episodes = [_Episode(prompts[i]) for i in range(len(prompts)) for _ in range(n)]
+        self.stats = EpisodeStats()
+        self.env_seconds_before = env.seconds if env is not None else 0.0  # the runner's clock runs over the whole run
+        for e in self.episodes:
+            e.room, e.room_is_turn_limit = self.room(e)
+        if env is not None:
+            started = env.start_all([(k, rows[k // n]) for k in range(len(self.episodes))])
+            for k, failure in enumerate(started):
+                if failure is not None:
+                    self.stats.failed[k] = failure.reason  # its first turn is taken (the batch's shape), then it ends
+
+    def room(self, e: _Episode) -> tuple[int, bool]:
+        """The next turn's room, and whether ``max_turn_tokens`` set it."""
+        left = self.budget - len(e.ids)
+        if self.max_turn_tokens is not None and self.max_turn_tokens < left:
+            return self.max_turn_tokens, True
+        return left, False
+
+    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None]:
+        """Each ended turn's next turn, or None (the episode is over)."""
+        asked: list[tuple[int, str, list[int]]] = []
+        for end in ends:
+            e = self.episodes[end.row]
+            e.take_turn(end, self.stops)
+            if end.row in self.stats.failed:  # its environment did not start
+                e.running = False
+            elif self.env is None or not (e.finished or e.at_turn_limit) or len(e.ids) >= self.budget:
+                e.running = False  # no environment, or cut by the budget: nothing more fits
+            else:
+                asked.append((end.row, self.tokenizer.decode(e.last_turn, skip_special_tokens=True), e.last_turn))
+        answers = dict(zip((k for k, _, _ in asked), self.env.step_all(asked) if asked and self.env else []))
+        out: list[NextTurn | None] = []
+        for end in ends:
+            k, e = end.row, self.episodes[end.row]
+            if k in answers:
+                self._answer(k, e, answers[k])
+            out.append(NextTurn(e.appended, e.room) if e.running else None)
+        return out
+
+    def _answer(self, k: int, e: _Episode, answer: Any) -> None:
+        """The environment's ``answer`` to episode ``k``'s latest turn: it ends, or gets its observation (``e.appended``)
+        and the next turn's room."""
+        stats = self.stats
+        if k == 0:
+            stats.sample.append({"turn": self.tokenizer.decode(e.last_turn, skip_special_tokens=True)})
+        if isinstance(answer, Failure):
+            stats.failed[k], e.running = answer.reason, False
+            return
+        if isinstance(answer, EpisodeEnd):
+            e.running, e.info = False, dict(answer.info)
+            return
+        e.calls += answer.tool_call
+        stats.tool_errors += answer.error
+        stats.parse_failures += answer.parse_failure
+        if e.turns >= self.max_turns:  # max_turns assistant turns taken: the observation would have no turn to answer it
+            e.running, e.finished = False, False
+            return
+        if e.stopped:  # inside the assistant's message, as the environment wrote it
+            ids, truncated = inline_ids(self.tokenizer, answer, self.max_observation_tokens)
+        else:
+            ids, truncated = observation_ids(self.tokenizer, answer, self.max_observation_tokens)
+        if e.at_turn_limit and self.eos_token_id is not None:  # the turn the limit cut is closed as the template closes one
+            ids = [self.eos_token_id, *ids]
+        stats.observations_truncated += truncated
+        if len(e.ids) + len(ids) >= self.budget:  # no room for the observation and a turn after it
+            e.running, e.finished = False, False
+            return
+        if k == 0:
+            stats.sample.append({"observation": answer.text})
+        e.ids += ids
+        e.mask += [0] * len(ids)
+        e.logprobs += [0.0] * len(ids)
+        e.appended = ids
+        e.room, e.room_is_turn_limit = self.room(e)
+        stats.observation_tokens += len(ids)
+
+    def rollouts(self, engine: EpisodeRun) -> tuple[list[list[Rollout]], EpisodeStats]:
+        """The episodes as rollouts grouped per prompt, and their stats (``engine``: what the backend reported)."""
+        stats, n = self.stats, self.n
+        stats.episodes = len(self.episodes)
+        stats.turns = [e.turns for e in self.episodes]
+        stats.calls = [e.calls for e in self.episodes]
+        stats.infos = [e.info for e in self.episodes]
+        stats.environment_s = self.env.seconds - self.env_seconds_before if self.env is not None else 0.0
+        stats.engine = engine
+        stats.critical_path_tokens = max((len(e.ids) for e in self.episodes), default=0)
+        multi_turn = self.env is not None
+        out = [Rollout(e.prompt, e.ids, e.finished and not e.stopped and k not in stats.failed,
+                       None if e.logprobs_missing else e.logprobs, loss_mask=e.mask if multi_turn else None)
+               for k, e in enumerate(self.episodes)]
+        return [out[i * n:(i + 1) * n] for i in range(len(out) // n)], stats
+
+
+def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]],
                  rows: list[dict[str, Any]], params: SamplingParams, n: int, max_turns: int,
                  max_observation_tokens: int | None = None, seed: int | None = None,
                  max_turn_tokens: int | None = None) -> tuple[list[list[Rollout]], EpisodeStats]:
@@ -107,102 +224,20 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner, pro
     ``params.max_new_tokens`` bounds each episode's whole completion (turns and observations), ``max_turn_tokens``
     each turn (a turn cut there is closed with the end-of-turn token, as context, and answered). Collective over the
     model replica (``env`` calls the environment on its first rank). An episode whose environment call raises or
-    times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss)."""
-    stats = EpisodeStats()
-    env_seconds_before = env.seconds  # the runner's clock runs over the whole run
-    stop_ids = stop_token_ids(tokenizer, env.stop_strings)
-    stops = frozenset(stop_ids)
-    if stop_ids:
-        params = replace(params, stop_token_ids=stop_ids)
-    budget = params.max_new_tokens
-    first_room = budget if max_turn_tokens is None else min(budget, max_turn_tokens)
-    first_params = replace(params, max_new_tokens=first_room)
-    started_cached = backend.start_episodes(prompts, first_params, n, budget, seed) if isinstance(backend, ContinuesEpisodes) else None
-    cached: EpisodeTurns | None = None
-    if started_cached is not None:
-        first, cached = started_cached
+    times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss). ``env`` None: one turn
+    each, a plain generation."""
+    stops = stop_token_ids(tokenizer, env.stop_strings) if env is not None else ()
+    if stops:
+        params = replace(params, stop_token_ids=stops)
+    multi_turn = env is not None
+    episodes = Episodes(tokenizer, env, prompts, rows, n, params.max_new_tokens, max_turns if multi_turn else 1,
+                        max_observation_tokens, max_turn_tokens if multi_turn else None, stops, params.eos_token_id)
+    first = replace(params, max_new_tokens=episodes.episodes[0].room) if episodes.episodes else params
+    if isinstance(backend, RunsEpisodes):
+        engine = backend.run_episodes(prompts, first, n, episodes, params.max_new_tokens, episodes.max_turns, seed)
     else:
-        first = backend.generate(prompts, first_params, n, seed=seed)
-    episodes = [_Episode(prompts[i]) for i, group in enumerate(first) for _ in group]
-    started = env.start_all([(k, rows[k // n]) for k in range(len(episodes))])
-    for k, (e, turn) in enumerate(zip(episodes, (t for group in first for t in group))):
-        e.take_turn(turn, budget, max_turn_tokens, stops)
-        if started[k] is not None:
-            stats.failed[k], e.running = started[k].reason, False  # type: ignore[union-attr]
-    for turn_index in range(1, max_turns + 1):
-        _answer_turns(episodes, tokenizer, env, budget, turn_index == max_turns, max_observation_tokens, stats,
-                      params.eos_token_id)
-        going = [e for e in episodes if e.running]
-        room = max((budget - len(e.ids) for e in going), default=0)
-        room = room if max_turn_tokens is None else min(room, max_turn_tokens)
-        any_going = bool(going)
-        if cached is not None:  # expert peers take every turn together: each turn's room is the largest of theirs
-            any_going, room = cached.peers_agree(any_going, room)
-        if not any_going:
-            break
-        turn_seed = None if seed is None else seed + turn_index
-        turn_params = replace(params, max_new_tokens=room)
-        if cached is not None:
-            answered = cached.next_turn([e.appended if e.running else None for e in episodes], turn_params, turn_seed)
-            turns = [[t] for t in answered if t is not None]
-        else:
-            turns = backend.generate([e.prompt + e.ids for e in going], turn_params, 1, seed=turn_seed)
-        for e, (turn,) in zip(going, turns):
-            e.take_turn(turn, budget - len(e.ids), max_turn_tokens, stops)
-    stats.episodes = len(episodes)
-    stats.turns = [e.turns for e in episodes]
-    stats.calls = [e.calls for e in episodes]
-    stats.infos = [e.info for e in episodes]
-    stats.environment_s = env.seconds - env_seconds_before
-    out = [Rollout(e.prompt, e.ids, e.finished and not e.stopped and k not in stats.failed, e.logprobs, loss_mask=e.mask)
-           for k, e in enumerate(episodes)]
-    return [out[i * n:(i + 1) * n] for i in range(len(prompts))], stats
-
-
-def _answer_turns(episodes: list[_Episode], tokenizer: Any, env: EnvironmentRunner, budget: int, last_turn: bool,
-                  max_observation_tokens: int | None, stats: EpisodeStats, eos_token_id: int | None) -> None:
-    """The environment's answers to the running episodes' latest turns: each ends, or gets an observation and goes on."""
-    asked: list[tuple[int, str, list[int]]] = []
-    for k, e in enumerate(episodes):
-        if not e.running:
-            continue
-        if not (e.finished or e.at_turn_limit) or len(e.ids) >= budget:  # cut by the budget: nothing more fits
-            e.running = False
-            continue
-        asked.append((k, tokenizer.decode(e.last_turn, skip_special_tokens=True), e.last_turn))
-    for (k, text, _), answer in zip(asked, env.step_all(asked)):
-        e = episodes[k]
-        if k == 0:
-            stats.sample.append({"turn": text})
-        if isinstance(answer, Failure):
-            stats.failed[k], e.running = answer.reason, False
-            continue
-        if isinstance(answer, EpisodeEnd):
-            e.running, e.info = False, dict(answer.info)
-            continue
-        e.calls += answer.tool_call
-        stats.tool_errors += answer.error
-        stats.parse_failures += answer.parse_failure
-        if last_turn:  # max_turns assistant turns taken: the observation would have no turn to answer it
-            e.running, e.finished = False, False
-            continue
-        if e.stopped:  # inside the assistant's message, as the environment wrote it
-            ids, truncated = inline_ids(tokenizer, answer, max_observation_tokens)
-        else:
-            ids, truncated = observation_ids(tokenizer, answer, max_observation_tokens)
-        if e.at_turn_limit and eos_token_id is not None:  # the turn the limit cut is closed as the template closes one
-            ids = [eos_token_id, *ids]
-        stats.observations_truncated += truncated
-        if len(e.ids) + len(ids) >= budget:  # no room for the observation and a turn after it
-            e.running, e.finished = False, False
-            continue
-        if k == 0:
-            stats.sample.append({"observation": answer.text})
-        e.ids += ids
-        e.appended = ids
-        e.mask += [0] * len(ids)
-        e.logprobs += [0.0] * len(ids)
-        stats.observation_tokens += len(ids)
+        engine = turn_by_turn(backend, prompts, first, n, episodes, seed)
+    return episodes.rollouts(engine)
 
 
 def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:

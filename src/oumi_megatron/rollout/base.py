@@ -8,7 +8,7 @@ receive the policy's weights after every optimizer step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -129,34 +129,61 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
-class EpisodeTurns(Protocol):
-    """A batch of episodes running on an engine that keeps their histories cached (``ContinuesEpisodes``)."""
+@dataclass
+class TurnEnd:
+    """One episode's turn, ended: the policy's sampled ids of the turn and their logprobs (``row``: the episode, prompt
+    ``row // n``'s sample ``row % n``)."""
 
-    def next_turn(self, appended: list[list[int] | None], params: SamplingParams,
-                  seed: int | None = None) -> list[Rollout | None]:
-        """The next turn of each episode whose ``appended`` is not None (those ids, an observation, follow its last
-        turn); None for the others. Only the appended ids are prefilled."""
-        ...
+    row: int
+    ids: list[int]
+    logprobs: list[float] | None
+    """None where the engine returned none."""
+    ended: bool
+    """Its last token ends a turn (EOS or a stop token); False: cut at the turn's room."""
 
-    def peers_agree(self, going: bool, room: int) -> tuple[bool, int]:
-        """Whether another turn runs and its ``max_new_tokens``, agreed with the engine's ranks that must take every
-        turn together (expert-parallel peers: each MoE layer's all-to-all pairs their forwards), given this rank's:
-        whether any of its episodes go on, and the most tokens they have room for. A rank whose episodes have all
-        ended still takes the turn (no row continues). As given where there are no such peers. Collective."""
-        ...
+
+@dataclass
+class NextTurn:
+    """An episode goes on: ``appended`` (the environment's observation) follows the turn as context, then the policy
+    samples up to ``room`` tokens."""
+
+    appended: list[int]
+    room: int
+
+
+class TurnHandler(Protocol):
+    """The episodes' side of a batch (environments/episodes.py ``Episodes``): a backend hands it the turns that ended and
+    gets back, per turn, the next one or None (the episode is over). Collective over the model replica: every rank of
+    a replica calls it with the same turns at the same point."""
+
+    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None]: ...
+
+
+@dataclass
+class EpisodeRun:
+    """What a batch of episodes cost the engine (this rank's view)."""
+
+    decode_steps: int = 0
+    """Decode steps the batch took, every turn's (the static-cache decoder); 0 where the engine does not count them."""
+    continued_ttft_s: list[float] = field(default_factory=list)
+    """Each continued turn's time from its observation being ready to its first token."""
+    concurrency: float = 0.0
+    """Episodes in flight (decoding or answered, not over), averaged over the decode steps."""
+    answer_s: float = 0.0
+    """Of the batch's time, the host's in ``TurnHandler.turns_ended`` (the environment's answers)."""
 
 
 @runtime_checkable
-class ContinuesEpisodes(Protocol):
-    """A backend that continues multi-turn episodes from its cache (the embedded one): environments/episodes.py uses
-    it instead of generating each turn from the whole history."""
+class RunsEpisodes(Protocol):
+    """A backend that runs multi-turn episodes itself, each at its own pace: a row whose turn ends is answered and takes
+    its next turn while the others still decode theirs (the embedded static-cache decoder). Any other backend runs
+    them turn by turn (rollout/turns.py ``turn_by_turn``: each turn a ``generate`` of the whole histories)."""
 
-    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, budget: int,
-                       seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
-        """The first turn of ``n`` episodes per prompt (grouped as ``generate``'s), and their running batch; None where
-        this engine's path cannot continue them (then each turn is a ``generate`` of the whole history). ``budget``:
-        the most tokens of an episode's whole completion (turns and observations); a later turn's
-        ``max_new_tokens`` is at most ``params.max_new_tokens``."""
+    def run_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler, budget: int,
+                     max_turns: int, seed: int | None = None) -> EpisodeRun:
+        """``n`` episodes of each prompt (row ``i * n + j``: prompt i's sample j); each first turn samples up to
+        ``params.max_new_tokens``; ``budget``: the most tokens of an episode's whole completion (turns and observations),
+        ``max_turns`` its turns. Returns when every episode is over."""
         ...
 
 

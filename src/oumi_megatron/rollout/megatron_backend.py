@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oumi_megatron.rollout.base import EngineSleep, EpisodeTurns, PolicyWeights, Rollout, WeightSyncStats
-from oumi_megatron.rollout.decoding.continuation import EpisodeDecoding
+from oumi_megatron.rollout.base import EngineSleep, EpisodeRun, PolicyWeights, Rollout, TurnHandler, WeightSyncStats
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
+from oumi_megatron.rollout.decoding.episodes import run_episodes as decode_episodes
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.sampling import SamplingParams, end_token_tensor, first_end, pick_tokens
+from oumi_megatron.rollout.turns import turn_by_turn
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
@@ -102,19 +103,19 @@ class MegatronRolloutBackend:
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def start_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, budget: int,
-                       seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeTurns] | None:
-        """Multi-turn episodes on the static cache (decoding/continuation.py): later turns prefill only what was
-        appended. None on the ``schedule`` / ``recompute`` paths (each turn is then a ``generate``)."""
-        if self.decoder is None or params.max_new_tokens == 0 or not prompts:
-            return None
+    def run_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler, budget: int,
+                     max_turns: int, seed: int | None = None) -> EpisodeRun:
+        """Multi-turn episodes without a turn barrier on the static cache (decoding/episodes.py): each row takes its
+        next turn as soon as its observation is ready. One-turn episodes are a plain ``generate``; the ``schedule`` and
+        ``recompute`` paths take turn by turn (rollout/turns.py)."""
+        if self.decoder is None or max_turns <= 1 or params.max_new_tokens == 0 or not prompts:
+            run = turn_by_turn(self, prompts, params, n, turns, seed)
+            run.decode_steps = self.last_stats.decode_steps + 1 if self.last_stats is not None and max_turns <= 1 else 0
+            return run
         if seed is not None:
             self.generator.manual_seed(seed)
-        session = _EmbeddedEpisodes(self, EpisodeDecoding(self.decoder, prompts, n, self.generator, budget))
-        tokens, logprobs, self.last_stats = session.decoding.first_turn(params)
-        out = _rollouts(tokens, logprobs, session.decoding.history_prompts(), params)
-        session.decoding.keep([r.completion_ids for r in out])
-        return [out[i * n:(i + 1) * n] for i in range(len(prompts))], session
+        run, self.last_stats = decode_episodes(self.decoder, prompts, n, params, self.generator, turns, budget, max_turns)
+        return run
 
     def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``schedule`` and ``recompute`` paths: tokens [rows, T] and their logprobs, on the host."""
@@ -159,28 +160,6 @@ class MegatronRolloutBackend:
 
     def close(self) -> None:
         pass
-
-
-class _EmbeddedEpisodes:
-    """``EpisodeTurns`` of the embedded backend."""
-
-    def __init__(self, backend: MegatronRolloutBackend, decoding: EpisodeDecoding) -> None:
-        self.backend, self.decoding = backend, decoding
-
-    @torch.no_grad()
-    def next_turn(self, appended: list[list[int] | None], params: SamplingParams,
-                  seed: int | None = None) -> list[Rollout | None]:
-        if seed is not None:
-            self.backend.generator.manual_seed(seed)
-        prompts = [list(h) + list(a) if a is not None else [] for h, a in zip(self.decoding.history, appended)]
-        tokens, logprobs, self.backend.last_stats = self.decoding.next_turn(appended, params)
-        out = [r if a is not None else None for r, a in zip(_rollouts(tokens, logprobs, prompts, params), appended)]
-        self.decoding.keep([None if r is None else r.completion_ids for r in out])
-        return out
-
-    def peers_agree(self, going: bool, room: int) -> tuple[bool, int]:
-        any_going, most_room = self.backend.engine.max_over_expert_peers([int(going), room])
-        return bool(any_going), most_room
 
 
 def _rollouts(tokens: torch.Tensor, logprobs: torch.Tensor, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:

@@ -18,8 +18,8 @@ One call (``StaticCacheDecoder.generate``):
    same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
    weights to new storage; a graph reading the old addresses would read freed memory). A batch of multi-turn
-   episodes (``prepare`` with ``extra_slots``, continuation.py) is one such generation: its later turns replay the
-   first turn's graph on the same buffers, and the next batch of the shape replays it again.
+   episodes (episodes.py) is one such generation: every turn of every row replays one graph, and the next batch of
+   the shape replays it again.
 
 Positions: rotary angles are those of the cache slot (as Megatron-Core's static inference does), so a
 left-padded row is shifted by a constant, which RoPE (relative) ignores; learned absolute position
@@ -136,20 +136,26 @@ class StaticCacheDecoder:
             keep()
         return out
 
-    def prepare(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator,
-                extra_slots: int = 0) -> tuple[_Generation, Callable[[], None]]:
-        """The device state of a generation of ``prompts`` with ``extra_slots`` more cache slots than its first
-        ``max_new_tokens`` need (an episode's later turns, continuation.py): the one kept for this shape, refilled in
-        place, or a new one; ``keep()`` after its first decode keeps it for the next call of the shape (once it holds
-        a graph)."""
+    def prepare(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                generator: torch.Generator) -> tuple[_Generation, Callable[[], None]]:
+        """The device state of a generation of ``prompts``: the one kept for this shape, refilled in place, or a new one;
+        ``keep()`` after its first decode keeps it for the next call of the shape (once it holds a graph)."""
+        return self.prepared(None, prompts, n, params, generator,
+                             lambda width: _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size,
+                                                                   generator, width))
+
+    def prepared(self, kind: Hashable, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator,
+                 make: Callable[[int | None], _Generation]) -> tuple[Any, Callable[[], None]]:
+        """``prepare`` for any kind of generation: ``make(width)`` builds a new one (``width``: the prompts' bucketed
+        width when it is kept, else None); ``kind`` tells generations of different buffers apart (a batch of episodes,
+        rollout/decoding/episodes.py)."""
         if not self.kept.limit:
-            return _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator,
-                                           extra_slots=extra_slots), lambda: None
+            return make(None), lambda: None
         width = -(-max(len(p) for p in prompts) // WIDTH_BUCKET) * WIDTH_BUCKET
-        key, fingerprint = (len(prompts) * n, width, extra_slots, params), self._storage_fingerprint()
+        key, fingerprint = (len(prompts) * n, width, params, kind), self._storage_fingerprint()
         kept = self.kept.take(key, fingerprint)
         if kept is None or kept.generator is not generator:
-            kept = _Generation.for_prompts(self.stages, prompts, n, params, self.vocab_size, generator, width, extra_slots)
+            kept = make(width)
         else:
             kept.refill(prompts, n, params)
 
@@ -194,12 +200,12 @@ def generated_tokens(tokens: torch.Tensor, params: SamplingParams) -> int:
 
 
 class _Generation:
-    """The device state of one ``generate`` call (or of one turn of an episode: continuation.py)."""
+    """The device state of one ``generate`` call (episodes.py: of a batch of episodes)."""
 
     def __init__(self, stages: PolicyStages, params: SamplingParams, vocab_size: int, generator: torch.Generator,
                  n: int, rows: int, width: int, extra_slots: int = 0) -> None:
         """``width``: the slot of the first token decoded (the prompts' width; a continued turn's history and block).
-        ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (an episode's later turns)."""
+        ``extra_slots``: cache slots beyond ``width + max_new_tokens`` (a batch of episodes' later turns)."""
         self.stages, self.n, self.params, self.vocab_size, self.generator = stages, n, params, vocab_size, generator
         self.ends = end_token_tensor(params, stages.device)
         """The tokens that end a row (EOS and the stop tokens), on the device; a captured step reads this tensor."""
@@ -238,12 +244,11 @@ class _Generation:
 
     @classmethod
     def for_prompts(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
-                    vocab_size: int, generator: torch.Generator, width: int | None = None,
-                    extra_slots: int = 0) -> _Generation:
+                    vocab_size: int, generator: torch.Generator, width: int | None = None) -> _Generation:
         """``n`` completions of each of ``prompts``, left-padded to one width (the longest, or ``width``; ``prefill``
         runs them)."""
         ids, real = left_pad(prompts, params.pad_token_id, width)
-        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1], extra_slots)
+        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1])
         run.prompt_ids, run.prompt_real = ids.to(stages.device), real
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run

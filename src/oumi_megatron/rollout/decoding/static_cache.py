@@ -10,8 +10,8 @@ layer's real core attention (SDPA or Megatron's local one) over the cache. Nothi
 on a host value, so the whole step can be captured once and replayed.
 
 Layout: [rows, kv heads of this TP rank, slots, head dim] per layer, which the core attention receives as
-[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens`` (an episode's: the whole
-budget more, continuation.py). The cache lives for one generation (or batch of episodes) and is freed with it,
+[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens`` (a batch of episodes: one per
+decode step of all its turns, episodes.py). The cache lives for one generation (or batch of episodes) and is freed with it,
 unless the decoder keeps it with its CUDA graph (decoder.py, ``rollout_cuda_graphs_kept``).
 """
 
@@ -37,10 +37,6 @@ class CacheCursor:
     kv_len: int | None = None
     """Decode, eager: attend over the first ``kv_len`` slots. None: over every slot (CUDA graphs: a fixed shape;
     the mask hides the slots not written yet)."""
-    extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    """An episode's next turn (continuation.py): a block of tokens appended to rows whose history is cached; the
-    (row, block position, slot) of each of its real tokens, whose keys/values are written; the block attends over the
-    whole cache under the caller's mask."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -57,12 +53,6 @@ class CachedCoreAttention(torch.nn.Module):
                 attn_mask_type: Any = None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         c = self.cursor
-        if c.extend is not None:  # [block, rows, heads, dim]: write the real tokens, attend over the cache
-            row, position, slot = c.extend
-            self.keys[row, :, slot] = key[position, row]
-            self.values[row, :, slot] = value[position, row]
-            return self.inner(query, self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3), attention_mask,
-                              attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         if c.prefill_repeat:  # [width, prompts, heads, dim]: the prompts attend among themselves
             width = key.shape[0]
             for cache, new in ((self.keys, key), (self.values, value)):
