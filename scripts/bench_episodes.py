@@ -7,9 +7,10 @@ The same policy tokens either way: ROWS / 8 prompts of 64 random tokens, 8 sampl
 - ``single``: one ``generate`` of NEW tokens (the single-turn reference);
 - ``episodes``: ``run_episodes`` (what the trainer runs under ``grpo.environment``) with a toy environment that
   answers every turn with a 16-character observation, ``--turns`` turns of NEW / turns tokens
-  (``grpo.max_turn_tokens``): later turns continue from the static KV cache (rollout/decoding/continuation.py);
-- ``episodes_recompute``: the same episodes through ``generate`` over each episode's whole history (what a backend
-  without the cache continuation does: every turn prefills the history again).
+  (``grpo.max_turn_tokens``): every row takes its turns at its own pace on the static KV cache, observations fed as
+  forced tokens (rollout/decoding/episodes.py);
+- ``episodes_recompute``: the same episodes turn by turn through ``generate`` over each episode's whole history (what
+  a backend without ``run_episodes`` does: every turn prefills the history again, rollout/turns.py).
 
 Reported: policy tokens/s (observation tokens not counted), the ratio to ``single`` (the issue's goal: multi-turn
 within 1.3x of single-turn, i.e. a ratio >= 0.77), decode ms per step of the last call.

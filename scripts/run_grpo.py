@@ -163,8 +163,7 @@ def main() -> None:
                            | {k: v for k, v in m.items() if k.startswith("time/")}  # the step profile (--profile)
                            for m in metrics if "reward/mean" in m]
         # which generation path ran (e.g. whether the embedded decoder's CUDA graphs were captured)
-        last = getattr(trainer.backend, "last_stats", None)
-        result["rollout_path"] = last.path if last is not None else type(trainer.backend).__name__
+        result["rollout_path"] = trainer.backend.decode_profile().path
         # vLLM, once imported (Megatron-Bridge's ModelOpt plugin imports it where it is installed), turns cuDNN SDPA off
         # process-wide; the engine's attention names its kernels per call (engine/kernels/attention.sdpa)
         result["vllm_imported"], result["cudnn_sdp_enabled"] = "vllm" in sys.modules, torch.backends.cuda.cudnn_sdp_enabled()

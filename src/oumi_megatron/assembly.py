@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from oumi_megatron.engine.parallel.layout import ParallelLayout
     from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
+    from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer, RolloutParts
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -66,12 +66,14 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     from oumi_megatron.engine.parallel.distributed import init_distributed
     from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.environments.registry import check_environment
+    from oumi_megatron.plugins import load_plugins
     from oumi_megatron.rollout.registry import rollout_mode
     from oumi_megatron.trainer.grpo_trainer import OumiMegatronGrpoTrainer
     from oumi_megatron.trainer.run_dir import check_shared, check_space, plan_start
     from oumi_megatron.utils.ranks import global_rank
 
     init_distributed()  # the start decisions below are collective: made once, checked per rank
+    load_plugins(config.grpo.plugins)  # their losses, estimators, reward functions, environments (validation imported them)
     check_shared(config.training.output_dir)  # one folder on every node, before anything is written there
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
     rollout_mode(config.megatron).preflight(config)  # e.g. a Ray cluster that holds the engines
@@ -90,9 +92,37 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     bridge, engine = build_engine(checkpoint, layout, config.megatron, settings, dtype, trust_remote_code=trust)
     if global_rank() == 0:
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
-    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, tokenizer, dataset,
-                                      reward_functions=reward_functions, eval_dataset=eval_dataset)
+    rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_dataset,
+                            work_dir=output_dir)
+    trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, dataset, rollout)
     return AssembledRun(trainer, start.checkpoint)
+
+
+def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions: dict[str, Any] | None = None,
+                  eval_sets: Any = None, work_dir: Path) -> RolloutParts:
+    """Collective: the run's rollout parts, in the order their process groups are made: the backend of the rollout mode
+    (``megatron.inference_backend`` x ``rollout_placement``), the replica's reward scorer (``grpo.reward_functions``;
+    ``reward_functions``, name -> callable, take precedence over Oumi's registry), the environment's runner on the
+    scorer's group, the driver over them, the training sampling, and an evaluator per eval set (``eval_sets``: one set
+    of rows, or sets by metric prefix; None: none)."""
+    from oumi_megatron.environments.driver import RolloutDriver
+    from oumi_megatron.environments.registry import environment_runner
+    from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
+    from oumi_megatron.rollout.sampling import sampling_for
+    from oumi_megatron.trainer.evaluation import build_evaluators
+    from oumi_megatron.trainer.grpo_trainer import RolloutParts
+    from oumi_megatron.trainer.scoring import ReplicaScorer
+
+    g = config.grpo
+    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype, work_dir=work_dir))
+    # each sample scored once, by its replica's first rank (trainer/scoring.py; collective: after the backend's groups)
+    scorer = ReplicaScorer(RewardComputer(g.reward_functions, g.on_reward_error, reward_functions))
+    # grpo.environment: multi-turn episodes, the environment called once per replica (the scorer's group)
+    driver = RolloutDriver(backend, tokenizer, g, environment_runner(g, scorer.group, scorer.ranks))
+    evaluators = [] if eval_sets is None else build_evaluators(
+        eval_sets, tokenizer, scorer, driver, g, config.training.per_device_eval_batch_size, engine.device)
+    return RolloutParts(driver, scorer, sampling_for(g, tokenizer), evaluators)
 
 
 def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_dir: str | Path | None = None, *,
@@ -101,30 +131,25 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     rewards, generation limits and rollout mode, exactly as the evaluation during training (trainer/evaluation.py).
     The weights are read in memory by Megatron-Bridge; nothing is converted on disk."""
     from oumi_megatron.engine.builder import build_inference_engine
-    from oumi_megatron.environments.registry import check_environment, environment_runner
-    from oumi_megatron.grpo.rewards import RewardComputer
-    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
-    from oumi_megatron.trainer.evaluation import build_evaluators
-    from oumi_megatron.trainer.scoring import ReplicaScorer
+    from oumi_megatron.environments.registry import check_environment
+    from oumi_megatron.plugins import load_plugins
 
     if model_dir is not None:  # this folder's weights, for every backend (a vLLM engine starts from model_name)
         config = copy.copy(config)
         config.model = copy.copy(config.model)
         config.model.model_name = str(model_dir)
     dtype = config.model.torch_dtype
+    load_plugins(config.grpo.plugins)  # their reward functions and environments
     tokenizer = build_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # before the weights are read
     _, engine = build_inference_engine(config.model.model_name, layout, config.megatron, dtype,
                                        trust_remote_code=bool(config.model.trust_remote_code))
-    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype,
-                                                   work_dir=Path(config.training.output_dir) / "eval_vllm"))
-    rewards = ReplicaScorer(RewardComputer(config.grpo.reward_functions, config.grpo.on_reward_error, reward_functions))
-    environment = environment_runner(config.grpo, rewards.group, rewards.ranks)
+    rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_sets,
+                            work_dir=Path(config.training.output_dir) / "eval_vllm")
     metrics: dict[str, float] = {}
     try:
-        for evaluator in build_evaluators(eval_sets, tokenizer, rewards, backend, config.grpo,
-                                          config.training.per_device_eval_batch_size, engine.device, environment):
+        for evaluator in rollout.evaluators:
             metrics.update(evaluator.run())
     finally:
-        backend.close()
+        rollout.driver.close()
     return metrics

@@ -467,6 +467,10 @@ def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
 
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     g = cfg.grpo
+    dump = g.rollout_dump_steps
+    if not isinstance(dump, int) or isinstance(dump, bool) or dump < 0:
+        r.add("grpo.rollout_dump_steps", f"must be an integer >= 0 (0: no dumps; N: every N-th step's samples to "
+                                         f"output_dir/rollouts/), got {dump!r}.")
     if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
         r.add("grpo.temperature", f"must be in (0, 2], got {g.temperature!r}. Typical: 0.6-1.0.")
     if not isinstance(g.num_generations, int) or g.num_generations < 2:

@@ -34,6 +34,26 @@ def fused_vs_unfused(a: dict, b: dict) -> dict:
     }
 
 
+def per_sample_rope() -> dict:
+    """engine/kernels/rope.py with a position per sample (freqs [1, b, 1, rot]: the episode decoder's step) against
+    Megatron-Core's unfused RoPE, forward and backward (under TRITON_INTERPRET the kernel runs on the CPU)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from oumi_megatron.engine.kernels.rope import fused_rope, fused_rope_covers
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(1, 5, 4, 16, generator=g, requires_grad=True)
+    freqs = (torch.randint(0, 50, (5,), generator=g).float()[:, None] * torch.rand(12, generator=g)[None])[None, :, None, :]
+    ref = _apply_rotary_pos_emb_bshd(t, freqs)
+    got = fused_rope(t, freqs)
+    upstream = torch.randn(ref.shape, generator=g)
+    (grad_ref,) = torch.autograd.grad(ref, t, upstream)
+    (grad_got,) = torch.autograd.grad(got, t, upstream)
+    return {"per_sample_rope_covered": fused_rope_covers(t, freqs, False),
+            "per_sample_rope_max_abs_diff": (ref - got).abs().max().item(),
+            "per_sample_rope_grad_max_abs_diff": (grad_ref - grad_got).abs().max().item()}
+
+
 def main() -> None:
     workdir, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
@@ -122,6 +142,7 @@ def main() -> None:
         "chunked_grad_max_rel_diff": max(((runs["fused"]["grads"][n] - runs["chunked"]["grads"][n]).abs().max()
                                           / runs["fused"]["grads"][n].abs().max().clamp_min(1e-30)).item() for n in runs["fused"]["grads"]),
         "finite": all(torch.isfinite(r[k]).all().item() for r in (a, b) for k in ("padded", "packed", "entropy")),
+        **per_sample_rope(),
     }
     out_json.write_text(json.dumps(result, indent=2))
 

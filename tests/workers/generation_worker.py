@@ -195,6 +195,7 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
     turns, observations fed as forced tokens while other rows decode, against the turn-synchronous reference
     (rollout/turns.py: each turn a ``generate`` of every going row's whole history) on the static path and on the
     schedule path (greedy): the same episodes, logprobs within 1e-4; the decode steps within the critical path's bound."""
+    from oumi_megatron.rollout.decoding.episodes import episode_check_every
     from oumi_megatron.rollout.sampling import SamplingParams
     from oumi_megatron.rollout.turns import turn_by_turn
 
@@ -207,7 +208,8 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
         handler = Recorder(ScriptedTurns(len(prompts) * 2, budget))
         engine = go(handler)
         runs[name] = {"ids": handler.inner.ids, "turns": handler.inner.turns, "logprobs": handler.logprobs,
-                      "decode_steps": engine.decode_steps}
+                      "decode_steps": engine.decode_steps, "path": static.last_stats.path,
+                      "capture_s": static.last_stats.capture_s}
     native = runs["native"]
     worst = max(abs(a - b) for ref in ("reference_static", "reference_schedule")
                 for x, y in zip(native["logprobs"], runs[ref]["logprobs"]) for a, b in zip(x, y))
@@ -215,7 +217,8 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
             "episodes_turns": native["turns"], "episodes_logprob_max_abs_diff": worst,
             "episodes_decode_steps": native["decode_steps"],
             "episodes_critical_path": max(len(ids) for ids in native["ids"]),
-            "episodes_path": static.last_stats.path if static.last_stats else None}
+            "episodes_path": native["path"], "episodes_capture_s": native["capture_s"],
+            "episodes_check_every": episode_check_every(static.engine.device)}
 
 
 class Recorder:

@@ -39,6 +39,8 @@ class EpisodeStats:
     """What a batch of episodes did, for the step's ``env/*`` and ``rollout/*`` metrics (episode ``k`` is sample ``k``
     of the result, groups flattened)."""
 
+    multi_turn: bool = True
+    """An environment took part (False: single-turn samples, one turn each, no ``env/*`` metrics)."""
     episodes: int = 0
     turns: list[int] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
@@ -65,7 +67,9 @@ class EpisodeStats:
 
     def reward_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``rows`` (row i: episode i's; the first ``len(rows)`` episodes) with how each episode ended (``env_info``:
-        its ``EpisodeEnd.info``), for the reward functions."""
+        its ``EpisodeEnd.info``), for the reward functions; as they are for single-turn samples."""
+        if not self.multi_turn:
+            return rows
         return [{**row, "env_info": info} for row, info in zip(rows, self.infos)]
 
 
@@ -206,6 +210,7 @@ class Episodes:
         stats.turns = [e.turns for e in self.episodes]
         stats.calls = [e.calls for e in self.episodes]
         stats.infos = [e.info for e in self.episodes]
+        stats.multi_turn = self.env is not None
         stats.environment_s = self.env.seconds - self.env_seconds_before if self.env is not None else 0.0
         stats.engine = engine
         stats.critical_path_tokens = max((len(e.ids) for e in self.episodes), default=0)
@@ -240,17 +245,30 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | No
     return episodes.rollouts(engine)
 
 
+def single_generation_stats(grouped: list[list[Rollout]]) -> EpisodeStats:
+    """The stats of single-turn samples an engine generated on its own (asynchronous GRPO's generations)."""
+    lengths = [len(r.completion_ids) for group in grouped for r in group]
+    return EpisodeStats(multi_turn=False, episodes=len(lengths), turns=[1] * len(lengths), calls=[0] * len(lengths),
+                        infos=[{} for _ in lengths], critical_path_tokens=max(lengths, default=0))
+
+
 def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
-    """Several batches' stats as one (dynamic sampling's rounds), episodes renumbered in order."""
-    out = EpisodeStats(sample=parts[0].sample if parts else [])
+    """Several batches' stats as one (dynamic sampling's rounds), episodes renumbered in order; their engine costs
+    added (the rounds ran one after another)."""
+    out = EpisodeStats(multi_turn=any(p.multi_turn for p in parts), sample=parts[0].sample if parts else [])
     for part in parts:
         out.failed.update({out.episodes + k: why for k, why in part.failed.items()})
         out.episodes += part.episodes
         for name in ("turns", "calls", "infos"):
             getattr(out, name).extend(getattr(part, name))
         for name in ("tool_errors", "parse_failures", "observation_tokens", "observations_truncated",
-                     "environment_s"):
+                     "environment_s", "critical_path_tokens"):
             setattr(out, name, getattr(out, name) + getattr(part, name))
+        out.engine.decode_steps += part.engine.decode_steps
+        out.engine.continued_ttft_s += part.engine.continued_ttft_s
+        out.engine.answer_s += part.engine.answer_s
+    steps = [p.engine.decode_steps for p in parts]
+    out.engine.concurrency = sum(p.engine.concurrency * s for p, s in zip(parts, steps)) / max(sum(steps), 1)
     return out
 
 
@@ -258,21 +276,59 @@ def episode_sums(stats: EpisodeStats) -> list[float]:
     """This rank's sums behind ``episode_metrics`` (summed over the DP ranks by the caller), in ``SUM_KEYS`` order."""
     return [float(stats.episodes), float(sum(stats.turns)), float(sum(c > 0 for c in stats.calls)),
             float(stats.tool_calls), float(stats.tool_errors), float(stats.parse_failures),
-            float(stats.observation_tokens), float(stats.observations_truncated), float(len(stats.failed))]
+            float(stats.observation_tokens), float(stats.observations_truncated), float(len(stats.failed)),
+            stats.engine.concurrency, float(sum(stats.engine.continued_ttft_s)), float(len(stats.engine.continued_ttft_s))]
 
 
 SUM_KEYS = ("episodes", "turns", "episodes_with_calls", "tool_calls", "tool_errors", "parse_failures",
-            "observation_tokens", "observations_truncated", "failed")
+            "observation_tokens", "observations_truncated", "failed", "concurrency", "ttft_s", "continued_turns")
+MAX_KEYS = ("turns_max", "environment_s", "decode_steps", "critical_path_tokens")
 
 
-def episode_metrics(sums: list[float], turns_max: float, environment_s: float) -> dict[str, float]:
-    """The step's ``env/*`` metrics from the DP-summed ``episode_sums``, the longest episode's turns and the slowest
-    rank's environment time."""
-    s = dict(zip(SUM_KEYS, sums))
+def episode_maxima(stats: EpisodeStats) -> list[float]:
+    """This rank's values behind ``episode_metrics`` taken as the largest over the DP ranks, in ``MAX_KEYS`` order."""
+    return [float(max(stats.turns, default=0)), stats.environment_s, float(stats.engine.decode_steps),
+            float(stats.critical_path_tokens)]
+
+
+def episode_metrics(sums: list[float], maxima: list[float], multi_turn: bool) -> dict[str, float]:
+    """The step's metrics from the DP-summed ``episode_sums`` and the DP-largest ``episode_maxima``: ``rollout/*``
+    for every batch (``decode_steps``: the batch's, where the engine counts them; ``critical_path_tokens``: its
+    longest sample's tokens, observations included), ``env/*`` for multi-turn episodes."""
+    s, m = dict(zip(SUM_KEYS, sums)), dict(zip(MAX_KEYS, maxima))
+    out = {"rollout/critical_path_tokens": m["critical_path_tokens"]}
+    if m["decode_steps"]:
+        out["rollout/decode_steps"] = m["decode_steps"]
+    if not multi_turn:
+        return out
     n = max(s["episodes"], 1.0)
-    return {"env/turns_mean": s["turns"] / n, "env/turns_max": turns_max,
-            "env/tool_call_rate": s["episodes_with_calls"] / n, "env/tool_calls_per_episode": s["tool_calls"] / n,
-            "env/tool_errors_per_episode": s["tool_errors"] / n, "env/parse_failures": s["parse_failures"],
-            "env/observation_tokens_per_episode": s["observation_tokens"] / n,
-            "env/observations_truncated": s["observations_truncated"], "env/failed_episodes": s["failed"],
-            "env/time_s": environment_s}
+    out.update({
+        "env/turns_mean": s["turns"] / n, "env/turns_max": m["turns_max"],
+        "env/tool_call_rate": s["episodes_with_calls"] / n, "env/tool_calls_per_episode": s["tool_calls"] / n,
+        "env/tool_errors_per_episode": s["tool_errors"] / n, "env/parse_failures": s["parse_failures"],
+        "env/observation_tokens_per_episode": s["observation_tokens"] / n,
+        "env/observations_truncated": s["observations_truncated"], "env/failed_episodes": s["failed"],
+        "env/time_s": m["environment_s"], "env/concurrency": s["concurrency"]})
+    if s["continued_turns"]:
+        out["env/continued_turn_ttft_s"] = s["ttft_s"] / s["continued_turns"]
+    return out
+
+
+EVAL_SUMS = 4
+
+
+def eval_sums(stats: EpisodeStats, keep: int) -> list[float]:
+    """Of a batch's first ``keep`` episodes (the scored ones): those that called a tool, and their turns; the batch's
+    decode steps and its longest episode's tokens (``EVAL_SUMS`` values)."""
+    return [float(sum(c > 0 for c in stats.calls[:keep])), float(sum(stats.turns[:keep])),
+            float(stats.engine.decode_steps), float(stats.critical_path_tokens)]
+
+
+def eval_metrics(sums: list[float], n: float, multi_turn: bool) -> dict[str, float]:
+    """An evaluation's episode metrics from ``eval_sums`` (summed over its batches and DP ranks) over ``n`` prompts:
+    ``decode_steps`` and ``critical_path_tokens`` where the engine counts its steps; ``tool_call_rate`` and
+    ``turns_mean`` for multi-turn episodes."""
+    out = {"decode_steps": sums[2], "critical_path_tokens": sums[3]} if sums[2] else {}
+    if multi_turn:
+        out.update({"tool_call_rate": sums[0] / max(n, 1.0), "turns_mean": sums[1] / max(n, 1.0)})
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.atomic import atomic_directory
@@ -42,11 +43,28 @@ def bundled_smollm2_gguf() -> Path:
     return path
 
 
+def gguf_tokenizer(gguf_file: str | Path, eos_token_id: int | None = None) -> Any:
+    """The GGUF's tokenizer (its chat template included) as ``gguf_to_hf`` writes it: EOS the model's end-of-turn token
+    (``eos_token_id``: the model config's; read from the GGUF when None), pad the EOS where it has none."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf_file = Path(gguf_file)
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if eos_token_id is None:
+        eos_token_id = AutoConfig.from_pretrained(folder, gguf_file=name).eos_token_id
+    if isinstance(eos_token_id, int) and tokenizer.eos_token_id != eos_token_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_token_id)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     """Dequantize ``gguf_file`` with transformers and write an HF folder (safetensors, config, tokenizer
     with its chat template, generation config) to ``out_dir`` atomically."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
@@ -56,7 +74,6 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise UserInputError("reading GGUF needs the `gguf` package (in the lock): rerun `bash scripts/setup.sh` "
                              "or `pip install --no-deps gguf==0.19.0`.")
     folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # Newer transformers (5.17) mark a GGUF-loaded model as quantized and refuse to save it, although its
     # weights are already dequantized: copy them into a plain model of the same config.
@@ -65,11 +82,7 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     del loaded
-    eos_id = config.eos_token_id if isinstance(config.eos_token_id, int) else None
-    if eos_id is not None and tokenizer.eos_token_id != eos_id:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = gguf_tokenizer(gguf_file, config.eos_token_id)
     config.pad_token_id = tokenizer.pad_token_id
     if abs(config.rms_norm_eps - 1e-5) < 1e-10:
         config.rms_norm_eps = 1e-5

@@ -62,6 +62,20 @@ class EngineSleep:
     """The engine freed its weights instead of keeping a copy: it generates again only after the next weight sync."""
 
 
+@dataclass
+class DecodeProfile:
+    """What an engine that decodes in the trainer's processes reports of its loops (the embedded decoder); empty for
+    engines elsewhere (vLLM: its calls are the device's share)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds since start, summed over every call, by phase: ``decode`` (the prefill and decode loops), and of them
+    ``prefill`` and ``graph_capture`` (the step profile's ``time/<phase>_s``: the collector reads their growth)."""
+    decode_ms_per_step: float | None = None
+    """The last call's decode step time."""
+    path: str | None = None
+    """The last call's generation path (e.g. whether the decode step's CUDA graph was captured, and why not)."""
+
+
 class PolicyWeights(Protocol):
     """The trainer's weights under HF names (engine/state/hf_weights.py ``HFWeightExporter``). Both calls are collective
     over the training ranks: every rank calls them, and iterates to the end."""
@@ -124,6 +138,10 @@ class RolloutBackend(Protocol):
     def engine_metrics(self) -> dict[str, float]:
         """What the engines report beside the step's rollouts, on rank 0 (``{}`` elsewhere): the raw bandwidth of the
         weight-sync link (``weight_sync/raw_gbps``), engine restarts (``rollout/engine_restarts``)."""
+        ...
+
+    def decode_profile(self) -> DecodeProfile:
+        """The decode loops so far, for the step profile and the metrics (``DecodeProfile()`` where none run here)."""
         ...
 
     def close(self) -> None: ...

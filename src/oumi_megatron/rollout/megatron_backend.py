@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oumi_megatron.rollout.base import EngineSleep, EpisodeRun, PolicyWeights, Rollout, TurnHandler, WeightSyncStats
+from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, EpisodeRun, PolicyWeights, Rollout, TurnHandler, WeightSyncStats
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.episodes import run_episodes as decode_episodes
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
@@ -157,6 +157,11 @@ class MegatronRolloutBackend:
 
     def engine_metrics(self) -> dict[str, float]:
         return {}  # the policy generates itself: no link, no engine to restart
+
+    def decode_profile(self) -> DecodeProfile:
+        last = self.last_stats
+        return DecodeProfile(dict(self.decoder_seconds), None if last is None else last.decode_ms_per_step,
+                             self.path if last is None else last.path)
 
     def close(self) -> None:
         pass

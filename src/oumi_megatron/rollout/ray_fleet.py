@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import EngineSleep, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_backend import TaggedRollouts, _rollouts, _vllm_sampling
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
@@ -582,6 +582,9 @@ class RayRolloutBackend:
         if self.rank != 0:
             return {}
         return {"rollout/engine_restarts": float(self.restarts), "weight_sync/raw_gbps": self.raw_gbps or 0.0}
+
+    def decode_profile(self) -> DecodeProfile:
+        return DecodeProfile(path="vllm ray fleet")  # its decode loops run in the engines: the calls are their share
 
     def wake(self) -> float:
         return 0.0  # the fleet's engines keep their GPUs

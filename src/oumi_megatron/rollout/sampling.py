@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,17 @@ class SamplingParams:
     def end_ids(self) -> tuple[int, ...]:
         """Every token that ends a row: EOS, then the stop tokens."""
         return (*(() if self.eos_token_id is None else (self.eos_token_id,)), *self.stop_token_ids)
+
+
+def sampling_for(grpo: Any, tokenizer: Any, greedy: bool = False) -> SamplingParams:
+    """A run's sampling (``grpo``: its MegatronGrpoParams): training's temperature and top-p, or greedy (evaluation);
+    ``max_completion_length`` new tokens; the tokenizer's EOS ends a row, its pad token (else EOS) pads."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if greedy:
+        return SamplingParams(temperature=1.0, max_new_tokens=grpo.max_completion_length,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, greedy=True)
+    return SamplingParams(temperature=grpo.temperature, top_p=grpo.top_p, max_new_tokens=grpo.max_completion_length,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
 
 
 def end_token_tensor(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Tensor | None:

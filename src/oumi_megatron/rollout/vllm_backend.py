@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import EngineSleep, EpisodeJob, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, EpisodeJob, PolicyWeights, Rollout, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
@@ -270,6 +270,9 @@ class _VllmBackend:
 
     def engine_metrics(self) -> dict[str, float]:
         return {}
+
+    def decode_profile(self) -> DecodeProfile:
+        return DecodeProfile(path=f"vllm {self.placement}")  # its decode loops run in the engine: the calls are its share
 
     def close(self) -> None:
         pass

@@ -8,9 +8,9 @@
   an engine that samples n per prompt (vLLM) shares the prompt's prefill. The replica's first rank scores its share
   with the reward functions (trainer/scoring.py: once per sample); the round's scores are gathered over DP, so group
   advantages see whole groups.
-- Multi-turn episodes (``grpo.environment``): each sample is an episode (environments/episodes.py), the policy's
-  turns and the environment's observations; the rewards read the whole episode's text and the info its end gave
-  (``env_info``); an episode whose environment failed is out of the loss and the group statistics.
+- Every sample is an episode (environments/driver.py): one turn without an environment; under ``grpo.environment``
+  the policy's turns and the environment's observations, the rewards reading the whole episode's text and the info
+  its end gave (``env_info``); an episode whose environment failed is out of the loss and the group statistics.
 - Dynamic sampling (DAPO, ``grpo.dynamic_sampling``): groups whose rewards are all equal carry no signal;
   they are dropped and further rounds refill the batch (up to ``dynamic_sampling_max_rounds``; groups without
   signal fill what is left, untrained).
@@ -21,8 +21,6 @@ sampled, and DP ranks sample differently.
 
 from __future__ import annotations
 
-import copy
-import functools
 import hashlib
 import logging
 import math
@@ -34,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.data import prompt_token_ids
-from oumi_megatron.environments.episodes import EpisodeStats, episode_metrics, episode_sums, merge_stats, run_episodes
-from oumi_megatron.environments.registry import environment_runner
-from oumi_megatron.environments.runner import EnvironmentRunner
+from oumi_megatron.environments.driver import RolloutDriver
+from oumi_megatron.environments.episodes import EpisodeStats, episode_maxima, episode_metrics, episode_sums, merge_stats
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
 from oumi_megatron.grpo.rewards import RewardResult
-from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, Rollout, RolloutBackend
+from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp, sum_dp
+from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp_values, sum_dp
 from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
+from oumi_megatron.trainer.rollout_dump import RolloutDump
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.trainer.step_profile import StepProfile
 from oumi_megatron.utils.ranks import global_rank
@@ -68,6 +66,8 @@ class PendingRound:
     seed: int
     data_position: int
     """The data position before its prompts were read: where a resumed run reads them again."""
+    round: int = 0
+    """Dynamic sampling's generation round (0: the step's first)."""
 
 
 @dataclass
@@ -80,9 +80,9 @@ class _Round:
     truncated: int
     errors: list[str]
     sample: dict[str, Any] | None
+    episodes: EpisodeStats
     generation_s: float = 0.0
     decode_ms_per_step: float | None = None
-    episodes: EpisodeStats | None = None
 
 
 def share_as_groups(first: int, count: int, group_size: int) -> tuple[list[int], int]:
@@ -99,23 +99,21 @@ class RolloutCollector:
 
     ``seed``: ``training.seed`` (data order and rollout seeds). ``device``: where DP collectives run."""
 
-    def __init__(self, dataset: Any, tokenizer: Any, backend: RolloutBackend, rewards: ReplicaScorer,
+    def __init__(self, dataset: Any, tokenizer: Any, driver: RolloutDriver, rewards: ReplicaScorer,
                  grpo: MegatronGrpoParams, sampling: SamplingParams, prompts_per_rollout: int, seed: int,
-                 device: torch.device, environment: EnvironmentRunner | None = None) -> None:
+                 device: torch.device, dump: RolloutDump | None = None) -> None:
+        """``dump``: where every ``grpo.rollout_dump_steps``-th step's samples are written (None: nowhere)."""
         self.dataset = dataset
+        self.dump = dump
         self.tokenizer = tokenizer
-        self.backend = backend
+        self.driver = driver
         self.rewards = rewards
         self.grpo = grpo
         self.sampling = sampling
         self.prompts_per_rollout = prompts_per_rollout
         self.seed = seed
         self.device = device
-        self.environment = environment
-        """``grpo.environment``'s runner: every sample is a multi-turn episode (None: one completion each)."""
         self.logged_episode = False
-        self._episode_worker: tuple[Any, EnvironmentRunner | None] | None = None
-        """Asynchronous episodes: the tokenizer and environment their thread uses (``submit``)."""
         self.last_collation_bytes = 0
         """Bytes this rank received when dynamic sampling last redistributed the filtered batch over DP."""
         self.order = list(range(len(dataset)))
@@ -139,22 +137,24 @@ class RolloutCollector:
             first = rounds[0]
             chosen = {"rollouts": first.rollouts, "scores": first.scores, "group_rows": first.rows,
                       "filler": torch.zeros(len(first.scores), dtype=torch.bool)}
+        self._write_dump(step)
         return StepBatch(**chosen, generated=Scores.cat([r.scores for r in rounds]),
                          prompts_truncated=sum(r.truncated for r in rounds),
                          prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
                          reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample,
                          generation_s=sum(r.generation_s for r in rounds),
-                         decode_ms_per_step=rounds[-1].decode_ms_per_step, env_metrics=self._env_metrics(rounds),
+                         decode_ms_per_step=rounds[-1].decode_ms_per_step, episode_metrics=self._episode_metrics(rounds),
                          profile=self.profile.metrics())
 
-    def _env_metrics(self, rounds: list[_Round]) -> dict[str, float]:
-        """The step's ``env/*`` metrics over every DP rank's episodes (collective; ``{}`` without an environment)."""
-        if self.environment is None:
-            return {}
-        stats = merge_stats([r.episodes for r in rounds if r.episodes is not None])
-        sums = sum_dp(episode_sums(stats), self.device)
-        return episode_metrics(sums, max_dp(float(max(stats.turns, default=0)), self.device),
-                               max_dp(stats.environment_s, self.device))
+    def _episode_metrics(self, rounds: list[_Round]) -> dict[str, float]:
+        """The step's ``rollout/*`` and (multi-turn) ``env/*`` episode metrics over every DP rank (collective)."""
+        stats = merge_stats([r.episodes for r in rounds])
+        return episode_metrics(sum_dp(episode_sums(stats), self.device), max_dp_values(episode_maxima(stats), self.device),
+                               stats.multi_turn)
+
+    def _write_dump(self, step: int) -> None:
+        if self.dump is not None:
+            self.dump.write(step, dp_size_and_rank()[1])
 
     # -- data order -------------------------------------------------------------------------------------------------
     def _next_rows(self, n: int) -> list[dict[str, Any]]:
@@ -183,33 +183,23 @@ class RolloutCollector:
         """The next ``prompts_per_rollout`` prompts: this rank's share of their completions, scored; the round's
         scores gathered over DP (sample i belongs to prompt i // num_generations)."""
         pending = self._prepare_round(step, index)
+        before = self.driver.decode_profile()
         started = time.perf_counter()
-        decoder = getattr(self.backend, "decoder_seconds", None)  # the embedded decoder's loops (step_profile.py)
-        decoded_before = None if decoder is None else dict(decoder)
-        episodes = None
-        if self.environment is not None:
-            g = self.grpo
-            grouped, episodes = run_episodes(self.backend, self.tokenizer, self.environment, pending.prompts,
-                                             [pending.rows[p] for p in pending.groups], self.sampling, pending.n,
-                                             g.max_turns, g.max_observation_tokens, seed=pending.seed,
-                                             max_turn_tokens=g.max_turn_tokens)
-        else:
-            grouped = self.backend.generate(pending.prompts, self.sampling, pending.n, seed=pending.seed)
+        grouped, episodes = self.driver.run(pending.prompts, [pending.rows[p] for p in pending.groups], self.sampling,
+                                            pending.n, pending.seed)
         generation_s = time.perf_counter() - started
         self.profile.add("generate", generation_s)
-        if decoder is not None and decoded_before is not None:
-            for key, seconds in decoder.items():
-                self.profile.add(key, seconds - decoded_before[key])
-        stats = getattr(self.backend, "last_stats", None)  # the embedded backend's GenerationStats
-        return self._score_round(pending, grouped, generation_s, None if stats is None else stats.decode_ms_per_step,
-                                 episodes)
+        after = self.driver.decode_profile()
+        for key, seconds in after.seconds.items():  # the embedded decoder's loops (step_profile.py)
+            self.profile.add(key, seconds - before.seconds.get(key, 0.0))
+        return self._score_round(pending, grouped, episodes, generation_s, after.decode_ms_per_step)
 
     def _prepare_round(self, step: int, index: int) -> PendingRound:
         """A round's prompts (read from the data order), rendered, and this rank's share of their completions."""
         g, G = self.grpo, self.grpo.num_generations
         dp, dp_rank = dp_size_and_rank()
         position = self.data_position
-        system = self.environment.system_prompt if self.environment is not None else None
+        system = self.driver.system_prompt
         with self.profile.phase("prompts"):
             rows = self._next_rows(self.prompts_per_rollout)
             rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length, system) for r in rows]
@@ -219,31 +209,34 @@ class RolloutCollector:
         per_rank = len(rows) * G // dp
         groups, n = share_as_groups(dp_rank * per_rank, per_rank, G)
         return PendingRound(step, rows, [rendered[p][0] for p in groups], groups, n, truncated,
-                            self.rollout_seed(step, dp_rank, index), position)
+                            self.rollout_seed(step, dp_rank, index), position, index)
 
-    def _score_round(self, pending: PendingRound, grouped: list[list[Rollout]], generation_s: float,
-                     decode_ms_per_step: float | None, episodes: EpisodeStats | None = None) -> _Round:
+    def _score_round(self, pending: PendingRound, grouped: list[list[Rollout]], episodes: EpisodeStats,
+                     generation_s: float, decode_ms_per_step: float | None) -> _Round:
         rows, groups, n = pending.rows, pending.groups, pending.n
         rollouts = [r for group in grouped for r in group]
         with self.profile.phase("detokenize"):  # each distinct prompt once: a group's completions share it
             completions = self.tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=True)
             texts = self.tokenizer.batch_decode(pending.prompts, skip_special_tokens=True)
             prompts = [texts[i] for i, group in enumerate(grouped) for _ in group]
-        sample_rows = [rows[p] for p in groups for _ in range(n)]
-        if episodes is not None:  # the rewards see how each episode ended (EpisodeEnd.info)
-            sample_rows = episodes.reward_rows(sample_rows)
+        # the rewards see how each episode ended (EpisodeEnd.info)
+        sample_rows = episodes.reward_rows([rows[p] for p in groups for _ in range(n)])
         with self.profile.phase("reward"):
             rewards = self.rewards(prompts, completions, sample_rows)
-        if episodes is not None and episodes.failed:
+        if episodes.failed:
             self._drop_failed_episodes(pending.step, rewards, episodes, prompts)
+        if self.dump is not None:
+            self.dump.add(pending.step, pending.round, self.tokenizer, rollouts,
+                          [float(t) if v else None for t, v in zip(rewards.total.tolist(), rewards.valid.tolist())],
+                          episodes.turns)
         sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
-        if sample is not None and episodes is not None:
+        if sample is not None and episodes.sample:
             sample["episode"] = episodes.sample
             self._log_episode(pending.step, prompts[0], episodes.sample, sample["reward"])
         with self.profile.phase("score_gather"):
             scores = self._gather_scores(rewards, rollouts)
-        return _Round(rows, rollouts, scores, pending.truncated, rewards.errors, sample, generation_s, decode_ms_per_step,
-                      episodes)
+        return _Round(rows, rollouts, scores, pending.truncated, rewards.errors, sample, episodes, generation_s,
+                      decode_ms_per_step)
 
     def _drop_failed_episodes(self, step: int, rewards: RewardResult, episodes: EpisodeStats, prompts: list[str]) -> None:
         """Episodes whose environment raised or timed out: invalid (out of the loss and the group statistics, as a
@@ -267,24 +260,10 @@ class RolloutCollector:
 
     # -- asynchronous GRPO: a step's generation submitted ahead, collected when the trainer gets to it -----------------
     def submit(self, step: int, backend: AsyncRolloutBackend) -> PendingRound:
-        """Read GRPO step ``step + 1``'s prompts and queue their generation on ``backend`` (no waiting): under
-        ``grpo.environment``, their whole episodes (``AsyncEpisodeBackend``)."""
+        """Read GRPO step ``step + 1``'s prompts and queue their episodes on ``backend`` (no waiting)."""
         pending = self._prepare_round(step, 0)
-        if self.environment is None:
-            backend.submit(pending.prompts, self.sampling, pending.n)
-            return pending
-        assert isinstance(backend, AsyncEpisodeBackend), "validation refuses asynchronous episodes on this backend"
-        g = self.grpo
-        if self._episode_worker is None:
-            # the episode thread's own tokenizer and environment: the main thread's evaluation uses theirs meanwhile
-            # (a fast tokenizer is not safe to share across threads while it encodes)
-            self._episode_worker = (copy.deepcopy(self.tokenizer), environment_runner(g))
-        tokenizer, env = self._episode_worker
-        assert env is not None
-        backend.submit_episodes(pending.prompts, functools.partial(
-            run_episodes, tokenizer=tokenizer, env=env, prompts=pending.prompts,
-            rows=[pending.rows[p] for p in pending.groups], params=self.sampling, n=pending.n, max_turns=g.max_turns,
-            max_observation_tokens=g.max_observation_tokens, seed=pending.seed, max_turn_tokens=g.max_turn_tokens))
+        self.driver.submit(backend, pending.prompts, [pending.rows[p] for p in pending.groups], self.sampling, pending.n,
+                           pending.seed)
         return pending
 
     def finish(self, pending: PendingRound, backend: AsyncRolloutBackend) -> tuple[StepBatch, int, float]:
@@ -292,12 +271,14 @@ class RolloutCollector:
         and the engine's seconds on it."""
         started = time.perf_counter()
         tagged = backend.collect()
-        r = self._score_round(pending, tagged.rollouts, time.perf_counter() - started, None, tagged.episodes)
+        grouped, episodes = self.driver.collected(tagged)
+        r = self._score_round(pending, grouped, episodes, time.perf_counter() - started, None)
+        self._write_dump(pending.step)
         batch = StepBatch(rollouts=r.rollouts, scores=r.scores, group_rows=r.rows,
                           filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
                           prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
                           reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds,
-                          env_metrics=self._env_metrics([r]), profile=self.profile.metrics())
+                          episode_metrics=self._episode_metrics([r]), profile=self.profile.metrics())
         return batch, tagged.version, tagged.engine_seconds
 
     def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:

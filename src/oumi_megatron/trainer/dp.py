@@ -45,11 +45,16 @@ def sum_dp(values: list[float], device: torch.device) -> list[float]:
 
 def max_dp(value: float, device: torch.device) -> float:
     """The largest ``value`` over the DP ranks."""
+    return max_dp_values([value], device)[0]
+
+
+def max_dp_values(values: list[float], device: torch.device) -> list[float]:
+    """Each of ``values``' largest over the DP ranks (one collective)."""
     dp, _, group = data_parallel()
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dp > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return t.tolist()
 
 
 def exchange_objects_dp(outgoing: list[list[Any]], device: torch.device) -> tuple[list[list[Any]], int]:

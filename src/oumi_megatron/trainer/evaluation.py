@@ -15,9 +15,9 @@ Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots; each eval
   "learned the arithmetic");
 - ``eval/completion_length/mean`` (tokens) and ``eval/truncated_fraction`` (cut at max_completion_length);
 - ``eval/samples`` and ``eval/time_s``;
-- with ``grpo.environment``: each prompt is one greedy episode (environments/episodes.py) scored as in training, and
-  ``eval/tool_call_rate`` (episodes that called a tool) and ``eval/turns_mean``; an episode whose environment failed
-  counts as wrong.
+- each prompt is one greedy episode (environments/driver.py), scored as in training: one turn without an environment;
+  with ``grpo.environment`` also ``eval/tool_call_rate`` (episodes that called a tool) and ``eval/turns_mean``, and an
+  episode whose environment failed counts as wrong.
 
 Each data-parallel replica generates its share of the prompts (``training.per_device_eval_batch_size``
 per generate call); the sums are reduced over DP, so every rank returns the same numbers.
@@ -35,10 +35,9 @@ import torch.distributed as dist
 
 from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.engine.parallel.distributed import data_parallel
-from oumi_megatron.environments.episodes import EpisodeStats, run_episodes
-from oumi_megatron.environments.runner import EnvironmentRunner
-from oumi_megatron.rollout.base import RolloutBackend
-from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.environments.driver import RolloutDriver
+from oumi_megatron.environments.episodes import EVAL_SUMS, eval_metrics, eval_sums
+from oumi_megatron.rollout.sampling import sampling_for
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.options import option_value
 
@@ -57,29 +56,23 @@ def _gsm8k_correct(gsm8k: Any, completion: str, row: dict[str, Any]) -> bool:
 
 
 class Evaluator:
-    """Greedy generation on ``rows`` (Oumi GRPO dataset rows) with ``backend``; rewards as in training."""
+    """Greedy episodes of ``rows`` (Oumi GRPO dataset rows) through ``driver``; rewards as in training."""
 
-    def __init__(self, rows: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
-                 batch_size: int, device: torch.device, prefix: str = "eval",
-                 environment: EnvironmentRunner | None = None) -> None:
+    def __init__(self, rows: Any, tokenizer: Any, rewards: ReplicaScorer, driver: RolloutDriver, grpo: Any,
+                 batch_size: int, device: torch.device, prefix: str = "eval") -> None:
         self.rows = rows
-        self.environment = environment
-        self.max_turns, self.max_observation_tokens = grpo.max_turns, grpo.max_observation_tokens
-        self.max_turn_tokens = grpo.max_turn_tokens
         self.prefix = prefix
         self.tokenizer = tokenizer
         self.rewards = rewards
-        self.backend = backend
+        self.driver = driver
         self.max_prompt_length = grpo.max_prompt_length
         self.batch_size = max(1, int(batch_size))
         self.device = device
         # the gsm8k reward function itself (Oumi's, or the one the trainer was given under that name)
         self.gsm8k = next((fn for name, _, _, fn in rewards.specs if name == "gsm8k"), None)
         self.check_format = self.gsm8k is not None
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # greedy: the model's best answer, the number a user compares; same length limit as training
-        self.sampling = SamplingParams(temperature=1.0, max_new_tokens=grpo.max_completion_length,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, greedy=True)
+        self.sampling = sampling_for(grpo, tokenizer, greedy=True)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,27 +89,25 @@ class Evaluator:
         share, real = -(-len(self.rows) // dp), len(mine)
         mine += [mine[0] if mine else 0] * (share - real)
         names = [name for name, *_ in self.rewards.specs]
-        # scored, reward, format, length, truncated, n, correct, episodes with a tool call, turns, per function
-        sums = torch.zeros(9 + len(names), dtype=torch.float64)
+        # scored, reward, format, length, truncated, n, correct, per function, then the episodes' (eval_sums)
+        sums = torch.zeros(7 + len(names) + EVAL_SUMS, dtype=torch.float64)
         for start in range(0, share, self.batch_size):
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
-            system = self.environment.system_prompt if self.environment is not None else None
-            prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length, system)[0] for r in rows]
+            prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length, self.driver.system_prompt)[0]
+                       for r in rows]
             keep = max(0, min(len(rows), real - start))
-            grouped, episodes = self._generate(prompts, rows)
+            grouped, episodes = self.driver.run(prompts, rows, self.sampling, 1)
             rows, rollouts = rows[:keep], [group[0] for group in grouped][:keep]
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
-            scored_rows = rows if episodes is None else episodes.reward_rows(rows)
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
-            scored = self.rewards(texts, completions, scored_rows)
-            if episodes is not None:  # a failed episode is scored as wrong
-                for k in episodes.failed:
-                    if k < len(rows):
-                        scored.valid[k], scored.total[k] = True, 0.0
-                        for values in scored.per_function.values():
-                            values[k] = 0.0
-                        completions[k] = ""
+            scored = self.rewards(texts, completions, episodes.reward_rows(rows))
+            for k in episodes.failed:  # a failed episode is scored as wrong
+                if k < len(rows):
+                    scored.valid[k], scored.total[k] = True, 0.0
+                    for values in scored.per_function.values():
+                        values[k] = 0.0
+                    completions[k] = ""
             correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, rows),
                                         "the gsm8k accuracy check") if self.check_format else 0
             if not rows:
@@ -129,11 +120,9 @@ class Evaluator:
             sums[4] += sum(not r.finished for r in rollouts)
             sums[5] += len(rows)
             sums[6] += correct
-            if episodes is not None:
-                sums[7] += sum(c > 0 for c in episodes.calls[:keep])
-                sums[8] += sum(episodes.turns[:keep])
+            sums[7 + len(names):] += torch.tensor(eval_sums(episodes, keep), dtype=torch.float64)
             for j, name in enumerate(names):
-                sums[9 + j] += float(scored.per_function[name][valid].sum())
+                sums[7 + j] += float(scored.per_function[name][valid].sum())
         if dp > 1:
             total = sums.to(self.device)
             dist.all_reduce(total, group=group)
@@ -141,22 +130,15 @@ class Evaluator:
         scored_n, n = max(float(sums[0]), 1.0), max(float(sums[5]), 1.0)
         metrics = {
             "reward_mean": float(sums[1]) / scored_n,
-            **{f"reward/{name}": float(sums[9 + j]) / scored_n for j, name in enumerate(names)},
+            **{f"reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
             **({"accuracy": float(sums[6]) / n, "format_rate": float(sums[2]) / n} if self.check_format else {}),
             "completion_length/mean": float(sums[3]) / n,
             "truncated_fraction": float(sums[4]) / n,
-            **({"tool_call_rate": float(sums[7]) / n, "turns_mean": float(sums[8]) / n} if self.environment else {}),
+            **eval_metrics(sums[7 + len(names):].tolist(), n, self.driver.multi_turn),
             "samples": int(sums[5]),
             "time_s": time.perf_counter() - started,
         }
         return {f"{self.prefix}/{k}": v for k, v in metrics.items()}
-
-    def _generate(self, prompts: list[list[int]], rows: list[dict[str, Any]]) -> tuple[list[list[Any]], EpisodeStats | None]:
-        """One greedy completion per prompt, or one greedy episode under ``grpo.environment``."""
-        if self.environment is None:
-            return self.backend.generate(prompts, self.sampling, 1), None
-        return run_episodes(self.backend, self.tokenizer, self.environment, prompts, rows, self.sampling, 1,
-                            self.max_turns, self.max_observation_tokens, max_turn_tokens=self.max_turn_tokens)
 
     def summary(self, metrics: dict[str, Any]) -> str:
         """One log line of this set's numbers in ``metrics``."""
@@ -166,13 +148,13 @@ class Evaluator:
                 f"{m['completion_length/mean']:.1f} tokens ({m['time_s']:.1f} s)")
 
 
-def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: ReplicaScorer, backend: RolloutBackend, grpo: Any,
-                     batch_size: int, device: torch.device, environment: EnvironmentRunner | None = None) -> list[Evaluator]:
+def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: ReplicaScorer, driver: RolloutDriver, grpo: Any,
+                     batch_size: int, device: torch.device) -> list[Evaluator]:
     """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
     alone (one set, ``eval``)."""
     if not isinstance(eval_sets, dict):
         eval_sets = {"eval": eval_sets}
-    return [Evaluator(rows, tokenizer, rewards, backend, grpo, batch_size, device, prefix=prefix, environment=environment)
+    return [Evaluator(rows, tokenizer, rewards, driver, grpo, batch_size, device, prefix=prefix)
             for prefix, rows in eval_sets.items()]
 
 

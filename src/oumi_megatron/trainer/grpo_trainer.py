@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,23 +30,23 @@ from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter
-from oumi_megatron.environments.registry import environment_runner
+from oumi_megatron.environments.driver import RolloutDriver
 from oumi_megatron.grpo.algorithm import logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
 from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS
-from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError
-from oumi_megatron.plugins import load_plugins
-from oumi_megatron.rollout.base import RolloutBackend, WeightSyncStats
-from oumi_megatron.rollout.registry import RolloutContext, as_asynchronous, build_rollout_backend
+from oumi_megatron.grpo.rewards import RewardFunctionError
+from oumi_megatron.rollout.base import WeightSyncStats
+from oumi_megatron.rollout.registry import as_asynchronous
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.async_rollouts import AsyncRollouts
 from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches, packed_layout, padded_layout
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
-from oumi_megatron.trainer.evaluation import build_evaluators, eval_schedule
+from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
 from oumi_megatron.trainer.reference import ReferenceWeights
 from oumi_megatron.trainer.rollout_batch import StepBatch
+from oumi_megatron.trainer.rollout_dump import RolloutDump
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.trainer.step_metrics import (
     link_metrics,
@@ -72,48 +73,44 @@ except ImportError:  # pragma: no cover
     BaseTrainer = object
 
 
+@dataclass
+class RolloutParts:
+    """What the trainer generates and scores with, built once per run by assembly.py: the rollout driver (its backend
+    inside), the replica's reward scorer, the training sampling and the evaluators (the same driver, greedy)."""
+
+    driver: RolloutDriver
+    scorer: ReplicaScorer
+    sampling: SamplingParams
+    evaluators: list[Evaluator] = field(default_factory=list)
+
+
 class OumiMegatronGrpoTrainer(BaseTrainer):
     def __init__(self, config: MegatronTrainingConfig, engine: MegatronEngine, bridge: Any, checkpoint_dir: Path,
-                 layout: ParallelLayout, tokenizer: Any, dataset: Any, reward_functions: dict[str, Any] | None = None,
-                 backend: RolloutBackend | None = None, eval_dataset: Any = None) -> None:
-        """``reward_functions`` (name -> callable) take precedence over Oumi's registry for those names.
-        ``backend``: the rollout engine (default: ``megatron.inference_backend``'s, rollout/registry.py).
-        ``eval_dataset``: held-out prompts (``data.validation``), evaluated greedily on the schedule of
-        ``training.eval_strategy`` / ``eval_steps``: one set (``eval/`` metrics), or sets by metric prefix
-        (``{"eval": rows, "eval_unseen": rows}``, data.load_eval_sets)."""
+                 layout: ParallelLayout, dataset: Any, rollout: RolloutParts) -> None:
+        """``rollout``: the driver, scorer, sampling and evaluators (assembly.py ``build_rollout``); the evaluators run on
+        the schedule of ``training.eval_strategy`` / ``eval_steps``."""
         self.config, self.engine, self.layout, self.dataset = config, engine, layout, dataset
         self.hf_artifacts = Path(checkpoint_dir) / "hf"
         self.grpo = g = config.grpo
-        load_plugins(g.plugins)  # their losses, estimators, reward functions (validation imported them too)
-        self.advantage_estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)
+        self.advantage_estimator = ADVANTAGE_ESTIMATORS.get(g.advantage_estimator)  # plugins: loaded by assembly.py
         self.output_dir = Path(config.training.output_dir)
-        if backend is None:
-            backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, config.model.torch_dtype,
-                                                           work_dir=self.output_dir))
-        self.backend = backend
-        # each sample scored once, by its replica's first rank (trainer/scoring.py; collective: after the backend's groups)
-        rewards = ReplicaScorer(RewardComputer(g.reward_functions, g.on_reward_error, reward_functions))
+        self.driver, self.backend, self.sampling = rollout.driver, rollout.driver.backend, rollout.sampling
         # the one export: rollout engines, hf_model
         self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts, config.megatron.hf_max_shard_size)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_completion_length,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
-        # grpo.environment: multi-turn episodes, the environment called once per replica (the scorer's group)
-        environment = environment_runner(g, rewards.group, rewards.ranks)
-        self.collector = RolloutCollector(dataset, tokenizer, backend, rewards, g, self.sampling,
-                                          layout.prompts_per_rollout, config.training.seed, engine.device, environment)
+        dump = RolloutDump(self.output_dir / "rollouts", g.rollout_dump_steps, rollout.scorer.is_scorer) if g.rollout_dump_steps else None
+        self.collector = RolloutCollector(dataset, rollout.driver.tokenizer, rollout.driver, rollout.scorer, g,
+                                          self.sampling, layout.prompts_per_rollout, config.training.seed, engine.device,
+                                          dump)
         self.reference = ReferenceWeights(engine.model) if g.beta > 0 else None
         self.loss_fn = make_grpo_loss_fn(g)
         self.step = 0
         self.last_step = config.training.max_steps
         self.weights_synced_at = 0  # the engines start from the same HF weights as the policy
         self.async_rollouts = None if not g.max_staleness else AsyncRollouts(
-            self.collector, as_asynchronous(backend, config.megatron), g.max_staleness, engine.device)
+            self.collector, as_asynchronous(self.backend, config.megatron), g.max_staleness, engine.device)
         self.last_metrics: dict[str, Any] = {}
         self.all_skipped_steps = 0
-        self.evaluators = [] if eval_dataset is None else build_evaluators(
-            eval_dataset, tokenizer, rewards, backend, g, config.training.per_device_eval_batch_size, engine.device,
-            environment)
+        self.evaluators = rollout.evaluators
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
         self.async_writer = AsyncCheckpointWriter() if use_async else None
 

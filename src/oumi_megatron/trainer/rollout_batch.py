@@ -76,8 +76,9 @@ class StepBatch:
     """This rank's time in the backend's ``generate`` (every round); the DP ranks generate at the same time."""
     decode_ms_per_step: float | None = None
     """The embedded backend's decode step time (its ``last_stats``); None for backends that do not report it."""
-    env_metrics: dict[str, float] = field(default_factory=dict)
-    """The step's ``env/*`` metrics (multi-turn episodes, over every DP rank; ``{}`` without ``grpo.environment``)."""
+    episode_metrics: dict[str, float] = field(default_factory=dict)
+    """The step's episode metrics over every DP rank: ``rollout/decode_steps`` and ``rollout/critical_path_tokens``,
+    and the ``env/*`` ones under ``grpo.environment`` (environments/episodes.py ``episode_metrics``)."""
     profile: dict[str, float] = field(default_factory=dict)
     """This rank's collection phases, ``time/<phase>_s`` (trainer/step_profile.py)."""
 

@@ -48,7 +48,7 @@ def reward_metrics(batch: StepBatch, grpo: MegatronGrpoParams) -> dict[str, Any]
     }
     if batch.decode_ms_per_step is not None:
         out["rollout/decode_ms_per_step"] = batch.decode_ms_per_step
-    out.update(batch.env_metrics)
+    out.update(batch.episode_metrics)
     if g.overlong_buffer_length:
         out["reward/overlong_penalty"] = gen.overlong_penalty[valid].mean().item() if len(scored) else 0.0
     if g.dynamic_sampling:

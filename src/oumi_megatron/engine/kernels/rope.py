@@ -9,7 +9,9 @@ Megatron-Core calls ``rope_utils.fused_apply_rotary_pos_emb(t, freqs, interleave
 ``apply_rope_fusion`` is on (normally Transformer Engine's). :func:`fused_rope` has that signature: it
 computes ``t * cos(freqs) + rotate_half(t) * sin(freqs)`` in fp32 registers in one pass over ``t``, and its
 backward is the rotation by the opposite angle. Cases it does not cover (interleaved rotary, per-sample
-frequencies, the CPU) go to Megatron-Core's own unfused function, so the maths never changes silently.
+the CPU) go to Megatron-Core's own unfused function, so the maths never changes silently. Frequencies per sample
+(``[s, b, 1, rot]``: multi-turn episodes decode each row at its own position, rollout/decoding/episodes.py) are
+covered: each (position, sample) program reads its own row of them.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ if triton is not None:
 
     # Sizes and strides are not specialized on: rollouts call this with many batch sizes and sequence
     # lengths, and each specialization is a compilation of its own (seconds each).
-    @triton.jit(do_not_specialize=["heads", "batch", "t_s", "t_b", "t_h", "o_s", "o_b", "o_h", "f_s"])
+    @triton.jit(do_not_specialize=["heads", "batch", "t_s", "t_b", "t_h", "o_s", "o_b", "o_h", "f_s", "f_b"])
     def _rope_kernel(
         t_ptr, f_ptr, o_ptr,
         heads, batch,
         t_s, t_b, t_h,  # strides of t (the last dim is contiguous)
         o_s, o_b, o_h,
-        f_s,
+        f_s, f_b,  # strides of freqs (f_b: 0 where every sample shares them)
         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
     ):
         # one program per (position, sample, block of heads); the rotated dims are [0, 2 * HALF)
@@ -45,8 +47,8 @@ if triton is not None:
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         dmask = d < HALF
-        f1 = tl.load(f_ptr + s * f_s + d, mask=dmask, other=0.0).to(tl.float32)
-        f2 = tl.load(f_ptr + s * f_s + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        f1 = tl.load(f_ptr + s * f_s + b * f_b + d, mask=dmask, other=0.0).to(tl.float32)
+        f2 = tl.load(f_ptr + s * f_s + b * f_b + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         cos1, sin1, cos2, sin2 = tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
         mask = (h[:, None] < heads) & dmask[None, :]
         src = t_ptr + s * t_s + b * t_b + h[:, None] * t_h + d[None, :]
@@ -64,7 +66,7 @@ if triton is not None:
 
 
 def _rotate(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tensor:
-    """[s, b, h, d] rotated by freqs [s, 1, 1, rot] (rot <= d, even); dims past rot are copied."""
+    """[s, b, h, d] rotated by freqs [s, 1 or b, 1, rot] (rot <= d, even); dims past rot are copied."""
     seq, batch, heads, dim = t.shape
     rot = freqs.shape[-1]
     if t.stride(-1) != 1:
@@ -72,9 +74,10 @@ def _rotate(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tenso
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if rot < dim:
         out[..., rot:] = t[..., rot:]
-    f = freqs.reshape(freqs.shape[0], rot)
+    f = freqs.reshape(freqs.shape[0], freqs.shape[1], rot)
     if f.stride(-1) != 1:
         f = f.contiguous()
+    f_b = f.stride(1) if f.shape[1] > 1 else 0
     half = rot // 2
     block_h = min(16, triton.next_power_of_2(heads))
     grid = (seq * batch, triton.cdiv(heads, block_h))
@@ -82,7 +85,7 @@ def _rotate(t: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tenso
         t, f, out, heads, batch,
         t.stride(0), t.stride(1), t.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        f.stride(0),
+        f.stride(0), f_b,
         HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward,
     )
     return out
@@ -108,7 +111,7 @@ def fused_rope_covers(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -
         and triton_runs_on(t)
         and freqs.dim() == 4
         and freqs.shape[0] == t.shape[0]
-        and freqs.shape[1] == 1
+        and freqs.shape[1] in (1, t.shape[1])
         and freqs.shape[2] == 1
         and freqs.shape[-1] % 2 == 0
         and freqs.shape[-1] <= t.shape[-1]
@@ -125,7 +128,8 @@ def triton_runs_on(t: torch.Tensor) -> bool:
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """``rope_utils.fused_apply_rotary_pos_emb``'s contract: t [s, b, h, d], freqs [s, 1, 1, rot] (fp32)."""
+    """``rope_utils.fused_apply_rotary_pos_emb``'s contract: t [s, b, h, d], freqs [s, 1, 1, rot] (fp32), or
+    [s, b, 1, rot] (a position per sample)."""
     if not fused_rope_covers(t, freqs, interleaved):
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 

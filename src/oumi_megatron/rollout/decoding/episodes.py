@@ -14,7 +14,8 @@ device, so the step keeps fixed shapes (and stays one CUDA graph for the whole b
 - **Its own turn's room.** ``turn_left[r]`` counts what the row may still sample in its turn; a row whose sampled token
   ends the turn (EOS, a stop token) or uses the room stops feeding (``active`` False) and waits.
 
-The host reads which rows stopped every ``check_every`` steps (two small copies; the tokens of the rows that stopped),
+The host reads which rows stopped every ``check_every`` steps (``episode_check_every``: 4 on a GPU, 1 on the CPU; two
+small copies, then the tokens of the rows that stopped),
 hands their turns to the episodes' ``TurnHandler`` (environments/episodes.py: the environment answers), and writes the
 answered rows' blocks, rooms and ``active`` flags into the buffers in place. A row waits at most ``check_every`` steps
 for its answer; the decode steps a batch takes are its longest episode's tokens plus those waits (the metric
@@ -42,9 +43,15 @@ if TYPE_CHECKING:
     from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
 
 EPISODE_CHECK_EVERY = 4
-"""Decode steps between the host's looks at which episodes' turns ended (each look: two [rows] copies and a sync). A
-row waits up to this many steps for its observation; 4 keeps that under ~5% of a calculator_inline episode's steps
-(docs/rollouts.md has the measurement)."""
+"""Decode steps between the host's looks at which episodes' turns ended, on a GPU (each look: two [rows] copies and a
+sync, which stalls the queue of captured steps); a row waits up to this many steps for its observation. The most any
+device uses: the cache's slots are counted with it (``episode_slots``)."""
+
+
+def episode_check_every(device: torch.device) -> int:
+    """``EPISODE_CHECK_EVERY`` on a GPU; every step on the CPU, where a look costs microseconds against a decode step's
+    milliseconds and no row waits at all."""
+    return EPISODE_CHECK_EVERY if device.type == "cuda" else 1
 
 
 def episode_slots(width: int, budget: int, max_turns: int, check_every: int) -> int:
@@ -216,7 +223,7 @@ def run_episodes(decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, 
     """A batch of episodes on ``decoder``: ``n`` rows per prompt, the first turns up to ``params.max_new_tokens``
     tokens, later ones as ``turns`` answers; what it cost, and the decoder's stats of it (the environment's time out of
     ``decode_s``)."""
-    k = EPISODE_CHECK_EVERY
+    k = episode_check_every(decoder.stages.device)
 
     def make(width: int | None) -> EpisodeGeneration:
         return EpisodeGeneration.for_episodes(decoder.stages, prompts, n, params, decoder.vocab_size, generator, budget,
