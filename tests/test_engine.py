@@ -343,6 +343,10 @@ def test_kv_cache_generation_matches_recompute_and_hf(generation: dict) -> None:
     assert r["sampled_kv_cache"] == r["sampled_no_cache"]  # same seed, same completions
     assert r["rows_ended_early"] >= 1  # EOS ends rows at different steps; their padding stays masked
     _check_static_path(r)
+    # grpo.environment_workers: a call held until another episode's second turn is answered in the background while the
+    # other rows decode (in line it would fail at its deadline); the greedy episodes are those answered at once
+    assert r["background_same_episodes"] and r["background_failed"] == [], r
+    assert max(r["background_turns"]) == 3 and min(r["background_turns"]) >= 1, r
 
 
 STATIC_LOGPROB_ATOL = 1e-5  # fp32, static-cache decoder vs the schedule path; seen 0.0

@@ -516,3 +516,62 @@ def test_sampled_ids_are_kept_where_a_re_tokenization_would_merge_them(smollm2_t
                                              {"role": "assistant", "content": "Six apples"}], tokenize=True, return_dict=False))
     assert prompt + episode.completion_ids != rendered[:-1]
     assert tok.decode(prompt + episode.completion_ids) == tok.decode(rendered[:-1])
+
+
+# -- environment calls off the critical path (grpo.environment_workers, issue 63) -------------------------------------
+def test_background_calls_come_back_as_they_end_and_time_out_on_their_own() -> None:
+    """The background mode: a slow call does not hold the others back (they come back while it still runs), a hung one
+    fails at its own deadline, an ``async def step`` is awaited on the runner's loop, and step_all still answers in
+    line."""
+    import asyncio
+    import threading
+    import time
+
+    from oumi_megatron.environments.runner import EnvironmentRunner, Failure
+
+    release = threading.Event()
+
+    class Mixed:
+        def start(self, row: dict) -> int:
+            return row["k"]
+
+        async def step(self, state: int, turn_text: str, turn_ids: list[int]) -> Observation:
+            if state == 0:
+                await asyncio.sleep(0.5)  # slow, but answers
+            if state == 1:
+                await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)  # hangs past its deadline
+            return Observation(f"answer {state}")
+
+    runner = EnvironmentRunner(Mixed(), timeout_s=2.0, workers=4)  # type: ignore[arg-type]
+    assert runner.start_all([(k, {"k": k}) for k in range(4)]) == [None] * 4
+    started = time.perf_counter()
+    runner.submit([(k, "t", []) for k in range(4)])
+    fast: list = []
+    while len(fast) < 2:  # the quick ones come back first, while episode 0's call still sleeps
+        fast += runner.poll(wait=True)
+    assert time.perf_counter() - started < 0.45 and {k for k, _ in fast} == {2, 3}, fast
+    rest = runner.poll(wait=True) + runner.poll(wait=True)
+    release.set()
+    answers = dict(fast + rest)
+    assert answers[0] == Observation("answer 0") and answers[2] == Observation("answer 2")
+    assert isinstance(answers[1], Failure) and "no answer within grpo.environment_timeout_s = 2 s" in answers[1].reason
+    assert runner.answering == set() and runner.poll(wait=True) == []
+    assert runner.step_all([(3, "t", [])]) == [Observation("answer 3")]  # in line, awaited the same way
+
+
+def test_episodes_answered_in_the_background_equal_those_answered_in_line() -> None:
+    """Episodes with grpo.environment_workers: their turns, masks and observations as the in-line runner gives them
+    (turn by turn on a scripted policy), the background's answers collected by the barrier of rollout/turns.py."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = build_byte_tokenizer()
+    answer = tok("The answer is 84.", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
+    runs = []
+    for workers in (0, 3):
+        runner = EnvironmentRunner(build_environment("calculator"), 60.0, workers=workers)
+        groups, stats = run_episodes(_ScriptedPolicy([_call("12*7"), _call("2+2"), answer]), tok, runner, [[1, 2], [3]],
+                                     [{}, {}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=2, max_turns=4)
+        runs.append(([(r.completion_ids, r.loss_mask) for g in groups for r in g], stats.turns, stats.tool_calls))
+    assert runs[0] == runs[1] and runs[0][1] == [3, 3, 3, 3] and runs[0][2] == 8

@@ -459,6 +459,10 @@ def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
     timeout = g.environment_timeout_s
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         r.add("grpo.environment_timeout_s", f"must be > 0 seconds, got {timeout!r}. Typical: 60.")
+    workers = g.environment_workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        r.add("grpo.environment_workers", f"must be an integer >= 0 (0: each turn answered in line; N: on N threads "
+                                          f"in the background), got {workers!r}.")
     if g.max_staleness and m.rollout_placement == "ray":
         r.add("grpo.environment", "asynchronous multi-turn episodes (grpo.max_staleness > 0) are built for "
                                   "megatron.rollout_placement: separate, not yet for ray (its fleet queues single "

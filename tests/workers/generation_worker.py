@@ -131,6 +131,10 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
     continued = episode_checks(static, schedule, prompts[:8], eos)
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # the runner's replica group is a real run's, not here
+        continued.update(background_checks(static, prompts[:8], eos))
     # stop tokens (an environment's stop_strings) end rows as EOS does: the runs cut at each row's first end token
     ends_at_5 = [g[0].completion_ids[4] for g in probe if eos not in g[0].completion_ids[:5]]
     stop = int(torch.tensor([t for t in ends_at_5 if t != eos]).mode().values)
@@ -189,6 +193,9 @@ class ScriptedTurns:
             out.append(NextTurn(block, min(left, 5 + r % 4)))
         return out
 
+    def answered(self, wait):  # noqa: ANN001, ANN201 - every turn is answered at once
+        return []
+
 
 def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
     """Multi-turn episodes without a turn barrier (rollout/decoding/episodes.py): 8 prompts x 2 rows, up to three
@@ -221,6 +228,51 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
             "episodes_check_every": episode_check_every(static.engine.device)}
 
 
+class Gated:
+    """An environment whose first answer to episode 0 comes only once another episode has taken its second turn: a
+    decoder that waited for that answer before going on would never get there (the call then fails at its deadline)."""
+
+    def __init__(self, gated: bool) -> None:
+        import threading
+
+        self.gated, self.release = gated, threading.Event()
+
+    def start(self, row: dict) -> dict:
+        return {"k": row["k"], "turns": 0}
+
+    def step(self, state: dict, turn_text: str, turn_ids: list[int]):  # noqa: ANN201
+        from oumi_megatron.environments.base import EpisodeEnd, Observation
+
+        state["turns"] += 1
+        if state["k"] != 0 and state["turns"] == 2:
+            self.release.set()
+        if state["k"] == 0 and state["turns"] == 1 and self.gated:
+            self.release.wait(60)
+        return EpisodeEnd() if state["turns"] >= 3 else Observation(f"result {state['k']}")
+
+
+def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
+    """grpo.environment_workers on the decoder without a barrier: greedy episodes whose environment answers episode 0's
+    first turn only after another episode took its second turn, answered in the background, equal those of an
+    environment that answers at once, in line; none failed (in line, the gated call would hold every row until its
+    deadline)."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.examples.tiny_models import build_byte_tokenizer
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tokenizer = build_byte_tokenizer()
+    greedy = SamplingParams(max_new_tokens=60, pad_token_id=256, greedy=True, eos_token_id=eos)
+    out = {}
+    for name, gated, workers in (("in_line", False, 0), ("background", True, 2)):
+        env = Gated(gated)
+        groups, stats = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
+                                     [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
+        out[name] = {"ids": [r.completion_ids for g in groups for r in g], "turns": stats.turns, "failed": stats.failed}
+    return {"background_same_episodes": out["background"]["ids"] == out["in_line"]["ids"],
+            "background_turns": out["background"]["turns"], "background_failed": list(out["background"]["failed"])}
+
+
 class Recorder:
     """A TurnHandler that keeps each row's sampled logprobs in order and passes the turns on."""
 
@@ -231,6 +283,9 @@ class Recorder:
         for end in ends:
             self.logprobs[end.row] += end.logprobs
         return self.inner.turns_ended(ends)
+
+    def answered(self, wait):  # noqa: ANN001, ANN201
+        return self.inner.answered(wait)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,14 @@ class MegatronGrpoParams(BaseParams):
     max_observation_tokens: int = 256
     """With ``environment``: an observation's text is cut to this many tokens (``env/observations_truncated``)."""
 
+    environment_workers: int = 0
+    """With ``environment``: how the environment answers the turns. 0: in line, while the decoder waits (the episodes a
+    seed draws do not depend on how long the environment takes). N >= 1: on up to N threads in the background, so a
+    slow tool (a sandbox, a judge, a remote call) delays only its own episode while the other rows decode; an ``async
+    def step`` is awaited on one event loop. Then which decode step an answer meets depends on the environment's time,
+    so sampled episodes may differ between runs (greedy ones do not), as in verl's AgentLoop. The environment's state
+    shared across episodes (if any) must be thread-safe."""
+
     environment_timeout_s: float = 60.0
     """With ``environment``: the most seconds one environment call (``start`` or ``step``) may take; an episode whose
     call takes longer is stopped there and marked invalid (out of the loss and the group statistics, named in the log),

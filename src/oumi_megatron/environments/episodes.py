@@ -29,7 +29,7 @@ from typing import Any
 from oumi_megatron.environments.base import EpisodeEnd
 from oumi_megatron.environments.rendering import inline_ids, observation_ids, stop_token_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
-from oumi_megatron.rollout.base import EpisodeRun, Generates, NextTurn, Rollout, RunsEpisodes, TurnEnd
+from oumi_megatron.rollout.base import ANSWERING, Answering, EpisodeRun, Generates, NextTurn, Rollout, RunsEpisodes, TurnEnd
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import turn_by_turn
 
@@ -145,8 +145,9 @@ class Episodes:
             return self.max_turn_tokens, True
         return left, False
 
-    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None]:
-        """Each ended turn's next turn, or None (the episode is over)."""
+    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None | Answering]:
+        """Each ended turn's next turn, None (the episode is over), or ``ANSWERING`` (the environment answers in the
+        background, ``grpo.environment_workers`` >= 1: ``answered`` returns it)."""
         asked: list[tuple[int, str, list[int]]] = []
         for end in ends:
             e = self.episodes[end.row]
@@ -157,14 +158,37 @@ class Episodes:
                 e.running = False  # no environment, or cut by the budget: nothing more fits
             else:
                 asked.append((end.row, self.tokenizer.decode(e.last_turn, skip_special_tokens=True), e.last_turn))
-        answers = dict(zip((k for k, _, _ in asked), self.env.step_all(asked) if asked and self.env else []))
-        out: list[NextTurn | None] = []
+        background = self.env is not None and self.env.workers > 0
+        asked_rows = {k for k, _, _ in asked}
+        if asked and background:
+            assert self.env is not None
+            self.env.submit(asked)
+        answers = dict(zip((k for k, _, _ in asked), self.env.step_all(asked) if asked and self.env and not background else []))
+        out: list[NextTurn | None | Answering] = []
         for end in ends:
             k, e = end.row, self.episodes[end.row]
+            if background and k in asked_rows:
+                out.append(ANSWERING)
+                continue
             if k in answers:
                 self._answer(k, e, answers[k])
-            out.append(NextTurn(e.appended, e.room) if e.running else None)
+            out.append(self._next(e))
         return out
+
+    def answered(self, wait: bool) -> list[tuple[int, NextTurn | None]]:
+        """The turns the environment answered in the background since the last call (``wait``: at least one)."""
+        if self.env is None or not self.env.answering:
+            return []
+        out: list[tuple[int, NextTurn | None]] = []
+        for k, answer in self.env.poll(wait):
+            e = self.episodes[k]
+            self._answer(k, e, answer)
+            out.append((k, self._next(e)))
+        return out
+
+    @staticmethod
+    def _next(e: _Episode) -> NextTurn | None:
+        return NextTurn(e.appended, e.room) if e.running else None
 
     def _answer(self, k: int, e: _Episode, answer: Any) -> None:
         """The environment's ``answer`` to episode ``k``'s latest turn: it ends, or gets its observation (``e.appended``)

@@ -56,7 +56,8 @@ def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = N
     group); None without an environment."""
     if grpo.environment is None:
         return None
-    return EnvironmentRunner(build_environment(grpo.environment), grpo.environment_timeout_s, group, ranks)
+    return EnvironmentRunner(build_environment(grpo.environment), grpo.environment_timeout_s, group, ranks,
+                             workers=grpo.environment_workers)
 
 
 ENVIRONMENTS.add("calculator", CalculatorEnvironment)

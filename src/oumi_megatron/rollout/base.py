@@ -7,6 +7,7 @@ receive the policy's weights after every optimizer step.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,12 +170,27 @@ class NextTurn:
     room: int
 
 
+class Answering(enum.Enum):
+    """A turn the environment answers in the background (``grpo.environment_workers`` >= 1): its next turn, or the
+    episode's end, comes from a later ``TurnHandler.answered``."""
+
+    ANSWERING = "answering"
+
+
+ANSWERING = Answering.ANSWERING
+
+
 class TurnHandler(Protocol):
     """The episodes' side of a batch (environments/episodes.py ``Episodes``): a backend hands it the turns that ended and
-    gets back, per turn, the next one or None (the episode is over). Collective over the model replica: every rank of
-    a replica calls it with the same turns at the same point."""
+    gets back, per turn, the next one, None (the episode is over) or ``ANSWERING`` (it comes later, from ``answered``).
+    Collective over the model replica: every rank of a replica calls both with the same turns at the same point."""
 
-    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None]: ...
+    def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None | Answering]: ...
+
+    def answered(self, wait: bool) -> list[tuple[int, NextTurn | None]]:
+        """(row, its next turn or None) of the turns answered in the background since the last call; with ``wait``, at
+        least one while any is being answered (the backend has nothing else to do). ``[]`` where none are."""
+        ...
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from oumi_megatron.rollout.base import EpisodeRun, Generates, NextTurn, TurnEnd, TurnHandler
+from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, Generates, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.sampling import SamplingParams
 
 
@@ -23,9 +23,8 @@ def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingPa
     tokens; later turns' rooms come from ``turns``. Turn t > 0 is drawn with seed ``seed + t``."""
     first = engine.generate(prompts, params, n, seed=seed)
     histories = [list(r.prompt_ids) + list(r.completion_ids) for group in first for r in group]
-    answers = turns.turns_ended([TurnEnd(k, list(r.completion_ids), r.logprobs, r.finished)
-                                 for k, r in enumerate(r for group in first for r in group)])
-    going: dict[int, NextTurn] = {k: a for k, a in enumerate(answers) if a is not None}
+    going = _next_turns(turns, [TurnEnd(k, list(r.completion_ids), r.logprobs, r.finished)
+                                for k, r in enumerate(r for group in first for r in group)])
     turn = 1
     while going:
         rows = sorted(going)
@@ -40,7 +39,15 @@ def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingPa
             histories[k] += ids
             logprobs = None if r.logprobs is None else list(r.logprobs[:len(ids)])
             ends.append(TurnEnd(k, ids, logprobs, r.finished and len(ids) == len(r.completion_ids)))
-        going = {k: a for k, a in zip(rows, turns.turns_ended(ends)) if a is not None}
+        going = _next_turns(turns, ends)
         turn += 1
     return EpisodeRun()
+
+
+def _next_turns(turns: TurnHandler, ends: list[TurnEnd]) -> dict[int, NextTurn]:
+    """The next turn of each episode of ``ends`` that goes on, once every one is answered (the barrier)."""
+    answers = dict(zip((e.row for e in ends), turns.turns_ended(ends)))
+    while any(a is ANSWERING for a in answers.values()):
+        answers.update(turns.answered(wait=True))
+    return {k: a for k, a in sorted(answers.items()) if isinstance(a, NextTurn)}
 

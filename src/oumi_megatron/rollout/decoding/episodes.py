@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.rollout.base import EpisodeRun, TurnEnd, TurnHandler
+from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, _Generation
 from oumi_megatron.rollout.decoding.padding import left_pad
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
@@ -171,33 +171,42 @@ class EpisodeGeneration(_Generation):
                           answer_s=host.answer_s)
 
     def _answer(self, turns: TurnHandler, host: _HostView) -> bool:
-        """The turns that ended since the last look, answered; True when every episode here is over."""
+        """The turns that ended since the last look go to ``turns``; its answers, and those that came back from the
+        background, go into the buffers. True when every episode here is over."""
         active, out_at = self.active.cpu().tolist(), self.out_at.cpu().tolist()
-        host.saw_first_tokens(active, out_at)
-        stopped = [r for r in range(len(active)) if not active[r] and not host.done[r]]
-        if not stopped:
-            return all(host.done)
-        index = torch.tensor(stopped, device=self.out_tokens.device)
-        tokens = self.out_tokens.index_select(0, index).cpu()
-        logprobs = self.out_logprobs.index_select(0, index).cpu()
-        ends = []
-        for i, r in enumerate(stopped):
-            ids = tokens[i, host.read_at[r]:out_at[r]].tolist()
-            ends.append(TurnEnd(r, ids, logprobs[i, host.read_at[r]:out_at[r]].tolist(), bool(ids) and ids[-1] in host.end_ids))
+        host.saw_first_tokens(out_at)
+        stopped = [r for r in range(len(active)) if not active[r] and not host.done[r] and r not in host.answering]
+        decided: list[tuple[int, NextTurn | None]] = []
+        if stopped:
+            index = torch.tensor(stopped, device=self.out_tokens.device)
+            tokens = self.out_tokens.index_select(0, index).cpu()
+            logprobs = self.out_logprobs.index_select(0, index).cpu()
+            ends = []
+            for i, r in enumerate(stopped):
+                ids = tokens[i, host.read_at[r]:out_at[r]].tolist()
+                ends.append(TurnEnd(r, ids, logprobs[i, host.read_at[r]:out_at[r]].tolist(),
+                                    bool(ids) and ids[-1] in host.end_ids))
+                host.read_at[r], host.last_token[r] = out_at[r], ids[-1]
+            for end, answer in zip(ends, host.timed(turns.turns_ended, ends), strict=True):
+                if answer is ANSWERING:
+                    host.answering.add(end.row)
+                else:
+                    decided.append((end.row, answer))
+        if host.answering:  # nothing else to do here: wait for the background's first answer
+            idle = not any(active) and all(answer is None for _, answer in decided)
+            for r, answer in host.timed(turns.answered, idle):
+                host.answering.discard(r)
+                decided.append((r, answer))
         resumed: list[tuple[int, list[int], int]] = []
-        started = time.perf_counter()
-        answers = turns.turns_ended(ends)
-        host.answer_s += time.perf_counter() - started
-        for end, answer in zip(ends, answers, strict=True):
-            host.read_at[end.row] = out_at[end.row]
+        for r, answer in decided:
             if answer is None:
-                host.done[end.row] = True
+                host.done[r] = True
                 continue
-            block = [end.ids[-1], *answer.appended]
+            block = [host.last_token[r], *answer.appended]
             if answer.room < 1 or len(block) > self.forced.shape[1]:
-                raise ValueError(f"episode {end.row}: a next turn of room {answer.room} after a block of {len(block)} "
-                                 f"tokens does not fit its budget ({self.budget} tokens)")
-            resumed.append((end.row, block, answer.room))
+                raise ValueError(f"episode {r}: a next turn of room {answer.room} after a block of {len(block)} tokens "
+                                 f"does not fit its budget ({self.budget} tokens)")
+            resumed.append((r, block, answer.room))
         if resumed:
             self._resume(resumed)
             host.resumed([r for r, _, _ in resumed], out_at)
@@ -254,6 +263,10 @@ class _HostView:
         self.read_at = [0] * rows
         """Per row, where its current turn's samples start in ``out_tokens``."""
         self.end_ids = frozenset(params.end_ids)
+        self.last_token = [0] * rows
+        """Per row, its latest turn's last token: the first of the block that resumes it (sampled, not fed yet)."""
+        self.answering: set[int] = set()
+        """Rows whose turn the environment answers in the background."""
         self.waiting: dict[int, tuple[float, int]] = {}
         """Rows resumed with an observation: when, and their sample count then (their next turn's first token is the
         one after it)."""
@@ -268,7 +281,15 @@ class _HostView:
         for r in rows:
             self.waiting[r] = (now, out_at[r])
 
-    def saw_first_tokens(self, active: list[bool], out_at: list[int]) -> None:
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its time counted as the host's in the episodes' answers (``answer_s``)."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.answer_s += time.perf_counter() - started
+
+    def saw_first_tokens(self, out_at: list[int]) -> None:
         now = time.perf_counter()
         for r, (since, count) in list(self.waiting.items()):
             if out_at[r] > count:
