@@ -134,9 +134,11 @@ def main() -> None:
 
 
 def greedy_episodes(vllm_backend, engine, tokenizer) -> dict:  # noqa: ANN001
-    """Greedy multi-turn episodes with the example environment ``guess_number`` on vLLM (each turn a request of the
-    whole history) and on the embedded backend (later turns prefill only the observation, from its static cache),
-    same weights: tokens, loss masks and turns per episode, for the test to compare."""
+    """Greedy multi-turn episodes with the example environment ``guess_number`` on vLLM (each episode a chain of requests
+    of its whole history, added as soon as its observation is ready: rollout/turns.py ``request_chains``), on vLLM
+    turn by turn (one generate of every going episode per turn: the barrier) and on the embedded backend (no barrier,
+    observations fed as forced tokens), same weights: tokens, loss masks and turns per episode, for the test to
+    compare."""
     import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.environments.registry import build_environment
@@ -148,7 +150,12 @@ def greedy_episodes(vllm_backend, engine, tokenizer) -> dict:  # noqa: ANN001
                             pad_token_id=256)
     rows = [{"prompt": str(q), "extra_info": {"secret": 50}} for q in PROMPTS]
     out = {}
-    for name, backend in (("vllm", vllm_backend), ("embedded", MegatronRolloutBackend(engine, 259, path="static"))):
+    class GenerateOnly:  # the same engine seen through generate alone: turn by turn
+        def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return vllm_backend.generate(*args, **kwargs)
+
+    for name, backend in (("vllm", vllm_backend), ("vllm_turn_by_turn", GenerateOnly()),
+                          ("embedded", MegatronRolloutBackend(engine, 259, path="static"))):
         env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
         groups, stats = run_episodes(backend, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
                                      max_observation_tokens=16, max_turn_tokens=6)

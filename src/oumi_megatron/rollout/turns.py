@@ -2,8 +2,10 @@
 each from its whole token history (a vLLM engine with prefix caching serves the history from its cache).
 
 This is the turn barrier: a turn lasts until its slowest row stops. Backends that run episodes at their own pace
-implement rollout/base.py ``RunsEpisodes`` instead (the embedded static-cache decoder). Both report to the same
-``TurnHandler``, so an episode's bookkeeping (environments/episodes.py) is one piece of code.
+implement rollout/base.py ``RunsEpisodes`` instead: the embedded static-cache decoder, and vLLM through
+``request_chains`` below (every episode its own chain of requests to an engine that batches continuously, the next
+request submitted as soon as the episode's observation is ready). All report to the same ``TurnHandler``, so an
+episode's bookkeeping (environments/episodes.py) is one piece of code.
 
 The turn samples up to the largest room any going episode has; each episode's turn is then cut at its own room (the
 tokens before a cut are drawn as they would be with a smaller limit), and reported as not ended.
@@ -11,7 +13,10 @@ tokens before a cut are drawn as they would be with a smaller limit), and report
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, Generates, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -51,3 +56,53 @@ def _next_turns(turns: TurnHandler, ends: list[TurnEnd]) -> dict[int, NextTurn]:
         answers.update(turns.answered(wait=True))
     return {k: a for k, a in sorted(answers.items()) if isinstance(a, NextTurn)}
 
+
+
+_BATCHES = itertools.count()
+
+FinishedRequest = tuple[str, list[int], list[float], str]
+"""A request an engine finished: (its id, token ids, their logprobs, finish reason: ``stop`` at an end token)."""
+
+
+def request_chains(add: Callable[[list[tuple[str, list[int], Any]]], None], step: Callable[[], list[FinishedRequest]],
+                   sampling: Callable[[int], Any], prompts: list[list[int]], params: SamplingParams, n: int,
+                   turns: TurnHandler) -> EpisodeRun:
+    """``n`` episodes of each of ``prompts`` on an engine that batches requests continuously (vLLM's engine loop):
+    ``add`` submits ``(request id, prompt ids, sampling(room))`` requests, ``step`` runs the engine until some finish.
+    Each episode is a chain of requests, each turn's prompt its whole history (the engine's prefix cache serves it),
+    the next one added as soon as the turn is answered: no turn waits for another episode's."""
+    batch = next(_BATCHES)
+    rows = len(prompts) * n
+    histories = [list(prompts[k // n]) for k in range(rows)]
+    taken = [0] * rows
+    add([(f"episode-{batch}-{k}-0", histories[k], sampling(params.max_new_tokens)) for k in range(rows)])
+    in_flight, answering = rows, 0
+    while in_flight or answering:
+        decided: list[tuple[int, NextTurn | None]] = []
+        if in_flight:
+            ends = []
+            for request_id, ids, logprobs, reason in step():
+                k = int(request_id.split("-")[2])
+                in_flight -= 1
+                histories[k] += ids
+                ends.append(TurnEnd(k, list(ids), list(logprobs) or None, reason == "stop"))
+            for end, answer in zip(ends, turns.turns_ended(ends), strict=True):
+                if answer is ANSWERING:
+                    answering += 1
+                else:
+                    decided.append((end.row, answer))
+        if answering:  # wait only when the engine has nothing else to run
+            got = turns.answered(wait=not in_flight and all(a is None for _, a in decided))
+            answering -= len(got)
+            decided += got
+        requests = []
+        for k, answer in decided:
+            if answer is None:
+                continue
+            histories[k] += answer.appended
+            taken[k] += 1
+            requests.append((f"episode-{batch}-{k}-{taken[k]}", list(histories[k]), sampling(answer.room)))
+        if requests:
+            add(requests)
+            in_flight += len(requests)
+    return EpisodeRun()

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,18 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, EpisodeJob, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import (
+    DecodeProfile,
+    EngineSleep,
+    EpisodeJob,
+    EpisodeRun,
+    PolicyWeights,
+    Rollout,
+    TurnHandler,
+    WeightSyncStats,
+)
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.rollout.turns import request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
 
@@ -242,6 +252,28 @@ class _VllmBackend:
 
     placement = ""
 
+    # -- rollouts and episodes -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        raise NotImplementedError  # each placement's
+
+    def run_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler, budget: int,
+                     max_turns: int, seed: int | None = None) -> EpisodeRun:
+        """Multi-turn episodes as chains of requests to the engine, each next request added as soon as its episode's
+        observation is ready (rollout/turns.py ``request_chains``); one-turn episodes, and a replica of several
+        colocated engines (their episodes would reach the replica's environment apart), are a ``generate`` per turn."""
+        ops = self._request_ops() if max_turns > 1 else None
+        if ops is None:
+            return turn_by_turn(self, prompts, params, n, turns, seed)
+        add, step = ops
+        return request_chains(add, step, lambda room: _vllm_sampling(replace(params, max_new_tokens=room), 1), prompts,
+                              params, n, turns)
+
+    def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
+        """The engine's ``add_requests`` and ``step_requests`` as every rank of the replica calls them (None: episodes
+        go turn by turn)."""
+        return None
+
     # -- weights --------------------------------------------------------------------------------------
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """Collective over the training ranks: load the policy's ``weights`` into every engine."""
@@ -327,6 +359,18 @@ class ColocatedVllmBackend(_VllmBackend):
             for part in parts:
                 by_prompt.update(part)
         return _rollouts(prompts, [by_prompt[i] for i in range(len(prompts))])
+
+    def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
+        if self.engines_per_replica > 1:
+            return None
+        self._ready()
+        return self.host.add_requests, self.host.step_requests  # every TP rank of the engine alike
+
+    def _ready(self) -> None:
+        if not self.weights_current:
+            raise WeightSyncError("the colocated vLLM engine dropped its weights when it last slept, and none were "
+                                  "pushed since: the trainer syncs the weights after sleep() and before generating")
+        self.wake()  # the trainer woke it for this phase already; a caller outside a training step may not have
 
     def _generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> Any:
         if not self.weights_current:
@@ -467,6 +511,21 @@ class SeparateVllmBackend(_VllmBackend):
         if len(self.replica) > 1:
             dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
         return _rollouts(prompts, box[0])
+
+    def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
+        """The owner talks to the engine; every finished batch of requests is broadcast to the replica."""
+
+        def add(requests: list[Any]) -> None:
+            if self.is_owner:
+                self._owned_process.call("add_requests", requests)
+
+        def step() -> list[Any]:
+            box: list[Any] = [self._owned_process.call("step_requests") if self.is_owner else None]
+            if len(self.replica) > 1:
+                dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+            return box[0]
+
+        return add, step
 
     # -- memory: the engine keeps its GPU ---------------------------------------------------------------
     def wake(self) -> float:

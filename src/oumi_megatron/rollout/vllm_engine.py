@@ -234,6 +234,36 @@ class VllmEngineHost:
             result.append(samples)
         return result
 
+    def add_requests(self, requests: list[tuple[str, list[int], dict[str, Any]]]) -> None:
+        """Requests the engine batches continuously with those in flight: ``(request id, prompt ids, sampling)`` each,
+        one sample per request (multi-turn episodes, rollout/turns.py ``request_chains``; their ids never collide with
+        ``generate``'s, and no ``generate`` runs while they are in flight: the synchronous loop takes one at a time)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        for request_id, prompt, sampling in requests:
+            params = SamplingParams(logprobs=0, detokenize=False, **sampling)
+            # as generate: a request's tokens stop at max_model_len
+            params.max_tokens = max(1, min(params.max_tokens or 1, self.max_model_len - len(prompt)))
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+
+    def step_requests(self) -> list[tuple[str, list[int], list[float], str]]:
+        """Engine steps until at least one request in flight finishes (or none is left): each finished request's
+        (id, token ids, their logprobs, finish reason)."""
+        from vllm.outputs import RequestOutput
+
+        engine = self.llm.llm_engine
+        done: list[tuple[str, list[int], list[float], str]] = []
+        while not done and engine.has_unfinished_requests():
+            for out in engine.step():
+                if isinstance(out, RequestOutput) and out.finished:
+                    o = out.outputs[0]
+                    ids = list(o.token_ids)
+                    lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
+                    done.append((out.request_id, ids, lps, str(o.finish_reason)))
+        return done
+
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
