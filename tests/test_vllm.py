@@ -85,9 +85,11 @@ def test_sync_from_two_rank_training_equals_the_single_rank_export(converted: Pa
                   *layout, nproc=2)
     _assert_synced(r)
     assert r["vllm_greedy"] == single["vllm_greedy"]
+    if tp_layout := "--tp" in layout:  # episodes as request chains on one engine over two ranks: the single run's
+        assert r["episodes"]["vllm"] == r["episodes"]["vllm_turn_by_turn"] == single["episodes"]["vllm"], r["episodes"]
     # each rank's engine took its own TP shard of the whole model (engine/state/tp_shards.py), not the full tensors:
     # the model / TP (the tied lm_head, which vLLM does not load, aside) and the replicated norms (seen: 1.003x at TP 2)
-    tp = 2 if "--tp" in layout else 1
+    tp = 2 if tp_layout else 1
     model = r["model_bytes"] - r["lm_head_bytes"]
     assert r["sync"]["method"] == "in_memory_shards", r["sync"]
     for got in r["bytes_per_rank"]:

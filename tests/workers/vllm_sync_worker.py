@@ -106,7 +106,8 @@ def main() -> None:
     mismatch("after_sync")
     greedy = backend.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12, pad_token_id=256), 1)
     result["vllm_greedy"] = [group[0].completion_ids for group in greedy]
-    if args.placement == "separate" and dist.get_world_size() == 1:
+    # one separate engine on one rank; one colocated engine with TP 2 over both ranks (they add and step its requests alike)
+    if (args.placement == "separate" and dist.get_world_size() == 1) or (args.placement == "colocated" and args.tp == 2):
         result["episodes"] = greedy_episodes(backend, engine, AutoTokenizer.from_pretrained(args.hf))
     export = out_dir / "hf_export"
     weights.save(export)
