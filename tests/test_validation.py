@@ -78,8 +78,19 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
         ({"tensor_model_parallel_size": 2}, MOE, 2, "megatron.sequence_parallel", "Set sequence_parallel: true"),
         ({"micro_batch_size": 3, "global_batch_size": 8}, DENSE, 1, "megatron.global_batch_size", "not divisible by micro_batch_size x DP"),
         ({"micro_batch_size": 2, "global_batch_size": 8}, DENSE, 3, "megatron.global_batch_size", "2 x 3 = 6"),
-        ({"inference_backend": "sglang"}, DENSE, 1, "megatron.inference_backend", "sglang rollouts are not implemented"),
-        ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'vllm'"),
+        ({"inference_backend": "sglang", "tensor_model_parallel_size": 2}, DENSE, 2, "megatron.rollout_placement",
+         "one per trainer rank, on Megatron TP 1 and PP 1"),
+        ({"inference_backend": "sglang", "rollout_placement": "ray"}, DENSE, 1, "megatron.rollout_placement",
+         "'ray' is not a placement of the 'sglang' backend. Use one of ['colocated', 'separate']"),
+        ({"inference_backend": "sglang", "sglang_engine_args": {"chunked_prefil_size": 64}}, DENSE, 1,
+         "megatron.sglang_engine_args", "'chunked_prefil_size' is not an argument of sglang.Engine"),
+        ({"inference_backend": "sglang", "sglang_engine_args": {"tp_size": 2}}, DENSE, 1,
+         "megatron.sglang_engine_args", "'tp_size' is set by the backend itself"),
+        ({"inference_backend": "sglang", "sglang_mem_fraction_static": 1.5}, DENSE, 1, "megatron.sglang_mem_fraction_static",
+         "must be in (0, 1]"),
+        ({"inference_backend": "sglang", "rollout_placement": "separate", "weight_sync_method": "checkpoint"}, DENSE, 1,
+         "megatron.weight_sync_method", "use nccl (GPUs) or gloo (CPU)"),
+        ({"inference_backend": "tgi"}, DENSE, 1, "megatron.inference_backend", "'megatron', 'sglang', 'vllm'"),
         ({"weight_sync_method": "rdma"}, DENSE, 1, "megatron.weight_sync_method", "'nccl', 'gloo', 'checkpoint'"),
         ({"vllm_kv_cache_gib": -1.0}, DENSE, 1, "megatron.vllm_kv_cache_gib", "must be >= 0"),
         ({"rollout_cuda_graphs": "always"}, DENSE, 1, "megatron.rollout_cuda_graphs", "'auto', 'true', 'false'"),
@@ -608,7 +619,7 @@ def test_plugin_registered_schedule_and_rollout_backend_are_accepted(make_config
     try:
         bad = check(make_config(megatron=wanted), world_size=2)
         assert set(problem_fields(bad)) == {"megatron.pipeline_schedule", "megatron.inference_backend"}, bad.format_problems()
-        assert "Registered: 'megatron', 'vllm'" in bad.format_problems()
+        assert "Registered: 'megatron', 'sglang', 'vllm'" in bad.format_problems()
         good = check(make_config(megatron=wanted, grpo={"plugins": ["my_seams"]}), world_size=2)
         assert good.ok, good.format_problems()
         assert good.layout.pipeline_schedule == "my_1f1b"

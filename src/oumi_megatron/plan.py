@@ -245,10 +245,13 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
         elif colocated_vllm:
             # each engine holds the whole model over its TP (every layer: a pipeline stage's engine serves all of them)
-            # and its KV cache; vLLM takes at least vllm_gpu_memory_utilization of the GPU where no cache size is set
-            engine = engine_weights + m.vllm_kv_cache_gib * GIB
-            share = m.vllm_gpu_memory_utilization * gpu_memory_gib * GIB if gpu_memory_gib else 0.0
-            rollout = engine if m.vllm_kv_cache_gib else max(engine, share)
+            # and its KV cache; it takes at least its share of the GPU (vllm_gpu_memory_utilization,
+            # sglang_mem_fraction_static) where no cache size is set
+            assert mode.gpu_share is not None
+            gpu_share = mode.gpu_share(m)
+            engine = engine_weights + gpu_share.kv_cache_gib * GIB
+            share = gpu_share.fraction * gpu_memory_gib * GIB if gpu_memory_gib else 0.0
+            rollout = engine if gpu_share.kv_cache_gib else max(engine, share)
         else:
             rollout = 0.0
         # a colocated vLLM engine sleeps while the trainer trains (its weights dropped, its KV cache freed): turns too;
@@ -265,8 +268,9 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
                           gpu_memory_gib=gpu_memory_gib, kept_rollout=kept / GIB)
         stage_plans.append(plan)
     best = max(stage_plans, key=lambda x: x.total)
-    if colocated_vllm and not gpu_memory_gib and not m.vllm_kv_cache_gib:
-        notes.append("colocated vLLM takes vllm_gpu_memory_utilization of the GPU: pass --gpu-memory-gib to count it")
+    if colocated_vllm and not gpu_memory_gib and mode.gpu_share is not None and not mode.gpu_share(m).kv_cache_gib:
+        field = mode.gpu_share(m).fraction_field.removeprefix("megatron.")
+        notes.append(f"a colocated engine takes {field} of the GPU: pass --gpu-memory-gib to count it")
     if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
     engine_problem = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
@@ -299,7 +303,8 @@ def advice(plan: MemoryPlan, cfg: MegatronTrainingConfig, layout: ParallelLayout
                         f"{plan.engine_weights:.1f} GiB of weights on every GPU; use rollout_placement: separate or ray "
                         "(engines on GPUs of their own, rollout_gpus_per_engine for their TP), or the embedded backend "
                         "(megatron.inference_backend: megatron)")
-        tips.append("a lower megatron.vllm_gpu_memory_utilization, or rollout_placement: separate")
+        share_field = mode.gpu_share(m).fraction_field if mode.gpu_share is not None else "the engine's memory share"
+        tips.append(f"a lower {share_field}, or rollout_placement: separate")
     tips.append("more pipeline stages or tensor parallelism (more GPUs), see --suggest")
     return tips
 

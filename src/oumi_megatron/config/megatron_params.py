@@ -11,6 +11,7 @@ problem is reported at once, not just the first.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from oumi_megatron.config.base import BaseParams
 
@@ -244,8 +245,8 @@ class MegatronParams(BaseParams):
     them one by one as they are exported)."""
 
     inference_backend: str = "megatron"
-    """``megatron`` (embedded: generate with the policy's own weights), ``vllm``, or a backend a plugin registers
-    (rollout/registry.py). ``sglang`` appears in the design document but is not implemented."""
+    """``megatron`` (embedded: generate with the policy's own weights), ``vllm``, ``sglang``, or a backend a plugin
+    registers (rollout/registry.py; docs/rollouts.md says when to pick which)."""
 
     rollout_cuda_graphs: str = "auto"
     """The embedded backend's decode steps as CUDA graphs (rollout/decoding/): ``auto`` where they can run (CUDA,
@@ -298,6 +299,21 @@ class MegatronParams(BaseParams):
     ``vllm_gpu_memory_utilization`` leaves after the weights. A colocated engine maps its KV cache back at every wake
     and unmaps it at every sleep, so a cache sized to the rollout batch (``oumi-megatron plan`` prints the embedded
     backend's, the same bytes per token) wakes faster than most of a GPU."""
+
+    sglang_mem_fraction_static: float = 0.4
+    """Fraction of a GPU's memory an SGLang engine takes for its weights and KV cache (SGLang's
+    ``mem_fraction_static``; colocated: leave room for training, the engine releases it while the trainer trains). On
+    the CPU the KV pool is sized from the step's rollouts instead."""
+
+    sglang_attention_backend: str | None = None
+    """SGLang's attention backend (``fa3``, ``flashinfer``, ``triton``, ``torch_native``, ...); null: SGLang's choice
+    on GPU, ``torch_native`` on the CPU."""
+
+    sglang_engine_args: dict[str, Any] = field(default_factory=dict)
+    """More ``sglang.Engine`` arguments (its ``ServerArgs`` fields), passed as they are, e.g.
+    ``{chunked_prefill_size: 4096, schedule_policy: lpm}``; checked against ``ServerArgs`` at validation. Those the
+    backend sets itself (model_path, dtype, tp_size, random_seed, device, context_length, mem_fraction_static,
+    attention_backend, base_gpu_id, ...) are refused there: set them through their own fields."""
 
     @property
     def rollout_cuda_graphs_choice(self) -> str:

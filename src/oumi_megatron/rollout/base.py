@@ -48,6 +48,9 @@ class WeightSyncStats:
     """How many training ranks sent (rollout/weight_senders.py); ``bytes`` is their total."""
     sender_bytes: int = 0
     """The largest sender's bytes (0: not counted per sender)."""
+    probe_max_diff: float | None = None
+    """After the sync, the largest |engine - trainer| logprob over a fixed probe sequence (None: not probed): a sync
+    that silently did nothing shows here."""
 
     @property
     def gbps(self) -> float:

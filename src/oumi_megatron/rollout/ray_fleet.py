@@ -57,7 +57,8 @@ class EngineActor:
     calls one at a time, in the order they were made: generations queued before a weight update run before it."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        from oumi_megatron.rollout.vllm_engine import VllmEngineHost, forget_launcher_env
+        from oumi_megatron.rollout.vllm_engine import VllmEngineHost
+        from oumi_megatron.utils.launcher_env import forget_launcher_env
 
         forget_launcher_env()  # a local head's workers inherit the trainer's torchrun variables
         self.host = VllmEngineHost(spec)

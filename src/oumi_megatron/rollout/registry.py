@@ -11,6 +11,8 @@ ask the entry; this module is the only one that reads ``rollout_placement``.
 | vllm colocated | vllm / colocated | one per TP group, in the trainer's processes, on its GPUs | no |
 | vllm separate | vllm / separate | one per replica, its own process and GPU | yes |
 | vllm ray | vllm / ray | a Ray fleet on any node | yes |
+| sglang colocated | sglang / colocated | one per trainer rank (Megatron TP 1, PP 1), on its GPU | no |
+| sglang separate | sglang / separate | one per replica, on a GPU of its own | no |
 
 A new backend registers a builder with ``@register_rollout_backend("name")`` (here, or in a ``grpo.plugins``
 module) and implements rollout/base.py's ``RolloutBackend``; it places its own engines (one mode, placement not read).
@@ -70,6 +72,16 @@ def _never_resident(params: MegatronParams) -> bool:
 
 
 @dataclass(frozen=True)
+class EngineShare:
+    """How much of a GPU an engine takes: a KV cache of ``kv_cache_gib`` beside its weights where that is set (> 0),
+    else at least ``fraction`` of the GPU (the field ``fraction_field`` sets it)."""
+
+    kv_cache_gib: float
+    fraction: float
+    fraction_field: str
+
+
+@dataclass(frozen=True)
 class RolloutMode:
     name: str
     build: RolloutBuilder
@@ -84,7 +96,9 @@ class RolloutMode:
     preflight: Callable[[Any], None] = _no_preflight
     """Collective, before the model is converted: what must exist outside the trainer (e.g. a Ray cluster)."""
     engine_gpus: Callable[[MegatronParams], int] | None = None
-    """The GPUs one vLLM engine splits the whole model over (its tensor parallelism); None: no such engine."""
+    """The GPUs one engine splits the whole model over (its tensor parallelism); None: no such engine."""
+    gpu_share: Callable[[MegatronParams], EngineShare] | None = None
+    """An engine's memory on a GPU it runs on (ENGINE_SHARE and OWN_GPUS engines): what the plan counts."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +127,7 @@ def resolve_rollout_mode(params: MegatronParams) -> tuple[RolloutMode | None, li
     problems: list[Problem] = []
     backend, placement = params.inference_backend, params.rollout_placement
     if backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
-        hint = " sglang rollouts are not implemented in oumi-megatron." if backend == "sglang" else ""
-        problems.append(Problem(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(backend) + hint))
+        problems.append(Problem(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(backend)))
     if placement not in ROLLOUT_PLACEMENTS:
         choices = ", ".join(f"'{p}'" for p in ROLLOUT_PLACEMENTS)
         problems.append(Problem("megatron.rollout_placement", f"unknown value {placement!r}. Use one of {choices}."))
@@ -237,30 +250,98 @@ def _fleet_gpus(m: MegatronParams) -> int:
 
 def own_gpu_engine_problem(params: MegatronParams, shape: Any, gpu_memory_gib: float) -> str | None:
     """Why an engine on GPUs of its own (separate, ray) cannot hold the model on ``gpu_memory_gib`` GPUs, or None: its
-    bf16 weights over its GPUs plus ``vllm_kv_cache_gib`` against ``vllm_gpu_memory_utilization`` of one GPU."""
+    bf16 weights over its GPUs plus its KV cache (where sized) against its share of one GPU."""
     mode, problems = resolve_rollout_mode(params)
-    if mode is None or problems or mode.memory != OWN_GPUS or mode.engine_gpus is None:
+    if mode is None or problems or mode.memory != OWN_GPUS or mode.engine_gpus is None or mode.gpu_share is None:
         return None  # no such engine, or fields validation reports already
-    gpus = mode.engine_gpus(params)
+    gpus, share = mode.engine_gpus(params), mode.gpu_share(params)
     weights = shape.vllm_weight_bytes(gpus) / 2**30
-    need, allowed = weights + (params.vllm_kv_cache_gib or 0.0), params.vllm_gpu_memory_utilization * gpu_memory_gib
+    need, allowed = weights + share.kv_cache_gib, share.fraction * gpu_memory_gib
     if need <= allowed:
         return None
     fix = ("raise megatron.rollout_gpus_per_engine (the engine's vLLM tensor parallelism)" if params.rollout_placement == "ray"
-           else "use rollout_placement: ray with rollout_gpus_per_engine > 1 (an engine's vLLM tensor parallelism over "
+           else "use rollout_placement: ray with rollout_gpus_per_engine > 1 (an engine's tensor parallelism over "
            "GPUs of its own), or colocated engines (Megatron's TP)")
+    field = share.fraction_field.removeprefix("megatron.")
     return (f"each {mode.name} engine holds the whole model over {gpus} GPU(s): {weights:.1f} GiB of bf16 weights"
-            + (f" + {params.vllm_kv_cache_gib:g} GiB KV cache" if params.vllm_kv_cache_gib else "")
-            + f", more than vllm_gpu_memory_utilization {params.vllm_gpu_memory_utilization} x {gpu_memory_gib:g} GiB = "
-            f"{allowed:.1f} GiB. Fix: {fix}; raise vllm_gpu_memory_utilization (an engine with a GPU of its own may take "
-            "0.9), or lower vllm_kv_cache_gib.")
+            + (f" + {share.kv_cache_gib:g} GiB KV cache" if share.kv_cache_gib else "")
+            + f", more than {field} {share.fraction} x {gpu_memory_gib:g} GiB = {allowed:.1f} GiB. Fix: {fix}; raise "
+            f"{field} (an engine with a GPU of its own may take 0.9)"
+            + (", or lower vllm_kv_cache_gib." if share.kv_cache_gib else "."))
+
+
+def _vllm_share(m: MegatronParams) -> EngineShare:
+    return EngineShare(m.vllm_kv_cache_gib or 0.0, m.vllm_gpu_memory_utilization, "megatron.vllm_gpu_memory_utilization")
+
+
+def _sglang_share(m: MegatronParams) -> EngineShare:  # mem_fraction_static holds its weights and its KV pool
+    return EngineShare(0.0, m.sglang_mem_fraction_static, "megatron.sglang_mem_fraction_static")
+
+
+def _sglang(colocated: bool) -> RolloutBuilder:
+    def build(ctx: RolloutContext) -> RolloutBackend:
+        from oumi_megatron.rollout.sglang_backend import ColocatedSglangBackend, SeparateSglangBackend
+
+        c = ctx.config
+        cls = ColocatedSglangBackend if colocated else SeparateSglangBackend
+        # the most rows of one call: a training step's completions, or an evaluation batch (the CPU KV pool holds them)
+        step = (c.megatron.global_batch_size or c.grpo.num_generations) * c.grpo.num_mini_batches
+        rows = max(step, c.training.per_device_eval_batch_size or 1)
+        return cls(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, engine=ctx.engine,
+                   vocab_size=len(ctx.tokenizer), rows_per_step=rows)
+
+    return build
+
+
+def _sglang_fields(colocated: bool) -> Callable[[MegatronParams], list[Problem]]:
+    def check(m: MegatronParams) -> list[Problem]:
+        """SGLang installed, its own fields, and what its placements run on."""
+        import importlib.util
+
+        from oumi_megatron.rollout.sglang_backend import OWNED_ENGINE_ARGS, SGLANG_INSTALL, sglang_engine_fields
+
+        if importlib.util.find_spec("sglang") is None:
+            return [Problem("megatron.inference_backend", f"sglang is not installed. Install it: {SGLANG_INSTALL}.")]
+        out = []
+        if not isinstance(m.sglang_mem_fraction_static, (int, float)) or not 0.0 < m.sglang_mem_fraction_static <= 1.0:
+            out.append(Problem("megatron.sglang_mem_fraction_static", f"must be in (0, 1], got {m.sglang_mem_fraction_static!r}."))
+        args = m.sglang_engine_args or {}
+        if not isinstance(args, dict):
+            out.append(Problem("megatron.sglang_engine_args", f"must be a mapping of sglang.Engine arguments, got {args!r}."))
+        elif args:
+            known = sglang_engine_fields()
+            for name in sorted(args):
+                if name in OWNED_ENGINE_ARGS:
+                    out.append(Problem("megatron.sglang_engine_args", f"{name!r} is set by the backend itself; use its own "
+                                       "field (model.model_name, model.torch_dtype_str, megatron.sglang_mem_fraction_static, "
+                                       "megatron.sglang_attention_backend, ...) or leave it out."))
+                elif name not in known:
+                    out.append(Problem("megatron.sglang_engine_args", f"{name!r} is not an argument of sglang.Engine "
+                                       "(sglang.srt.server_args.ServerArgs). Check its spelling against SGLang 0.5.17."))
+        if colocated and (m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1):
+            out.append(Problem("megatron.rollout_placement", "colocated SGLang engines run one per trainer rank, on Megatron "
+                               "TP 1 and PP 1 (an engine spread over several trainer GPUs is not built). Use "
+                               "rollout_placement: separate (an engine per replica on a GPU of its own), or vllm."))
+        if not colocated and m.weight_sync_method not in ("gloo", "nccl"):
+            out.append(Problem("megatron.weight_sync_method", f"{m.weight_sync_method!r}: a separate SGLang engine takes "
+                               "the weights over its update group: use nccl (GPUs) or gloo (CPU)."))
+        return out
+
+    return check
 
 
 ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode("embedded", _embedded, memory=DECODER_CACHE)}))
 ROLLOUT_BACKENDS.add("vllm", BackendModes({
     "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE,
-                             resident_while_training=_awake_while_training, engine_gpus=_megatron_tp),
-    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, engine_gpus=_one_gpu),
+                             resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share),
+    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, engine_gpus=_one_gpu,
+                            gpu_share=_vllm_share),
     "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight,
-                       engine_gpus=_fleet_gpus),
+                       engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
+}))
+ROLLOUT_BACKENDS.add("sglang", BackendModes({
+    "colocated": RolloutMode("sglang colocated", _sglang(colocated=True), memory=ENGINE_SHARE, check=_sglang_fields(True),
+                             engine_gpus=_megatron_tp, gpu_share=_sglang_share),
+    "separate": RolloutMode("sglang separate", _sglang(colocated=False), check=_sglang_fields(False),
+                            engine_gpus=_one_gpu, gpu_share=_sglang_share),
 }))

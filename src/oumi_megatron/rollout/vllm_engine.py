@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.rollout import weight_stream
+from oumi_megatron.utils.launcher_env import forget_launcher_env
 
 STREAM_ENGINE = "oumi_stream"
 
@@ -359,11 +360,6 @@ class VllmEngineHost:
             self.llm.wake_up()
 
 
-# Set by torchrun for the trainer's ranks and inherited by the engine process, where vLLM would take
-# them for its own world (and wait for ranks that never come).
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @contextlib.contextmanager
@@ -398,12 +394,6 @@ def _loaders_take_own_shards(model: Any) -> Iterator[None]:
     finally:
         for m, name, value in saved:
             setattr(m, name, value)
-
-
-def forget_launcher_env() -> None:
-    """An engine's process is no rank of the trainer's torchrun world, whose variables it may have inherited."""
-    for name in _LAUNCHER_ENV:
-        os.environ.pop(name, None)
 
 
 def serve(conn: Any, spec: EngineSpec) -> None:

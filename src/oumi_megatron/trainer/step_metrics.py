@@ -133,7 +133,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
         **timings,  # time/sync_s is 0 for the embedded backend: the rollout engine is the policy itself
         **({"weight_sync/bytes": sync.bytes, "weight_sync/seconds": sync.seconds, "weight_sync/gbps": sync.gbps,
             "weight_sync/export_s": sync.export_seconds, "weight_sync/senders": sync.senders,
-            **({"weight_sync/sender_bytes_max": sync.sender_bytes} if sync.sender_bytes else {})}
+            **({"weight_sync/sender_bytes_max": sync.sender_bytes} if sync.sender_bytes else {}),
+            **({"weight_sync/probe_max_diff": sync.probe_max_diff} if sync.probe_max_diff is not None else {})}
            if sync is not None else {}),
         "tokens_per_s": float(batch.generated.lengths.sum()) / max(timings["time/rollout_s"], 1e-9),
     }

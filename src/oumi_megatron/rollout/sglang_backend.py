@@ -1,0 +1,442 @@
+"""``megatron.inference_backend: sglang``: rollouts on SGLang engines, token ids in, token ids and their logprobs out.
+
+An engine is ``sglang.Engine`` (SGLang's offline engine): the object lives in a trainer process and drives SGLang's
+scheduler, which runs in processes of its own (on the engine's GPUs). Two placements (rollout/registry.py):
+- **colocated**: every trainer rank holds an engine on its own GPU (Megatron TP 1, PP 1: one engine per data-parallel
+  rank); on GPU it releases its memory while the trainer trains (``release_memory_occupation``) and takes it back
+  before the next generation. The sync hands the engine the rank's HF tensors in memory (``update_weights_from_tensor``).
+- **separate**: one engine per model replica on a GPU of its own, owned by the replica's first rank; the weights
+  travel over a weight-update group of the owner and the engine (``init_weights_update_group``, then
+  ``update_weights_from_distributed`` in flattened buckets: NCCL on GPU, gloo on CPU). The owner's replica peers get
+  its rollouts by broadcast.
+Multi-turn episodes run as chains of requests on the engine's continuous batching (rollout/turns.py
+``request_chains``, ``async_generate`` tasks on the engine's event loop; SGLang's radix cache serves each history).
+After every sync a probe (``weight_sync/probe_max_diff``) compares the engine's logprobs of a fixed token sequence
+with the trainer's: a sync that silently did nothing is the most reported rollout-engine bug across the peers.
+
+SGLang's logprobs are those of softmax(logits / T), the trainer's quantity. On the CPU (tests) the engine runs SGLang's
+``torch_native`` attention and ``pytorch`` sampling with no kernel package, its KV pool sized from the step's rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oumi_megatron.engine.parallel.distributed import replica_group
+from oumi_megatron.errors import UserInputError
+from oumi_megatron.rollout import weight_stream
+from oumi_megatron.rollout.base import (
+    DecodeProfile,
+    EngineSleep,
+    EpisodeRun,
+    PolicyWeights,
+    Rollout,
+    TurnHandler,
+    WeightSyncStats,
+)
+from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.rollout.turns import FinishedRequest, request_chains, turn_by_turn
+from oumi_megatron.rollout.weight_push import WeightSyncError
+from oumi_megatron.utils.launcher_env import without_launcher_env
+
+logger = logging.getLogger("oumi")
+
+SGLANG_INSTALL = ("pip install 'oumi-megatron[sglang]' (sglang 0.5.17 with its CUDA kernels) on a GPU machine; on the "
+                  "CPU `bash scripts/setup.sh` installs it from the lock")
+OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", "device", "skip_tokenizer_init",
+                               "context_length", "mem_fraction_static", "attention_backend", "base_gpu_id",
+                               "enable_memory_saver", "max_total_tokens"})
+"""sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
+PROBE_TOKENS = 16
+UPDATE_GROUP = "oumi_megatron_sglang_weights"
+
+
+def sglang_engine_fields() -> set[str]:
+    """The arguments ``sglang.Engine`` takes (its ``ServerArgs`` fields); ``UserInputError`` naming the install where
+    SGLang is missing."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as e:
+        raise UserInputError(f"megatron.inference_backend: sglang, but SGLang is not installed ({e}). Install it: "
+                             f"{SGLANG_INSTALL}.") from e
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+@dataclass
+class EngineSpec:
+    """What an SGLang engine is started with."""
+
+    model: str
+    dtype: str
+    seed: int
+    context_length: int
+    mem_fraction_static: float
+    attention_backend: str | None
+    max_total_tokens: int
+    """The KV pool on the CPU (tokens); on GPU ``mem_fraction_static`` sizes it."""
+    base_gpu_id: int | None = None
+    memory_saver: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def start_engine(spec: EngineSpec) -> Any:
+    """An ``sglang.Engine`` for ``spec`` (its scheduler started, the weights loaded)."""
+    try:
+        import sglang
+    except ImportError as e:
+        raise UserInputError(f"megatron.inference_backend: sglang, but SGLang is not installed ({e}). Install it: "
+                             f"{SGLANG_INSTALL}.") from e
+    kwargs: dict[str, Any] = dict(model_path=spec.model, dtype=spec.dtype, random_seed=spec.seed, skip_tokenizer_init=True,
+                                  context_length=spec.context_length, log_level="warning")
+    if torch.cuda.is_available():
+        kwargs.update(mem_fraction_static=spec.mem_fraction_static, enable_memory_saver=spec.memory_saver)
+        if spec.base_gpu_id is not None:
+            kwargs["base_gpu_id"] = spec.base_gpu_id
+        if spec.attention_backend:
+            kwargs["attention_backend"] = spec.attention_backend
+    else:
+        # no kernel package on the CPU: SGLang's own torch paths; its threads on every core this process may use
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", f"0-{max(len(os.sched_getaffinity(0)), 1) - 1}")
+        kwargs.update(device="cpu", attention_backend=spec.attention_backend or "torch_native", sampling_backend="pytorch",
+                      disable_cuda_graph=True, max_total_tokens=spec.max_total_tokens)
+    kwargs.update(spec.extra)
+    with without_launcher_env():  # SGLang's scheduler processes are no ranks of the trainer's world
+        return sglang.Engine(**kwargs)
+
+
+def _sampling(params: SamplingParams, n: int, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang's sampling parameters for ``n`` samples: its greedy is temperature 0; rows end at ``params``' end tokens
+    (and at the model's own EOS, which SGLang always adds: the tokenizer's, the one ``params`` names in a run)."""
+    return {"n": n, "temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,
+            "max_new_tokens": max_new_tokens, "stop_token_ids": list(params.end_ids)}
+
+
+def _sample(output: dict[str, Any]) -> tuple[list[int], list[float], bool]:
+    """An output's token ids, their logprobs, and whether it ended at an end token."""
+    ids = list(output["output_ids"])
+    logprobs = [float(lp) for lp, _, _ in output["meta_info"].get("output_token_logprobs") or []]
+    return ids, logprobs, (output["meta_info"].get("finish_reason") or {}).get("type") == "stop"
+
+
+class _SglangBackend:
+    """What both placements share: the engine's spec, its requests, episodes, the probe."""
+
+    placement = ""
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
+                 vocab_size: int, rows_per_step: int) -> None:
+        """``engine``: the trainer's MegatronEngine (the probe's reference logprobs); ``vocab_size``: the tokenizer's;
+        ``rows_per_step``: this rank's rollouts per step (the CPU KV pool holds them)."""
+        self.trainer_engine = engine
+        self.group, self.replica = replica_group()
+        self.context_length = grpo.max_prompt_length + grpo.max_completion_length
+        self.spec = EngineSpec(model=str(hf_model), dtype=str(dtype).removeprefix("torch."), seed=seed,
+                               context_length=self.context_length, mem_fraction_static=params.sglang_mem_fraction_static,
+                               attention_backend=params.sglang_attention_backend,
+                               max_total_tokens=max(4 * self.context_length, 2 * rows_per_step * self.context_length),
+                               extra=dict(params.sglang_engine_args or {}))
+        self.engine: Any = None
+        """The ``sglang.Engine`` this rank drives (None where it drives none)."""
+        self.last_probe: float | None = None
+        self.vocab = vocab_size
+        self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
+
+    # -- rollouts -------------------------------------------------------------------------------------
+    @property
+    def drives(self) -> bool:
+        return self.engine is not None
+
+    def _generate_here(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
+        """``n`` samples of each prompt from this rank's engine, grouped per prompt (SGLang returns them prompt by
+        prompt)."""
+        sampling = [_sampling(params, n, max(1, min(params.max_new_tokens, self.context_length - len(p)))) for p in prompts]
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+        return [[_sample(o) for o in outputs[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """``n`` completions of each prompt, on every rank of the replica. ``seed`` is not passed per request: each
+        engine samples from its own seed (set at start), so a run is reproducible as long as the engine receives the
+        same requests in the same order."""
+        samples = self._shared(lambda: self._generate_here(prompts, params, n) if prompts else [])
+        return [[Rollout(list(p), ids, finished, logprobs) for ids, logprobs, finished in group]
+                for p, group in zip(prompts, samples, strict=True)]
+
+    def _shared(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` where this rank drives the engine, its result on every rank of the replica (separate placement);
+        colocated ranks each drive their own."""
+        return fn()
+
+    def run_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler, budget: int,
+                     max_turns: int, seed: int | None = None) -> EpisodeRun:
+        """Multi-turn episodes as chains of requests on the engine's continuous batching: each next request added as
+        soon as its episode's observation is ready (rollout/turns.py ``request_chains``)."""
+        if max_turns <= 1:
+            return turn_by_turn(self, prompts, params, n, turns, seed)
+        requests = _RequestTasks(self.engine, self.context_length) if self.drives else None
+
+        def add(batch: list[tuple[str, list[int], Any]]) -> None:
+            if requests is not None:
+                requests.add(batch)
+
+        def step() -> list[FinishedRequest]:
+            return self._shared(lambda: requests.step() if requests is not None else [])
+
+        return request_chains(add, step, lambda room: _sampling(params, 1, room), prompts, params, n, turns)
+
+    # -- weights --------------------------------------------------------------------------------------
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Collective over the training ranks: the policy's weights into every engine, then the probe."""
+        start = time.perf_counter()
+        try:
+            stats = self._load(weights)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
+            raise WeightSyncError(f"weight sync (sglang, {self.placement}) failed: {e}") from e
+        stats.seconds = time.perf_counter() - start
+        stats.probe_max_diff = self.probe()
+        return stats
+
+    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
+        raise NotImplementedError
+
+    def probe(self) -> float:
+        """Collective over the training ranks: the largest |engine - trainer| logprob of ``PROBE_TOKENS`` tokens the
+        engine decodes (top-1 at temperature 1) after a fixed prompt, the largest over every replica's engine. The
+        prompt is the same at every probe, so the engine serves it from its prefix cache: a sync that left stale weights
+        or a stale cache behind shows here."""
+        prompt = [(7 * i + 3) % max(min(self.vocab, 250), 2) for i in range(PROBE_TOKENS)]
+
+        def decoded() -> tuple[list[int], list[float]]:
+            out = self.engine.generate(input_ids=[prompt], return_logprob=True,
+                                       sampling_params={"temperature": 1.0, "top_k": 1, "max_new_tokens": PROBE_TOKENS,
+                                                        "ignore_eos": True})
+            ids, logprobs, _ = _sample(out[0])
+            return ids, logprobs
+
+        ids, theirs = self._shared(decoded)
+        sequence = torch.tensor([prompt + ids])
+        ours = self.trainer_engine.compute_logprobs([{"input_ids": sequence}])[0][0].float().cpu()
+        mine = ours[len(prompt) - 1:len(prompt) - 1 + len(ids)]  # position t holds log p(token t + 1)
+        worst = torch.tensor([(mine - torch.tensor(theirs)).abs().max().item()], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        self.last_probe = float(worst.item())
+        return self.last_probe
+
+    def engine_metrics(self) -> dict[str, float]:
+        return {}
+
+    def decode_profile(self) -> DecodeProfile:
+        return DecodeProfile(path=f"sglang {self.placement}")  # its decode loops run in SGLang's scheduler
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class _RequestTasks:
+    """Requests in flight on one engine: ``async_generate`` tasks on its event loop, stepped by the caller."""
+
+    def __init__(self, engine: Any, context_length: int) -> None:
+        self.engine, self.context_length = engine, context_length
+        self.tasks: dict[Any, str] = {}
+
+    def add(self, batch: list[tuple[str, list[int], Any]]) -> None:
+        for request_id, prompt, sampling in batch:
+            sampling = {**sampling, "max_new_tokens": max(1, min(sampling["max_new_tokens"], self.context_length - len(prompt)))}
+            coroutine = self.engine.async_generate(input_ids=prompt, sampling_params=sampling, return_logprob=True)
+            self.tasks[self.engine.loop.create_task(coroutine)] = request_id
+
+    def step(self) -> list[FinishedRequest]:
+        """Run the engine's loop until at least one request finishes; those that did."""
+        if not self.tasks:
+            return []
+        done, _ = self.engine.loop.run_until_complete(asyncio.wait(list(self.tasks), return_when=asyncio.FIRST_COMPLETED))
+        out = []
+        for task in done:
+            ids, logprobs, finished = _sample(task.result())
+            out.append((self.tasks.pop(task), ids, logprobs, "stop" if finished else "length"))
+        return out
+
+
+class ColocatedSglangBackend(_SglangBackend):
+    """``rollout_placement: colocated``: an engine on every trainer rank's own GPU (Megatron TP 1 and PP 1, validation
+    says so), asleep while the trainer trains (GPU)."""
+
+    placement = "colocated"
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
+                 vocab_size: int, rows_per_step: int) -> None:
+        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.spec.seed = seed + rank  # one seed per engine
+        if torch.cuda.is_available():
+            self.spec.base_gpu_id = torch.cuda.current_device()
+            self.spec.memory_saver = True
+        self.awake = True
+        self.engine = start_engine(self.spec)
+
+    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
+        """The rank's HF tensors into its engine in buckets, in memory (Megatron TP 1: a rank holds the whole model)."""
+        self.wake()
+        pairs = weight_stream.TimedPairs(weights())
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size, limit = 0, self.bucket_bytes
+        for name, tensor in pairs:
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= limit:
+                self._update(bucket, flush=False)
+                bucket, size = [], 0
+        self._update(bucket, flush=False)
+        self.engine.flush_cache()  # prefixes cached under the old weights must not be reused
+        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
+
+    def _update(self, bucket: list[tuple[str, torch.Tensor]], flush: bool) -> None:
+        ok, message = self.engine.update_weights_from_tensor(bucket, flush_cache=flush) if bucket else (True, "")
+        if not ok:
+            raise WeightSyncError(f"SGLang refused the weights: {message}")
+
+    def wake(self) -> float:
+        if self.awake:
+            return 0.0
+        start = time.perf_counter()
+        torch.cuda.empty_cache()  # the memory training freed, back to the device for the engine
+        self.engine.resume_memory_occupation()
+        self.awake = True
+        return time.perf_counter() - start
+
+    def sleep(self) -> EngineSleep:
+        """On GPU the engine releases its weights' and KV cache's memory (it keeps the weights' values: the next sync
+        refreshes them anyway); CPU engines keep theirs."""
+        if not torch.cuda.is_available() or not self.awake:
+            return EngineSleep()
+        start = time.perf_counter()
+        self.engine.release_memory_occupation()
+        self.awake = False
+        return EngineSleep(time.perf_counter() - start)
+
+
+class SeparateSglangBackend(_SglangBackend):
+    """``rollout_placement: separate``: one engine per model replica, on a GPU of its own, owned by the replica's first
+    rank, which sends it the whole model over a weight-update group; the replica's other ranks get its rollouts."""
+
+    placement = "separate"
+
+    def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
+                 vocab_size: int, rows_per_step: int) -> None:
+        from oumi_megatron.rollout.vllm_backend import _engine_gpu_for_owner
+
+        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step)
+        self.owner = self.replica[0]
+        self.is_owner = not dist.is_initialized() or dist.get_rank() == self.owner
+        self.method = params.weight_sync_method
+        if self.method == "nccl" and not torch.cuda.is_available():
+            raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
+        gpu = _engine_gpu_for_owner(self.is_owner) if dist.is_initialized() else None
+        self.update_group: Any = None
+        if not self.is_owner:
+            return
+        from megatron.core import parallel_state as ps
+
+        self.spec.seed = seed + ps.get_data_parallel_rank()
+        if gpu is not None:
+            self.spec.base_gpu_id = int(gpu)
+        self.engine = start_engine(self.spec)
+        self.update_group = self._open_update_group()
+
+    def _open_update_group(self) -> Any:
+        """The owner (rank 0) and the engine's scheduler ranks (1..) in a process group of their own (SGLang's
+        rendezvous: it joins from its ``init_weights_update_group`` while the owner joins here)."""
+        from sglang.srt.utils.common import init_custom_process_group
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        world = 2  # the owner and the engine's one scheduler rank (SGLang TP 1: a GPU of its own)
+        backend = "nccl" if self.method == "nccl" else "gloo"
+        joined: dict[str, Any] = {}
+
+        def engine_joins() -> None:
+            joined["result"] = self.engine.init_weights_update_group("127.0.0.1", port, 1, world, UPDATE_GROUP, backend)
+
+        thread = threading.Thread(target=engine_joins, daemon=True)
+        thread.start()
+        with without_launcher_env():  # under torchrun, torch's rendezvous would take the agent's store instead of ours
+            group = init_custom_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world,
+                                              rank=0, group_name=UPDATE_GROUP)
+        thread.join()
+        ok, message = joined["result"]
+        if not ok:
+            raise WeightSyncError(f"the SGLang engine did not join the weight-update group: {message}")
+        return group
+
+    def _shared(self, fn: Callable[[], Any]) -> Any:
+        box: list[Any] = [fn() if self.is_owner else None]
+        if dist.is_initialized() and len(self.replica) > 1:
+            dist.broadcast_object_list(box, src=self.owner, group=self.group)
+        return box[0]
+
+    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Every rank iterates the whole model (the exporter's gathers are collective); the owner sends it in flattened
+        buckets, each one ``update_weights_from_distributed`` call of the engine while the owner broadcasts it."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        pairs = weight_stream.TimedPairs(weights())
+        device = torch.device("cuda", torch.cuda.current_device()) if self.method == "nccl" else torch.device("cpu")
+        limit = self.bucket_bytes
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+
+        def send(bucket: list[tuple[str, torch.Tensor]]) -> None:
+            if not self.is_owner or not bucket:
+                return
+            flat = FlattenedTensorBucket(named_tensors=[(n, t.to(device)) for n, t in bucket]).get_flattened_tensor()
+            answer: dict[str, Any] = {}
+
+            def receive() -> None:
+                answer["result"] = self.engine.update_weights_from_distributed(
+                    [n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    [list(t.shape) for _, t in bucket], UPDATE_GROUP, flush_cache=False, load_format="flattened_bucket")
+
+            thread = threading.Thread(target=receive, daemon=True)
+            thread.start()
+            dist.broadcast(flat, src=0, group=self.update_group)
+            thread.join()
+            ok, message = answer["result"]
+            if not ok:
+                raise WeightSyncError(f"SGLang refused the weights: {message}")
+
+        for name, tensor in pairs:
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= limit:
+                send(bucket)
+                bucket, size = [], 0
+        send(bucket)
+        if self.is_owner:
+            self.engine.flush_cache()  # prompts cached under the old weights must not be reused
+        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes if self.is_owner else 0, 0.0,
+                               export_seconds=pairs.seconds)
+
+    def wake(self) -> float:
+        return 0.0  # the engine keeps its GPU
+
+    def sleep(self) -> EngineSleep:
+        return EngineSleep()

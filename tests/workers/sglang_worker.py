@@ -1,0 +1,132 @@
+"""A real SGLang engine on the CPU receiving the Megatron policy's weights, checked against the trainer and the
+embedded backend (one engine start per call).
+
+    python tests/workers/sglang_worker.py CKPT HF_DIR OUT.json --placement colocated|separate [--pp 2] (torchrun for 2)
+
+1. Greedy completions (with an EOS that ends rows early) equal the embedded backend's, and the weight probe
+   (``weight_sync/probe_max_diff``: the engine's logprobs of a fixed sequence against the trainer's) is ~0 at the start.
+2. Sampled completions: the engine's logprobs of its own tokens equal the trainer's recomputed ones.
+3. Two optimizer steps change the policy: the probe, before a sync, sees it (what a sync that did nothing leaves);
+   after ``sync_weights`` the probe is ~0 again and the greedy completions equal the embedded backend's again.
+4. Multi-turn greedy episodes of a toy environment: SGLang's request chains (no turn barrier), SGLang turn by turn and
+   the embedded backend give the same episodes.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 120, 64, 1], [77, 31, 200, 9, 14, 2, 150]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("hf")
+    p.add_argument("out")
+    p.add_argument("--placement", default="colocated")
+    p.add_argument("--pp", type=int, default=1, help="a replica of two pipeline stages (separate: its owner drives the engine)")
+    args = p.parse_args()
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.standalone import ModelSection, StandaloneConfig, TrainingSection
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
+
+    params = MegatronParams(inference_backend="sglang", rollout_placement=args.placement, weight_sync_method="gloo",
+                            weight_sync_bucket_mb=0.05, pipeline_model_parallel_size=args.pp)  # small buckets: many
+    params.transformer_config.recompute_granularity = None
+    bridge, engine = build_engine(args.ckpt, engine_layout(params), params, OptimSettings(lr=2e-2, total_steps=10),
+                                  dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.hf)
+    config = StandaloneConfig(model=ModelSection(model_name=args.hf, torch_dtype_str="float32"),
+                              training=TrainingSection(seed=0), megatron=params,
+                              grpo=MegatronGrpoParams(max_prompt_length=32, max_completion_length=128))
+    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, torch.float32, Path(args.out).parent))
+    embedded = MegatronRolloutBackend(engine, len(tokenizer), path="static")
+    weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")
+    result: dict = {"backend": type(backend).__name__}
+
+    def greedy(name: str) -> None:
+        """Both backends' greedy completions, with an EOS some rows reach early (the embedded backend's 4th token)."""
+        probe = embedded.generate(PROMPTS, SamplingParams(max_new_tokens=12, pad_token_id=256, greedy=True), 1)
+        eos = probe[0][0].completion_ids[3]
+        params = SamplingParams(max_new_tokens=12, pad_token_id=256, greedy=True, eos_token_id=eos)
+        result[f"{name}_sglang"] = [g[0].completion_ids for g in backend.generate(PROMPTS, params, 1)]
+        result[f"{name}_embedded"] = [g[0].completion_ids for g in embedded.generate(PROMPTS, params, 1)]
+
+    def mismatch() -> float:
+        """max |engine - trainer| logprob over sampled completions (2 per prompt)."""
+        rollouts = [r for g in backend.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=10,
+                                                                      pad_token_id=256), 2) for r in g]
+        batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
+                              torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
+        layout = padded_layout(batch, 2, pad_id=256)
+        worst = 0.0
+        for mb, lp in zip(layout.microbatches, engine.compute_logprobs(layout.microbatches, 0.8)):
+            mask = mb["completion_mask"]
+            worst = max(worst, ((mb["rollout_logprobs"].float() - lp.float()).abs() * mask).max().item())
+        result["sampled_rows"] = len(rollouts)
+        return worst
+
+    greedy("start")
+    result["probe_start"] = backend.probe()
+    result["sampled_logprob_max_abs_diff"] = mismatch()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the policy moves
+        ids = torch.randint(0, 250, (4, 16), generator=g)
+        engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}],
+                          lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
+    result["probe_stale"] = backend.probe()
+    backend.sleep()
+    backend.wake()
+    stats = backend.sync_weights(weights)
+    result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "probe": stats.probe_max_diff}
+    greedy("synced")
+    result["episodes"] = greedy_episodes(backend, embedded, tokenizer)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(result))
+    backend.close()
+    dist.barrier()
+
+
+def greedy_episodes(backend, embedded, tokenizer) -> dict:  # noqa: ANN001
+    """Greedy episodes of the example environment ``guess_number``: SGLang's request chains, SGLang turn by turn (each
+    turn one generate of every going episode's history) and the embedded backend; tokens, masks and turns."""
+    import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.registry import build_environment
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    class GenerateOnly:  # SGLang seen through generate alone: turn by turn
+        def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return backend.generate(*args, **kwargs)
+
+    greedy = SamplingParams(temperature=1.0, greedy=True, max_new_tokens=120, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=256)
+    rows = [{"prompt": str(q), "extra_info": {"secret": 50}} for q in PROMPTS]
+    out = {}
+    for name, engine in (("sglang", backend), ("sglang_turn_by_turn", GenerateOnly()), ("embedded", embedded)):
+        env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
+        groups, stats = run_episodes(engine, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
+                                     max_observation_tokens=16, max_turn_tokens=6)
+        out[name] = {"tokens": [g[0].completion_ids for g in groups], "masks": [g[0].loss_mask for g in groups],
+                     "turns": stats.turns, "observation_tokens": stats.observation_tokens}
+    return out
+
+
+if __name__ == "__main__":
+    main()
