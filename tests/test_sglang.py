@@ -86,3 +86,33 @@ def test_grpo_with_sglang_rollouts_learns(tmp_path: Path, tiny_model_dir: Path) 
     assert all(r["weight_sync/probe_max_diff"] <= EQUAL for r in rows[1:]), [r.get("weight_sync/probe_max_diff") for r in rows]
     assert "weight_sync/probe_max_diff" not in rows[0]  # step 1 starts from the engine's own weights: no sync
     assert max(r["mismatch/max_abs_diff"] for r in rows) <= 1e-4
+
+
+ASYNC = ("--megatron.inference_backend", "sglang", "--megatron.rollout_placement", "separate",
+         "--megatron.weight_sync_method", "gloo", "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis",
+         "--training.save_final_model", "false", "--training.save_steps", "0")
+
+
+def _train(out: Path, tiny_model_dir: Path, config: str, *overrides: str) -> list[dict]:
+    _check(run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / config), "--model.model_name",
+                    str(tiny_model_dir), "--training.output_dir", str(out), *overrides]))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_asynchronous_grpo_one_step_off_policy_on_a_separate_engine(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """grpo.max_staleness: 1 on a separate SGLang engine: generations and pushes queue on the engine's thread while the
+    trainer trains, so every batch after the first is exactly one policy version old; after each push the engine's
+    logprobs of the probe sequence equal the trainer's at the push; multi-turn episodes run whole on that thread too
+    (the guess_number example)."""
+    rows = _train(tmp_path / "async", tiny_model_dir, "tiny_cpu_grpo.yaml", *ASYNC, "--training.max_steps", "12")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0] + [1.0] * 11
+    assert [r["rollout/policy_version"] for r in rows] == [0.0] + [float(s - 2) for s in range(2, 13)]
+    assert all("tis/mean_weight" in r and r["weight_sync/bytes"] > 0 for r in rows[1:])
+    probes = [r["weight_sync/probe_max_diff"] for r in rows[2:]]  # each push's probe, reported at the next push
+    assert probes and max(probes) <= EQUAL, probes
+    assert max(r["mismatch/mean_abs_diff"] for r in rows[1:]) > 1e-3  # one version old: the engine's logprobs differ
+    episodes = _train(tmp_path / "async_episodes", tiny_model_dir, "tiny_cpu_grpo_guess_number.yaml", *ASYNC,
+                      "--training.max_steps", "4")
+    assert [r["rollout/staleness_max"] for r in episodes] == [0.0] + [1.0] * 3
+    assert all(r["env/turns_max"] >= 2 and r["env/failed_episodes"] == 0 for r in episodes)

@@ -424,8 +424,9 @@ def _check_staleness(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     mode, _ = resolve_rollout_mode(m)
     if mode is not None and not mode.asynchronous:
         r.add("grpo.max_staleness", f"{g.max_staleness} (asynchronous GRPO) needs rollout engines that generate while "
-                                    "the trainer trains: set megatron.inference_backend: vllm and megatron.rollout_placement: "
-                                    f"separate or ray (now {m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
+                                    "the trainer trains: set megatron.inference_backend: vllm (rollout_placement: separate "
+                                    "or ray) or sglang (rollout_placement: separate) (now "
+                                    f"{m.inference_backend!r} / {m.rollout_placement!r}), or max_staleness: 0.")
     if m.weight_sync_method == "checkpoint":
         r.add("grpo.max_staleness", "asynchronous GRPO streams each new policy to the engines behind their generations in "
                                     "flight; megatron.weight_sync_method: checkpoint would rewrite the folder under them. "

@@ -80,6 +80,19 @@ class DecodeProfile:
     """The last call's generation path (e.g. whether the decode step's CUDA graph was captured, and why not)."""
 
 
+@dataclass
+class TaggedRollouts:
+    """A generation that ran while the trainer went on (asynchronous GRPO): its rollouts, the policy version of the
+    weights that generated them, and the engine's seconds on it."""
+
+    rollouts: list[list[Rollout]]
+    version: int
+    """For episodes, the oldest version among their turns' (a weight push can land between two turns)."""
+    engine_seconds: float
+    episodes: Any = None
+    """A multi-turn episode job's ``EpisodeStats`` (``submit_episodes``); None for a single generation."""
+
+
 class PolicyWeights(Protocol):
     """The trainer's weights under HF names (engine/state/hf_weights.py ``HFWeightExporter``). Both calls are collective
     over the training ranks: every rank calls them, and iterates to the end."""

@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.rollout import weight_stream
-from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, PolicyWeights, Rollout, WeightSyncStats
+from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, PolicyWeights, Rollout, TaggedRollouts, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.rollout.vllm_backend import TaggedRollouts, _rollouts, _vllm_sampling
+from oumi_megatron.rollout.vllm_backend import _rollouts, _vllm_sampling
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
 

@@ -12,7 +12,7 @@ ask the entry; this module is the only one that reads ``rollout_placement``.
 | vllm separate | vllm / separate | one per replica, its own process and GPU | yes |
 | vllm ray | vllm / ray | a Ray fleet on any node | yes |
 | sglang colocated | sglang / colocated | one per trainer rank (Megatron TP 1, PP 1), on its GPU | no |
-| sglang separate | sglang / separate | one per replica, on a GPU of its own | no |
+| sglang separate | sglang / separate | one per replica, on a GPU of its own | yes |
 
 A new backend registers a builder with ``@register_rollout_backend("name")`` (here, or in a ``grpo.plugins``
 module) and implements rollout/base.py's ``RolloutBackend``; it places its own engines (one mode, placement not read).
@@ -159,8 +159,8 @@ def as_asynchronous(backend: RolloutBackend, params: MegatronParams) -> AsyncRol
     mode = rollout_mode(params)
     if not mode.asynchronous or not isinstance(backend, AsyncRolloutBackend):
         raise ValueError(f"grpo.max_staleness > 0 needs a rollout mode whose engines generate while the trainer trains; "
-                         f"{mode.name} does not. Set megatron.inference_backend: vllm and megatron.rollout_placement: "
-                         "separate or ray, or grpo.max_staleness: 0.")
+                         f"{mode.name} does not. Set megatron.inference_backend: vllm (rollout_placement: separate or "
+                         "ray) or sglang (rollout_placement: separate), or grpo.max_staleness: 0.")
     return backend
 
 
@@ -342,6 +342,6 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
 ROLLOUT_BACKENDS.add("sglang", BackendModes({
     "colocated": RolloutMode("sglang colocated", _sglang(colocated=True), memory=ENGINE_SHARE, check=_sglang_fields(True),
                              engine_gpus=_megatron_tp, gpu_share=_sglang_share),
-    "separate": RolloutMode("sglang separate", _sglang(colocated=False), check=_sglang_fields(False),
+    "separate": RolloutMode("sglang separate", _sglang(colocated=False), asynchronous=True, check=_sglang_fields(False),
                             engine_gpus=_one_gpu, gpu_share=_sglang_share),
 }))

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from oumi_megatron.rollout.base import (
     EpisodeRun,
     PolicyWeights,
     Rollout,
+    TaggedRollouts,
     TurnHandler,
     WeightSyncStats,
 )
@@ -190,19 +191,6 @@ def _rollouts(prompts: list[list[int]], results: Any) -> list[list[Rollout]]:
     return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
                      logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
             for prompt, samples in zip(prompts, results, strict=True)]
-
-
-@dataclass
-class TaggedRollouts:
-    """A generation that ran while the trainer went on (asynchronous GRPO): its rollouts, the policy version of the
-    weights that generated them, and the engine's seconds on it."""
-
-    rollouts: list[list[Rollout]]
-    version: int
-    """For episodes, the oldest version among their turns' (a weight push can land between two turns)."""
-    engine_seconds: float
-    episodes: Any = None
-    """A multi-turn episode job's ``EpisodeStats`` (``submit_episodes``); None for a single generation."""
 
 
 class _ReplicaEngine:

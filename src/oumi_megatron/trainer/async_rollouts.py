@@ -92,5 +92,7 @@ class AsyncRollouts:
         self.last_push = stats = self.backend.push_weights(weights, version)
         out.update({"weight_sync/bytes": stats.bytes, "weight_sync/seconds": stats.seconds,
                     "weight_sync/export_s": stats.export_seconds, "weight_sync/senders": stats.senders,
-                    **({"weight_sync/sender_bytes_max": stats.sender_bytes} if stats.sender_bytes else {})})
+                    **({"weight_sync/sender_bytes_max": stats.sender_bytes} if stats.sender_bytes else {}),
+                    # the previous push's probe, taken by the engine after it loaded those weights
+                    **({"weight_sync/probe_max_diff": stats.probe_max_diff} if stats.probe_max_diff is not None else {})})
         return out
