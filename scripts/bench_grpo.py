@@ -17,6 +17,7 @@ GRPO step in two optimizer steps of 64, temperature 0.7, 128 new tokens, lr 1e-5
 - ``vllm_kv``: ``vllm`` with the engine's KV cache sized to the step's rollouts (``megatron.vllm_kv_cache_gib``: the
   completions x (max_prompt_length + new tokens) slots, x 1.25) instead of most of ``vllm_gpu_memory_utilization``: what a wake maps;
 - ``vllm_awake``: ``vllm_kv`` with ``megatron.vllm_sleep: false`` (the engine stays resident: no wake or sleep);
+- ``sglang``: the same with ``megatron.inference_backend: sglang`` (a colocated engine, released while training);
 - ``trl``: TRL's GRPOTrainer with HF ``generate`` rollouts (scripts/bench_grpo_trl.py, the settings written there);
 - ``trl_vllm``: TRL with ``use_vllm=True, vllm_mode="colocate"``.
 
@@ -53,7 +54,7 @@ from bench_common import (
     run_worker,
 )
 
-PATHS = ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake", "trl", "trl_vllm")
+PATHS = ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake", "sglang", "trl", "trl_vllm")
 
 
 def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_cache_gib: float = 0.0,
@@ -207,6 +208,8 @@ def main() -> None:
         prepare_scale(args)
 
     def run_path(path: str) -> dict[str, Any]:
+        if path == "sglang":
+            return run_ours(args, out, "sglang")
         if path in ("embedded", "embedded_capture", "vllm", "vllm_kv", "vllm_awake"):
             return run_ours(args, out, "megatron" if path.startswith("embedded") else "vllm",
                             sized_kv=path in ("vllm_kv", "vllm_awake"), sleep=path != "vllm_awake",

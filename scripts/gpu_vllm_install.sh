@@ -3,7 +3,8 @@
 # split into parts over several device calls (each call carries one `.vchunkN/` or `.rchunkN/` folder; files left on
 # the warm machine stay between calls). vLLM: a trimmed set of 117 MiB in three parts (scripts/pack_vllm_for_gpu.sh,
 # docs/benchmarks.md "vLLM on the GPU machine"); Ray: 2.60.0 and jsonschema's wheels in two parts
-# (scripts/pack_ray_for_gpu.sh; the Ray fleet, `rollout_placement: ray`). Each call copies its parts to /tmp/vchunks
+# (scripts/pack_ray_for_gpu.sh; the Ray fleet, `rollout_placement: ray`); SGLang: 0.5.17 and a trimmed sglang-kernel in
+# ~41 MiB parts (scripts/pack_sglang_for_gpu.sh; `inference_backend: sglang`). Each call copies its parts to /tmp/vchunks
 # or /tmp/rchunks; once the parts add up to the tar whose sha256 came with part 0, the wheels are installed into
 # /tmp/site (the same place scripts/gpu_check.sh uses).
 # Prints per package "ready", "N part(s) so far" or "not carried" (Ray: nothing when none of it was ever carried).
@@ -41,5 +42,8 @@ if install_parts vllm v; then
 fi
 if compgen -G ".rchunk*/" >/dev/null || [ -f /tmp/rchunks/SHA256 ]; then
   install_parts ray r && PYTHONPATH=/tmp/site python3 -c "import ray; print('ray: ready', ray.__version__)"
+fi
+if compgen -G ".schunk*/" >/dev/null || [ -f /tmp/schunks/SHA256 ]; then  # scripts/pack_sglang_for_gpu.sh
+  install_parts sglang s && PYTHONPATH=/tmp/site python3 -c "import sglang; print('sglang: ready', sglang.__version__)"
 fi
 exit 0

@@ -35,6 +35,7 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     params.inference_backend = megatron.pop("inference_backend", "megatron")
     params.vllm_kv_cache_gib = megatron.pop("vllm_kv_cache_gib", 0.0)
     params.vllm_sleep = megatron.pop("vllm_sleep", True)
+    params.sglang_mem_fraction_static = megatron.pop("sglang_mem_fraction_static", 0.4)
     gpu_memory_gib = megatron.pop("gpu_memory_gib", None)
     assert not megatron, megatron
     layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
@@ -230,3 +231,15 @@ def test_engines_on_gpus_of_their_own_must_hold_the_model() -> None:
     r = json.loads(run_cli([*base, "--json", "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "separate",
                             "--megatron.weight_sync_method", "nccl"]).stdout)
     assert r["fits"] is False and r["total"] < 80 and "131." in r["engine_problem"], r
+
+
+def test_a_colocated_sglang_engine_takes_its_mem_fraction_static_of_the_gpu() -> None:
+    """SGLang's mem_fraction_static holds its weights and KV pool: the plan counts that share of the GPU (or the
+    engine's weights where they are more), in turns with training (the engine releases its memory while it trains)."""
+    plan = _plan(TINY, inference_backend="sglang", sglang_mem_fraction_static=0.3, gpu_memory_gib=80.0)
+    assert plan.rollout == pytest.approx(0.3 * 80.0, rel=1e-9)
+    persistent = plan.weights + plan.grads + plan.optimizer
+    assert plan.total == pytest.approx(persistent + max(plan.rollout, plan.activations + plan.logits) + plan.overhead, rel=1e-9)
+    unknown = _plan(TINY, inference_backend="sglang")  # no GPU size given: the engine's weights, and a note to pass it
+    assert unknown.rollout * GIB == pytest.approx(2 * 188_928, rel=1e-9)
+    assert any("sglang_mem_fraction_static" in n for n in unknown.notes), unknown.notes

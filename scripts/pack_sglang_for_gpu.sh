@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# SGLang 0.5.17 for the lent GPU machine, whose image has none (megatron.inference_backend: sglang), as a tar of wheels
+# split into ~41 MiB parts: .schunk0/part00 + .schunk0/SHA256, .schunk1/part01, ... unpacked there by
+# scripts/gpu_vllm_install.sh (it installs the set once every part arrived). A TEST VEHICLE for that machine only:
+# users install `oumi-megatron[sglang]`.
+#
+#   bash scripts/pack_sglang_for_gpu.sh [WORK_DIR]   # default /tmp/oumi_sglang_gpu; needs the package index
+#
+# sglang-kernel 0.4.5 (CUDA 13, the image's) is a 365 MiB wheel; trimmed here to ~14 MiB by dropping what an H100/H200
+# run with the fa3 / triton / flashinfer attention does not load: flash_ops (FlashAttention builds, 1.1 GB unpacked,
+# imported inside a try), sm100/ (Blackwell), infllm_ops and flashmla_ops (MLA). The other wheels are what importing
+# sglang's engine and weight-sync modules loads beyond the image's packages (read off the CPU venv's sys.modules),
+# at the lock's versions where the lock has them. First cut: the GPU issue's run says what the image still lacks.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${1:-/tmp/oumi_sglang_gpu}
+DL=$WORK/dl
+SET=$WORK/sglang_gpu_min
+TAR=$WORK/sglang_gpu_min.tar
+WHEELS=(
+  sglang==0.5.17 sglang-kernel==0.4.5 flashinfer_python==0.6.15.post1 torch_memory_saver==0.0.10
+  annotated-types==0.8.0 apache-tvm-ffi==0.1.11 blobfile==3.0.0 compressed-tensors==0.17.0 easydict==1.14
+  fastapi==0.136.3 gguf==0.19.0 interegular==0.3.3 llguidance==1.7.6 loguru==0.7.3 msgspec==0.22.0 orjson==3.13.0
+  openai==2.6.1 openai-harmony==0.0.4 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.13.5
+  pydantic_core==2.46.5 python-multipart==0.0.22 pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0
+  typing-inspection==0.4.5 uvicorn==0.35.0 watchfiles==1.1.0 xgrammar==0.2.1 zstandard==0.25.0
+)
+mkdir -p "$DL"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 -d "$DL" "${WHEELS[@]}" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+rm -rf "$SET" && mkdir -p "$SET"
+for whl in "$DL"/*.whl; do
+  case $(basename "$whl") in
+    sglang_kernel-*) python3 - "$whl" "$SET/$(basename "$whl")" <<'PY'
+import sys, zipfile
+src, dst = sys.argv[1:3]
+drop = {"sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/common_ops.abi3.so", "sgl_kernel/flashmla_ops.abi3.so",
+        "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so"}
+zi = zipfile.ZipFile(src)
+assert drop <= set(zi.namelist()), f"not in the wheel (another build?): {sorted(drop - set(zi.namelist()))}"
+record = next(n for n in zi.namelist() if n.endswith(".dist-info/RECORD"))
+with zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as zo:
+    for info in zi.infolist():  # same order, dates and modes: a reproducible zip; RECORD without the dropped files
+        if info.filename in drop:
+            continue
+        data = zi.read(info.filename)
+        if info.filename == record:
+            data = "".join(l for l in data.decode().splitlines(True) if l.split(",")[0] not in drop).encode()
+        zo.writestr(info, data)
+PY
+    ;;
+    *) cp "$whl" "$SET/" ;;
+  esac
+done
+[ "$(ls "$SET"/*.whl | wc -l)" -eq ${#WHEELS[@]} ] || { echo "expected ${#WHEELS[@]} wheels in $SET"; exit 1; }
+chmod 644 "$SET"/*.whl
+tar -C "$WORK" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --mode='u=rwX,go=rX' -cf "$TAR" sglang_gpu_min
+SHA=$(sha256sum "$TAR" | cut -d' ' -f1)
+rm -rf "$WORK/parts" && mkdir -p "$WORK/parts"
+split -b 41M -d -a 2 "$TAR" "$WORK/parts/part"
+EXCLUDE=$(git -C "$REPO" rev-parse --git-path info/exclude)
+case $EXCLUDE in /*) ;; *) EXCLUDE=$REPO/$EXCLUDE ;; esac
+mkdir -p "$(dirname "$EXCLUDE")" && touch "$EXCLUDE"
+rm -f "$REPO"/.schunk[0-9]*/part[0-9]* "$REPO"/.schunk[0-9]*/SHA256
+i=0
+for part in "$WORK"/parts/part*; do
+  mkdir -p "$REPO/.schunk$i" && cp "$part" "$REPO/.schunk$i/"
+  grep -qxF "/.schunk$i/" "$EXCLUDE" || echo "/.schunk$i/" >> "$EXCLUDE"
+  echo "  .schunk$i/$(basename "$part")  $(stat -c %s "$part") bytes"
+  i=$((i + 1))
+done
+echo "$SHA" > "$REPO/.schunk0/SHA256"
+echo "$(ls "$SET"/*.whl | wc -l) wheels, $(du -b "$TAR" | cut -f1) bytes; sha256 $SHA"
+echo "carry each .schunkN with .whl in its own device call (scripts/gpu_vllm_install.sh installs SGLang once all arrived)"
