@@ -346,6 +346,7 @@ def test_kv_cache_generation_matches_recompute_and_hf(generation: dict) -> None:
     # grpo.environment_workers: a call held until another episode's second turn is answered in the background while the
     # other rows decode (in line it would fail at its deadline); the greedy episodes are those answered at once
     assert r["background_same_episodes"] and r["background_failed"] == [], r
+    assert r["late_same_episodes"] and r["late_failed"] == [], r
     assert max(r["background_turns"]) == 3 and min(r["background_turns"]) >= 1, r
 
 

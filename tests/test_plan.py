@@ -24,7 +24,7 @@ TINY = ModelShape(source="tiny", model_type="llama", architectures=("LlamaForCau
 
 def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, seq: int = 32, mbs: int = 2,
           microbatches: int = 1, vpp: int | None = None, episodes: tuple[int, int] | None = None,
-          **megatron):  # noqa: ANN003, ANN202
+          environment_workers: int = 0, **megatron):  # noqa: ANN003, ANN202
     params = MegatronParams(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
                             virtual_pipeline_model_parallel_size=vpp)
     params.transformer_config.recompute_granularity = megatron.pop("recompute", None)
@@ -42,7 +42,8 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
                             ("interleaved" if vpp else "1f1b") if pp > 1 else "none", 2, 1)
     completion, turns = episodes or (seq, 1)  # multi-turn: (max_completion_length, max_turns)
     grpo = SimpleNamespace(max_sequence_length=seq, environment="calculator" if episodes else None,
-                           max_prompt_length=seq - completion, max_completion_length=completion, max_turns=turns)
+                           max_prompt_length=seq - completion, max_completion_length=completion, max_turns=turns,
+                           environment_workers=environment_workers)
     cfg = SimpleNamespace(megatron=params, grpo=grpo)
     return estimate_memory(cfg, shape, layout, overhead_gib=0.0, gpu_memory_gib=gpu_memory_gib)
 
@@ -136,13 +137,14 @@ def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_tra
     assert few.total == pytest.approx(few.training_peak, rel=1e-9)
 
 
-@pytest.mark.parametrize(("turns", "extra"), [(1, 9), (4, 21)])
-def test_multi_turn_episodes_cache_a_slot_for_every_step_a_row_may_wait(turns: int, extra: int) -> None:
+@pytest.mark.parametrize(("turns", "workers", "extra"), [(1, 0, 9), (4, 0, 21), (4, 2, 21 + 24)])
+def test_multi_turn_episodes_cache_a_slot_for_every_step_a_row_may_wait(turns: int, workers: int, extra: int) -> None:
     """Episodes keep one cache for every turn (rollout/decoding/episodes.py ``episode_slots``): the prompt, the whole
     completion budget, and 4 slots per turn (and one look more) a row may wait for its answer, plus one: the cache
-    above, 32 slots (8 prompt + 24 completion), becomes 32 + 4 x (turns + 1) + 1."""
+    above, 32 slots (8 prompt + 24 completion), becomes 32 + 4 x (turns + 1) + 1; answers from the background
+    (environment_workers) keep the completion budget (24) again for the rows' waits."""
     single = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64)
-    plan = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64, episodes=(24, turns))
+    plan = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64, episodes=(24, turns), environment_workers=workers)
     assert (plan.rollout - single.rollout) * GIB == pytest.approx(1_048_576 * extra / 32, rel=1e-9)
 
 

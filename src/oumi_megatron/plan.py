@@ -180,7 +180,8 @@ def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layo
     per_token = kv_cache_bytes_per_token(shape, shape.num_layers / layout.pipeline_parallel, layout.tensor_parallel)
     slots = g.max_sequence_length
     if g.environment is not None:
-        slots = episode_slots(g.max_prompt_length, g.max_completion_length, g.max_turns, EPISODE_CHECK_EVERY)
+        slots = episode_slots(g.max_prompt_length, g.max_completion_length, g.max_turns, EPISODE_CHECK_EVERY,
+                              g.environment_workers > 0)
     cache = per_token * rows * slots
     sampling = 4 * 4 * rows * shape.vocab_size if stage == layout.pipeline_parallel - 1 else 0.0
     return cache + sampling

@@ -14,6 +14,7 @@ Left-padded prompts of different lengths. Records (rank 0):
 
 import argparse
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -175,6 +176,7 @@ class ScriptedTurns:
     def __init__(self, rows: int, budget: int) -> None:
         self.budget, self.ids = budget, [[] for _ in range(rows)]
         self.turns = [0] * rows
+        self.background = False
 
     def turns_ended(self, ends):  # noqa: ANN001, ANN201
         from oumi_megatron.rollout.base import NextTurn
@@ -232,10 +234,10 @@ class Gated:
     """An environment whose first answer to episode 0 comes only once another episode has taken its second turn: a
     decoder that waited for that answer before going on would never get there (the call then fails at its deadline)."""
 
-    def __init__(self, gated: bool) -> None:
+    def __init__(self, gated: bool, delay: float = 0.0) -> None:
         import threading
 
-        self.gated, self.release = gated, threading.Event()
+        self.gated, self.delay, self.release = gated, delay, threading.Event()
 
     def start(self, row: dict) -> dict:
         return {"k": row["k"], "turns": 0}
@@ -248,6 +250,8 @@ class Gated:
             self.release.set()
         if state["k"] == 0 and state["turns"] == 1 and self.gated:
             self.release.wait(60)
+        if state["k"] == 0 and state["turns"] == 1:
+            time.sleep(self.delay)  # every other episode is over long before: episode 0 takes its turns after theirs
         return EpisodeEnd() if state["turns"] >= 3 else Observation(f"result {state['k']}")
 
 
@@ -255,7 +259,8 @@ def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # no
     """grpo.environment_workers on the decoder without a barrier: greedy episodes whose environment answers episode 0's
     first turn only after another episode took its second turn, answered in the background, equal those of an
     environment that answers at once, in line; none failed (in line, the gated call would hold every row until its
-    deadline)."""
+    deadline); nor do those of an environment that answers episode 0's first turn after every other episode is over
+    (the cache keeps room for the rows' waits)."""
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.environments.runner import EnvironmentRunner
     from oumi_megatron.examples.tiny_models import build_byte_tokenizer
@@ -264,12 +269,13 @@ def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # no
     tokenizer = build_byte_tokenizer()
     greedy = SamplingParams(max_new_tokens=60, pad_token_id=256, greedy=True, eos_token_id=eos)
     out = {}
-    for name, gated, workers in (("in_line", False, 0), ("background", True, 2)):
-        env = Gated(gated)
+    for name, gated, workers, delay in (("in_line", False, 0, 0.0), ("background", True, 2, 0.0), ("late", False, 2, 3.0)):
+        env = Gated(gated, delay)
         groups, stats = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
                                      [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
         out[name] = {"ids": [r.completion_ids for g in groups for r in g], "turns": stats.turns, "failed": stats.failed}
     return {"background_same_episodes": out["background"]["ids"] == out["in_line"]["ids"],
+            "late_same_episodes": out["late"]["ids"] == out["in_line"]["ids"], "late_failed": list(out["late"]["failed"]),
             "background_turns": out["background"]["turns"], "background_failed": list(out["background"]["failed"])}
 
 
@@ -278,6 +284,7 @@ class Recorder:
 
     def __init__(self, inner) -> None:  # noqa: ANN001
         self.inner, self.logprobs = inner, [[] for _ in inner.ids]
+        self.background = inner.background
 
     def turns_ended(self, ends):  # noqa: ANN001, ANN201
         for end in ends:

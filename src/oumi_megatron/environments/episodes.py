@@ -125,6 +125,7 @@ class Episodes:
                  n: int, budget: int, max_turns: int, max_observation_tokens: int | None = None,
                  max_turn_tokens: int | None = None, stops: tuple[int, ...] = (), eos_token_id: int | None = None) -> None:
         self.tokenizer, self.env, self.n = tokenizer, env, n
+        self.background = env is not None and env.workers > 0
         self.budget, self.max_turns, self.max_observation_tokens = budget, max_turns, max_observation_tokens
         self.max_turn_tokens, self.stops, self.eos_token_id = max_turn_tokens, frozenset(stops), eos_token_id
         self.episodes = [_Episode(prompts[i]) for i in range(len(prompts)) for _ in range(n)]
@@ -158,7 +159,7 @@ class Episodes:
                 e.running = False  # no environment, or cut by the budget: nothing more fits
             else:
                 asked.append((end.row, self.tokenizer.decode(e.last_turn, skip_special_tokens=True), e.last_turn))
-        background = self.env is not None and self.env.workers > 0
+        background = self.background
         asked_rows = {k for k, _, _ in asked}
         if asked and background:
             assert self.env is not None

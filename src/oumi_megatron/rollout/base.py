@@ -201,6 +201,9 @@ class TurnHandler(Protocol):
     gets back, per turn, the next one, None (the episode is over) or ``ANSWERING`` (it comes later, from ``answered``).
     Collective over the model replica: every rank of a replica calls both with the same turns at the same point."""
 
+    background: bool
+    """The environment answers in the background (``ANSWERING``): the embedded decoder keeps slots for rows to wait."""
+
     def turns_ended(self, ends: list[TurnEnd]) -> list[NextTurn | None | Answering]: ...
 
     def answered(self, wait: bool) -> list[tuple[int, NextTurn | None]]:

@@ -22,8 +22,11 @@ for its answer; the decode steps a batch takes are its longest episode's tokens 
 ``rollout/decode_steps`` against ``rollout/critical_path_tokens``).
 
 Cache slots: the longest prompt, then one slot per step; a row feeds at most ``budget`` tokens (its whole completion)
-and waits at most ``check_every`` steps per turn, so ``width + budget + (max_turns + 1) * check_every + 1`` slots hold
-any batch (the loop refuses to go past them).
+and waits at most ``check_every`` steps per turn for an answer in line, so ``width + budget + (max_turns + 1) *
+check_every + 1`` slots hold any batch. Answers from the background (``grpo.environment_workers``) take as long as the
+environment takes, while the other rows decode: such a batch keeps ``budget`` more slots for those waits, and a row
+whose wait would leave too few slots for the rest of its episode (the rest of its budget, a look per turn left) is
+waited for before the next step: the batch never runs out of slots, whatever the environment's pace.
 """
 
 from __future__ import annotations
@@ -54,21 +57,22 @@ def episode_check_every(device: torch.device) -> int:
     return EPISODE_CHECK_EVERY if device.type == "cuda" else 1
 
 
-def episode_slots(width: int, budget: int, max_turns: int, check_every: int) -> int:
-    """Cache slots a batch of episodes can use (module docstring)."""
-    return width + budget + (max_turns + 1) * check_every + 1
+def episode_slots(width: int, budget: int, max_turns: int, check_every: int, background: bool) -> int:
+    """Cache slots a batch of episodes can use (module docstring); ``background``: the environment answers in the
+    background, and rows may wait up to ``budget`` more steps in all for its answers."""
+    return width + budget * (2 if background else 1) + (max_turns + 1) * check_every + 1
 
 
 class EpisodeGeneration(_Generation):
     """The device state of one batch of episodes, ``n`` rows per prompt (rows ``i * n .. i * n + n - 1``)."""
 
     def __init__(self, stages: PolicyStages, params: SamplingParams, vocab_size: int, generator: torch.Generator,
-                 n: int, rows: int, width: int, budget: int, max_turns: int, check_every: int) -> None:
+                 n: int, rows: int, width: int, budget: int, max_turns: int, check_every: int, background: bool) -> None:
         first = max(params.max_new_tokens, 1)
         super().__init__(stages, params, vocab_size, generator, n, rows, width,
-                         extra_slots=episode_slots(width, budget, max_turns, check_every) - width - first)
+                         extra_slots=episode_slots(width, budget, max_turns, check_every, background) - width - first)
         device, long = stages.device, torch.long
-        self.budget, self.check_every = budget, check_every
+        self.budget, self.max_turns, self.check_every = budget, max_turns, check_every
         self.pos = torch.full((rows,), width, dtype=long, device=device)
         self.active = torch.ones(rows, dtype=torch.bool, device=device)
         self.forced = torch.zeros(rows, budget + 2, dtype=long, device=device)
@@ -85,9 +89,10 @@ class EpisodeGeneration(_Generation):
     @classmethod
     def for_episodes(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
                      vocab_size: int, generator: torch.Generator, budget: int, max_turns: int, check_every: int,
-                     width: int | None = None) -> EpisodeGeneration:
+                     background: bool, width: int | None = None) -> EpisodeGeneration:
         ids, real = left_pad(prompts, params.pad_token_id, width)
-        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1], budget, max_turns, check_every)
+        run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1], budget, max_turns, check_every,
+                  background)
         run.prompt_ids, run.prompt_real = ids.to(stages.device), real
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run
@@ -153,7 +158,7 @@ class EpisodeGeneration(_Generation):
             while True:
                 if steps % self.check_every == 0:
                     in_flight += host.going() * min(steps, self.check_every)
-                    if peers_done(self._answer(turns, host)):
+                    if peers_done(self._answer(turns, host, slots - slot)):
                         break
                 if slot >= slots:
                     raise RuntimeError(f"a batch of episodes used all {slots} cache slots with episodes still going: "
@@ -170,12 +175,16 @@ class EpisodeGeneration(_Generation):
         return EpisodeRun(decode_steps=steps, continued_ttft_s=host.ttft, concurrency=in_flight / max(steps, 1),
                           answer_s=host.answer_s)
 
-    def _answer(self, turns: TurnHandler, host: _HostView) -> bool:
+    def _answer(self, turns: TurnHandler, host: _HostView, slots_left: int) -> bool:
         """The turns that ended since the last look go to ``turns``; its answers, and those that came back from the
-        background, go into the buffers. True when every episode here is over."""
-        active, out_at = self.active.cpu().tolist(), self.out_at.cpu().tolist()
+        background, go into the buffers (waiting for those of rows that cannot wait another look: ``slots_left``).
+        True when every episode here is over."""
+        active_t, out_at, fed = torch.stack((self.active.long(), self.out_at, self.pos - self.width)).cpu().tolist()
+        active = [bool(a) for a in active_t]
         host.saw_first_tokens(out_at)
         stopped = [r for r in range(len(active)) if not active[r] and not host.done[r] and r not in host.answering]
+        for r in stopped:
+            host.turns[r] += 1
         decided: list[tuple[int, NextTurn | None]] = []
         if stopped:
             index = torch.tensor(stopped, device=self.out_tokens.device)
@@ -195,6 +204,17 @@ class EpisodeGeneration(_Generation):
         if host.answering:  # nothing else to do here: wait for the background's first answer
             idle = not any(active) and all(answer is None for _, answer in decided)
             for r, answer in host.timed(turns.answered, idle):
+                host.answering.discard(r)
+                decided.append((r, answer))
+        # A row resumed at the next look instead of now needs check_every more slots on top of the rest of its episode:
+        # where they are not there, its answer is waited for now (the others wait with it).
+        k = self.check_every
+        while any(slots_left < k + (self.budget - fed[r]) + (self.max_turns - host.turns[r] + 1) * k + 1
+                  for r in host.answering):
+            answered = host.timed(turns.answered, True)
+            if not answered:
+                raise RuntimeError(f"rows {sorted(host.answering)} wait for the environment, which answers none of them")
+            for r, answer in answered:
                 host.answering.discard(r)
                 decided.append((r, answer))
         resumed: list[tuple[int, list[int], int]] = []
@@ -232,14 +252,14 @@ def run_episodes(decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, 
     """A batch of episodes on ``decoder``: ``n`` rows per prompt, the first turns up to ``params.max_new_tokens``
     tokens, later ones as ``turns`` answers; what it cost, and the decoder's stats of it (the environment's time out of
     ``decode_s``)."""
-    k = episode_check_every(decoder.stages.device)
+    k, background = episode_check_every(decoder.stages.device), turns.background
 
     def make(width: int | None) -> EpisodeGeneration:
         return EpisodeGeneration.for_episodes(decoder.stages, prompts, n, params, decoder.vocab_size, generator, budget,
-                                              max_turns, k, width)
+                                              max_turns, k, background, width)
 
     with decoder.engine.generation_mode():
-        run, keep = decoder.prepared(("episodes", budget, max_turns, k), prompts, n, params, generator, make)
+        run, keep = decoder.prepared(("episodes", budget, max_turns, k, background), prompts, n, params, generator, make)
         started = time.perf_counter()
         run.prefill()
         run.synchronize()
@@ -267,6 +287,8 @@ class _HostView:
         """Per row, its latest turn's last token: the first of the block that resumes it (sampled, not fed yet)."""
         self.answering: set[int] = set()
         """Rows whose turn the environment answers in the background."""
+        self.turns = [0] * rows
+        """Per row, the turns it has ended."""
         self.waiting: dict[int, tuple[float, int]] = {}
         """Rows resumed with an observation: when, and their sample count then (their next turn's first token is the
         one after it)."""
