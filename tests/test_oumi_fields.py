@@ -174,7 +174,6 @@ def test_our_sections_win_and_conflicts_name_both_fields(tmp_path: Path, tiny_mo
 @pytest.mark.parametrize(
     ("training", "field", "text"),
     [
-        ({"use_peft": True}, "training.use_peft", "PEFT/LoRA is not supported"),
         ({"optimizer": "sgd"}, "training.optimizer", "Use adamw_torch"),
         ({"grpo": {"repetition_penalty": 1.2}}, "training.grpo.repetition_penalty", "without a repetition penalty"),
     ],

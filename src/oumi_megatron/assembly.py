@@ -61,6 +61,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     ``converted_dir``: where the converted Megatron-Core checkpoint lives (default ``output_dir/megatron_checkpoint``;
     runs of one model may share it).
     """
+    from oumi_megatron.config.lora import lora_settings
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.distributed import init_distributed
@@ -89,9 +90,15 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     # the LR schedule advances per optimizer step: ppo_epochs x num_mini_batches per GRPO step
     updates_per_step = config.grpo.ppo_epochs * config.grpo.num_mini_batches
     settings = OptimSettings.from_training_params(config.training, updates_per_step=updates_per_step)
-    bridge, engine = build_engine(checkpoint, layout, config.megatron, settings, dtype, trust_remote_code=trust)
+    lora, problems = lora_settings(config)  # training.use_peft: LoRA on the frozen base (validation named any problem)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    bridge, engine = build_engine(checkpoint, layout, config.megatron, settings, dtype, trust_remote_code=trust, lora=lora)
     if global_rank() == 0:
-        logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}.")
+        adapters = "" if lora is None else (f", LoRA r={lora.rank} alpha={lora.alpha:g} on {list(lora.hf_targets)} "
+                                            f"({sum(p.numel() for c in engine.model for p in c.parameters() if p.requires_grad):,} "
+                                            "trainable parameters on this rank)")
+        logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}{adapters}.")
     rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_dataset,
                             work_dir=output_dir)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, dataset, rollout)

@@ -174,6 +174,15 @@ def _check_eval_metric_prefixes(cfg: MegatronTrainingConfig, r: ValidationReport
                                                      "(e.g. eval_unseen), starting with a letter.")
 
 
+def _check_lora(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
+    """``training.use_peft`` with ``peft:`` (config/lora.py): its fields, and the layouts LoRA does not run under."""
+    from oumi_megatron.config.lora import layout_problems, lora_settings
+
+    _, problems = lora_settings(cfg)
+    r.problems.extend(problems)
+    r.problems.extend(layout_problems(cfg))
+
+
 def _check_output_dir(output_dir: str, r: ValidationReport) -> None:
     """output_dir must be a folder we can create and write into (checked now, not after conversion)."""
     path = Path(output_dir or "").expanduser()
@@ -630,6 +639,7 @@ def validate_config(
         r.add("--world-size", f"must be a positive integer, got {world_size}.")
         return r
     _check_plugins(config.grpo, r)
+    _check_lora(config, r)
     _check_trainer_and_incompatible(config, r)
     _check_training_fields(config, r)
     _check_megatron_fields(config, r)

@@ -22,7 +22,8 @@ MEGATRON_GRPO field only where those sections leave it unset; where both are set
 the config is rejected, naming both fields. Among Oumi's fields, ``verl_config_overrides`` win over
 ``training.grpo`` (as they do for VERL_GRPO). Oumi fields that have no meaning here and are set
 (verl keys without an equivalent) are named in a warning; those that would change the
-result and cannot be honoured (PEFT, a non-Adam optimizer, repetition_penalty) are rejected.
+result and cannot be honoured (a non-Adam optimizer, repetition_penalty) are rejected. ``training.use_peft`` with the
+``peft:`` section is LoRA (config/lora.py).
 
 "Set" means written in the YAML or on the command line (``explicit_keys``); for configs built in
 Python, a value different from the field's default.
@@ -321,9 +322,6 @@ class _Adopter:
 
     def unsupported(self) -> None:
         t, data = self.config.training, self.config.data
-        if getattr(t, "use_peft", False):
-            self.out.problems.append(("training.use_peft", "PEFT/LoRA is not supported by MEGATRON_GRPO "
-                                      "(full-parameter training). Set it to false."))
         optimizer = str(getattr(t, "optimizer", "adamw_torch"))
         if optimizer not in _ADAM_OPTIMIZERS:
             self.out.problems.append(("training.optimizer", f"{optimizer!r}: MEGATRON_GRPO trains with Megatron-Core's "

@@ -68,6 +68,25 @@ class TrainingSection:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-08
     max_grad_norm: float | None = 1.0
+    use_peft: bool = False
+
+
+@dataclass
+class PeftSection:
+    """Oumi's ``peft:`` fields (LoRA, config/lora.py), with Oumi's defaults."""
+
+    lora_r: int = 8
+    lora_alpha: int = 8
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    peft_save_mode: str = "adapter_only"
+    q_lora: bool = False
+    lora_modules_to_save: list[str] | None = None
+    lora_exclude_modules: list[str] | None = None
+    lora_target_parameters: list[str] | None = None
+    lora_bias: str = "none"
+    lora_init_weights: str = "default"
+    lora_task_type: str = "CAUSAL_LM"
 
 
 @dataclass
@@ -76,6 +95,7 @@ class StandaloneConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
+    peft: PeftSection = field(default_factory=PeftSection)
     megatron: MegatronParams = field(default_factory=MegatronParams)
     grpo: MegatronGrpoParams = field(default_factory=MegatronGrpoParams)
     data: dict[str, Any] = field(default_factory=dict)
@@ -110,12 +130,12 @@ def _load_standalone(path: Path, overrides: Sequence[str]) -> StandaloneConfig:
 
     raw = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
     tree: dict[str, Any] = OmegaConf.to_container(raw, resolve=True)  # type: ignore[assignment]
-    unknown = sorted(set(tree) - {"model", "training", "megatron", "grpo", "data"})
+    unknown = sorted(set(tree) - {"model", "training", "peft", "megatron", "grpo", "data"})
     if unknown:
         raise ValueError(f"{path}: unknown top-level section(s) {unknown}; a MEGATRON_GRPO config has model:, data:, "
-                         "training:, megatron: and grpo:.")
+                         "training:, peft:, megatron: and grpo:.")
     config = StandaloneConfig(data=tree.get("data") or {})
-    for name, section in (("model", config.model), ("training", config.training)):
+    for name, section in (("model", config.model), ("training", config.training), ("peft", config.peft)):
         known = {f.name for f in fields(section)}
         for key, value in (tree.get(name) or {}).items():
             if key in known:

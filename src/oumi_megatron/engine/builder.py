@@ -18,6 +18,7 @@ from oumi_megatron.engine.parallel.distributed import init_model_parallel
 from oumi_megatron.engine.state.conversion import build_from_checkpoint
 
 if TYPE_CHECKING:
+    from oumi_megatron.config.lora import LoraSettings
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.parallel.layout import ParallelLayout
 
@@ -45,15 +46,22 @@ def build_engine(
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    lora: LoraSettings | None = None,
 ) -> tuple[Any, MegatronEngine]:
     """(bridge, engine): model chunks wrapped in Megatron DDP, optimizer and LR schedule, for ``layout`` (its process
-    groups and its pipeline schedule)."""
+    groups and its pipeline schedule). ``lora``: LoRA adapters on the frozen base (engine/peft.py), the optimizer over
+    the adapters alone."""
+    from oumi_megatron.engine.peft import bridge_peft
+
     dtype = dtype or default_dtype()
+    peft = bridge_peft(lora) if lora is not None else None
     bridge, chunks = build_from_checkpoint(checkpoint_dir, layout, params, dtype=dtype,
-                                           ddp_config=ddp_config_from_params(params), trust_remote_code=trust_remote_code)
+                                           ddp_config=ddp_config_from_params(params), trust_remote_code=trust_remote_code,
+                                           peft=peft)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     scheduler = build_scheduler(optimizer, settings)
-    return bridge, MegatronEngine(chunks, optimizer, scheduler, params, schedule=layout.pipeline_schedule)
+    return bridge, MegatronEngine(chunks, optimizer, scheduler, params, schedule=layout.pipeline_schedule, peft=peft,
+                                  lora=lora, base_dir=Path(checkpoint_dir) if lora is not None else None)
 
 
 def build_inference_engine(

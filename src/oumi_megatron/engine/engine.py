@@ -33,6 +33,8 @@ from oumi_megatron.engine.parallel.schedules import SCHEDULES, schedule_function
 from oumi_megatron.engine.wrappers import unwrap
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from oumi_megatron.config.megatron_params import MegatronParams
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
@@ -103,6 +105,13 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         dist.all_reduce(sums, group=group)
     # H = log sum exp(z) - E_p[z]
     return (sums[..., 0].log() + z_max[..., 0] - sums[..., 1] / sums[..., 0])
+
+
+def _sequence_parallel_flags(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module attributes that switch sequence parallelism (Megatron-Core's, as ``set_model_to_sequence_parallel``
+    sets them, and LoRA adapters' ``disable_sequence_parallel_comm``: True is off)."""
+    embeddings = () if getattr(model, "position_embedding_type", None) == "learned_absolute" else ("reduce_scatter_embeddings",)
+    return ("sequence_parallel", "scatter_to_sequence_parallel", *embeddings, "disable_sequence_parallel_comm")
 
 
 def _forward_only(fn: Callable) -> Callable:
@@ -244,11 +253,14 @@ class MegatronEngine:
     """Model chunks + optimizer + LR schedule for one layout. Build with ``engine.builder``."""
 
     def __init__(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, params: MegatronParams,
-                 schedule: str) -> None:
+                 schedule: str, peft: Any = None, lora: Any = None, base_dir: Path | None = None) -> None:
+        """``peft``: Megatron-Bridge's LoRA applied to ``model`` (engine/peft.py; None: full fine-tuning), ``lora`` its
+        settings (config/lora.py), ``base_dir`` the converted checkpoint its frozen base was loaded from."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
         self.model = model
+        self.peft, self.lora, self.base_dir = peft, lora, base_dir
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -281,19 +293,29 @@ class MegatronEngine:
     @contextlib.contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:
         """Forward-only passes (logprobs, generation: one token at a time) run without sequence parallelism,
-        as Megatron-Core's own inference does (``set_model_to_sequence_parallel``); training turns it back on."""
+        as Megatron-Core's own inference does (the flags ``set_model_to_sequence_parallel`` sets); training turns it
+        back on. Each flag gets back the value it had, not True: a LoRA adapter's own linear layers are built without
+        sequence parallelism and gather their input themselves (``disable_sequence_parallel_comm``, switched off here
+        with the rest), and Megatron-Core's helper would turn them on. Its cache of modules by ``id(model)`` is not
+        used either: a later model can take a freed one's id."""
         if not self.config.sequence_parallel:
             yield
             return
-        from megatron.core.transformer.utils import set_model_to_sequence_parallel
-
-        for chunk in self.model:
-            set_model_to_sequence_parallel(unwrap(chunk), set_to=False)
+        models = [unwrap(chunk) for chunk in self.model]
+        flags = [(m, attr, getattr(m, attr)) for model in models for m in model.modules()
+                 for attr in _sequence_parallel_flags(model) if hasattr(m, attr)]
+        for m, attr, _ in flags:
+            setattr(m, attr, attr == "disable_sequence_parallel_comm")
+        configs = {id(model.config): model.config for model in models}
+        for config in configs.values():
+            config.sequence_parallel = False
         try:
             yield
         finally:
-            for chunk in self.model:
-                set_model_to_sequence_parallel(unwrap(chunk), set_to=True)
+            for m, attr, value in flags:
+                setattr(m, attr, value)
+            for config in configs.values():
+                config.sequence_parallel = True
 
     @contextlib.contextmanager
     def _context_parallel_off(self) -> Iterator[None]:

@@ -177,8 +177,10 @@ def _local_spec(provider: Any, vp_stage: int | None = None, *, backend: str) -> 
     return sequence_parallel_block_spec(spec, provider, vp_stage) if provider.sequence_parallel else spec
 
 
-def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: bool) -> list[torch.nn.Module]:
-    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped if ``ddp_config``."""
+def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: bool,
+                       pre_wrap_hooks: list[Any] | None = None) -> list[torch.nn.Module]:
+    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped if ``ddp_config``; ``pre_wrap_hooks``
+    run on the bare chunks before DDP wraps them (LoRA: the base weights loaded, then the adapters, engine/peft.py)."""
     from megatron.core.transformer.module import Float16Module
 
     if not load_hf_weights:
@@ -188,4 +190,5 @@ def build_model_chunks(provider: Any, ddp_config: Any | None, load_hf_weights: b
         wrap_with_ddp=ddp_config is not None,
         use_cpu_initialization=not torch.cuda.is_available(),
         mixed_precision_wrapper=Float16Module,
+        **({"pre_wrap_hook": pre_wrap_hooks} if pre_wrap_hooks else {}),
     )

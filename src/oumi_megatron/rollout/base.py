@@ -11,11 +11,14 @@ import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from oumi_megatron.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.peft import AdapterWeights
 
 
 @dataclass
@@ -115,6 +118,10 @@ class PolicyWeights(Protocol):
 
     def save(self, folder: str | Path) -> Path:
         """The weights as an HF folder, written atomically."""
+        ...
+
+    def adapters(self) -> AdapterWeights | None:
+        """The LoRA adapter alone, whole, on every rank (None: the policy has none); collective."""
         ...
 
 

@@ -29,7 +29,7 @@ import torch
 from oumi_megatron.engine.engine import StepResult
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
-from oumi_megatron.engine.state.hf_weights import HFWeightExporter
+from oumi_megatron.engine.state.hf_weights import HFWeightExporter, export_folders, save_policy
 from oumi_megatron.environments.driver import RolloutDriver
 from oumi_megatron.grpo.algorithm import logprob_mismatch
 from oumi_megatron.grpo.loss import make_grpo_loss_fn
@@ -44,7 +44,7 @@ from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
 from oumi_megatron.trainer.metrics import MetricsLogger, plot_curves
-from oumi_megatron.trainer.reference import ReferenceWeights
+from oumi_megatron.trainer.reference import reference_policy
 from oumi_megatron.trainer.rollout_batch import StepBatch
 from oumi_megatron.trainer.rollout_dump import RolloutDump
 from oumi_megatron.trainer.scoring import ReplicaScorer
@@ -96,12 +96,13 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.output_dir = Path(config.training.output_dir)
         self.driver, self.backend, self.sampling = rollout.driver, rollout.driver.backend, rollout.sampling
         # the one export: rollout engines, hf_model
-        self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts, config.megatron.hf_max_shard_size)
+        self.weights = HFWeightExporter(bridge, engine.model, self.hf_artifacts, config.megatron.hf_max_shard_size,
+                                        peft=engine.peft, base_model=str(config.model.model_name))
         dump = RolloutDump(self.output_dir / "rollouts", g.rollout_dump_steps, rollout.scorer.is_scorer) if g.rollout_dump_steps else None
         self.collector = RolloutCollector(dataset, rollout.driver.tokenizer, rollout.driver, rollout.scorer, g,
                                           self.sampling, layout.prompts_per_rollout, config.training.seed, engine.device,
                                           dump)
-        self.reference = ReferenceWeights(engine.model) if g.beta > 0 else None
+        self.reference = reference_policy(engine) if g.beta > 0 else None
         self.loss_fn = make_grpo_loss_fn(g)
         self.step = 0
         self.last_step = config.training.max_steps
@@ -378,7 +379,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if self.async_writer is not None:
             self.async_writer.close()
         self.backend.close()
-        if self.config.training.save_final_model and not (self.output_dir / "hf_model").exists():
+        exported = all((self.output_dir / f).exists() for f in export_folders(self._save_mode()))
+        if self.config.training.save_final_model and not exported:
             self.save_model(self.config, final=True)
 
     def save_state(self) -> None:
@@ -392,8 +394,12 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             async_writer=self.async_writer,
         )
 
+    def _save_mode(self) -> str | None:
+        return self.engine.lora.save_mode if self.engine.lora is not None else None
+
     def save_model(self, config: MegatronTrainingConfig, final: bool = True) -> None:
-        self.weights.save(self.output_dir / "hf_model")
+        """output_dir/hf_model; under LoRA, hf_adapter/ and/or hf_model/ as ``peft.peft_save_mode`` says."""
+        save_policy(self.weights, self.output_dir, self._save_mode())
 
     def get_last_eval_metrics(self) -> dict[str, Any]:
         return dict(self.last_metrics)

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from oumi_megatron.engine.engine import MegatronEngine
+
+
+class ReferencePolicy(Protocol):
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, the model computes with the reference policy's weights."""
+        ...
 
 
 class ReferenceWeights:
@@ -28,3 +38,23 @@ class ReferenceWeights:
             with torch.no_grad():
                 for p, cur in zip(self.params, current):
                     p.copy_(cur)
+
+
+class AdaptersOff:
+    """Under LoRA the initial policy is the frozen base: the same model with its adapters switched off (verl, ROLL
+    and TRL do the same), no copy of any weight."""
+
+    def __init__(self, engine: MegatronEngine) -> None:
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        from oumi_megatron.engine.peft import adapters_off
+
+        with adapters_off(self.engine.peft, self.engine.model):
+            yield
+
+
+def reference_policy(engine: MegatronEngine) -> ReferencePolicy:
+    """The reference policy of ``engine``: its base with the adapters off under LoRA, else its initial weights."""
+    return AdaptersOff(engine) if engine.peft is not None else ReferenceWeights(engine.model)

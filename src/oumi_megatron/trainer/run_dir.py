@@ -31,6 +31,7 @@ from oumi_megatron.engine.state.checkpointing import (
     newest_valid_checkpoint,
     verify_checkpoint,
 )
+from oumi_megatron.engine.state.hf_weights import HF_ADAPTER, HF_MODEL
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.disk import space_problem
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
@@ -92,8 +93,9 @@ def _previous_run(output_dir: Path) -> list[str]:
     found = []
     if any((output_dir / "checkpoints").glob("step_*")):  # complete or not: either is the old run's
         found.append("checkpoints/")
-    if (output_dir / "hf_model").exists():
-        found.append("hf_model/")
+    for folder in (HF_MODEL, HF_ADAPTER):
+        if (output_dir / folder).exists():
+            found.append(f"{folder}/")
     metrics = output_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")

@@ -20,13 +20,20 @@ from typing import Any
 
 import torch
 
+from oumi_megatron.engine.peft import is_adapter
 from oumi_megatron.engine.wrappers import unwrap
 
 
-def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def model_sharded_state_dict(chunks: list[torch.nn.Module], adapters_only: bool = False) -> dict[str, Any]:
+    """Each chunk's sharded state dict; ``adapters_only``: its LoRA adapters' entries alone (a LoRA run's checkpoint:
+    the frozen base is the converted checkpoint, engine/peft.py)."""
+    def of(chunk: torch.nn.Module) -> dict[str, Any]:
+        sd = unwrap(chunk).sharded_state_dict()
+        return {k: v for k, v in sd.items() if is_adapter(k)} if adapters_only else sd
+
     if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": of(chunks[0])}
+    return {f"model{i}": of(c) for i, c in enumerate(chunks)}
 
 
 def _dp_group() -> Any:
@@ -85,11 +92,14 @@ def load_strategy(directory: str | Path, fully_parallel: bool) -> Any:
     return FullyParallelLoadStrategyWrapper(strategy, _dp_group()) if fully_parallel else strategy
 
 
-def save_model(chunks: list[torch.nn.Module], directory: str | Path, fully_parallel: bool = False) -> None:
-    """Collective: every rank writes its shards into ``directory`` (which must exist and be empty)."""
+def save_model(chunks: list[torch.nn.Module], directory: str | Path, fully_parallel: bool = False,
+               adapters_only: bool = False) -> None:
+    """Collective: every rank writes its shards into ``directory`` (which must exist and be empty); ``adapters_only``:
+    the LoRA adapters alone."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(directory), sharded_strategy=save_strategy(fully_parallel))
+    dist_checkpointing.save(model_sharded_state_dict(chunks, adapters_only), str(directory),
+                            sharded_strategy=save_strategy(fully_parallel))
 
 
 def _merge_in_place(sharded: Any) -> Any:
@@ -126,16 +136,19 @@ def _tile(pieces: Any, data: torch.Tensor) -> bool:
     return offset == data.data_ptr() + data.numel() * data.element_size() and sum(p.shape[0] for p in pieces) == data.shape[0]
 
 
-def load_model(chunks: list[torch.nn.Module], directory: str | Path, fully_parallel: bool = False) -> None:
-    """Collective: fills ``chunks`` (any layout) from a checkpoint saved under any layout."""
+def load_model(chunks: list[torch.nn.Module], directory: str | Path, fully_parallel: bool = False,
+               adapters_only: bool = False) -> None:
+    """Collective: fills ``chunks`` (any layout) from a checkpoint saved under any layout; ``adapters_only``: their LoRA
+    adapters alone, from a LoRA run's checkpoint (every adapter must be there; the base stays as it is)."""
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(
-        _merge_in_place(model_sharded_state_dict(chunks)), str(directory),
+        _merge_in_place(model_sharded_state_dict(chunks, adapters_only)), str(directory),
         sharded_strategy=load_strategy(directory, fully_parallel),
     )
-    if len(chunks) == 1:
-        unwrap(chunks[0]).load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, chunk in enumerate(chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    for key, chunk in zip(["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))], chunks):
+        result = unwrap(chunk).load_state_dict(loaded[key], strict=not adapters_only)
+        if adapters_only:
+            wrong = [k for k in result.missing_keys if is_adapter(k)] + list(result.unexpected_keys)
+            if wrong:
+                raise RuntimeError(f"{directory}: the LoRA adapters do not match this model's: {wrong[:4]}")

@@ -2,7 +2,8 @@
 
 Layout of ``output_dir/checkpoints/step_000012/``:
 
-* ``model/``: weights as a Megatron-Core distributed checkpoint (also what ``export`` reads);
+* ``model/``: weights as a Megatron-Core distributed checkpoint (also what ``export`` reads); under LoRA the adapters
+  alone, the frozen base being the converted checkpoint ``oumi_megatron.json`` names with its source's fingerprint;
 * ``optimizer/``: the optimizer state as a distributed checkpoint;
 * ``hf/``: config and tokenizer files (so a checkpoint exports on its own);
 * ``rank_XXXXX.json``: per-rank RNG states and the LR scheduler, as plain JSON (no pickle: a crafted
@@ -318,7 +319,45 @@ def optimizer_format(engine: MegatronEngine) -> str:
 
 def _meta(engine: MegatronEngine) -> dict[str, Any]:
     dtype = next(p for c in engine.model for p in c.parameters()).dtype
-    return {"dtype": str(dtype).replace("torch.", ""), "layout": _layout(engine), "optimizer_format": optimizer_format(engine)}
+    meta = {"dtype": str(dtype).replace("torch.", ""), "layout": _layout(engine), "optimizer_format": optimizer_format(engine)}
+    if engine.lora is not None:  # the model/ folder holds the adapters; the base is the converted checkpoint it names
+        meta["lora"] = engine.lora.as_json()
+        meta["base"] = base_identity(engine.base_dir)
+    return meta
+
+
+def base_identity(converted: Path | None) -> dict[str, Any]:
+    """What names a LoRA run's frozen base: the converted checkpoint's folder and its source model's fingerprint."""
+    from oumi_megatron.engine.state.conversion import read_meta
+
+    meta = (read_meta(converted) or {}) if converted is not None else {}
+    return {"checkpoint": str(Path(converted).resolve()) if converted is not None else None,
+            **{k: meta.get(k) for k in ("source", "config_sha256", "weight_files")}}
+
+
+def _lora_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
+    """Why a checkpoint's adapters (or full weights) do not fit this engine's LoRA (or full fine-tuning)."""
+    saved_lora = saved.get("lora")
+    mine = engine.lora.as_json() if engine.lora is not None else None
+    if saved_lora is None and mine is None:
+        return None
+    if saved_lora is None or mine is None:
+        have, want = ("full weights", "LoRA adapters") if saved_lora is None else ("LoRA adapters", "full weights")
+        return (f"it holds {have} and this run trains {want} (training.use_peft). Resume with the setting that saved "
+                "it, or start a new run from its export")
+    keys = ("rank", "alpha", "targets", "canonical")
+    differ = [k for k in keys if saved_lora.get(k) != mine.get(k)]
+    if differ:
+        return (f"its LoRA adapters differ from this run's in {differ} ({[saved_lora.get(k) for k in differ]} vs "
+                f"{[mine.get(k) for k in differ]}: peft.lora_r, lora_alpha, lora_target_modules). Resume with the peft: "
+                "settings that saved it")
+    now = base_identity(engine.base_dir)
+    base = saved.get("base") or {}
+    if any(base.get(k) != now.get(k) for k in ("config_sha256", "weight_files")):
+        return (f"its adapters were trained on the base {base.get('source')} ({base.get('checkpoint')}), and this run's "
+                f"base {now.get('source')} ({now.get('checkpoint')}) has other weights. Resume with model.model_name set "
+                "to the model that trained them")
+    return None
 
 
 def read_checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
@@ -331,6 +370,9 @@ def read_checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
 def resume_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
     """Why this engine cannot take the optimizer state a checkpoint with ``saved`` meta holds, naming the setting and
     the fix; None if it can."""
+    lora = _lora_problem(saved, engine)
+    if lora is not None:
+        return lora
     if "layout" not in saved:
         return None  # an earlier version's checkpoint: fully reshardable
     now = _layout(engine)
@@ -352,10 +394,12 @@ def resume_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
 
 def checkpoint_bytes(engine: MegatronEngine) -> float:
     """Collective: the bytes a checkpoint of this engine takes on disk (every rank's share of the weights and of the
-    optimizer state: fp32 master weights and two moments, 12 B per parameter; DP x CP replicas write one copy)."""
+    optimizer state: fp32 master weights and two moments, 12 B per parameter; DP x CP replicas write one copy). Under
+    LoRA, the adapters' alone."""
     from megatron.core import parallel_state as ps
 
-    local = sum(p.numel() * (p.element_size() + 12) for c in engine.model for p in c.parameters())
+    local = sum(p.numel() * (p.element_size() + 12) for c in engine.model for p in c.parameters()
+                if engine.peft is None or p.requires_grad)
     mine = torch.tensor([local / (ps.get_data_parallel_world_size(with_context_parallel=True))], dtype=torch.float64,
                         device=engine.device)
     if dist.is_initialized():
@@ -420,7 +464,8 @@ def save_checkpoint(
             sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
             async_sharded_save=background, async_strategy="mcore",
         )
-        for sub, sd in (("model", model_sharded_state_dict(engine.model)), ("optimizer", {"optimizer": optim_sd}))
+        for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
+                        ("optimizer", {"optimizer": optim_sd}))
     ]
 
     def commit() -> None:
@@ -475,7 +520,7 @@ def _load_tensors(engine: MegatronEngine, checkpoint: Path) -> None:
     from megatron.core import dist_checkpointing
 
     fully_parallel = _fully_parallel(engine)
-    load_model(engine.model, checkpoint / "model", fully_parallel)
+    load_model(engine.model, checkpoint / "model", fully_parallel, adapters_only=engine.peft is not None)
     _materialize_adam_state(engine.optimizer)
     form = OPTIMIZER_FORMATS[read_checkpoint_meta(checkpoint)["optimizer_format"]]  # the form it was saved in
     optim_sd = engine.optimizer.sharded_state_dict(model_sharded_state_dict(engine.model), is_loading=True, metadata=form)

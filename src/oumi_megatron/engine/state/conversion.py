@@ -189,17 +189,25 @@ def load_bridge_for_checkpoint(checkpoint_dir: str | Path, trust_remote_code: bo
 
 def build_from_checkpoint(checkpoint_dir: str | Path, layout: ParallelLayout, params: MegatronParams,
                           dtype: torch.dtype | None = None, ddp_config: Any | None = None,
-                          trust_remote_code: bool = False) -> tuple[Any, list[torch.nn.Module]]:
+                          trust_remote_code: bool = False, peft: Any = None) -> tuple[Any, list[torch.nn.Module]]:
     """(bridge, model chunks) for ``layout``, weights loaded from ``checkpoint_dir/model`` (the model is built for
-    the layout's pipeline schedule)."""
+    the layout's pipeline schedule). ``peft``: Megatron-Bridge's LoRA, applied after the base weights are loaded and
+    before DDP wraps the chunks (engine/peft.py)."""
+    from oumi_megatron.engine.peft import pre_wrap_hooks
+
     dtype = dtype or default_dtype()
     graphs = ddp_config is not None and cuda_graphs_enabled(params)  # training only (engine/kernels/cuda_graphs.py)
     init_model_parallel(layout, cuda_graphs=graphs)
     bridge = load_bridge_for_checkpoint(checkpoint_dir, trust_remote_code)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs,
                                   schedule=layout.pipeline_schedule)
-    chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
-    load_model(chunks, Path(checkpoint_dir) / "model")
+    model_dir = Path(checkpoint_dir) / "model"
+    if peft is not None:
+        chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False,
+                                    pre_wrap_hooks=pre_wrap_hooks(peft, lambda bare: load_model(bare, model_dir)))
+    else:
+        chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
+        load_model(chunks, model_dir)
     if graphs:
         attach_cuda_graphs(chunks)
     return bridge, chunks

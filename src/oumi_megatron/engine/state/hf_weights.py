@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,20 +22,29 @@ import torch.distributed as dist
 from oumi_megatron.engine.state.hf_writer import save_hf_folder
 from oumi_megatron.engine.wrappers import unwrap
 
+if TYPE_CHECKING:
+    from oumi_megatron.engine.peft import AdapterWeights
+
 
 class HFWeightExporter:
     """``(hf_name, tensor)`` for the whole model, on every rank (collective over the training ranks).
 
     Bridge's conversion plan (which Megatron parameter becomes which HF tensors) is built on the first
     call and reused: the parameters are updated in place, so the plan stays valid, and rebuilding it
-    each time is most of the export's cost on a small model. No LoRA adapters exist here, so adapter
-    merging (another per-call plan) is off."""
+    each time is most of the export's cost on a small model. With LoRA adapters on the chunks (engine/peft.py) each
+    adapted weight is exported merged, W + alpha/r B A (Bridge's merge, TP-aware); without them merging (another
+    per-call plan) is off."""
 
     def __init__(self, bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path | None = None,
-                 max_shard_size: int | str = "5GB") -> None:
+                 max_shard_size: int | str = "5GB", peft: Any = None, base_model: str = "") -> None:
         """``hf_artifacts``: the folder whose config / tokenizer files ``save`` copies along (the converted
-        checkpoint's ``hf/``); ``max_shard_size``: of ``save``'s safetensors files (``megatron.hf_max_shard_size``)."""
+        checkpoint's ``hf/``); ``max_shard_size``: of ``save``'s safetensors files (``megatron.hf_max_shard_size``);
+        ``peft``: the LoRA the chunks carry (engine/peft.py; None: none), exported merged into the base weights, and
+        alone by ``adapters``; ``base_model``: the HF model they apply to (``model.model_name``)."""
         self.bridge, self.chunks, self.hf_artifacts, self.max_shard_size = bridge, chunks, hf_artifacts, max_shard_size
+        self.peft, self.base_model = peft, base_model
+        self.merge_adapters = peft is not None
+        self._base_only = False  # save(base=True): the frozen base weights, adapters left out
         self.models = [unwrap(c) for c in chunks]
         self.tasks: list[Any] | None = None
         self.own_tasks: list[Any] | None = None
@@ -54,7 +63,8 @@ class HFWeightExporter:
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         with _strip_each_config_once(self.stripped_configs):
             yield from self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
-                                                     conversion_tasks=self._all_tasks(), merge_adapter_weights=False)
+                                                     conversion_tasks=self._all_tasks(),
+                                                     merge_adapter_weights=self.merge_adapters)
 
     def _stage_tasks(self) -> list[Any]:
         """The tasks of the parameters this stage holds; a parameter several stages hold (shared weights of some
@@ -83,15 +93,20 @@ class HFWeightExporter:
         tasks = self._stage_tasks()
         within = ps.get_pipeline_model_parallel_world_size() == 1
         with _strip_each_config_once(self.stripped_configs), (contextlib.nullcontext() if within else _stage_local()):
-            yield from self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
-                                                     conversion_tasks=tasks, merge_adapter_weights=False)
+            for name, tensor in self.bridge.export_hf_weights(self.models, cpu=False, show_progress=False,
+                                                              conversion_tasks=tasks,
+                                                              merge_adapter_weights=self.merge_adapters and not self._base_only):
+                # unmerged, an adapted layer's base weight comes under PEFT's name for it (``q_proj.base_layer.weight``)
+                yield (name.replace(".base_layer.", ".") if self.peft is not None else name), tensor
 
     def tp_shards_unsupported(self) -> str | None:
         """Why ``tp_shards`` cannot serve this model (None: it can); the same answer on every rank (collective)."""
         from oumi_megatron.engine.state.tp_shards import unsupported
 
         reasons: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, unsupported(self.bridge, self._stage_tasks()))
+        mine = ("LoRA adapters are merged into gathered weights" if self.merge_adapters
+                else unsupported(self.bridge, self._stage_tasks()))
+        dist.all_gather_object(reasons, mine)
         return next((r for r in reasons if r is not None), None)
 
     def tp_shards(self, vocab: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,15 +116,59 @@ class HFWeightExporter:
 
         yield from tp_shards(self._stage_tasks(), vocab)
 
-    def save(self, folder: str | Path) -> Path:
+    def adapters(self) -> AdapterWeights | None:
+        """Collective: the LoRA adapter alone, whole, on every rank (None without LoRA): what an engine that holds the
+        base takes at a sync (``megatron.lora_sync: adapter``), and what ``hf_adapter/`` holds."""
+        if self.peft is None:
+            return None
+        from oumi_megatron.engine.peft import adapter_weights
+
+        return adapter_weights(self.bridge, self.chunks, self.peft, self.base_model)
+
+    def save(self, folder: str | Path, base: bool = False) -> Path:
         """Collective: the weights as an HF folder (config, safetensors, tokenizer), written atomically, each
-        pipeline stage's ranks writing that stage's shards."""
+        pipeline stage's ranks writing that stage's shards; with LoRA, the adapters merged in, or (``base``) the frozen
+        base weights alone."""
         if self.hf_artifacts is None:
             raise ValueError("HFWeightExporter.save needs hf_artifacts (the folder with the model's config and tokenizer)")
         from megatron.core import parallel_state as ps
 
-        return save_hf_folder(self.stage_tensors(), ps.get_pipeline_model_parallel_rank(), self.hf_artifacts, folder,
-                              self.max_shard_size)
+        self._base_only = base
+        try:
+            return save_hf_folder(self.stage_tensors(), ps.get_pipeline_model_parallel_rank(), self.hf_artifacts, folder,
+                                  self.max_shard_size)
+        finally:
+            self._base_only = False
+
+
+HF_MODEL, HF_ADAPTER = "hf_model", "hf_adapter"
+"""The final export's folders in output_dir: the HF model (merged under LoRA, or its base), the HF PEFT adapter."""
+EXPORTS = {None: (HF_MODEL,), "adapter_only": (HF_ADAPTER,), "adapter_and_base_model": (HF_ADAPTER, HF_MODEL),
+           "merged": (HF_MODEL,)}
+"""The folders each ``peft.peft_save_mode`` writes (None: full fine-tuning)."""
+
+
+def export_folders(save_mode: str | None) -> tuple[str, ...]:
+    return EXPORTS[save_mode]
+
+
+def save_policy(weights: HFWeightExporter, out_dir: str | Path, save_mode: str | None) -> list[Path]:
+    """Collective: the policy's final export into ``out_dir``, each folder atomic: ``hf_model/`` (full fine-tuning);
+    under LoRA as ``peft.peft_save_mode`` says (``save_mode``): ``adapter_only`` ``hf_adapter/`` (an HF PEFT adapter on
+    ``model.model_name``), ``adapter_and_base_model`` ``hf_adapter/`` and the base weights in ``hf_model/``, ``merged``
+    ``hf_model/`` with the adapters merged in (plain transformers loads it)."""
+    from oumi_megatron.engine.peft import save_adapter
+
+    out = Path(out_dir)
+    written = []
+    for folder in export_folders(save_mode if weights.peft is not None else None):
+        if folder == HF_ADAPTER:
+            adapter = weights.adapters()
+            assert adapter is not None
+            written.append(save_adapter(adapter, out / folder))
+        else:
+            written.append(weights.save(out / folder, base=save_mode == "adapter_and_base_model"))
+    return written
 
 
 @contextlib.contextmanager

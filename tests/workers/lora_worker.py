@@ -1,0 +1,163 @@
+"""LoRA on the engine under several layouts in one 2-rank world (torchrun, gloo, fp32), recorded for tests/test_lora.py.
+
+    torchrun --nproc_per_node 2 tests/workers/lora_worker.py WORK
+
+Builds a tiny Qwen2 model (WORK/hf) and converts it once. Then:
+- ``dp2`` (the reference: TP 1, DP 2, the distributed optimizer): LoRA on every linear layer (r 8, alpha 16), the
+  adapters set to seeded random values (Bridge starts B at zero, which would hide a wrong adapter); saved as a
+  checkpoint of the adapters alone (WORK/adapters) and exported three ways (WORK/dp2_<mode>: peft_save_mode
+  adapter_only, adapter_and_base_model, merged); the logprobs of a fixed batch with the adapters on and switched off;
+  one Adam step, after which every base weight must be bit-identical and the optimizer must hold the adapters alone.
+- ``tp2``, ``tp2_sp``, ``pp2``, ``pp2_vpp2``: the same adapters loaded from WORK/adapters (resharded by
+  Megatron-Core's distributed checkpointing); their logprobs, their adapter export, and one Adam step on the same
+  full batch (DP 1 in each: the loss and the updated adapters must agree across these layouts).
+- ``canonical``: LoRA on q_proj and v_proj alone (PEFT's default for Llama), Bridge's canonical form (an adapter per
+  HF projection), exported for PEFT; and the same adapters under TP 2 (``canonical_tp2``).
+Rank 0 writes WORK/result.json.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+IDS = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(11))
+
+
+def nll(logprobs: torch.Tensor, batch: dict) -> tuple:
+    lp = logprobs[:, :-1]
+    return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from oumi_megatron.config.lora import LoraSettings
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.distributed import init_distributed
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.peft import adapters_off
+    from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
+    from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, load_bridge_for_checkpoint
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter, save_policy
+    from oumi_megatron.engine.wrappers import unwrap
+    from oumi_megatron.examples.tiny_models import build_tiny_model
+
+    work = Path(sys.argv[1])
+    init_distributed()
+    rank = dist.get_rank()
+    if rank == 0:
+        build_tiny_model(work / "hf", arch="qwen2")
+    dist.barrier()
+    time.sleep(0.2)
+
+    def params_for(tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False) -> MegatronParams:
+        p = MegatronParams()
+        p.transformer_config.recompute_granularity = None
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+        p.virtual_pipeline_model_parallel_size, p.sequence_parallel = vpp, sp
+        p.micro_batch_size = 2
+        return p
+
+    dp2 = params_for()
+    ckpt = convert_hf_to_megatron(work / "hf", work / "mc", engine_layout(dp2, world_size=2), dp2, dtype=torch.float32)
+    every = LoraSettings(8, 16.0, 0.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), False, "adapter_only")
+    result: dict = {}
+
+    def build(params: MegatronParams, lora: LoraSettings):  # noqa: ANN202
+        layout = engine_layout(params, world_size=2)
+        _, engine = build_engine(ckpt, layout, params, OptimSettings(lr=1e-2, total_steps=10), torch.float32, lora=lora)
+        bridge = load_bridge_for_checkpoint(ckpt)
+        return engine, HFWeightExporter(bridge, engine.model, ckpt / "hf", peft=engine.peft, base_model=str(work / "hf"))
+
+    def randomize(engine) -> None:  # noqa: ANN001
+        with torch.no_grad():
+            for c in engine.model:
+                for name, p in unwrap(c).named_parameters():
+                    if p.requires_grad:
+                        g = torch.Generator().manual_seed(sum(map(ord, name)))
+                        p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+    def logprobs(engine) -> list:  # noqa: ANN001
+        return torch.cat(engine.compute_logprobs([{"input_ids": IDS[:2]}, {"input_ids": IDS[2:]}]))[:, :-1].tolist()
+
+    def adapter_tensors(weights) -> dict:  # noqa: ANN001
+        return {k: v.tolist() for k, v in weights.adapters().tensors.items()}
+
+    def save_all(weights, name: str) -> None:  # noqa: ANN001
+        for mode in ("adapter_only", "adapter_and_base_model", "merged"):
+            save_policy(weights, work / f"{name}_{mode}", mode)
+
+    # -- the reference: TP 1 x DP 2 -------------------------------------------------------------------------------
+    engine, weights = build(dp2, every)
+    randomize(engine)
+    if rank == 0:
+        (work / "adapters").mkdir()
+    dist.barrier()
+    save_model(engine.model, work / "adapters", adapters_only=True)
+    save_all(weights, "dp2")
+    base_before = {n: p.detach().clone() for c in engine.model for n, p in c.named_parameters() if not p.requires_grad}
+    trainable = [p for c in engine.model for p in c.parameters() if p.requires_grad]
+    ref = {"logprobs": logprobs(engine)}
+    with adapters_off(engine.peft, engine.model):
+        ref["logprobs_adapters_off"] = logprobs(engine)
+    ref["logprobs_back_on"] = logprobs(engine)
+    engine.train_step([{"input_ids": IDS[2 * rank:2 * rank + 2]}], nll)  # each DP rank its half
+    held = torch.tensor([sum(p.numel() for g in engine.optimizer.optimizer.param_groups for p in g["params"])],
+                        dtype=torch.float64)
+    dist.all_reduce(held)  # the distributed optimizer's fp32 shards over DP
+    changed = [n for c in engine.model for n, p in c.named_parameters()
+               if not p.requires_grad and not torch.equal(p, base_before[n])]
+    ref.update({"base_params": sum(t.numel() for t in base_before.values()),
+                "adapter_params": sum(p.numel() for p in trainable),
+                "optimizer_params": float(held.item()), "base_changed": changed,
+                "base_with_grad": [n for c in engine.model for n, p in c.named_parameters()
+                                   if not p.requires_grad and (p.grad is not None or hasattr(p, "main_grad"))],
+                "adapters_after_step": adapter_tensors(weights)})
+    result["dp2"] = ref
+
+    # -- the same adapters under other layouts -----------------------------------------------------------------
+    layouts = {"tp2": params_for(tp=2), "tp2_sp": params_for(tp=2, sp=True), "pp2": params_for(pp=2),
+               "pp2_vpp2": params_for(pp=2, vpp=2)}
+    for name, params in layouts.items():
+        engine, weights = build(params, every)
+        load_model(engine.model, work / "adapters", adapters_only=True)
+        entry = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
+        with adapters_off(engine.peft, engine.model):
+            entry["logprobs_adapters_off"] = logprobs(engine)
+        if name == "tp2":
+            save_all(weights, name)
+        r = engine.train_step([{"input_ids": IDS[:2]}, {"input_ids": IDS[2:]}], nll)
+        entry["loss"] = float(r.loss)
+        entry["adapters_after_step"] = adapter_tensors(weights)
+        result[name] = entry
+
+    # -- canonical LoRA: q_proj and v_proj alone ---------------------------------------------------------------
+    canonical = LoraSettings(4, 8.0, 0.0, ("linear_q", "linear_v"), True, "adapter_only")
+    engine, weights = build(dp2, canonical)
+    randomize(engine)
+    if rank == 0:
+        (work / "canonical_adapters").mkdir()
+    dist.barrier()
+    save_model(engine.model, work / "canonical_adapters", adapters_only=True)
+    save_all(weights, "canonical")
+    result["canonical"] = {"logprobs": logprobs(engine),
+                           "trainable": sorted({n.split("layers.0.")[-1] for c in engine.model
+                                                for n, p in c.named_parameters() if p.requires_grad and "layers.0." in n})}
+    engine, weights = build(params_for(tp=2), canonical)  # each rank holds half of the heads
+    load_model(engine.model, work / "canonical_adapters", adapters_only=True)
+    result["canonical_tp2"] = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
+    if rank == 0:
+        (work / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
