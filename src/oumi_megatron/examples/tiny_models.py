@@ -60,11 +60,12 @@ def build_byte_tokenizer(vocab_size: int | None = None):  # noqa: ANN201 - trans
 
 
 def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320, head_dim: int = 32,  # noqa: ANN201
-                gqa: bool = False):
+                gqa: bool = False, init_std: float = 0.02):
     """A tiny config of the given architecture style (llama, llama3_1: Llama-3.1's RoPE (theta 500,000, "llama3"
     frequency scaling), qwen2: QKV bias + tied embeddings, qwen3: QK-norm, qwen3_moe: Qwen3 with mixture-of-experts MLPs).
     Two heads of ``head_dim`` (64 for vLLM's FlashAttention-3 on Hopper GPUs, which has no 32); with ``gqa``
-    four query heads sharing two key/value heads."""
+    four query heads sharing two key/value heads. ``init_std``: the weights' initial std (transformers'
+    ``initializer_range``)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     heads = 4 if gqa else 2
@@ -81,6 +82,7 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
         eos_token_id=258,  # <|im_end|> in build_byte_tokenizer
         pad_token_id=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=init_std,
     )
     if arch == "llama":
         return LlamaConfig(head_dim=head_dim, tie_word_embeddings=False, **common)
@@ -102,19 +104,21 @@ def tiny_config(arch: str = "qwen2", num_layers: int = 4, vocab_size: int = 320,
 
 
 def build_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: int = 0, num_layers: int = 4,
-                     head_dim: int = 32, gqa: bool = False) -> Path:
-    """Writes a random tiny causal LM + tokenizer to ``out_dir`` (idempotent for the same arguments)."""
+                     head_dim: int = 32, gqa: bool = False, init_std: float = 0.02) -> Path:
+    """Writes a random tiny causal LM + tokenizer to ``out_dir`` (idempotent for the same arguments). ``init_std``
+    larger than transformers' 0.02 gives the output layer logits of some range at step 0: LoRA, which leaves that layer
+    frozen, can then move the model's choices on the demo task (at 0.02 the tied head caps every logit near 1)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     stamp = out / "tiny_model.json"
     spec = {"arch": arch, "seed": seed, "num_layers": num_layers, **({"head_dim": head_dim} if head_dim != 32 else {}),
-            **({"gqa": True} if gqa else {})}
+            **({"gqa": True} if gqa else {}), **({"init_std": init_std} if init_std != 0.02 else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return out
     tokenizer = build_byte_tokenizer()
-    config = tiny_config(arch, num_layers=num_layers, head_dim=head_dim, gqa=gqa)
+    config = tiny_config(arch, num_layers=num_layers, head_dim=head_dim, gqa=gqa, init_std=init_std)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config.eos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

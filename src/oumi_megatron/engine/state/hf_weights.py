@@ -117,8 +117,8 @@ class HFWeightExporter:
         yield from tp_shards(self._stage_tasks(), vocab)
 
     def adapters(self) -> AdapterWeights | None:
-        """Collective: the LoRA adapter alone, whole, on every rank (None without LoRA): what an engine that holds the
-        base takes at a sync (``megatron.lora_sync: adapter``), and what ``hf_adapter/`` holds."""
+        """Collective: the LoRA adapter alone, whole, on every rank (None without LoRA): what ``hf_adapter/`` holds (and
+        what an engine holding the base could take at a sync instead of the merged weights: not built yet)."""
         if self.peft is None:
             return None
         from oumi_megatron.engine.peft import adapter_weights
