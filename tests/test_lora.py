@@ -115,6 +115,8 @@ def test_adapters_train_alone_and_agree_across_layouts(lora: tuple[dict, Path]) 
     exported = _tensors(work / "dp2_adapter_only" / "hf_adapter")
     assert _tensors(work / "tp2_adapter_only" / "hf_adapter").keys() == exported.keys()
     assert max(_max_diff(t, exported[k]) for k, t in _tensors(work / "tp2_adapter_only" / "hf_adapter").items()) == 0.0
+    # each rank holds half of every adapter under TP 2 or PP 2 (oumi-megatron plan counts them so: plan.py lora_params)
+    assert {r[name]["rank_adapter_params"] for name in LAYOUTS} == {ref["adapter_params"] // 2}
     for name in LAYOUTS:
         entry = r[name]
         assert _max_diff(entry["logprobs"], ref["logprobs"]) <= PARITY, name
@@ -168,6 +170,15 @@ def test_layouts_lora_does_not_run_under_are_refused(make_config, megatron: dict
     cfg = make_config(training={"use_peft": True}, peft={"lora_r": 8}, megatron=megatron)
     report = validate_config(cfg, world_size=2, model_shape=None, check_bridge=False)
     assert field in report.fields(), report.format_problems()
+
+
+def test_lora_on_a_mixture_of_experts_model_is_refused(make_config) -> None:  # noqa: ANN001
+    from oumi_megatron.model_shape import ModelShape
+
+    moe = ModelShape(source="moe", model_type="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), num_layers=4,
+                     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=320, num_experts=4)
+    report = validate_config(make_config(training={"use_peft": True}), world_size=1, model_shape=moe, check_bridge=False)
+    assert "training.use_peft" in report.fields() and "mixture-of-experts" in report.format_problems()
 
 
 def test_peft_settings_resolve_hf_and_megatron_names(make_config) -> None:  # noqa: ANN001

@@ -24,7 +24,7 @@ TINY = ModelShape(source="tiny", model_type="llama", architectures=("LlamaForCau
 
 def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, seq: int = 32, mbs: int = 2,
           microbatches: int = 1, vpp: int | None = None, episodes: tuple[int, int] | None = None,
-          environment_workers: int = 0, **megatron):  # noqa: ANN003, ANN202
+          environment_workers: int = 0, lora_targets: list[str] | None = None, **megatron):  # noqa: ANN003, ANN202
     params = MegatronParams(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
                             virtual_pipeline_model_parallel_size=vpp)
     params.transformer_config.recompute_granularity = megatron.pop("recompute", None)
@@ -44,7 +44,9 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     grpo = SimpleNamespace(max_sequence_length=seq, environment="calculator" if episodes else None,
                            max_prompt_length=seq - completion, max_completion_length=completion, max_turns=turns,
                            environment_workers=environment_workers)
-    cfg = SimpleNamespace(megatron=params, grpo=grpo)
+    cfg = SimpleNamespace(megatron=params, grpo=grpo, training=SimpleNamespace(use_peft=lora_targets is not None),
+                          peft=SimpleNamespace(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=lora_targets,
+                                               peft_save_mode="adapter_only"))
     return estimate_memory(cfg, shape, layout, overhead_gib=0.0, gpu_memory_gib=gpu_memory_gib)
 
 
@@ -148,6 +150,27 @@ def test_multi_turn_episodes_cache_a_slot_for_every_step_a_row_may_wait(turns: i
     assert (plan.rollout - single.rollout) * GIB == pytest.approx(1_048_576 * extra / 32, rel=1e-9)
 
 
+@pytest.mark.parametrize(("tp", "targets", "adapters"), [
+    # r 8 x (in + out) per projection, 4 layers: QKV 8 x (64 + 128) + fc1 8 x (64 + 256) + output 8 x (64 + 64)
+    # + fc2 8 x (128 + 64) = 6,656 a layer
+    (1, ["all-linear"], 4 * 6_656),
+    # TP 2: both matrices of every adapter split (Bridge's ParallelLinearAdapter: A over r, B over its outputs)
+    (2, ["all-linear"], 4 * 6_656 / 2),
+    # q_proj and v_proj alone (canonical): 8 x (64 + 64) + 8 x (64 + 32)
+    (1, ["q_proj", "v_proj"], 4 * 1_792),
+])
+def test_lora_keeps_the_base_in_bf16_and_trains_the_adapters_alone(tp: int, targets: list[str], adapters: float) -> None:
+    """training.use_peft: the base's 2 B per parameter and nothing else; the adapters 2 + 4 + 12 B (Adam over DP 2 with
+    the distributed optimizer)."""
+    full = _plan(TINY, tp=tp, dp=2)
+    plan = _plan(TINY, tp=tp, dp=2, lora_targets=targets)
+    base = full.weights * GIB / 2
+    assert plan.weights * GIB == pytest.approx(2 * (base + adapters), rel=1e-9)
+    assert plan.grads * GIB == pytest.approx(4 * adapters, rel=1e-9)
+    assert plan.optimizer * GIB == pytest.approx(12 * adapters / 2, rel=1e-9)
+    assert plan.total < full.total
+
+
 def test_colocated_vllm_engine_by_hand_sleeps_while_training() -> None:
     """A colocated vLLM engine on TP 2: its bf16 weights are the whole TINY model over TP (4 layers of 64 x 128 (QKV)
     + 64 x 64 (output) + 2 x 64 (norms) + 3 x 64 x 128 (MLP) = 36,992, plus input and output embeddings 2 x 320 x 64
@@ -245,3 +268,25 @@ def test_a_colocated_sglang_engine_takes_its_mem_fraction_static_of_the_gpu() ->
     unknown = _plan(TINY, inference_backend="sglang")  # no GPU size given: the engine's weights, and a note to pass it
     assert unknown.rollout * GIB == pytest.approx(2 * 188_928, rel=1e-9)
     assert any("sglang_mem_fraction_static" in n for n in unknown.notes), unknown.notes
+
+
+def test_70b_lora_config_fits_one_node_where_full_fine_tuning_does_not() -> None:
+    """configs/train_70b_grpo_lora.yaml on 8 x 80 GiB: the frozen bf16 base over TP 8 and the adapters' state fit
+    (docs/lora.md); the same layout training every weight is over by its gradients and Adam's state. The adapters
+    (r 16, every linear layer) by hand: a layer's QKV 16 x (8192 + 10240) + output 16 x (8192 + 8192) + fc1 16 x
+    (8192 + 57344) + fc2 16 x (28672 + 8192) = 2,195,456, x 80 layers = 175,636,480; a checkpoint holds their 14 B each,
+    the export (adapter_only) their fp32 PEFT file."""
+    from oumi.core.configs import TrainingConfig
+
+    from oumi_megatron.plan import plan_config
+
+    shape = str(REPO / "configs" / "model_shapes" / "llama-3.1-70b-instruct" / "config.json")
+    path = str(REPO / "configs" / "train_70b_grpo_lora.yaml")
+    lora = plan_config(TrainingConfig.from_yaml_and_arg_list(path, []), 8, 8, 80.0, shape)
+    full = plan_config(TrainingConfig.from_yaml_and_arg_list(path, ["training.use_peft=false"]), 8, 8, 80.0, shape)
+    assert lora.plan is not None and full.plan is not None and lora.state is not None
+    assert lora.plan.fits and not full.plan.fits, (lora.plan.total, full.plan.total)
+    adapters = 175_636_480
+    assert lora.plan.grads * GIB == pytest.approx(4 * adapters / 8, rel=1e-3)  # every layer's adapters over TP 8 (PP 1)
+    assert lora.state.checkpoint * GIB == pytest.approx(14 * adapters, rel=1e-9)
+    assert lora.state.hf_export * GIB == pytest.approx(4 * adapters, rel=1e-9)

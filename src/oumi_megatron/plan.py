@@ -29,6 +29,10 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   kept generations' caches stay beside training's memory, and the total adds them (kept x one generation's);
 - **overhead**: the CUDA context, NCCL buffers and allocator reserve outside ``max_memory_allocated`` (measured).
 
+With LoRA (``training.use_peft``, docs/lora.md) the base keeps its bf16 weights alone (frozen: no gradient buffer, no
+master weights, no moments), and the adapters take 2 + 4 + 12 B per parameter as above: r x (in + out) per targeted
+projection, over TP (``lora_params``).
+
 ModuleQueue (last stage) subtracts seed 000's saving from the weights held during the passes, never below the
 persistent state (the optimizer step needs every weight).
 """
@@ -41,6 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.config.lora import LoraSettings, lora_settings
 from oumi_megatron.engine.parallel.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
 from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, own_gpu_engine_problem, rollout_mode
@@ -131,6 +136,18 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout, stage: int, expert_
                    layers=layers * dense / tp + layers * experts / expert_split)
 
 
+def lora_params(shape: ModelShape, lora: LoraSettings, tp: int = 1, pp: int = 1) -> float:
+    """The LoRA adapters' parameters on one GPU of a pipeline stage of ``pp`` (they live in its transformer layers),
+    over TP ``tp`` (1, 1: the whole model's): r x (in + out) per targeted projection, both of an adapter's matrices
+    split over TP (Megatron-Bridge's ParallelLinearAdapter: A over its rank, B over its outputs)."""
+    h, q, kv, ffn, _ = shape.widths()
+    sides = {"linear_qkv": (h, q + 2 * kv), "linear_fc1": (h, 2 * ffn), "linear_q": (h, q), "linear_k": (h, kv),
+             "linear_v": (h, kv), "linear_fc1_gate": (h, ffn), "linear_fc1_up": (h, ffn), "linear_proj": (q, h),
+             "linear_fc2": (ffn, h)}
+    per_layer = sum(lora.rank * (sides[t][0] + sides[t][1]) for t in lora.targets)
+    return per_layer * shape.num_layers / pp / tp
+
+
 def rank_params(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout) -> float:
     """The parameters one GPU of the busiest pipeline stage holds."""
     expert_split = layout.expert_parallel * cfg.megatron.expert_tensor_parallel_size
@@ -219,10 +236,15 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     shards = (cp * dp, layout.tensor_parallel * cp * dp // expert_split) if m.ddp_config.use_distributed_optimizer else (1, 1)
     notes: list[str] = []
     stage_plans: list[MemoryPlan] = []
+    lora, _ = lora_settings(cfg)
     for stage in range(pp):
         params = _stage_params(shape, layout, stage, expert_split)
         weights, grads = 2 * params.total, 4 * params.total
         optimizer = (4 + 8 * (1 - offload)) * (params.dense / shards[0] + params.experts / shards[1])
+        if lora is not None:  # the base frozen in bf16; gradients and Adam for the adapters alone
+            adapters = lora_params(shape, lora, layout.tensor_parallel, pp)
+            weights, grads = 2 * (params.total + adapters), 4 * adapters
+            optimizer = (4 + 8 * (1 - offload)) * adapters / shards[0]
         if full:  # each block's input kept; one block's activations rebuilt during its backward
             per_microbatch = tokens * (layers / block) * layer_input
             activations = _in_flight(layout, stage, microbatches) * per_microbatch + tokens * block * per_layer
@@ -398,6 +420,12 @@ def plan_config(config: MegatronTrainingConfig, gpus: int, gpus_per_node: int | 
     plan = estimate_memory(config, report.model_shape, report.layout, gpu_memory_gib, overhead_gib)
     suggestions = (suggest_layouts(config, report.model_shape, gpus, gpus_per_node, gpu_memory_gib)
                    if suggest and gpu_memory_gib else [])
+    lora, _ = lora_settings(config)
+    adapters = None
+    if lora is not None:
+        lay = report.layout
+        adapters = (lora_params(report.model_shape, lora, lay.tensor_parallel, lay.pipeline_parallel),
+                    lora_params(report.model_shape, lora), lora.save_mode)
     state = estimate_state(config, report.model_shape, report.layout,
-                           rank_params(config, report.model_shape, report.layout), gpus_per_node)
+                           rank_params(config, report.model_shape, report.layout), gpus_per_node, adapters)
     return PlanResult(report, plan, advice(plan, config, report.layout), suggestions, state)

@@ -76,19 +76,24 @@ class StatePlan:
 
 
 def estimate_state(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, rank_params: float,
-                   gpus_per_node: int | None = None) -> StatePlan:
-    """``rank_params``: the parameters one GPU of the busiest pipeline stage holds (plan.py's count)."""
+                   gpus_per_node: int | None = None, adapters: tuple[float, float, str] | None = None) -> StatePlan:
+    """``rank_params``: the parameters one GPU of the busiest pipeline stage holds (plan.py's count). ``adapters``
+    (LoRA): the adapters' parameters on that GPU and in the whole model, and ``peft_save_mode``: the optimizer state,
+    the checkpoints and (``adapter_only``) the export hold the adapters alone; the frozen base is the converted model."""
     from oumi_megatron.utils.disk import parse_size
 
     m = cfg.megatron
     shards = layout.data_parallel * layout.context_parallel  # the distributed optimizer's, and the model save's split
-    optimizer_shard = rank_params / (shards if m.ddp_config.use_distributed_optimizer else 1)
+    trained = rank_params if adapters is None else adapters[0]  # what has master weights and moments
+    optimizer_shard = trained / (shards if m.ddp_config.use_distributed_optimizer else 1)
     offload = m.optimizer_config.optimizer_offload_fraction if m.optimizer_config.optimizer_cpu_offload else 0.0
     resident = PROCESS_HOST_GIB * GIB + 16 * offload * optimizer_shard
     if m.checkpoint_config.use_async_checkpoint:
-        resident += 2 * rank_params / shards + 12 * optimizer_shard
+        resident += 2 * trained / shards + 12 * optimizer_shard
     largest = largest_tensor_params(shape)
     fp32_tensor = 4 * largest / layout.tensor_parallel / (shards if m.ddp_config.use_distributed_optimizer else 1)
+    if adapters is not None:  # an adapter's tensors are far smaller than the base's largest: bounded by the whole lot
+        fp32_tensor = min(fp32_tensor, 4 * optimizer_shard)
     transient = {
         "convert": 1.4 * 2 * largest,  # the HF tensor read on every TP rank, and the converted model's save
         "checkpoint_save": 2 * fp32_tensor,  # the rank's largest optimizer tensor: its host copy, torch's bytes of it
@@ -98,9 +103,11 @@ def estimate_state(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Paral
     node = min(gpus_per_node or layout.world_size, layout.world_size)
     params = model_params(shape)
     keep = m.checkpoint_config.keep_last_n_checkpoints
-    checkpoint = CHECKPOINT_BYTES_PER_PARAM * params
+    checkpoint = CHECKPOINT_BYTES_PER_PARAM * (params if adapters is None else adapters[1])
     coexisting = keep + 1 if keep > 0 else None
     converted = hf_export = 2 * params
+    if adapters is not None:  # hf_adapter/ (fp32 in PEFT's file), and hf_model/ unless adapter_only
+        hf_export = 4 * adapters[1] + (0.0 if adapters[2] == "adapter_only" else 2 * params)
     total = None if coexisting is None else converted + coexisting * checkpoint + hf_export
     return StatePlan(ranks_per_node=node, resident_per_rank=resident / GIB,
                      transient_per_rank={k: v / GIB for k, v in transient.items()},

@@ -559,6 +559,9 @@ def _registered_reward_functions() -> set[str]:
 # --------------------------------------------------------------------------------------------------
 def _check_model_shape(cfg: MegatronTrainingConfig, shape: ModelShape, r: ValidationReport) -> None:
     """What the model needs beyond the layout (engine/parallel/layout.py checks the split): its own code, its context length."""
+    if shape.is_moe and getattr(cfg.training, "use_peft", False):
+        r.add("training.use_peft", f"{shape.source} has mixture-of-experts layers, and LoRA on expert layers is not "
+                                   "built or tested here (docs/lora.md). Use a dense model with LoRA, or full fine-tuning.")
     if shape.remote_code and not cfg.model.trust_remote_code:
         r.add("model.trust_remote_code", f"{shape.source} needs its own code to load (config.json has an auto_map), "
                                          "which is not run unless you allow it. If you trust it, set "

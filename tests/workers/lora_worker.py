@@ -127,7 +127,8 @@ def main() -> None:
     for name, params in layouts.items():
         engine, weights = build(params, every)
         load_model(engine.model, work / "adapters", adapters_only=True)
-        entry = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
+        entry = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights),
+                 "rank_adapter_params": sum(p.numel() for c in engine.model for p in c.parameters() if p.requires_grad)}
         with adapters_off(engine.peft, engine.model):
             entry["logprobs_adapters_off"] = logprobs(engine)
         if name == "tp2":

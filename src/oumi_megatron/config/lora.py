@@ -71,7 +71,7 @@ def _value(x: Any) -> Any:
 
 def lora_settings(config: Any) -> tuple[LoraSettings | None, list[Problem]]:
     """``config``'s LoRA (None where ``training.use_peft`` is off) and the problems of its ``peft:`` fields."""
-    if not getattr(config.training, "use_peft", False):
+    if not getattr(getattr(config, "training", None), "use_peft", False):
         return None, []
     peft = getattr(config, "peft", None)
     if peft is None:
@@ -119,7 +119,7 @@ def _targets(names: Any) -> tuple[tuple[str, ...], bool, Problem | None]:
 
 def layout_problems(config: Any) -> list[Problem]:
     """What LoRA does not run under (refused at validation, with the reason)."""
-    if not getattr(config.training, "use_peft", False):
+    if not getattr(getattr(config, "training", None), "use_peft", False):
         return []
     m = config.megatron
     out = []
