@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, free_port, run_cli
 
@@ -279,6 +280,17 @@ def test_lora_run_learns_resumes_exactly_and_checkpoints_the_adapters_alone(tmp_
              if k.startswith(("decoder.", "embedding.", "output_layer."))]  # the weights (not common_state/)
     assert saved and all(is_adapter(k) for k in saved), [k for k in saved if not is_adapter(k)][:5]
     assert (out / "hf_adapter" / "adapter_config.json").is_file() and (out / "hf_model" / "config.json").is_file()
+    # oumi-megatron export on the last checkpoint: the base from the converted checkpoint its meta names, the adapters
+    # from the checkpoint; the run's own final export, tensor for tensor
+    exported = tmp_path / "exported"
+    proc = run_cli(["oumi-megatron", "export", "--checkpoint", str(out / "checkpoints" / "step_000060"), "--out",
+                    str(exported), "--peft-save-mode", "adapter_only"])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    from safetensors.torch import load_file
+
+    mine, theirs = (load_file(d / "hf_adapter" / "adapter_model.safetensors") for d in (exported, out))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert not (exported / "hf_model").exists()
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()

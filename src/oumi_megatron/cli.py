@@ -3,7 +3,7 @@
     oumi-megatron validate -c cfg.yaml [--world-size N] [--gpus-per-node G] [--model-config PATH] [--a.b=v ...]
     oumi-megatron plan -c cfg.yaml --gpus N [--gpus-per-node G] [--gpu-memory-gib M] [--suggest] [--json]
     oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
-    oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N]
+    oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N] [--peft-save-mode MODE]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
     oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
     oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
@@ -252,9 +252,17 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.engine.state.conversion import export_to_hf
+    from oumi_megatron.engine.state.conversion import export_lora, export_to_hf, is_lora_checkpoint
 
     layout, params = _layout(args)
+    if is_lora_checkpoint(args.checkpoint):
+        mode = args.peft_save_mode.lower() if args.peft_save_mode else None
+        for out in export_lora(args.checkpoint, args.out, layout, params, mode):
+            console.print(f"exported {args.checkpoint} -> {out}")
+        return 0
+    if args.peft_save_mode:
+        console.print(f"--peft-save-mode is for a LoRA run's checkpoint; {args.checkpoint} holds full weights.")
+        return 2
     out = export_to_hf(args.checkpoint, args.out, layout, params)
     console.print(f"exported {args.checkpoint} -> {out}")
     return 0
@@ -297,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export a Megatron checkpoint (converted or trained) to an HF folder")
     e.add_argument("--checkpoint", required=True, help="megatron_checkpoint/ or checkpoints/step_XXXXXX/")
-    e.add_argument("--out", required=True, help="output HF folder (written atomically)")
+    e.add_argument("--out", required=True, help="output HF folder (written atomically); for a LoRA run's checkpoint "
+                   "the folder to write hf_adapter/ and / or hf_model/ into")
+    e.add_argument("--peft-save-mode", default=None, choices=["adapter_only", "adapter_and_base_model", "merged"],
+                   type=str.lower, help="a LoRA run's checkpoint: what to write (default: the run's peft_save_mode)")
     _add_layout_flags(e)
     e.set_defaults(func=cmd_export)
 

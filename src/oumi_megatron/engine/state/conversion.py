@@ -27,6 +27,7 @@ from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_gr
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.parallel.distributed import init_distributed, init_model_parallel
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
+from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.atomic import atomic_directory
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
@@ -244,7 +245,52 @@ def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, layout: Parall
     same ``model/`` and ``hf/``). Collective over the ranks of ``layout``, the one resolved from ``params``
     (default: one rank).
     """
+    if "lora" in (read_meta(checkpoint_dir) or {}):
+        raise UserInputError(f"{checkpoint_dir} is a LoRA run's checkpoint (its model/ holds the adapters alone): "
+                             "export it with export_lora (oumi-megatron export does so by itself).")
     layout, params = _one_rank_default(layout, params)
     bridge, chunks = build_from_checkpoint(checkpoint_dir, layout, params, dtype=_saved_dtype(Path(checkpoint_dir)))
     return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir, params.hf_max_shard_size)
+
+
+def is_lora_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """Whether ``checkpoint_dir`` is a LoRA run's training checkpoint (adapters alone, its base named in its meta)."""
+    return "lora" in (read_meta(checkpoint_dir) or {})
+
+
+def export_lora(checkpoint_dir: str | Path, out_dir: str | Path, layout: ParallelLayout | None = None,
+                params: MegatronParams | None = None, save_mode: str | None = None) -> list[Path]:
+    """Collective: a LoRA run's training checkpoint exported as its run's final export would be (``save_mode``, Oumi's
+    ``peft_save_mode`` in lower case; default the run's): the folders ``hf_adapter/`` and / or ``hf_model/`` in
+    ``out_dir``. The frozen base is the converted checkpoint the meta names, checked against its recorded fingerprint."""
+    from oumi_megatron.config.lora import SAVE_MODES, LoraSettings
+    from oumi_megatron.engine.peft import bridge_peft
+    from oumi_megatron.engine.state.checkpointing import base_identity
+    from oumi_megatron.engine.state.hf_weights import HFWeightExporter, save_policy
+
+    ckpt = Path(checkpoint_dir)
+    meta = read_meta(ckpt) or {}
+    if "lora" not in meta:
+        raise UserInputError(f"{ckpt} is not a LoRA run's checkpoint (no 'lora' in its {META_FILE}).")
+    lora = LoraSettings.from_json(meta["lora"])
+    mode = save_mode or lora.save_mode
+    if mode not in SAVE_MODES:
+        raise UserInputError(f"--peft-save-mode {mode!r} is not one of {SAVE_MODES}.")
+    base = meta.get("base") or {}
+    base_dir = Path(str(base.get("checkpoint") or ""))
+    if not base.get("checkpoint") or not (base_dir / "model").is_dir():
+        raise UserInputError(f"{ckpt}'s adapters apply to the converted base {base.get('checkpoint')!r} ({base.get('source')}),"
+                             " which is not there. Convert the same model there again (oumi-megatron convert --hf "
+                             f"{base.get('source')} --out {base.get('checkpoint')}), or export from the run's own folder.")
+    now = base_identity(base_dir)
+    if any(now.get(k) != base.get(k) for k in ("config_sha256", "weight_files")):
+        raise UserInputError(f"{base_dir} holds other weights than the base {ckpt}'s adapters were trained on "
+                             f"({base.get('source')}): it was converted again from another model.")
+    layout, params = _one_rank_default(layout, params)
+    peft = bridge_peft(lora)
+    bridge, chunks = build_from_checkpoint(base_dir, layout, params, dtype=_saved_dtype(base_dir), peft=peft)
+    load_model(chunks, ckpt / "model", adapters_only=True)
+    weights = HFWeightExporter(bridge, chunks, base_dir / "hf", params.hf_max_shard_size, peft=peft,
+                               base_model=str(base.get("source") or ""))
+    return save_policy(weights, out_dir, mode)
 
