@@ -192,3 +192,14 @@ def test_peft_settings_resolve_hf_and_megatron_names(make_config) -> None:  # no
     assert validate_config(cfg, world_size=1, model_shape=None, check_bridge=False).ok
     off, none = lora_settings(make_config(peft={"lora_r": 16}))
     assert off is None and none == []  # use_peft false: the peft: section is not read
+
+
+def test_evaluating_an_adapter_folder_says_to_merge_it(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    from oumi_megatron.assembly import evaluate_model
+    from oumi_megatron.errors import UserInputError
+
+    adapter = tmp_path / "hf_adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserInputError, match="is a LoRA adapter.*--peft-save-mode merged"):
+        evaluate_model(make_config(), None, [], model_dir=adapter)  # type: ignore[arg-type]

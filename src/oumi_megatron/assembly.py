@@ -138,9 +138,15 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     rewards, generation limits and rollout mode, exactly as the evaluation during training (trainer/evaluation.py).
     The weights are read in memory by Megatron-Bridge; nothing is converted on disk."""
     from oumi_megatron.engine.builder import build_inference_engine
+    from oumi_megatron.engine.peft import ADAPTER_CONFIG
     from oumi_megatron.environments.registry import check_environment
+    from oumi_megatron.errors import UserInputError
     from oumi_megatron.plugins import load_plugins
 
+    if model_dir is not None and (Path(model_dir) / ADAPTER_CONFIG).is_file() and not (Path(model_dir) / "config.json").is_file():
+        raise UserInputError(f"{model_dir} is a LoRA adapter (PEFT's {ADAPTER_CONFIG}), not a model. Evaluate a merged "
+                             "model: oumi-megatron export --checkpoint RUN/checkpoints/step_N --out DIR --peft-save-mode "
+                             "merged, then --model DIR/hf_model.")
     if model_dir is not None:  # this folder's weights, for every backend (a vLLM engine starts from model_name)
         config = copy.copy(config)
         config.model = copy.copy(config.model)
