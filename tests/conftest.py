@@ -32,7 +32,8 @@ LONGEST_FIRST = (  # by their time in the last clean-clone CI run (2026-12-02: 9
     "test_two_rank_data_parallel_packed_moe_run_learns", "test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue",
     "test_grpo_with_vllm_rollouts_learns", "test_single_rank_run_learns",
     "test_expert_parallel_equals_local_experts_on_any_width", "test_resume_mid_training_continues_exactly",
-    "test_lora_run_learns_resumes_exactly_and_checkpoints_the_adapters_alone")
+    "test_lora_run_learns_resumes_exactly_and_checkpoints_the_adapters_alone",
+    "test_lora_adapter_sync_sends_the_adapter_alone_and_the_engine_follows_it")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

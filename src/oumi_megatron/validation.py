@@ -178,9 +178,32 @@ def _check_lora(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     """``training.use_peft`` with ``peft:`` (config/lora.py): its fields, and the layouts LoRA does not run under."""
     from oumi_megatron.config.lora import layout_problems, lora_settings
 
-    _, problems = lora_settings(cfg)
+    lora, problems = lora_settings(cfg)
     r.problems.extend(problems)
     r.problems.extend(layout_problems(cfg))
+    m = cfg.megatron
+    if m.lora_sync not in ("adapter", "merged"):
+        r.add("megatron.lora_sync", f"unknown value {m.lora_sync!r}. Use adapter (the engines take the LoRA adapter "
+                                    "alone at each sync) or merged (the whole model with the adapters merged in).")
+        return
+    if lora is None or m.lora_sync != "adapter" or m.inference_backend == "megatron" or not m.enable_weight_sync:
+        return  # the embedded backend generates with the adapters in its forward: nothing to sync
+    from oumi_megatron.rollout.registry import resolve_rollout_mode
+    from oumi_megatron.rollout.vllm_engine import VLLM_LORA_RANKS, vllm_lora_rank
+
+    mode, _ = resolve_rollout_mode(m)
+    if mode is None:
+        return  # the backend's own problems are reported
+    if not mode.adapter_sync:
+        r.add("megatron.lora_sync", f"adapter is not built for {mode.name} engines (they take whole weights). Set "
+                                    "megatron.lora_sync: merged, or use vLLM engines (colocated or separate).")
+    elif m.weight_sync_method == "checkpoint":
+        r.add("megatron.lora_sync", "adapter sends the adapter in memory, and weight_sync_method: checkpoint writes whole "
+                                    "models to disk. Set weight_sync_method to nccl (GPUs) or gloo (CPU), or "
+                                    "lora_sync: merged.")
+    elif vllm_lora_rank(lora.rank) is None:
+        r.add("peft.lora_r", f"{lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}), which "
+                             "megatron.lora_sync: adapter needs. Lower it, or set lora_sync: merged.")
 
 
 def _check_output_dir(output_dir: str, r: ValidationReport) -> None:

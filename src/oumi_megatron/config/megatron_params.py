@@ -230,6 +230,11 @@ class MegatronParams(BaseParams):
     enable_weight_sync: bool = True
     """Push new weights to the rollout engines after every optimizer step."""
 
+    lora_sync: str = "adapter"
+    """LoRA (``training.use_peft``) with vLLM engines: ``adapter`` (the engine keeps the base it started from and takes
+    the adapter alone at each sync, in memory) or ``merged`` (the base with the adapters merged in, the whole model at
+    each sync, as without LoRA). The embedded backend syncs nothing either way; SGLang and the Ray fleet take ``merged``."""
+
     weight_sync_method: str = "nccl"
     """How weights reach ``separate`` vLLM engines: ``nccl`` (GPUs), ``gloo`` (CPU / debugging), or
     ``checkpoint`` (an HF safetensors folder the engines reload; also for ``colocated``). Colocated

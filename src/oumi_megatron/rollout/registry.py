@@ -99,6 +99,8 @@ class RolloutMode:
     """The GPUs one engine splits the whole model over (its tensor parallelism); None: no such engine."""
     gpu_share: Callable[[MegatronParams], EngineShare] | None = None
     """An engine's memory on a GPU it runs on (ENGINE_SHARE and OWN_GPUS engines): what the plan counts."""
+    adapter_sync: bool = False
+    """Under LoRA its engines can keep the base and take the adapter alone at a sync (``megatron.lora_sync: adapter``)."""
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,16 @@ def _embedded(ctx: RolloutContext) -> RolloutBackend:
 
 def _vllm(colocated: bool) -> RolloutBuilder:
     def build(ctx: RolloutContext) -> RolloutBackend:
+        from oumi_megatron.config.lora import lora_settings
         from oumi_megatron.rollout.vllm_backend import ColocatedVllmBackend, SeparateVllmBackend
 
         c = ctx.config
         cls = ColocatedVllmBackend if colocated else SeparateVllmBackend
+        lora, _ = lora_settings(c)
         return cls(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, work_dir=ctx.work_dir,
-                   trust_remote_code=bool(c.model.trust_remote_code))
+                   trust_remote_code=bool(c.model.trust_remote_code),
+                   adapter_sync=lora if lora is not None and c.megatron.lora_sync == "adapter" else None,
+                   trainer_engine=ctx.engine, vocab_size=len(ctx.tokenizer))
 
     return build
 
@@ -333,9 +339,10 @@ def _sglang_fields(colocated: bool) -> Callable[[MegatronParams], list[Problem]]
 ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode("embedded", _embedded, memory=DECODER_CACHE)}))
 ROLLOUT_BACKENDS.add("vllm", BackendModes({
     "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE,
-                             resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share),
+                             resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share,
+                             adapter_sync=True),
     "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, engine_gpus=_one_gpu,
-                            gpu_share=_vllm_share),
+                            gpu_share=_vllm_share, adapter_sync=True),
     "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight,
                        engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
 }))

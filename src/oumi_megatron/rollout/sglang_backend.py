@@ -49,6 +49,7 @@ from oumi_megatron.rollout.base import (
     TurnHandler,
     WeightSyncStats,
 )
+from oumi_megatron.rollout.probe import PROBE_TOKENS, largest_over_ranks, policy_logprobs, probe_sequence
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import FinishedRequest, request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightSyncError
@@ -62,7 +63,6 @@ OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", 
                                "context_length", "mem_fraction_static", "attention_backend", "base_gpu_id",
                                "enable_memory_saver", "max_total_tokens"})
 """sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
-PROBE_TOKENS = 16
 UPDATE_GROUP = "oumi_megatron_sglang_weights"
 
 
@@ -223,7 +223,7 @@ class _SglangBackend:
         engine decodes (top-1 at temperature 1) after a fixed prompt, the largest over every replica's engine. The
         prompt is the same at every probe, so the engine serves it from its prefix cache: a sync that left stale weights
         or a stale cache behind shows here."""
-        prompt = [(7 * i + 3) % max(min(self.vocab, 250), 2) for i in range(PROBE_TOKENS)]
+        prompt = probe_sequence(self.vocab, PROBE_TOKENS)
 
         def decoded() -> tuple[list[int], list[float]]:
             out = self.engine.generate(input_ids=[prompt], return_logprob=True,
@@ -236,10 +236,7 @@ class _SglangBackend:
         sequence = torch.tensor([prompt + ids])
         ours = self.trainer_engine.compute_logprobs([{"input_ids": sequence}])[0][0].float().cpu()
         mine = ours[len(prompt) - 1:len(prompt) - 1 + len(ids)]  # position t holds log p(token t + 1)
-        worst = torch.tensor([(mine - torch.tensor(theirs)).abs().max().item()], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        self.last_probe = float(worst.item())
+        self.last_probe = largest_over_ranks((mine - torch.tensor(theirs)).abs().max().item())
         return self.last_probe
 
     def engine_metrics(self) -> dict[str, float]:
@@ -523,8 +520,8 @@ class SeparateSglangBackend(_SglangBackend):
         started = time.perf_counter()
         pairs = weight_stream.TimedPairs(weights())
         snapshot = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in pairs] if self.is_owner else []
-        sequence = self._probe_sequence()
-        reference = self.trainer_engine.compute_logprobs([{"input_ids": torch.tensor([sequence])}])[0][0, :-1].float().cpu()
+        sequence = probe_sequence(self.vocab)
+        reference = policy_logprobs(self.trainer_engine, sequence)
         stats = WeightSyncStats(self.method, pairs.tensors, pairs.bytes if self.is_owner else 0,
                                 time.perf_counter() - started, export_seconds=pairs.seconds,
                                 probe_max_diff=self.pushed_probe)
@@ -548,9 +545,6 @@ class SeparateSglangBackend(_SglangBackend):
         theirs = torch.tensor([float(lp) for lp, _, _ in out[0]["meta_info"]["input_token_logprobs"][1:]])
         self.pushed_probe = float((theirs - reference).abs().max())
         return seconds
-
-    def _probe_sequence(self) -> list[int]:
-        return [(7 * i + 3) % max(min(self.vocab, 250), 2) for i in range(2 * PROBE_TOKENS)]
 
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its update took (None: none in flight, or not the owner)."""

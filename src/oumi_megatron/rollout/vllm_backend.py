@@ -39,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,14 @@ from oumi_megatron.rollout.base import (
     TurnHandler,
     WeightSyncStats,
 )
+from oumi_megatron.rollout.probe import largest_over_ranks, policy_logprobs, probe_sequence
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.lora import LoraSettings
 
 logger = logging.getLogger("oumi")
 
@@ -216,10 +220,13 @@ class _VllmBackend:
     """What both placements share: the engines' spec, the replica's group, the checkpoint sync and its errors."""
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, adapter_sync: LoraSettings | None = None, trainer_engine: Any = None,
+                 vocab_size: int = 0) -> None:
         """``hf_model``: the HF folder the engines start from (the same weights the policy starts from);
-        ``params``: MegatronParams; ``work_dir``: where ``weight_sync_method: checkpoint`` writes its folder.
-        Collective over the training ranks (their replica groups)."""
+        ``params``: MegatronParams; ``work_dir``: where ``weight_sync_method: checkpoint`` writes its folder;
+        ``adapter_sync``: the policy's LoRA where the engines take its adapter alone at a sync (``megatron.lora_sync:
+        adapter``), probed after each against ``trainer_engine`` (the MegatronEngine) with a tokenizer of
+        ``vocab_size``. Collective over the training ranks (their replica groups)."""
         from oumi_megatron.rollout.vllm_engine import EngineSpec
 
         self.method = params.weight_sync_method
@@ -234,7 +241,10 @@ class _VllmBackend:
             kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
             extra={"trust_remote_code": True} if trust_remote_code else {},
             cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
+            lora_rank=adapter_sync.rank if adapter_sync is not None else 0,
         )
+        self.adapter_sync = adapter_sync
+        self.trainer_engine, self.vocab = trainer_engine, vocab_size
         self.is_owner = True
         """Whether this rank talks to an engine (colocated: every rank; separate: the replica's first)."""
 
@@ -267,7 +277,10 @@ class _VllmBackend:
         """Collective over the training ranks: load the policy's ``weights`` into every engine."""
         start = time.perf_counter()
         try:
-            stats = self._sync_by_checkpoint(weights) if self.method == "checkpoint" else self._sync_live(weights)
+            if self.adapter_sync is not None:
+                stats = self._sync_adapter(weights)
+            else:
+                stats = self._sync_by_checkpoint(weights) if self.method == "checkpoint" else self._sync_live(weights)
         except WeightSyncError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
@@ -279,6 +292,23 @@ class _VllmBackend:
         raise NotImplementedError
 
     def _reload(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    def _sync_adapter(self, weights: PolicyWeights) -> WeightSyncStats:
+        """LoRA, ``lora_sync: adapter``: the whole adapter (gathered on every rank: its bytes, not the model's) into
+        every engine, in memory, then the probe (rollout/probe.py) taken by the engine with it."""
+        adapter = weights.adapters()
+        if adapter is None:
+            raise WeightSyncError("megatron.lora_sync: adapter, but the policy carries no LoRA adapter")
+        sequence = probe_sequence(self.vocab)
+        reference = policy_logprobs(self.trainer_engine, sequence).tolist()
+        gap = self._load_adapter(adapter.tensors, adapter.config, (sequence, reference))
+        stats = WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0, 0.0)
+        stats.probe_max_diff = largest_over_ranks(gap or 0.0)
+        return stats
+
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                      probe: tuple[list[int], list[float]]) -> float | None:
         raise NotImplementedError
 
     def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
@@ -305,10 +335,12 @@ class ColocatedVllmBackend(_VllmBackend):
     placement = "colocated"
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, adapter_sync: LoraSettings | None = None, trainer_engine: Any = None,
+                 vocab_size: int = 0) -> None:
         from oumi_megatron.rollout.vllm_engine import VllmEngineHost
 
-        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code)
+        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code, adapter_sync, trainer_engine,
+                         vocab_size)
         me, world, spec = dist.get_rank(), dist.get_world_size(), self.spec
         tp = params.tensor_model_parallel_size
         # Megatron's TP groups are runs of `tp` consecutive ranks, and so are vLLM's: one engine each
@@ -320,7 +352,8 @@ class ColocatedVllmBackend(_VllmBackend):
         spec.sleep_mode = bool(params.vllm_sleep)
         self.awake = True  # an engine starts with its weights and KV cache in place
         self.weights_current = True  # ... and with the policy's starting weights
-        self.drop_weights_on_sleep = bool(params.enable_weight_sync)
+        # a sync brings every weight back, unless it brings the adapter alone: then the base stays (vLLM's level 1)
+        self.drop_weights_on_sleep = bool(params.enable_weight_sync) and self.adapter_sync is None
         self.shard_decision: tuple[bool, tuple[int, int]] | None = None  # see _shard_vocab
         self.host = VllmEngineHost(spec)  # every rank holds (a TP shard of) an engine
 
@@ -426,6 +459,11 @@ class ColocatedVllmBackend(_VllmBackend):
         self.host.reload_from(str(folder))
         self.weights_current = True
 
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                      probe: tuple[list[int], list[float]]) -> float | None:
+        self.wake()
+        return self.host.load_adapter(tensors, config, probe=probe)  # every rank: its engine's TP shard takes its part
+
 
 class SeparateVllmBackend(_VllmBackend):
     """``rollout_placement: separate``: one engine process per replica on a GPU of its own, fed by every rank of the
@@ -435,10 +473,12 @@ class SeparateVllmBackend(_VllmBackend):
     placement = "separate"
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, adapter_sync: LoraSettings | None = None, trainer_engine: Any = None,
+                 vocab_size: int = 0) -> None:
         from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE
 
-        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code)
+        super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code, adapter_sync, trainer_engine,
+                         vocab_size)
         spec = self.spec
         self.process: _EngineProcess | None = None
         self.link: weight_stream.WeightSyncGroup | None = None
@@ -449,6 +489,9 @@ class SeparateVllmBackend(_VllmBackend):
         self.episode_thread: ThreadPoolExecutor | None = None
         """The owner: where episode jobs run, one at a time in submission order (``submit_episodes``)."""
         self.pusher = WeightPusher(self.method)
+        self.adapter_push: Future | None = None
+        """The owner, ``lora_sync: adapter``: the adapter load queued on the engine (asynchronous GRPO)."""
+        self.pushed_probe: float | None = None
         self.raw_gbps: float | None = None
         """The owner: the senders' plain broadcast bandwidth to the engine, summed (measured once, at start)."""
         # one engine process per replica, started by its first rank
@@ -544,6 +587,11 @@ class SeparateVllmBackend(_VllmBackend):
         if self.process is not None:
             self.process.call("reload_from", str(folder))
 
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                      probe: tuple[list[int], list[float]]) -> float | None:
+        """The owner hands the adapter to its engine process (through its pipe: an adapter's bytes, not a model's)."""
+        return self.process.call("load_adapter", tensors, config, None, probe) if self.process is not None else None
+
     # -- asynchronous GRPO: generations in flight while the trainer trains ------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         """Queue a generation on the replica's engine and return at once; ``collect`` returns the results, in the
@@ -595,6 +643,8 @@ class SeparateVllmBackend(_VllmBackend):
         and the owner queues the update behind the engine's generations in flight; a background thread on each sender
         streams its snapshot once the engine opens the update session (rollout/weight_push.py), so the trainer does not
         wait for the generation in flight. The engine tags what it generates afterwards with ``version``."""
+        if self.adapter_sync is not None:
+            return self._push_adapter(weights, version)
         share = self.role.pairs(weights.stage_tensors())
         if self.link is None:
             self.pusher.wait()
@@ -611,8 +661,29 @@ class SeparateVllmBackend(_VllmBackend):
         return replica_stats(self.group, self.pusher.push(share, self.link, self.bucket_bytes, open_session,
                                                           _EngineProcess.wait_for))
 
+    def _push_adapter(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
+        """``lora_sync: adapter``: the adapter gathered now and queued on the engine behind its generations in flight
+        (the owner's pipe keeps the order), with the probe the engine takes once it is in; the previous push's probe
+        goes in these stats (it is known by now)."""
+        started = time.perf_counter()
+        adapter = weights.adapters()
+        assert adapter is not None, "megatron.lora_sync: adapter on a policy with LoRA"
+        sequence = probe_sequence(self.vocab)
+        reference = policy_logprobs(self.trainer_engine, sequence).tolist()
+        self.wait_pushed()
+        if self.is_owner:
+            self.adapter_push = self._owned_process.submit("load_adapter", adapter.tensors, adapter.config, version,
+                                                           (sequence, reference))[0]
+        return WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0,
+                               time.perf_counter() - started, probe_max_diff=self.pushed_probe)
+
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""
+        if self.adapter_push is not None:
+            started = time.perf_counter()
+            self.pushed_probe = _EngineProcess.wait_for(self.adapter_push, "load_adapter")
+            self.adapter_push = None
+            return time.perf_counter() - started
         return self.pusher.wait()
 
     def engine_metrics(self) -> dict[str, float]:

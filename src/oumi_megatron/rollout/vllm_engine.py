@@ -157,7 +157,19 @@ class EngineSpec:
     """``uni`` (the engine in this process alone), ``external_launcher`` (colocated with several
     trainer ranks: the engine joins their torch.distributed world, one TP shard per rank) or ``mp`` (a Ray fleet's
     engine with ``rollout_gpus_per_engine`` > 1: vLLM starts a worker process per TP rank)."""
+    lora_rank: int = 0
+    """LoRA adapter sync (``megatron.lora_sync: adapter``): the adapter's rank (0: the engine takes whole weights)."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM 0.26 sizes its LoRA buffers for (``max_lora_rank``): an adapter of rank r takes the smallest >= r."""
+ADAPTER_NAME = "policy"
+
+
+def vllm_lora_rank(rank: int) -> int | None:
+    """The ``max_lora_rank`` an adapter of ``rank`` needs (None: above vLLM's largest)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
 
 
 class VllmEngineHost:
@@ -187,6 +199,8 @@ class VllmEngineHost:
             kwargs["enable_sleep_mode"] = self.sleep_mode
         if spec.kv_cache_bytes:  # vLLM then ignores gpu_memory_utilization for the KV cache
             kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+        if spec.lora_rank:  # one adapter at a time: the policy's, replaced at each sync
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=vllm_lora_rank(spec.lora_rank))
         if spec.transfer_backend:
             from vllm.config import WeightTransferConfig
 
@@ -202,6 +216,9 @@ class VllmEngineHost:
         self.version = 0
         """The policy version of the weights it holds (asynchronous GRPO): 0 for the ones it started from, then what
         each ``receive_update`` says."""
+        self.lora_request: Any = None
+        """The policy's adapter every request carries (``load_adapter``); None: the base alone."""
+        self.adapter_id = 0
 
     def generate_tagged(self, prompts: list[list[int]], sampling: dict[str, Any]) -> tuple[int, float, Any]:
         """``generate``, with the policy version that generated and the seconds it took (asynchronous GRPO)."""
@@ -224,7 +241,8 @@ class VllmEngineHost:
             per_prompt = [params.clone() for _ in prompts]
             for p, each in zip(prompts, per_prompt):
                 each.max_tokens = max(1, min(wanted, self.max_model_len - len(p)))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False,
+                                    lora_request=self.lora_request)
         result = []
         for out in outputs:
             samples = []
@@ -247,7 +265,7 @@ class VllmEngineHost:
             params = SamplingParams(logprobs=0, detokenize=False, **sampling)
             # as generate: a request's tokens stop at max_model_len
             params.max_tokens = max(1, min(params.max_tokens or 1, self.max_model_len - len(prompt)))
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params, lora_request=self.lora_request)
 
     def step_requests(self) -> list[tuple[str, list[int], list[float], str]]:
         """Engine steps until at least one request in flight finishes (or none is left): each finished request's
@@ -264,6 +282,58 @@ class VllmEngineHost:
                     lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs else []
                     done.append((out.request_id, ids, lps, str(o.finish_reason)))
         return done
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None,
+                     probe: tuple[list[int], list[float]] | None = None) -> float | None:
+        """LoRA (``megatron.lora_sync: adapter``): the policy's adapter (HF PEFT's tensors and config), in memory,
+        replacing the one before; the base stays. vLLM 0.26 loads adapters from folders only: here each worker's
+        adapter manager takes a ``LoRAModel`` built from the tensors as its own folder loader builds one (its private
+        ``_adapter_manager``: pinned by tests/test_vllm.py), and every request after it carries the new adapter's id.
+        The prefix cache keys blocks by the adapter's name only: it is reset. ``probe``: a sequence and the trainer's
+        logprobs of it (rollout/probe.py), compared with the engine's once the adapter is in: the largest gap."""
+        from vllm.lora.request import LoRARequest
+
+        self.adapter_id += 1
+
+        def load(worker: Any, tensors: dict[str, torch.Tensor], config: dict[str, Any], adapter_id: int) -> None:
+            from vllm.lora.lora_model import LoRAModel
+            from vllm.lora.peft_helper import PEFTHelper
+
+            manager = worker.model_runner.lora_manager
+            helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+            helper.validate_legal(manager.lora_config)
+            model = manager._adapter_manager.model
+            mapper = getattr(model, "hf_to_vllm_mapper", None)
+            lora = LoRAModel.from_lora_tensors(
+                adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+                model_vocab_size=manager.vocab_size, weights_mapper=None if mapper is None else mapper.get_unstacked_mapper(),
+                skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+            for old in manager.list_adapters():
+                manager.remove_adapter(old)
+            manager._adapter_manager.add_adapter(lora)
+            manager._adapter_manager.activate_adapter(adapter_id)
+
+        self.llm.collective_rpc(load, args=(tensors, config, self.adapter_id))
+        self.lora_request = LoRARequest(ADAPTER_NAME, self.adapter_id, "in-memory")
+        self.llm.reset_prefix_cache()
+        if version is not None:
+            self.version = version
+        if probe is None:
+            return None
+        sequence, reference = probe
+        return max(abs(a - b) for a, b in zip(self.sequence_logprobs(sequence), reference, strict=True))
+
+    def sequence_logprobs(self, sequence: list[int]) -> list[float]:
+        """The engine's logprob of each token of ``sequence`` after the first (rollout/probe.py), with the adapter
+        its requests carry."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=sequence)], params, use_tqdm=False,
+                                lora_request=self.lora_request)[0]
+        logprobs: Any = out.prompt_logprobs  # position 0 has none (no context)
+        return [logprobs[i][t].logprob for i, t in enumerate(sequence) if i > 0]
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

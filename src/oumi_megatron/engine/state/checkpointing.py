@@ -321,18 +321,11 @@ def _meta(engine: MegatronEngine) -> dict[str, Any]:
     dtype = next(p for c in engine.model for p in c.parameters()).dtype
     meta = {"dtype": str(dtype).replace("torch.", ""), "layout": _layout(engine), "optimizer_format": optimizer_format(engine)}
     if engine.lora is not None:  # the model/ folder holds the adapters; the base is the converted checkpoint it names
+        from oumi_megatron.engine.state.conversion import base_identity
+
         meta["lora"] = engine.lora.as_json()
         meta["base"] = base_identity(engine.base_dir)
     return meta
-
-
-def base_identity(converted: Path | None) -> dict[str, Any]:
-    """What names a LoRA run's frozen base: the converted checkpoint's folder and its source model's fingerprint."""
-    from oumi_megatron.engine.state.conversion import read_meta
-
-    meta = (read_meta(converted) or {}) if converted is not None else {}
-    return {"checkpoint": str(Path(converted).resolve()) if converted is not None else None,
-            **{k: meta.get(k) for k in ("source", "config_sha256", "weight_files")}}
 
 
 def _lora_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
@@ -351,6 +344,8 @@ def _lora_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
         return (f"its LoRA adapters differ from this run's in {differ} ({[saved_lora.get(k) for k in differ]} vs "
                 f"{[mine.get(k) for k in differ]}: peft.lora_r, lora_alpha, lora_target_modules). Resume with the peft: "
                 "settings that saved it")
+    from oumi_megatron.engine.state.conversion import base_identity
+
     now = base_identity(engine.base_dir)
     base = saved.get("base") or {}
     if any(base.get(k) != now.get(k) for k in ("config_sha256", "weight_files")):

@@ -253,6 +253,13 @@ def export_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, layout: Parall
     return save_hf(bridge, chunks, Path(checkpoint_dir) / "hf", out_dir, params.hf_max_shard_size)
 
 
+def base_identity(converted: Path | None) -> dict[str, Any]:
+    """What names a LoRA run's frozen base: the converted checkpoint's folder and its source model's fingerprint."""
+    meta = (read_meta(converted) or {}) if converted is not None else {}
+    return {"checkpoint": str(Path(converted).resolve()) if converted is not None else None,
+            **{k: meta.get(k) for k in ("source", "config_sha256", "weight_files")}}
+
+
 def is_lora_checkpoint(checkpoint_dir: str | Path) -> bool:
     """Whether ``checkpoint_dir`` is a LoRA run's training checkpoint (adapters alone, its base named in its meta)."""
     return "lora" in (read_meta(checkpoint_dir) or {})
@@ -265,7 +272,6 @@ def export_lora(checkpoint_dir: str | Path, out_dir: str | Path, layout: Paralle
     ``out_dir``. The frozen base is the converted checkpoint the meta names, checked against its recorded fingerprint."""
     from oumi_megatron.config.lora import SAVE_MODES, LoraSettings
     from oumi_megatron.engine.peft import bridge_peft
-    from oumi_megatron.engine.state.checkpointing import base_identity
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter, save_policy
 
     ckpt = Path(checkpoint_dir)

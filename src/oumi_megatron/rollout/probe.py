@@ -1,0 +1,32 @@
+"""Did a weight sync reach the engine? The probe behind ``weight_sync/probe_max_diff``: the engine's logprobs of a fixed
+token sequence against the trainer's own, right after the sync. A sync that delivered nothing (the most reported LoRA
+sync bug in the peers' trackers: the rollout sampled the initial policy for months) shows as a gap of the size of what
+training changed; a sync that worked, as rounding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PROBE_TOKENS = 16
+
+
+def probe_sequence(vocab_size: int, length: int = 2 * PROBE_TOKENS) -> list[int]:
+    """The fixed sequence: the same at every probe, within the byte range any tokenizer has."""
+    return [(7 * i + 3) % max(min(vocab_size, 250), 2) for i in range(length)]
+
+
+def policy_logprobs(engine: Any, sequence: list[int]) -> torch.Tensor:
+    """Collective over the training ranks: the trainer's logprob of each token of ``sequence`` after the first
+    (``engine``: the MegatronEngine; position t of its logprobs holds log p(token t + 1))."""
+    return engine.compute_logprobs([{"input_ids": torch.tensor([sequence])}])[0][0, :-1].float().cpu()
+
+
+def largest_over_ranks(value: float) -> float:
+    """Collective: the largest ``value`` of any rank (every replica's engine is probed)."""
+    worst = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
