@@ -272,6 +272,12 @@ def test_lora_run_learns_resumes_exactly_and_checkpoints_the_adapters_alone(tmp_
     assert _rise(rows) >= 0.4, [round(r["reward/mean"], 3) for r in rows]
     assert max(r["kl"] for r in rows) > 0  # the adapters move the policy away from the base, its reference
     step = out / "checkpoints" / "step_000030"
+    # the bound: a checkpoint's bytes within 3x the adapters' (fp32) and Adam's two moments' (the model's
+    # fp32 weights alone would be 742,656 B; a full fine-tuning checkpoint of it takes 3.3 MB)
+    adapters = 57_344  # r 16 x (in + out) over QKV, output, fc1 and fc2 of 4 layers
+    assert f"({adapters:,} trainable parameters on this rank)" in text
+    saved_bytes = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+    assert saved_bytes <= 3 * (4 * adapters + 8 * adapters), saved_bytes
     meta = json.loads((step / "oumi_megatron.json").read_text())
     assert meta["lora"]["rank"] == 16 and meta["base"]["checkpoint"] == str(out / "megatron_checkpoint")
     from torch.distributed.checkpoint import FileSystemReader
