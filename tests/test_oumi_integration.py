@@ -49,6 +49,11 @@ def test_oumi_megatron_validate_cli_prints_layout() -> None:
     assert "nodes: 2 x 8 GPUs" in out.stdout
     assert "microbatches per step per DP rank: 4" in out.stdout
     assert "pipeline schedule: 1f1b" in out.stdout
+    assert "memory not checked: GPU memory unknown" in out.stdout  # no GPU here and no --gpu-memory-gib
+    small = run_cli(["oumi-megatron", "validate", "-c", "configs/train_70b_grpo.yaml", "--world-size", "16",
+                     "--gpus-per-node", "8", "--model-config", str(shape), "--gpu-memory-gib", "24"])
+    assert small.returncode == 2 and "will not fit" in small.stdout, small.stdout + small.stderr  # valid, too big
+    assert "Skipping import of cpp extensions" not in out.stdout + out.stderr  # third-party chatter silenced
 
 
 def test_python_m_validate_with_overrides_reports_every_problem(good_yaml: Path) -> None:

@@ -119,7 +119,7 @@ def test_plan_cli_prints_the_parts_and_says_whether_it_fits() -> None:
     host = r["host_and_disk"]  # per node and on disk (state_plan.py, pinned by hand below)
     assert host["ranks_per_node"] == 8 and host["host_per_node"] > 8 * 64 and host["checkpoints_coexisting"] == 3
     proc = run_cli([*base, "--megatron.optimizer_config.optimizer_cpu_offload", "false"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the exit status says it will not fit (0: it fits)
     assert "will not fit" in proc.stdout and "optimizer_cpu_offload: true" in proc.stdout, proc.stdout
     assert "host per node" in proc.stdout and "disk: one checkpoint" in proc.stdout, proc.stdout
 
@@ -224,7 +224,7 @@ def test_colocated_engines_are_counted_with_the_whole_model_over_tp() -> None:
     base = ["oumi-megatron", "plan", "-c", str(REPO / "configs" / "train_405b_grpo.yaml"), "--gpus", "256", "--gpus-per-node",
             "8", "--gpu-memory-gib", "80", "--model-config", str(shape_file)]
     proc = run_cli([*base, "--json", "--megatron.inference_backend", "vllm"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]  # will not fit
     r = json.loads(proc.stdout)
     weights = ModelShape.from_file(shape_file).vllm_weight_bytes(8) / GIB
     assert 90 < weights < 100 and r["rollout"] == pytest.approx(weights, abs=0.01) and r["fits"] is False

