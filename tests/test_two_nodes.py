@@ -119,6 +119,12 @@ def test_two_nodes_on_one_host_convert_once_resume_and_match_one_node(tmp_path: 
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:
         assert (got[step]["reward/mean"], got[step]["loss"]) == (want[step]["reward/mean"], want[step]["loss"]), step
+    # the network preflight (engine/parallel/network.py) ran before conversion and measured across the two "nodes";
+    # its numbers are in the first step each process logged (step 1: the first run's)
+    assert "network preflight: 2 node(s), gloo over TCP" in text, text[-4000:]
+    assert got[1]["preflight/nodes"] == 2.0 and got[1]["preflight/inter_node_busbw_gbps"] > 0, got[1]
+    assert got[1]["preflight/intra_node_busbw_gbps"] > 0 and got[1]["preflight/sockets"] == 1.0
+    assert want[1]["preflight/nodes"] == 1.0 and "preflight/inter_node_busbw_gbps" not in want[1]
     w, ref = _weights(shared / "hf_model"), _weights(reference / "run" / "hf_model")
     assert set(w) == set(ref) and all(torch.equal(w[k], ref[k]) for k in ref)
 

@@ -65,6 +65,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.distributed import init_distributed
+    from oumi_megatron.engine.parallel.network import network_preflight
     from oumi_megatron.engine.state.conversion import ensure_converted
     from oumi_megatron.environments.registry import check_environment
     from oumi_megatron.plugins import load_plugins
@@ -76,6 +77,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     init_distributed()  # the start decisions below are collective: made once, checked per rank
     load_plugins(config.grpo.plugins)  # their losses, estimators, reward functions, environments (validation imported them)
     check_shared(config.training.output_dir)  # one folder on every node, before anything is written there
+    network = network_preflight()  # what the collectives cross nodes over, and how fast: seconds, before conversion
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
     rollout_mode(config.megatron).preflight(config)  # e.g. a Ray cluster that holds the engines
     check_space(config, shape, start)  # output_dir's disk holds what the run will write
@@ -102,6 +104,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_dataset,
                             work_dir=output_dir)
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, dataset, rollout)
+    trainer.start_metrics.update(network.metrics())
     return AssembledRun(trainer, start.checkpoint)
 
 

@@ -110,6 +110,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.async_rollouts = None if not g.max_staleness else AsyncRollouts(
             self.collector, as_asynchronous(self.backend, config.megatron), g.max_staleness, engine.device)
         self.last_metrics: dict[str, Any] = {}
+        self.start_metrics: dict[str, float] = {}
+        """What the run measured before its first step (assembly.py: the network preflight), logged with that step."""
         self.all_skipped_steps = 0
         self.evaluators = rollout.evaluators
         use_async = config.megatron.checkpoint_config.use_async_checkpoint
@@ -332,6 +334,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                     metrics.update(self.evaluate())
                 if self.async_writer is not None:
                     self.async_writer.poll()
+                metrics.update(self.start_metrics)
+                self.start_metrics = {}
                 metrics_log.log(self.step, metrics)
                 progress.update(task, completed=self.step, reward=metrics["reward/mean"])
                 if t.save_steps and self.step % t.save_steps == 0 and self.step < max_steps:
