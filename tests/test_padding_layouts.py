@@ -29,7 +29,8 @@ COMMON = ["--training.max_steps", str(STEPS), "--training.save_steps", "0", "--t
           "--training.include_performance_metrics", "false", "--grpo.max_completion_length", "24"]
 OPTIONS = ["--grpo.beta", "0.04", "--grpo.tis_cap", "2.0", "--grpo.mask_truncated_completions", "true"]
 PACKED = ["--megatron.enable_sequence_packing", "true"]
-RUN_DEPENDENT = ("time/", "tokens_per_s", "rollout/tokens_per_s", "rollout/decode_ms_per_step")  # wall-clock numbers
+RUN_DEPENDENT = ("time/", "tokens_per_s", "rollout/tokens_per_s", "rollout/decode_ms_per_step",  # wall-clock numbers
+                 "preflight/")  # and the network preflight: each run measures its own world
 
 
 def _run(out: Path, model: Path, *overrides: str, nproc: int = 1) -> list[dict]:
