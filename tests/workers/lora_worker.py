@@ -89,6 +89,12 @@ def main() -> None:
     def adapter_tensors(weights) -> dict:  # noqa: ANN001
         return {k: v.tolist() for k, v in weights.adapters().tensors.items()}
 
+    def save_adapters(engine, name: str) -> None:  # noqa: ANN001 - a checkpoint of the adapters alone, WORK/name
+        if rank == 0:
+            (work / name).mkdir()
+        dist.barrier()
+        save_model(engine.model, work / name, adapters_only=True)
+
     def save_all(weights, name: str) -> None:  # noqa: ANN001
         for mode in ("adapter_only", "adapter_and_base_model", "merged"):
             save_policy(weights, work / f"{name}_{mode}", mode)
@@ -96,10 +102,7 @@ def main() -> None:
     # -- the reference: TP 1 x DP 2 -------------------------------------------------------------------------------
     engine, weights = build(dp2, every)
     randomize(engine)
-    if rank == 0:
-        (work / "adapters").mkdir()
-    dist.barrier()
-    save_model(engine.model, work / "adapters", adapters_only=True)
+    save_adapters(engine, "adapters")
     save_all(weights, "dp2")
     base_before = {n: p.detach().clone() for c in engine.model for n, p in c.named_parameters() if not p.requires_grad}
     trainable = [p for c in engine.model for p in c.parameters() if p.requires_grad]
@@ -142,10 +145,7 @@ def main() -> None:
     canonical = LoraSettings(4, 8.0, 0.0, ("linear_q", "linear_v"), True, "adapter_only")
     engine, weights = build(dp2, canonical)
     randomize(engine)
-    if rank == 0:
-        (work / "canonical_adapters").mkdir()
-    dist.barrier()
-    save_model(engine.model, work / "canonical_adapters", adapters_only=True)
+    save_adapters(engine, "canonical_adapters")
     save_all(weights, "canonical")
     result["canonical"] = {"logprobs": logprobs(engine),
                            "trainable": sorted({n.split("layers.0.")[-1] for c in engine.model

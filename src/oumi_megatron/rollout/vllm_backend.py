@@ -65,6 +65,7 @@ from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_
 
 if TYPE_CHECKING:
     from oumi_megatron.config.lora import LoraSettings
+    from oumi_megatron.engine.peft import AdapterWeights
 
 logger = logging.getLogger("oumi")
 
@@ -297,15 +298,20 @@ class _VllmBackend:
     def _sync_adapter(self, weights: PolicyWeights) -> WeightSyncStats:
         """LoRA, ``lora_sync: adapter``: the whole adapter (gathered on every rank: its bytes, not the model's) into
         every engine, in memory, then the probe (rollout/probe.py) taken by the engine with it."""
+        adapter, probe = self._adapter_and_probe(weights)
+        gap = self._load_adapter(adapter.tensors, adapter.config, probe)
+        stats = WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0, 0.0)
+        stats.probe_max_diff = largest_over_ranks(gap or 0.0)
+        return stats
+
+    def _adapter_and_probe(self, weights: PolicyWeights) -> tuple[AdapterWeights, tuple[list[int], list[float]]]:
+        """Collective: the whole adapter, and the probe's sequence with the trainer's logprobs of it (rollout/probe.py)
+        for the engine to compare its own with once the adapter is in."""
         adapter = weights.adapters()
         if adapter is None:
             raise WeightSyncError("megatron.lora_sync: adapter, but the policy carries no LoRA adapter")
         sequence = probe_sequence(self.vocab)
-        reference = policy_logprobs(self.trainer_engine, sequence).tolist()
-        gap = self._load_adapter(adapter.tensors, adapter.config, (sequence, reference))
-        stats = WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0, 0.0)
-        stats.probe_max_diff = largest_over_ranks(gap or 0.0)
-        return stats
+        return adapter, (sequence, policy_logprobs(self.trainer_engine, sequence).tolist())
 
     def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                       probe: tuple[list[int], list[float]]) -> float | None:
@@ -666,14 +672,11 @@ class SeparateVllmBackend(_VllmBackend):
         (the owner's pipe keeps the order), with the probe the engine takes once it is in; the previous push's probe
         goes in these stats (it is known by now)."""
         started = time.perf_counter()
-        adapter = weights.adapters()
-        assert adapter is not None, "megatron.lora_sync: adapter on a policy with LoRA"
-        sequence = probe_sequence(self.vocab)
-        reference = policy_logprobs(self.trainer_engine, sequence).tolist()
+        adapter, probe = self._adapter_and_probe(weights)
         self.wait_pushed()
         if self.is_owner:
             self.adapter_push = self._owned_process.submit("load_adapter", adapter.tensors, adapter.config, version,
-                                                           (sequence, reference))[0]
+                                                           probe)[0]
         return WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0,
                                time.perf_counter() - started, probe_max_diff=self.pushed_probe)
 
