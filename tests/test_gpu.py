@@ -196,6 +196,58 @@ def test_prefix_causal_flash_attention_matches_masked_sdpa_on_gpu(first: int) ->
         assert err_new <= 1.5 * err_old + 1e-3 * r.abs().max().item(), (name, err_new, err_old)
 
 
+def test_lora_matches_hf_peft_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LoRA (engine/peft.py, docs/lora.md) in bf16 on the GPU, one rank (tests/workers/lora_worker.py --gpu), against HF
+    PEFT in fp32 on the adapter the engine exported: logprobs within BF16_TOL while the adapters move them by several
+    times that; adapters switched off give the HF base; the merged export is W + (alpha / r) B A; after an Adam step
+    every base weight is bit-identical and the optimizer holds the adapters alone; canonical LoRA on q_proj and v_proj
+    alone likewise matches PEFT."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    work = tmp_path_factory.mktemp("gpu_lora")
+    _check(run_cli([PY, str(WORKERS / "lora_worker.py"), str(work), "--gpu"]))
+    r = json.loads((work / "result.json").read_text())
+    ids = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(11))  # the worker's batch
+
+    def base() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(work / "hf", torch_dtype=torch.float32).eval()
+
+    def logprobs(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+        return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    def diff(a: object, b: object) -> float:
+        return float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max())
+
+    ref = r["dp1"]
+    base_lp = logprobs(base())
+    peft_lp = logprobs(PeftModel.from_pretrained(base(), work / "dp1_adapter_only" / "hf_adapter").eval())
+    report = {"peft_max_abs_diff": diff(ref["logprobs"], peft_lp), "adapter_shift": diff(peft_lp, base_lp),
+              "adapters_off_max_abs_diff": diff(ref["logprobs_adapters_off"], base_lp)}
+    canonical = work / "canonical_adapter_only" / "hf_adapter"
+    report["canonical_peft_max_abs_diff"] = diff(r["canonical"]["logprobs"],
+                                                 logprobs(PeftModel.from_pretrained(base(), canonical).eval()))
+    if os.environ.get("GPU_RESULTS"):
+        (Path(os.environ["GPU_RESULTS"]) / "lora_vs_peft.json").write_text(json.dumps(report))
+    assert report["peft_max_abs_diff"] <= BF16_TOL, report
+    assert report["adapter_shift"] >= 2 * BF16_TOL, report  # the adapters matter: the parity above means something
+    assert report["adapters_off_max_abs_diff"] <= BF16_TOL, report
+    assert report["canonical_peft_max_abs_diff"] <= BF16_TOL, report
+    assert ref["logprobs_back_on"] == ref["logprobs"]  # switching the adapters off is undone exactly
+    assert ref["base_changed"] == [] and ref["base_with_grad"] == []
+    assert ref["optimizer_params"] == ref["adapter_params"] == 28_672  # 2 layers x (qkv, o, fc1, fc2) at r 8
+    adapter, merged, hf = (load_file(next((work / f).glob("*.safetensors"))) for f in
+                           ("dp1_adapter_only/hf_adapter", "dp1_merged/hf_model", "hf"))
+    name, prefix = "model.layers.1.self_attn.q_proj.weight", "base_model.model.model.layers.1.self_attn.q_proj"
+    update = 16.0 / 8 * adapter[f"{prefix}.lora_B.weight"].float() @ adapter[f"{prefix}.lora_A.weight"].float()
+    expected = hf[name].float() + update
+    assert diff(merged[name].float(), expected) <= 0.01 * float(expected.abs().max()), name  # bf16 rounding of W + BA
+    assert diff(merged[name].float(), hf[name].float()) > 0.1 * float(update.abs().max()), name
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--schedule", "zb_h1"], ["--cp", "2"],
                                     ["--tp", "2", "--sequence-parallel"], ["--ep", "2"]],
@@ -299,16 +351,18 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.parametrize(
-    "layout", [[], ["--pp", "2", "--packing"]], ids=["1gpu", "pp2_packed"]
+    "layout", [[], ["--pp", "2", "--packing"], ["--lora"]], ids=["1gpu", "pp2_packed", "lora"]
 )
 def test_grpo_loop_learns_on_gpu(tmp_path_factory: pytest.TempPathFactory, layout: list[str]) -> None:
     """The demo's GRPO loop (same trainer, rollouts, rewards, hyper-parameters) in bf16 on NCCL.
-    The image has no Oumi, so the worker builds the config in Python (tests/workers/grpo_loop_worker.py)."""
-    if layout and torch.cuda.device_count() < 2:
+    The image has no Oumi, so the worker builds the config in Python (tests/workers/grpo_loop_worker.py).
+    ``lora``: training.use_peft, r 16 on every linear layer, the KL term on (as the CPU whole-run LoRA test)."""
+    two_ranks = "--pp" in layout
+    if two_ranks and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     work = tmp_path_factory.mktemp("gpu_grpo")
     worker = [str(WORKERS / "grpo_loop_worker.py"), str(work), "--steps", "80", *layout]
-    cmd = [PY, *worker] if not layout else [TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker]
+    cmd = [PY, *worker] if not two_ranks else [TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker]
     _check(run_cli(cmd))
     r = json.loads((work / "result.json").read_text())
     if os.environ.get("GPU_RESULTS"):  # scripts/gpu_check.sh prints these in its table

@@ -37,6 +37,8 @@ def overrides(args: argparse.Namespace, work: Path, hf: Path) -> list[str]:
         out += ["megatron.inference_backend=vllm", "megatron.rollout_placement=separate", f"megatron.weight_sync_method={method}"]
     if args.max_staleness:
         out += [f"grpo.max_staleness={args.max_staleness}", "grpo.off_policy_correction=tis"]
+    if args.lora:  # as tests/test_grpo_trainer.py's LoRA run
+        out += ["training.use_peft=true", "peft.lora_r=16", "peft.lora_alpha=32", "grpo.beta=0.04"]
     return out + args.set
 
 
@@ -54,6 +56,8 @@ def main() -> None:
     p.add_argument("--vllm-separate", action="store_true",
                    help="inference_backend: vllm, rollout_placement: separate (the engine on the GPU after the trainer's)")
     p.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness (with --vllm-separate)")
+    p.add_argument("--lora", action="store_true", help="training.use_peft: LoRA r 16 on every linear layer, grpo.beta 0.04 "
+                   "(the tiny model built with init_std 0.2: at 0.02 its frozen tied output layer caps the logits)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="one more override of the config, after the worker's own (repeatable)")
     p.add_argument("--reward-log", default=None, help="a folder: each rank writes how many completions its reward "
@@ -72,7 +76,7 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     hf = work / "tiny_qwen2"
     if int(os.environ.get("RANK", "0")) == 0 and not (hf / "config.json").is_file():
-        build_tiny_model(hf, arch="qwen2")
+        build_tiny_model(hf, arch="qwen2", **({"init_std": 0.2} if args.lora else {}))
     while not (hf / "config.json").is_file():  # other ranks wait for rank 0's files
         time.sleep(0.2)
     time.sleep(0.5)
@@ -100,11 +104,11 @@ def main() -> None:
         card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         result = {
             "card": card, "world_size": world, "tp": args.tp, "pp": args.pp, "packing": args.packing,
-            "variant": "unfused" if args.unfused else "fast + CUDA graphs" if args.graphs else "fast",
+            "variant": "unfused" if args.unfused else "LoRA r 16" if args.lora else "fast + CUDA graphs" if args.graphs else "fast",
             "steps": len(metrics), "seconds": seconds, "rewards": rewards,
             "first5": sum(rewards[:5]) / 5, "last5": sum(rewards[-5:]) / 5,
             "rollout_s": sum(m["time/rollout_s"] for m in metrics), "train_s": sum(m["time/train_s"] for m in metrics),
-            "hf_model": (out / "hf_model" / "config.json").is_file(),
+            "hf_model": (out / "hf_model" / "config.json").is_file() or (out / "hf_adapter" / "adapter_config.json").is_file(),
             "staleness_max": [m.get("rollout/staleness_max", 0.0) for m in metrics],
             "step_s": [m.get("time/train_s", 0.0) + m.get("time/rollout_wait_s", m["time/rollout_s"]) for m in metrics],
             "weight_sync_gbps": [m.get("weight_sync/gbps") for m in metrics],

@@ -1,6 +1,7 @@
 """LoRA on the engine under several layouts in one 2-rank world (torchrun, gloo, fp32), recorded for tests/test_lora.py.
 
     torchrun --nproc_per_node 2 tests/workers/lora_worker.py WORK
+    python tests/workers/lora_worker.py WORK --gpu     # one rank, bf16 on the GPU (tests/test_gpu.py)
 
 Builds a tiny Qwen2 model (WORK/hf) and converts it once. Then:
 - ``dp2`` (the reference: TP 1, DP 2, the distributed optimizer): LoRA on every linear layer (r 8, alpha 16), the
@@ -13,6 +14,7 @@ Builds a tiny Qwen2 model (WORK/hf) and converts it once. Then:
   full batch (DP 1 in each: the loss and the updated adapters must agree across these layouts).
 - ``canonical``: LoRA on q_proj and v_proj alone (PEFT's default for Llama), Bridge's canonical form (an adapter per
   HF projection), exported for PEFT; and the same adapters under TP 2 (``canonical_tp2``).
+With ``--gpu`` (one rank, bf16, CUDA): the reference on one rank (``dp1``) and ``canonical``, no other layout.
 Rank 0 writes WORK/result.json.
 """
 
@@ -49,8 +51,10 @@ def main() -> None:
     from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = Path(sys.argv[1])
+    dtype = torch.bfloat16 if "--gpu" in sys.argv[2:] else torch.float32
     init_distributed()
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_name = f"dp{world}"
     if rank == 0:
         build_tiny_model(work / "hf", arch="qwen2")
     dist.barrier()
@@ -65,13 +69,13 @@ def main() -> None:
         return p
 
     dp2 = params_for()
-    ckpt = convert_hf_to_megatron(work / "hf", work / "mc", engine_layout(dp2, world_size=2), dp2, dtype=torch.float32)
+    ckpt = convert_hf_to_megatron(work / "hf", work / "mc", engine_layout(dp2, world_size=world), dp2, dtype=dtype)
     every = LoraSettings(8, 16.0, 0.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), False, "adapter_only")
     result: dict = {}
 
     def build(params: MegatronParams, lora: LoraSettings):  # noqa: ANN202
-        layout = engine_layout(params, world_size=2)
-        _, engine = build_engine(ckpt, layout, params, OptimSettings(lr=1e-2, total_steps=10), torch.float32, lora=lora)
+        layout = engine_layout(params, world_size=world)
+        _, engine = build_engine(ckpt, layout, params, OptimSettings(lr=1e-2, total_steps=10), dtype, lora=lora)
         bridge = load_bridge_for_checkpoint(ckpt)
         return engine, HFWeightExporter(bridge, engine.model, ckpt / "hf", peft=engine.peft, base_model=str(work / "hf"))
 
@@ -81,13 +85,14 @@ def main() -> None:
                 for name, p in unwrap(c).named_parameters():
                     if p.requires_grad:
                         g = torch.Generator().manual_seed(sum(map(ord, name)))
-                        p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                        p.copy_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
 
     def logprobs(engine) -> list:  # noqa: ANN001
-        return torch.cat(engine.compute_logprobs([{"input_ids": IDS[:2]}, {"input_ids": IDS[2:]}]))[:, :-1].tolist()
+        batch = [{"input_ids": IDS[:2]}, {"input_ids": IDS[2:]}]
+        return torch.cat(engine.compute_logprobs(batch))[:, :-1].float().tolist()
 
     def adapter_tensors(weights) -> dict:  # noqa: ANN001
-        return {k: v.tolist() for k, v in weights.adapters().tensors.items()}
+        return {k: v.float().tolist() for k, v in weights.adapters().tensors.items()}
 
     def save_adapters(engine, name: str) -> None:  # noqa: ANN001 - a checkpoint of the adapters alone, WORK/name
         if rank == 0:
@@ -103,7 +108,7 @@ def main() -> None:
     engine, weights = build(dp2, every)
     randomize(engine)
     save_adapters(engine, "adapters")
-    save_all(weights, "dp2")
+    save_all(weights, ref_name)
     base_before = {n: p.detach().clone() for c in engine.model for n, p in c.named_parameters() if not p.requires_grad}
     trainable = [p for c in engine.model for p in c.parameters() if p.requires_grad]
     ref = {"logprobs": logprobs(engine)}
@@ -112,7 +117,7 @@ def main() -> None:
     ref["logprobs_back_on"] = logprobs(engine)
     engine.train_step([{"input_ids": IDS[2 * rank:2 * rank + 2]}], nll)  # each DP rank its half
     held = torch.tensor([sum(p.numel() for g in engine.optimizer.optimizer.param_groups for p in g["params"])],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=engine.device)  # NCCL reduces device tensors alone
     dist.all_reduce(held)  # the distributed optimizer's fp32 shards over DP
     changed = [n for c in engine.model for n, p in c.named_parameters()
                if not p.requires_grad and not torch.equal(p, base_before[n])]
@@ -122,12 +127,12 @@ def main() -> None:
                 "base_with_grad": [n for c in engine.model for n, p in c.named_parameters()
                                    if not p.requires_grad and (p.grad is not None or hasattr(p, "main_grad"))],
                 "adapters_after_step": adapter_tensors(weights)})
-    result["dp2"] = ref
+    result[ref_name] = ref
 
     # -- the same adapters under other layouts -----------------------------------------------------------------
     layouts = {"tp2": params_for(tp=2), "tp2_sp": params_for(tp=2, sp=True), "pp2": params_for(pp=2),
                "pp2_vpp2": params_for(pp=2, vpp=2)}
-    for name, params in layouts.items():
+    for name, params in layouts.items() if world == 2 else ():
         engine, weights = build(params, every)
         load_model(engine.model, work / "adapters", adapters_only=True)
         entry = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights),
@@ -150,9 +155,10 @@ def main() -> None:
     result["canonical"] = {"logprobs": logprobs(engine),
                            "trainable": sorted({n.split("layers.0.")[-1] for c in engine.model
                                                 for n, p in c.named_parameters() if p.requires_grad and "layers.0." in n})}
-    engine, weights = build(params_for(tp=2), canonical)  # each rank holds half of the heads
-    load_model(engine.model, work / "canonical_adapters", adapters_only=True)
-    result["canonical_tp2"] = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
+    if world == 2:
+        engine, weights = build(params_for(tp=2), canonical)  # each rank holds half of the heads
+        load_model(engine.model, work / "canonical_adapters", adapters_only=True)
+        result["canonical_tp2"] = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
     if rank == 0:
         (work / "result.json").write_text(json.dumps(result))
     dist.barrier()
