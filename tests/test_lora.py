@@ -164,7 +164,7 @@ def test_bad_peft_fields_are_refused_by_name(make_config, override: dict, field:
 @pytest.mark.parametrize(("megatron", "field"), [
     ({"lora_sync": "deltas"}, "megatron.lora_sync"),
     ({"inference_backend": "sglang", "lora_sync": "adapter"}, "megatron.lora_sync"),  # SGLang takes merged weights
-    ({"inference_backend": "vllm", "weight_sync_method": "checkpoint"}, "megatron.lora_sync"),
+    ({"inference_backend": "vllm", "weight_sync_method": "checkpoint", "lora_sync": "adapter"}, "megatron.lora_sync"),
     ({"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb_h1"}, "megatron.pipeline_schedule"),
     ({"enable_module_queue": True}, "megatron.enable_module_queue"),
     ({"context_parallel_size": 2}, "megatron.context_parallel_size"),

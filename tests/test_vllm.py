@@ -238,7 +238,7 @@ def _colocated_backend(enable_weight_sync: bool) -> tuple:
 
 
 def test_lora_adapter_sync_sends_the_adapter_alone_and_the_engine_follows_it(tmp_path: Path) -> None:
-    """training.use_peft with vLLM engines (megatron.lora_sync: adapter, the default; docs/lora.md): each sync hands
+    """training.use_peft with vLLM engines and megatron.lora_sync: adapter (docs/lora.md): each sync hands
     the engine the adapter alone (in memory; the base it started from stays), and the probe right after it finds the
     engine's logprobs equal to the trainer's while the adapters have moved the policy far from the base (KL to it, the
     reference, > 0.1 at lr 1e-2): a sync that delivered nothing would leave the engine on the base. Colocated and
@@ -249,7 +249,7 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_the_engine_follows_it(tmp
     model = build_tiny_model(tmp_path / "tiny", arch="qwen2", init_std=0.2)  # tests/test_grpo_trainer.py says why
     lora = ("--training.use_peft", "true", "--peft.lora_r", "16", "--peft.lora_alpha", "32", "--grpo.beta", "0.04",
             "--training.learning_rate", "1e-2", "--training.max_steps", "3", "--training.save_steps", "0",
-            "--training.save_final_model", "false", "--megatron.inference_backend", "vllm")
+            "--training.save_final_model", "false", "--megatron.inference_backend", "vllm", "--megatron.lora_sync", "adapter")
     adapter_bytes = 4 * 69_632  # r 16 in PEFT's form (q/k/v and gate/up each their own copy of A), fp32
     colocated, separate = tmp_path / "colocated", tmp_path / "separate"
     _oumi_train(colocated, model, *lora, "--megatron.rollout_placement", "colocated")

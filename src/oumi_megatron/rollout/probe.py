@@ -26,7 +26,9 @@ def policy_logprobs(engine: Any, sequence: list[int]) -> torch.Tensor:
 
 def largest_over_ranks(value: float) -> float:
     """Collective: the largest ``value`` of any rank (every replica's engine is probed)."""
-    worst = torch.tensor([value], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        on_gpu = dist.get_backend() == "nccl"  # NCCL reduces device tensors alone
+        worst = torch.tensor([value], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst.item())
+        return float(worst.item())
+    return value
