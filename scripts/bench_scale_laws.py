@@ -393,6 +393,13 @@ def run_gpu(args: argparse.Namespace) -> None:
     raw["model"]["model_name"] = str(hf)
     raw["training"]["output_dir"] = str(state / "run")
     raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]  # the scale task's cheap reward (run_grpo)
+    for setting in args.set:  # SECTION.KEY=VALUE (YAML), e.g. training.use_peft=true: the plan reads the same config
+        dotted, value = setting.split("=", 1)
+        *parents, key = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = yaml.safe_load(value)
     cfg = out / "slice.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     work = state / "slice"
@@ -418,14 +425,13 @@ def gpu_table(cfg: Path, hf: Path, measured: dict[str, dict[str, float]]) -> str
     from oumi_megatron.config.standalone import load_config
     from oumi_megatron.engine.parallel.layout import resolve_layout
     from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.plan import estimate_memory, rank_params
-    from oumi_megatron.state_plan import estimate_state
+    from oumi_megatron.plan import estimate_memory, plan_state, rank_params
 
     config = load_config(cfg, oumi=False)  # as run_grpo reads it on the GPU image
     shape = ModelShape.from_file(hf)
     layout = resolve_layout(config, 1).require()
     memory = estimate_memory(config, shape, layout)
-    state = estimate_state(config, shape, layout, rank_params(config, shape, layout), 1)  # type: ignore[arg-type]
+    state = plan_state(config, shape, layout, 1)  # as `oumi-megatron plan` (the adapters' share under LoRA)
     plan_host = {"convert": state.transient_per_rank["convert"], "save": state.transient_per_rank["checkpoint_save"],
                  "load": state.transient_per_rank["checkpoint_load"], "export": state.transient_per_rank["hf_export"]}
     lines = [f"Llama-3.1-70B-wide slice: {shape.num_layers} layers, {rank_params(config, shape, layout) / 1e9:.2f}B "
@@ -456,6 +462,8 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="the 70B-wide slice on one GPU (see the module docstring)")
     p.add_argument("--layers", type=int, default=2, help="--gpu: the slice's layers")
     p.add_argument("--state-dir", default=None, help="--gpu: where the run writes (default --out)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="--gpu: a setting of the slice's config (YAML value), e.g. training.use_peft=true")
     p.add_argument("--smoke", action="store_true", help="--gpu at a small width (a CPU check of the script)")
     p.add_argument("--gpu-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--launch", help=argparse.SUPPRESS)

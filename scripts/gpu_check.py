@@ -146,7 +146,8 @@ def mode_laws(c: Check) -> None:
         laws_dir = "/dev/shm/oumi_laws"
     c.sh(["df", "-h", "/", "/dev/shm"], tail=2)
     c.sh(["free", "-g"], head=2)
-    c.sh([*PY, "scripts/bench_scale_laws.py", "--gpu", "--state-dir", laws_dir, "--json", c.out("slice.json")],
+    c.sh([*PY, "scripts/bench_scale_laws.py", "--gpu", "--state-dir", laws_dir, "--json", c.out("slice.json"),
+          *[a for s in words("GPU_CHECK_LAWS_SET") for a in ("--set", s)]],
          log=c.out("slice.log"), tail=12)
     c.note(f"rm -rf {laws_dir}")
     if not c.dry_run:

@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Iterator
@@ -121,7 +122,32 @@ def import_megatron_core() -> types.ModuleType:
 
 
 def import_megatron_bridge() -> types.ModuleType:
-    """``import megatron.bridge``, working around its unconditional TransformerEngine import."""
+    """``import megatron.bridge``, working around its unconditional TransformerEngine import.
+
+    The first import runs on a thread of its own. Bridge imports nvidia-modelopt, which imports pulp, and pulp keeps
+    the exception of each optional solver that failed to import (``pulp.apis.core._OPTIONAL_IMPORT_ERRORS``) with its
+    traceback: every frame of the importing stack lives as long as the process, and with them the locals of our
+    callers. Imported from the conversion, that pinned the converted model (a whole bf16 model of GPU memory per rank,
+    measured on the 70B-wide slice); a thread's stack holds nothing of ours."""
+    if "megatron.bridge" in sys.modules:
+        return _import_megatron_bridge()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["module"] = _import_megatron_bridge()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="import-megatron-bridge")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["module"]
+
+
+def _import_megatron_bridge() -> types.ModuleType:
     if "megatron.bridge" in sys.modules or have_transformer_engine():
         with _quiet_imports():
             return importlib.import_module("megatron.bridge")

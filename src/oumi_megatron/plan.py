@@ -420,12 +420,16 @@ def plan_config(config: MegatronTrainingConfig, gpus: int, gpus_per_node: int | 
     plan = estimate_memory(config, report.model_shape, report.layout, gpu_memory_gib, overhead_gib)
     suggestions = (suggest_layouts(config, report.model_shape, gpus, gpus_per_node, gpu_memory_gib)
                    if suggest and gpu_memory_gib else [])
+    state = plan_state(config, report.model_shape, report.layout, gpus_per_node)
+    return PlanResult(report, plan, advice(plan, config, report.layout), suggestions, state)
+
+
+def plan_state(config: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout,
+               gpus_per_node: int | None) -> StatePlan:
+    """The state paths' plan (state_plan.py) for ``config``: under LoRA, the adapters' share of each path."""
     lora, _ = lora_settings(config)
     adapters = None
     if lora is not None:
-        lay = report.layout
-        adapters = (lora_params(report.model_shape, lora, lay.tensor_parallel, lay.pipeline_parallel),
-                    lora_params(report.model_shape, lora), lora.save_mode)
-    state = estimate_state(config, report.model_shape, report.layout,
-                           rank_params(config, report.model_shape, report.layout), gpus_per_node, adapters)
-    return PlanResult(report, plan, advice(plan, config, report.layout), suggestions, state)
+        adapters = (lora_params(shape, lora, layout.tensor_parallel, layout.pipeline_parallel), lora_params(shape, lora),
+                    lora.save_mode)
+    return estimate_state(config, shape, layout, rank_params(config, shape, layout), gpus_per_node, adapters)
