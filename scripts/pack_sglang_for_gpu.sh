@@ -55,22 +55,7 @@ PY
   esac
 done
 [ "$(ls "$SET"/*.whl | wc -l)" -eq ${#WHEELS[@]} ] || { echo "expected ${#WHEELS[@]} wheels in $SET"; exit 1; }
-chmod 644 "$SET"/*.whl
-tar -C "$WORK" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --mode='u=rwX,go=rX' -cf "$TAR" sglang_gpu_min
-SHA=$(sha256sum "$TAR" | cut -d' ' -f1)
-rm -rf "$WORK/parts" && mkdir -p "$WORK/parts"
-split -b 41M -d -a 2 "$TAR" "$WORK/parts/part"
-EXCLUDE=$(git -C "$REPO" rev-parse --git-path info/exclude)
-case $EXCLUDE in /*) ;; *) EXCLUDE=$REPO/$EXCLUDE ;; esac
-mkdir -p "$(dirname "$EXCLUDE")" && touch "$EXCLUDE"
-rm -f "$REPO"/.schunk[0-9]*/part[0-9]* "$REPO"/.schunk[0-9]*/SHA256
-i=0
-for part in "$WORK"/parts/part*; do
-  mkdir -p "$REPO/.schunk$i" && cp "$part" "$REPO/.schunk$i/"
-  grep -qxF "/.schunk$i/" "$EXCLUDE" || echo "/.schunk$i/" >> "$EXCLUDE"
-  echo "  .schunk$i/$(basename "$part")  $(stat -c %s "$part") bytes"
-  i=$((i + 1))
-done
-echo "$SHA" > "$REPO/.schunk0/SHA256"
+source "$REPO/scripts/pack_parts.sh"
+pack_parts "$REPO" "$WORK" sglang_gpu_min s
 echo "$(ls "$SET"/*.whl | wc -l) wheels, $(du -b "$TAR" | cut -f1) bytes; sha256 $SHA"
 echo "carry each .schunkN with .whl in its own device call (scripts/gpu_vllm_install.sh installs SGLang once all arrived)"

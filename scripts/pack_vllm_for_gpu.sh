@@ -93,32 +93,13 @@ fi
 rm -rf "$SET" && mkdir -p "$SET"
 for spec in "${WHEELS[@]}"; do [ "${spec%%==*}" = vllm ] || cp "$(wheel_of "$spec")" "$SET/"; done
 cp "$VLLM_OUT" "$SET/"
-chmod 644 "$SET"/*.whl
-tar -C "$WORK" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --mode='u=rwX,go=rX' \
-  -cf "$TAR" vllm_gpu_min
-SHA=$(sha256sum "$TAR" | cut -d' ' -f1)
-rm -rf "$WORK/parts" && mkdir -p "$WORK/parts"
-split -b 41M -d -a 2 "$TAR" "$WORK/parts/part"
+# Each part in .vchunkN/ (one folder per device call; git-ignored via .git/info/exclude).
+source "$REPO/scripts/pack_parts.sh"
+pack_parts "$REPO" "$WORK" vllm_gpu_min v
 PARTS=("$WORK"/parts/part*)
-
-# Place part NN in .vchunkN/ (one folder per device call; git-ignored via .git/info/exclude).
-EXCLUDE=$(git -C "$REPO" rev-parse --git-path info/exclude)
-case $EXCLUDE in /*) ;; *) EXCLUDE=$REPO/$EXCLUDE ;; esac
-mkdir -p "$(dirname "$EXCLUDE")" && touch "$EXCLUDE"
-rm -f "$REPO"/.vchunk[0-9]*/part[0-9]* "$REPO"/.vchunk[0-9]*/SHA256   # no stale parts from an older tar
-for i in "${!PARTS[@]}"; do
-  mkdir -p "$REPO/.vchunk$i"
-  cp "${PARTS[$i]}" "$REPO/.vchunk$i/"
-  grep -qxF "/.vchunk$i/" "$EXCLUDE" || echo "/.vchunk$i/" >> "$EXCLUDE"
-done
-echo "$SHA" > "$REPO/.vchunk0/SHA256"
-CHECK=$(cat "$REPO"/.vchunk[0-9]*/part[0-9]* | sha256sum | cut -d' ' -f1)
-[ "$CHECK" = "$SHA" ] || { echo "parts do not add up to the tar"; exit 1; }
-
 echo
 echo "$(ls "$SET"/*.whl | wc -l) wheels, $(du -b "$TAR" | cut -f1) bytes in $TAR"
 echo "sha256 $SHA (in .vchunk0/SHA256)"
-for i in "${!PARTS[@]}"; do echo "  .vchunk$i/$(basename "${PARTS[$i]}")  $(stat -c %s "${PARTS[$i]}") bytes"; done
 echo
 # gpu_check.sh puts /tmp/site on PYTHONPATH only when .whl/ is carried, so every call carries it.
 echo "Device calls, issued back to back (the machine is given back after ~30 s idle):"
