@@ -89,6 +89,19 @@ CARDS: dict[str, dict[str, float]] = {  # the SXM parts: dense bf16 FLOP/s (MFU'
 }
 
 
+def apply_settings(raw: dict[str, Any], settings: list[str]) -> None:
+    """``--set SECTION.KEY=VALUE`` of the benchmarks: each value read as YAML, into the config's ``raw`` tree."""
+    import yaml
+
+    for setting in settings:
+        dotted, value = setting.split("=", 1)
+        *parents, key = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = yaml.safe_load(value)
+
+
 def card_name() -> str:
     """The GPU's name as torch reports it, or "cpu"."""
     import torch

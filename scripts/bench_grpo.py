@@ -43,6 +43,7 @@ import yaml
 from bench_common import (
     REAL_CONFIG,
     REPO,
+    apply_settings,
     card_name,
     fmt,
     mean_of,
@@ -71,13 +72,7 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     raw["grpo"].update(num_generations=args.generations, max_completion_length=args.max_new_tokens)
     if args.task == "scale":
         raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]
-    for setting in args.set:  # SECTION.KEY=VALUE (YAML), after the bench's own settings
-        dotted, value = setting.split("=", 1)
-        *parents, key = dotted.split(".")
-        node = raw
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[key] = yaml.safe_load(value)
+    apply_settings(raw, args.set)  # after the bench's own settings
     path = out / f"{args.task}_{tag}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import LAW_SIZES as SIZES
-from bench_common import REPO, RUN_GRPO, card_name
+from bench_common import REPO, RUN_GRPO, apply_settings, card_name
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "1": {"ranks": 1},
@@ -393,13 +393,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     raw["model"]["model_name"] = str(hf)
     raw["training"]["output_dir"] = str(state / "run")
     raw["grpo"]["reward_functions"] = [{"name": "char_diversity"}]  # the scale task's cheap reward (run_grpo)
-    for setting in args.set:  # SECTION.KEY=VALUE (YAML), e.g. training.use_peft=true: the plan reads the same config
-        dotted, value = setting.split("=", 1)
-        *parents, key = dotted.split(".")
-        node = raw
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[key] = yaml.safe_load(value)
+    apply_settings(raw, args.set)  # e.g. training.use_peft=true: the plan's table reads the same config
     cfg = out / "slice.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     work = state / "slice"
