@@ -24,11 +24,11 @@ def policy_logprobs(engine: Any, sequence: list[int]) -> torch.Tensor:
     return engine.compute_logprobs([{"input_ids": torch.tensor([sequence])}])[0][0, :-1].float().cpu()
 
 
-def largest_over_ranks(value: float) -> float:
-    """Collective: the largest ``value`` of any rank (every replica's engine is probed)."""
+def largest_over_ranks(value: float, device: torch.device) -> float:
+    """Collective: the largest ``value`` of any rank (every replica's engine is probed). ``device``: the trainer
+    engine's (NCCL reduces device tensors alone)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        on_gpu = dist.get_backend() == "nccl"  # NCCL reduces device tensors alone
-        worst = torch.tensor([value], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
+        worst = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst.item())
     return value

@@ -236,7 +236,7 @@ class _SglangBackend:
         sequence = torch.tensor([prompt + ids])
         ours = self.trainer_engine.compute_logprobs([{"input_ids": sequence}])[0][0].float().cpu()
         mine = ours[len(prompt) - 1:len(prompt) - 1 + len(ids)]  # position t holds log p(token t + 1)
-        self.last_probe = largest_over_ranks((mine - torch.tensor(theirs)).abs().max().item())
+        self.last_probe = largest_over_ranks((mine - torch.tensor(theirs)).abs().max().item(), self.trainer_engine.device)
         return self.last_probe
 
     def engine_metrics(self) -> dict[str, float]:

@@ -301,7 +301,7 @@ class _VllmBackend:
         adapter, probe = self._adapter_and_probe(weights)
         gap = self._load_adapter(adapter.tensors, adapter.config, probe)
         stats = WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0, 0.0)
-        stats.probe_max_diff = largest_over_ranks(gap or 0.0)
+        stats.probe_max_diff = largest_over_ranks(gap or 0.0, self.trainer_engine.device)
         return stats
 
     def _adapter_and_probe(self, weights: PolicyWeights) -> tuple[AdapterWeights, tuple[list[int], list[float]]]:
