@@ -309,6 +309,11 @@ def mode_8b(c: Check) -> None:
     c.train_step(torchrun(2), ["--shape", "8b", "--tp", "2", "--steps", "4", *GRAPHS], "bench_8b_tp2_b_graphs.json", 2)
 
 
+def mode_lora(c: Check) -> None:
+    c.sh([*PY, "scripts/bench_lora_layer.py", "--layers", "8", "--seq", "256", "--mbs", "16", "--microbatches", "4",
+          "--rows", "128", "--out", c.out("lora_layer.json")], log=c.out("lora_layer.log"), tail=20)
+
+
 def mode_sync(c: Check) -> None:
     c.sh([*PY, "scripts/bench_weight_sync.py", "--out", c.out("sync.json")], tail=20)
 
@@ -361,6 +366,8 @@ MODES = [
     Mode("plan", 1, mode_plan, "the memory plan's estimate vs max_memory_allocated: full recompute; with 2 GPUs also PP=2 "
          "+/- ModuleQueue, DP=2 +/- the distributed optimizer"),
     Mode("8b", 2, mode_8b, "Llama-3-8B dimensions with TP=2, with and without CUDA graphs (2 x H200)"),
+    Mode("lora", 1, mode_lora, "LoRA's adapter output in one GEMM against Megatron-Bridge's forward: train fwd+bwd and a "
+         "decode-shaped forward on 8 of the 1.5B shape's layers (scripts/bench_lora_layer.py)"),
     Mode("sync", 2, mode_sync, "the weight-sync benchmark, trainer GPU 0 -> receiver GPU 1", default=True),
     Mode("sync_slice", 1, mode_sync_slice, "one sender's export and push snapshot at the 70B and 405B widths, 1 and 2 "
          "layers, extrapolated to the whole models (scripts/bench_weight_sync.py --slice; issue 45)"),

@@ -129,6 +129,22 @@ def test_adapters_train_alone_and_agree_across_layouts(lora: tuple[dict, Path]) 
                    for k, v in entry["adapters_after_step"].items()) <= 2e-5, name
 
 
+def test_adapter_output_in_one_gemm_equals_bridge_s_forward(lora: tuple[dict, Path]) -> None:
+    """At TP 1 the engine adds each adapter's output in one addmm (engine/peft.py) where Megatron-Bridge runs a GEMM, a
+    multiply and an add: the same logits and adapter gradients (fp32), and every adapted layer dispatches its multiply
+    and add no more. (TP 2 keeps Bridge's forward: the layouts above agree with this one.)"""
+    got = lora[0]["dp2"]["one_gemm"]
+    adapted = got["adapted_layers"]
+    assert adapted == 4 * 4  # the tiny model's 4 layers x (qkv, proj, fc1, fc2)
+    assert got["logit_diff"] <= 1e-6 * got["logit_scale"]
+    assert got["grad_scale"] > 1e-4 and got["grad_diff"] <= 1e-6 * got["grad_scale"]
+    one, bridge = got["ops"]["one_gemm"], got["ops"]["bridge"]
+    assert (one["addmm"], bridge["addmm"]) == (adapted, 0)
+    assert bridge["mm"] - one["mm"] == adapted  # B's GEMM is the addmm
+    assert bridge["mul"] - one["mul"] == adapted and bridge["add"] - one["add"] == adapted
+    assert bridge["all"] - one["all"] >= 2 * adapted
+
+
 def test_canonical_lora_on_q_and_v_alone_matches_peft(lora: tuple[dict, Path]) -> None:
     """lora_target_modules [q_proj, v_proj] (PEFT's default for Llama): an adapter on those two projections alone
     (Bridge's canonical LoRA), the same under TP 2, and PEFT on the exported adapter gives the engine's logprobs."""

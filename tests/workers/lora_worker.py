@@ -8,7 +8,8 @@ Builds a tiny Qwen2 model (WORK/hf) and converts it once. Then:
   adapters set to seeded random values (Bridge starts B at zero, which would hide a wrong adapter); saved as a
   checkpoint of the adapters alone (WORK/adapters) and exported three ways (WORK/dp2_<mode>: peft_save_mode
   adapter_only, adapter_and_base_model, merged); the logprobs of a fixed batch with the adapters on and switched off;
-  one Adam step, after which every base weight must be bit-identical and the optimizer must hold the adapters alone.
+  one Adam step, after which every base weight must be bit-identical and the optimizer must hold the adapters alone;
+  and, before the step, the adapter output in one GEMM (engine/peft.py) against Bridge's own forward (``one_gemm``).
 - ``tp2``, ``tp2_sp``, ``pp2``, ``pp2_vpp2``: the same adapters loaded from WORK/adapters (resharded by
   Megatron-Core's distributed checkpointing); their logprobs, their adapter export, and one Adam step on the same
   full batch (DP 1 in each: the loss and the updated adapters must agree across these layouts).
@@ -32,6 +33,53 @@ IDS = torch.randint(0, 300, (4, 24), generator=torch.Generator().manual_seed(11)
 def nll(logprobs: torch.Tensor, batch: dict) -> tuple:
     lp = logprobs[:, :-1]
     return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
+
+
+def one_gemm_against_bridge(engine) -> dict:  # noqa: ANN001
+    """The engine's LoRA forward (the adapter output in one ``addmm``, engine/peft.py) against Megatron-Bridge's own
+    on the same model and batch: the largest logit and adapter-gradient differences, the gradients' size, and the
+    aten ops each forward dispatches (the fused one must drop the multiply and the add of every adapted layer)."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oumi_megatron.engine.wrappers import unwrap
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    model = unwrap(engine.model[0])
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    ids = IDS[:2]
+    position = torch.arange(ids.shape[1]).expand_as(ids)
+
+    def run() -> tuple:
+        logits = model(input_ids=ids, position_ids=position, attention_mask=None)
+        grads = torch.autograd.grad(logits.float().logsumexp(-1).mean(), adapters)
+        with torch.no_grad(), Ops() as ops:
+            model(input_ids=ids, position_ids=position, attention_mask=None)
+        return logits.detach(), grads, ops.names
+
+    model.eval()  # no dropout either way (there is none: LoRA dropout 0)
+    fused = LoRALinear.forward
+    one = run()
+    LoRALinear.forward = LoRALinear._oumi_unfused_forward
+    try:
+        bridge = run()
+    finally:
+        LoRALinear.forward = fused
+    adapted = sum(isinstance(m, LoRALinear) for m in model.modules())
+    return {"adapted_layers": adapted, "logit_diff": (one[0] - bridge[0]).abs().max().item(),
+            "logit_scale": bridge[0].abs().max().item(),
+            "grad_diff": max((a - b).abs().max().item() for a, b in zip(one[1], bridge[1], strict=True)),
+            "grad_scale": max(b.abs().max().item() for b in bridge[1]),
+            "ops": {name: {op: names.count(op) for op in ("addmm", "mul", "add", "mm")} | {"all": len(names)}
+                    for name, names in (("one_gemm", one[2]), ("bridge", bridge[2]))}}
 
 
 def main() -> None:
@@ -111,7 +159,7 @@ def main() -> None:
     save_all(weights, ref_name)
     base_before = {n: p.detach().clone() for c in engine.model for n, p in c.named_parameters() if not p.requires_grad}
     trainable = [p for c in engine.model for p in c.parameters() if p.requires_grad]
-    ref = {"logprobs": logprobs(engine)}
+    ref = {"logprobs": logprobs(engine), "one_gemm": one_gemm_against_bridge(engine)}
     with adapters_off(engine.peft, engine.model):
         ref["logprobs_adapters_off"] = logprobs(engine)
     ref["logprobs_back_on"] = logprobs(engine)

@@ -90,9 +90,12 @@ def build_engine_from_hf_config(
     params: MegatronParams,
     settings: OptimSettings,
     dtype: torch.dtype | None = None,
+    lora: LoraSettings | None = None,
 ) -> tuple[Any, MegatronEngine]:
-    """A randomly initialized engine for an HF config and ``layout`` (benchmarks; no weights are read)."""
+    """A randomly initialized engine for an HF config and ``layout`` (benchmarks; no weights are read); ``lora``: LoRA
+    adapters on the random base, as ``build_engine`` applies them."""
     from oumi_megatron.bridge_utils import import_megatron_bridge
+    from oumi_megatron.engine.peft import bridge_peft, pre_wrap_hooks
 
     dtype = dtype or default_dtype()
     init_model_parallel(layout, cuda_graphs=cuda_graphs_enabled(params))
@@ -102,9 +105,11 @@ def build_engine_from_hf_config(
     bridge = AutoBridge.from_hf_config(hf_config)
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype,
                                   cuda_graphs=cuda_graphs_enabled(params), schedule=layout.pipeline_schedule)
-    chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True)
+    peft = bridge_peft(lora) if lora is not None else None
+    chunks = build_model_chunks(provider, ddp_config=ddp_config_from_params(params), load_hf_weights=True,
+                                pre_wrap_hooks=pre_wrap_hooks(peft, lambda bare: None) if peft is not None else None)
     if cuda_graphs_enabled(params):
         attach_cuda_graphs(chunks)
     optimizer = build_optimizer(chunks, params, settings, dtype)
     return bridge, MegatronEngine(chunks, optimizer, build_scheduler(optimizer, settings), params,
-                                  schedule=layout.pipeline_schedule)
+                                  schedule=layout.pipeline_schedule, peft=peft, lora=lora)
