@@ -509,6 +509,42 @@ def test_fused_logprob_statistics_equal_the_eager_path(monkeypatch: pytest.Monke
     assert (outs[1][0] - reference).abs().max() <= 1e-5
 
 
+def test_a_frozen_output_layer_takes_no_weight_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA's output layer is the frozen base's: the chunked backward gives the same logprobs and input gradient as with
+    a trainable one, and makes no tensor of the weight's shape (neither the fp32 gradient buffer nor any chunk's
+    weight-gradient GEMM), where the trainable one does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oumi_megatron.engine.kernels import chunked_logprobs as cl
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: set[tuple[int, ...]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            self.made.update(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                             if isinstance(t, torch.Tensor))
+            return out
+
+    monkeypatch.setattr(cl, "_tp", lambda: (None, 1, 0))
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(6, 2, 16, generator=g), torch.randn(50, 16, generator=g)  # [s, b, h], [V, h]
+    targets = torch.randint(0, 50, (2, 6), generator=g)
+    runs = []
+    for trainable in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        with Shapes() as shapes:
+            logprobs, _ = cl.chunked_token_logprobs(h, w, targets, 1.0, chunk_tokens=5)
+            (logprobs * torch.linspace(-1, 1, 12).view(2, 6)).sum().backward()
+        runs.append((logprobs, h.grad, w.grad, tuple(weight.shape) in shapes.made))
+    (lp, h_grad, w_grad, made), (lp_frozen, h_grad_frozen, w_grad_frozen, made_frozen) = runs
+    assert torch.equal(lp, lp_frozen) and torch.equal(h_grad, h_grad_frozen)
+    assert w_grad is not None and made  # the trainable weight's gradient: the check below can fail
+    assert w_grad_frozen is None and not made_frozen
+
+
 def test_auto_logprob_chunks_only_where_the_full_logits_are_large() -> None:
     """``logprob_chunk_tokens: null`` on a GPU: full logits up to one auto-sized chunk (512 MiB of fp32),
     chunks beyond (the 152k-vocabulary case the chunked path exists for)."""

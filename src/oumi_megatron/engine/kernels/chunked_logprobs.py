@@ -164,9 +164,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         group, world, _ = _tp()
         vocab, start, t = weight.shape[0], ctx.start, ctx.temperature
-        fused = ctx.fuse_wgrad and hasattr(weight, "main_grad")
+        # A frozen output layer (LoRA's: the base's tied embedding) takes no weight gradient: skipping it saves a
+        # [V/tp, h] fp32 buffer and, per chunk, a GEMM as large as the logits' and a read-write of that buffer
+        need_wgrad = ctx.needs_input_grad[1]
+        fused = need_wgrad and ctx.fuse_wgrad and hasattr(weight, "main_grad")
         # the fp32 weight gradient the chunks add to: Megatron-Core's main_grad when fused, else our own
-        wgrad = weight.main_grad if fused else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        wgrad = None if not need_wgrad else weight.main_grad if fused else torch.zeros(
+            weight.shape, dtype=torch.float32, device=weight.device)
         grad_hidden = torch.empty_like(hidden)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[i : i + ctx.chunk]
@@ -184,9 +188,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     dz.div_(t)
                 dz = dz.to(hidden.dtype)
             grad_hidden[i : i + ctx.chunk] = dz @ weight
-            accumulate_wgrad(h, dz, wgrad)
+            if wgrad is not None:
+                accumulate_wgrad(h, dz, wgrad)
         _all_reduce(grad_hidden, dist.ReduceOp.SUM, group, world)  # each rank holds a vocabulary shard's part
-        if fused:  # Megatron-Core's convention (tensor_parallel/layers.py) for a wgrad already in main_grad
+        grad_w: torch.Tensor | None
+        if wgrad is None:
+            grad_w = None
+        elif fused:  # Megatron-Core's convention (tensor_parallel/layers.py) for a wgrad already in main_grad
             if getattr(weight, "zero_out_wgrad", False):  # tied embedding: the embedding's own grad still flows
                 grad_w = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             else:
