@@ -11,6 +11,9 @@ forwards alternating (one, Bridge, one, Bridge, ...) so drift falls on both, med
 - ``decode``: a no-grad forward of ``--rows`` rows of one token each (a decode step's shape; eager: the kernels a
   CUDA graph would replay).
 It also checks that the two forwards give the same logits (within bf16 rounding) once the adapters are non-zero.
+And ``output_layer``: the chunked logprobs' forward + backward (engine/kernels/chunked_logprobs.py) over
+``--output-tokens`` hidden states at Qwen2.5's vocabulary, with the output weight trainable (full fine-tuning) and
+frozen (LoRA: no weight gradient), alternating the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +41,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output-tokens", type=int, default=1024)
+    p.add_argument("--output-vocab", type=int, default=151936)
     p.add_argument("--out", default="")
     args = p.parse_args()
 
@@ -110,6 +116,7 @@ def main() -> None:
                 if i > 0:
                     times[name][what].append(t)
     LoRALinear.forward = one_gemm
+    output_layer = time_output_layer(args, device, sync)
     med = {name: {what: statistics.median(v) for what, v in d.items()} for name, d in times.items()}
     result = {
         "card": bench_common.card_name(), "layers": args.layers, "tokens_per_step": args.seq * args.mbs * args.microbatches,
@@ -120,10 +127,34 @@ def main() -> None:
         "decode_speedup": round(med["bridge"]["decode"] / med["one_gemm"]["decode"], 3),
         "logit_diff": (ref["one_gemm"] - ref["bridge"]).abs().max().item(),
         "logit_scale": ref["bridge"].abs().max().item(),
+        "output_layer_fwd_bwd_ms": output_layer,
+        "output_layer_speedup_frozen": round(output_layer["trainable"] / output_layer["frozen"], 3),
     }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def time_output_layer(args: argparse.Namespace, device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
+    """Median ms of the chunked logprobs' forward + backward with the output weight trainable and frozen."""
+    from oumi_megatron.engine.kernels.chunked_logprobs import auto_chunk_tokens, chunked_token_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    hidden = (0.02 * torch.randn(args.output_tokens, 1, 1536, generator=g)).to(device, torch.bfloat16)
+    weight = (0.02 * torch.randn(args.output_vocab, 1536, generator=g)).to(device, torch.bfloat16)
+    targets = torch.randint(0, args.output_vocab, (1, args.output_tokens), generator=g).to(device)
+    times: dict[str, list[float]] = {"trainable": [], "frozen": []}
+    for i in range(args.repeats + 1):
+        for name in times:
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(name == "trainable")
+            sync()
+            started = time.perf_counter()
+            logprobs, _ = chunked_token_logprobs(h, w, targets, 1.0, auto_chunk_tokens(args.output_vocab))
+            logprobs.sum().backward()
+            sync()
+            if i > 0:
+                times[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
 
 
 if __name__ == "__main__":
