@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def shared_path(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run sees (the run's base temp without xdist)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, above each worker's popen-gwK/
+    folder = root / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[], Any]) -> Any:
+    """``build()``'s JSON value, built once in the whole run. A module fixture is built by every xdist worker that
+    runs one of its tests, and the two CI workers did build the same references twice (a 2-rank training run, KV
+    cache generations: ~2 min of CI); here the first worker builds under a file lock and the others read its result.
+    ``build`` writes below a ``shared_path`` so that what it returns is valid on every worker."""
+    from filelock import FileLock
+
+    done = shared_path(tmp_path_factory, "shared_once") / f"{name}.json"
+    with FileLock(str(done) + ".lock"):
+        if not done.is_file():
+            done.write_text(json.dumps(build()))
+        return json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, VENV_BIN, free_port, run_cli
+from conftest import REPO, VENV_BIN, free_port, run_cli, shared_once, shared_path
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +65,19 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine")
+    # one folder for every xdist worker: the module's references are built once (conftest.shared_once) and each
+    # test writes below it under names of its own
+    return shared_path(tmp_path_factory, "engine")
 
 
 @pytest.fixture(scope="module")
-def hf_parity(workdir: Path) -> dict:
-    out = workdir / "parity.json"
-    _check(run_cli([PY, str(WORKERS / "parity_worker.py"), str(workdir / "parity"), str(out)]))
-    return json.loads(out.read_text())
+def hf_parity(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    def build() -> dict:
+        out = workdir / "parity.json"
+        _check(run_cli([PY, str(WORKERS / "parity_worker.py"), str(workdir / "parity"), str(out)]))
+        return json.loads(out.read_text())
+
+    return shared_once(tmp_path_factory, "engine_hf_parity", build)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3_1", "qwen2", "qwen3", "qwen3_moe"])
@@ -159,8 +164,9 @@ def _convert_tiny(arch: str, hf: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def converted(workdir: Path) -> Path:
-    return _convert_tiny("llama", workdir / "hf_llama", workdir / "megatron_checkpoint")
+def converted(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(shared_once(tmp_path_factory, "engine_converted",
+                            lambda: str(_convert_tiny("llama", workdir / "hf_llama", workdir / "megatron_checkpoint"))))
 
 
 def _engine_run(converted: Path, out: Path, extra: list[str], nproc: int) -> dict:
@@ -174,19 +180,22 @@ def _engine_run(converted: Path, out: Path, extra: list[str], nproc: int) -> dic
 
 
 @pytest.fixture(scope="module")
-def reference(converted: Path, workdir: Path) -> dict:
+def reference(converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     # its checkpoint of step 2 is written in the background (async save): test_resume_is_exact
-    return _engine_run(converted, workdir / "ref", ["--save-at", "2", "--async-save"], nproc=1)
+    return shared_once(tmp_path_factory, "engine_reference",
+                       lambda: _engine_run(converted, workdir / "ref", ["--save-at", "2", "--async-save"], nproc=1))
 
 
 @pytest.fixture(scope="module")
-def moe_converted(workdir: Path) -> Path:
-    return _convert_tiny("qwen3_moe", workdir / "hf_moe", workdir / "moe_checkpoint")
+def moe_converted(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(shared_once(tmp_path_factory, "engine_moe_converted",
+                            lambda: str(_convert_tiny("qwen3_moe", workdir / "hf_moe", workdir / "moe_checkpoint"))))
 
 
 @pytest.fixture(scope="module")
-def moe_reference(moe_converted: Path, workdir: Path) -> dict:
-    return _engine_run(moe_converted, workdir / "moe_ref", [], nproc=1)
+def moe_reference(moe_converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return shared_once(tmp_path_factory, "engine_moe_reference",
+                       lambda: _engine_run(moe_converted, workdir / "moe_ref", [], nproc=1))
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -330,10 +339,13 @@ KV_ATOL = 1e-5  # fp32 last-token logits, KV cache vs re-running the prefix; see
 
 
 @pytest.fixture(scope="module")
-def generation(converted: Path, workdir: Path) -> dict:
-    out = workdir / "generation.json"
-    _check(run_cli([PY, str(WORKERS / "generation_worker.py"), str(converted), str(out), "--hf", str(workdir / "hf_llama")]))
-    return json.loads(out.read_text())
+def generation(converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    def build() -> dict:
+        out = workdir / "generation.json"
+        _check(run_cli([PY, str(WORKERS / "generation_worker.py"), str(converted), str(out), "--hf", str(workdir / "hf_llama")]))
+        return json.loads(out.read_text())
+
+    return shared_once(tmp_path_factory, "engine_generation", build)
 
 
 def test_kv_cache_generation_matches_recompute_and_hf(generation: dict) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, VENV_BIN, free_port, run_cli
+from conftest import REPO, VENV_BIN, free_port, run_cli, shared_once, shared_path
 from oumi_megatron.validation import validate_config
 
 TORCHRUN = str(VENV_BIN / "torchrun")
@@ -23,11 +23,15 @@ LAYOUTS = ("tp2", "tp2_sp", "pp2", "pp2_vpp2")
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    work = tmp_path_factory.mktemp("lora")
-    proc = run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
-                    str(REPO / "tests" / "workers" / "lora_worker.py"), str(work)])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return json.loads((work / "result.json").read_text()), work
+    work = shared_path(tmp_path_factory, "lora")  # the world runs once for every xdist worker (conftest.shared_once)
+
+    def build() -> dict:
+        proc = run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
+                        str(REPO / "tests" / "workers" / "lora_worker.py"), str(work)])
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return json.loads((work / "result.json").read_text())
+
+    return shared_once(tmp_path_factory, "lora_world", build), work
 
 
 def _hf_logprobs(model: torch.nn.Module) -> torch.Tensor:

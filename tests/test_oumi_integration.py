@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, base_config_dict, free_port, run_cli, write_yaml
+from conftest import REPO, VENV_BIN, base_config_dict, free_port, run_cli, shared_once, shared_path, write_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,13 @@ LAYOUT_PP2 = "TP 1 x PP 2 x CP 1 x DP 1 = world size 2"
 
 @pytest.fixture(scope="module")
 def good_yaml(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    folder = tmp_path_factory.mktemp("cfg")
-    data = base_config_dict(tiny_model_dir, training={"output_dir": str(folder / "out")})
-    return write_yaml(folder / "good.yaml", data)
+    """One config for every xdist worker (its output_dir holds ``pp2_run``'s run, built once)."""
+    def build() -> str:
+        folder = shared_path(tmp_path_factory, "integration_good")
+        data = base_config_dict(tiny_model_dir, training={"output_dir": str(folder / "out")})
+        return str(write_yaml(folder / "good.yaml", data))
+
+    return Path(shared_once(tmp_path_factory, "integration_good_yaml", build))
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +77,16 @@ def test_oumi_train_reaches_the_plugin_with_a_bad_config(bad_yaml: Path) -> None
 
 
 @pytest.fixture(scope="module")
-def pp2_run(good_yaml: Path) -> str:
+def pp2_run(good_yaml: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     """``torchrun -m oumi train`` with PP=2 and the default 1F1B schedule into good_yaml's output_dir: the
-    conversion and the reference metrics the launch-form test compares against (a fixture, so a test
-    that needs it runs it on whichever xdist worker it lands)."""
-    out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
-                   "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
-    return out.stdout + out.stderr
+    conversion and the reference metrics the launch-form test compares against (run once for every xdist worker:
+    conftest.shared_once)."""
+    def build() -> str:
+        out = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
+                       "-c", str(good_yaml), "--megatron.pipeline_model_parallel_size", "2"])
+        return out.stdout + out.stderr
+
+    return shared_once(tmp_path_factory, "integration_pp2_run", build)
 
 
 def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path, pp2_run: str) -> None:
