@@ -179,6 +179,14 @@ def _engine_run(converted: Path, out: Path, extra: list[str], nproc: int) -> dic
     return json.loads((out / "result.json").read_text())
 
 
+def _two_rank_world(worker: str, jobs: list[list[str]], name: str, workdir: Path) -> None:
+    """``jobs`` (argument lists of ``worker``) one after another in one 2-rank world (workers/jobs.py): one start-up
+    (~25 s of CI's CPU) instead of one per job."""
+    (workdir / f"{name}_jobs.json").write_text(json.dumps(jobs))
+    _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), str(WORKERS / worker), "--jobs",
+                    str(workdir / f"{name}_jobs.json")]))
+
+
 @pytest.fixture(scope="module")
 def reference(converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     # its checkpoint of step 2 is written in the background (async save): test_resume_is_exact
@@ -225,17 +233,35 @@ def test_convert_cli_records_the_source(converted: Path, workdir: Path) -> None:
     assert not ok and "config_sha256" in reason
 
 
+def _layout_args(layout: str) -> list[str]:
+    # pipeline layouts export in shards of 200 kB (~4 per stage): each stage's ranks write their own (hf_writer.py)
+    shards = ["--hf-max-shard-size", "200000"] if "pp2" in layout else []
+    return [*LAYOUTS[layout], *shards, *(["--save-at", "2"] if layout.endswith("_resume") else [])]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(converted: Path, moe_converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The first run of every layout of LAYOUTS, one after another in one 2-rank world (engine_worker.py --jobs): one
+    start-up instead of eight. The resumes run in new processes (test_layout_matches_single_rank)."""
+    def build() -> dict:
+        _two_rank_world("engine_worker.py", [[str(moe_converted if layout.startswith("moe_") else converted),
+                                              str(workdir / f"layout_{layout}"), "--steps", "3", *_layout_args(layout)]
+                                             for layout in LAYOUTS], "layout", workdir)
+        return {layout: json.loads((workdir / f"layout_{layout}" / "result.json").read_text()) for layout in LAYOUTS}
+
+    return shared_once(tmp_path_factory, "engine_layout_runs", build)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_rank(layout: str, workdir: Path, request: pytest.FixtureRequest) -> None:
+def test_layout_matches_single_rank(layout: str, workdir: Path, layout_runs: dict, request: pytest.FixtureRequest) -> None:
     moe = layout.startswith("moe_")  # the MoE model's own conversion and single-rank run
     converted: Path = request.getfixturevalue("moe_converted" if moe else "converted")
     reference: dict = request.getfixturevalue("moe_reference" if moe else "reference")
     ref_dir, source = (workdir / "moe_ref", workdir / "hf_moe") if moe else (workdir / "ref", workdir / "hf_llama")
     out = workdir / f"layout_{layout}"
     resume = layout.endswith("_resume")
-    # pipeline layouts export in shards of 200 kB (~4 per stage): each stage's ranks write their own (hf_writer.py)
-    shards = ["--hf-max-shard-size", "200000"] if "pp2" in layout else []
-    got = _engine_run(converted, out, [*LAYOUTS[layout], *shards, *(["--save-at", "2"] if resume else [])], nproc=2)
+    shards = "pp2" in layout
+    got = layout_runs[layout]
     assert reference["core_attention"] == "DotProductAttention"  # auto on the CPU
     assert got["core_attention"] == ("SdpaCoreAttention" if "sdpa" in layout or "cp2" in layout else "DotProductAttention")
     for a, b in zip(got["loss"], reference["loss"]):
@@ -396,12 +422,22 @@ def _check_static_path(r: dict, reference: dict | None = None) -> None:
         assert r["episodes_turns"] == reference["episodes_turns"] and r["episodes_decode_steps"] == reference["episodes_decode_steps"]
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2", "--vpp", "2"], ["--tp", "2"]], ids=["pp2_vpp2", "tp2"])
-def test_kv_cache_generation_under_two_rank_layouts(generation: dict, converted: Path, workdir: Path, layout: list[str]) -> None:
-    out = workdir / f"generation_{'_'.join(layout)}.json"
-    _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()),
-                    str(WORKERS / "generation_worker.py"), str(converted), str(out), *layout]))
-    r = json.loads(out.read_text())
+GENERATION_LAYOUTS = {"pp2_vpp2": ["--pp", "2", "--vpp", "2"], "tp2": ["--tp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def two_rank_generations(converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    def build() -> dict:
+        _two_rank_world("generation_worker.py", [[str(converted), str(workdir / f"generation_{name}.json"), *args]
+                                                 for name, args in GENERATION_LAYOUTS.items()], "generation", workdir)
+        return {name: json.loads((workdir / f"generation_{name}.json").read_text()) for name in GENERATION_LAYOUTS}
+
+    return shared_once(tmp_path_factory, "engine_two_rank_generations", build)
+
+
+@pytest.mark.parametrize("layout", list(GENERATION_LAYOUTS))
+def test_kv_cache_generation_under_two_rank_layouts(generation: dict, two_rank_generations: dict, layout: str) -> None:
+    r = two_rank_generations[layout]
     assert r["logits_max_abs_diff"] <= KV_ATOL
     assert r["greedy_tokens"] == generation["greedy_tokens"]
     assert r["sampled_kv_cache"] == r["sampled_no_cache"] == generation["sampled_kv_cache"]
@@ -414,6 +450,17 @@ PACKED_ATOL = 1e-5  # fp32; seen <= 5e-7 for logprobs/entropy, <= 4e-8 for gradi
 PACKING_LAYOUTS = {"single_rank": [], "tp2_sp": ["--tp", "2", "--sequence-parallel"], "cp2": ["--cp", "2"], "moe_ep2": ["--ep", "2"]}
 
 
+@pytest.fixture(scope="module")
+def two_rank_packing(converted: Path, moe_converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The 2-rank layouts of PACKING_LAYOUTS in one world, written to workdir/packing_<layout>.json."""
+    def build() -> None:
+        _two_rank_world("packing_worker.py", [[str(moe_converted if name.startswith("moe_") else converted),
+                                               str(workdir / f"packing_{name}.json"), *args]
+                                              for name, args in PACKING_LAYOUTS.items() if args], "packing", workdir)
+
+    shared_once(tmp_path_factory, "engine_two_rank_packing", build)
+
+
 @pytest.mark.parametrize("layout", list(PACKING_LAYOUTS))
 def test_packed_microbatches_match_padded(layout: str, workdir: Path, request: pytest.FixtureRequest) -> None:
     """Sequence packing: same logprobs, entropy, loss and gradients as one-sequence-per-row padding
@@ -423,11 +470,10 @@ def test_packed_microbatches_match_padded(layout: str, workdir: Path, request: p
     tiny MoE with EP=2 (each token routed to its experts on either rank, padding tokens too)."""
     converted = request.getfixturevalue("moe_converted" if layout.startswith("moe_") else "converted")
     out = workdir / f"packing_{layout}.json"
-    worker = [str(WORKERS / "packing_worker.py"), str(converted), str(out)]
     if layout == "single_rank":
-        _check(run_cli([PY, *worker]))
+        _check(run_cli([PY, str(WORKERS / "packing_worker.py"), str(converted), str(out)]))
     else:
-        _check(run_cli([TORCHRUN, "--nproc_per_node", "2", "--master-port", str(free_port()), *worker, *PACKING_LAYOUTS[layout]]))
+        request.getfixturevalue("two_rank_packing")
     r = json.loads(out.read_text())
     assert r["logprobs_max_abs_diff"] <= PACKED_ATOL and r["entropy_max_abs_diff"] <= PACKED_ATOL
     assert 0.5 < r["entropy_mean"] < 6.0  # ~log(320) = 5.77 for a random tiny model at T = 0.9

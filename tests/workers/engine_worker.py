@@ -1,6 +1,7 @@
 """Runs a few engine steps under one layout (torchrun or plain python) and records the results.
 
     python tests/workers/engine_worker.py CKPT OUT --tp 2 --pp 1 --vpp 0 --steps 2
+    torchrun --nproc_per_node 2 tests/workers/engine_worker.py --jobs JOBS.json   # a list of such argument lists
 
 Writes OUT/result.json (losses, grad norms, logprobs of a fixed batch) on global rank 0, and exports
 the trained weights to OUT/hf. The data and the loss are the same for every layout, so results must
@@ -191,7 +192,7 @@ def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
     dist.barrier()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
     p.add_argument("out")
@@ -219,7 +220,7 @@ def main() -> None:
                    help="only multi-turn episodes on the embedded backend, one prompt set per data-parallel rank")
     p.add_argument("--on-policy-check", action="store_true",
                    help="only the GRPO loss's on-policy first update against the forward-only pass (no training)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -316,4 +317,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import jobs
+
+    jobs.run(main)

@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 8, 8, 8, 8, 8, 120, 64, 1
 NEW_TOKENS = 12
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
     p.add_argument("out")
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch.distributed as dist
 
@@ -296,4 +296,6 @@ class Recorder:
 
 
 if __name__ == "__main__":
-    main()
+    import jobs
+
+    jobs.run(main)

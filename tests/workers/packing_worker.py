@@ -24,7 +24,7 @@ def sequences(n: int = 8, vocab: int = 250) -> tuple[list[list[int]], list[int],
     return ids, prompt_lens, advantages
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
     p.add_argument("out")
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=1, help="megatron.context_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="megatron.expert_model_parallel_size (an MoE checkpoint; DP = 2 around it)")
     p.add_argument("--mbs", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch.distributed as dist
 
@@ -110,4 +110,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import jobs
+
+    jobs.run(main)
