@@ -312,13 +312,31 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, layout_runs: dic
     assert max((ref_w[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
 
 
-def test_on_policy_first_update_reports_what_the_old_logprob_pass_would(converted: Path, workdir: Path) -> None:
+CHECKS = {  # the engine worker's 2-rank checks: name -> (MoE model, its arguments), one world for all
+    "on_policy": (False, ["--on-policy-check"]),
+    "observation_mask_--tp_2": (False, ["--tp", "2", "--observation-mask-check"]),
+    "observation_mask_--pp_2": (False, ["--pp", "2", "--observation-mask-check"]),
+    "episodes_ep2": (True, ["--ep", "2", "--episodes-check"]),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks(converted: Path, moe_converted: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    def build() -> dict:
+        _two_rank_world("engine_worker.py", [[str(moe_converted if moe else converted), str(workdir / name), "--steps", "3",
+                                              *args] for name, (moe, args) in CHECKS.items()], "checks", workdir)
+        return {name: json.loads((workdir / name / "result.json").read_text()) for name in CHECKS}
+
+    return shared_once(tmp_path_factory, "engine_two_rank_checks", build)
+
+
+def test_on_policy_first_update_reports_what_the_old_logprob_pass_would(two_rank_checks: dict) -> None:
     """The trainer skips the old-logprob pass for a step's first mini-batch (one PPO epoch): the GRPO loss takes
     this forward's logprobs as the old ones, and the train step's metrics carry the entropy and rollout mismatch
     the skipped pass would have given. DP=2, two microbatches per rank: sums add, ``mismatch_abs_max`` is the
     max over microbatches and ranks (0.04: rank 1's second microbatch), and the training forward's logprobs are
     the forward-only ones (fp32; the mismatch sum equals the known offsets only if they are)."""
-    got = _engine_run(converted, workdir / "on_policy", ["--on-policy-check"], nproc=2)
+    got = two_rank_checks["on_policy"]
     expected, train = got["expected"], got["train_step"]
     assert expected["mismatch_abs_max"] == pytest.approx(0.04) and train["mismatch_abs_max"] == pytest.approx(0.04, abs=1e-5)
     assert train["mismatch_tokens"] == expected["mismatch_tokens"] == got["completion_tokens"] > 0
@@ -328,23 +346,26 @@ def test_on_policy_first_update_reports_what_the_old_logprob_pass_would(converte
 
 
 @pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--pp", "2"]], ids=["one_rank", "tp2", "pp2"])
-def test_observation_tokens_get_no_gradient_on_any_layout(converted: Path, workdir: Path, layout: list[str]) -> None:
+def test_observation_tokens_get_no_gradient_on_any_layout(converted: Path, workdir: Path, layout: list[str],
+                                                          request: pytest.FixtureRequest) -> None:
     """Issue 46: changing an out-of-loss observation's tokens (so their logprobs) changes no parameter's gradient,
     through the real GRPO loss, on 1 rank, TP 2 and PP 2 (engine_worker.py ``observation_mask_check``)."""
-    got = _engine_run(converted, workdir / f"observation_mask_{'_'.join(layout) or 'one_rank'}",
-                      [*layout, "--observation-mask-check"], nproc=2 if layout else 1)
+    if layout:
+        got = request.getfixturevalue("two_rank_checks")[f"observation_mask_{'_'.join(layout)}"]
+    else:
+        got = _engine_run(converted, workdir / "observation_mask_one_rank", ["--observation-mask-check"], nproc=1)
     assert got["grad_max_abs"] > 1e-6, got  # the step trained on the policy's tokens
     assert got["grad_max_abs_diff"] == 0.0, got
 
 
-def test_episodes_under_expert_parallelism_match_one_rank(moe_converted: Path, workdir: Path) -> None:
+def test_episodes_under_expert_parallelism_match_one_rank(moe_converted: Path, workdir: Path, two_rank_checks: dict) -> None:
     """Multi-turn episodes on the embedded backend with the tiny MoE under EP = 2 (DP = 2): each rank runs its own
     prompt set, and rank 0's episodes end a turn earlier and with less room than rank 1's, so the peers must take every
     decode step together until both are over. Greedy, fp32: each set's episodes (tokens, loss masks, turns) equal one
     rank's run of that set with all four experts, logprobs within 1e-4; and one rank's episodes without a turn barrier
     equal its turn-synchronous ones (each turn a generate of the whole histories)."""
     reference = _engine_run(moe_converted, workdir / "episodes_one_rank", ["--episodes-check"], nproc=1)
-    got = _engine_run(moe_converted, workdir / "episodes_ep2", ["--ep", "2", "--episodes-check"], nproc=2)
+    got = two_rank_checks["episodes_ep2"]
     assert got["path"] == reference["path"] == "static"
     ref, ep = reference["sets"], got["sets"]
     assert sorted(ep) == ["0", "1"] and sorted(ref) == ["0", "1", "reference0", "reference1"]
