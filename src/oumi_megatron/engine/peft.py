@@ -125,12 +125,16 @@ def _adapter_output_in_one_gemm() -> None:
         return
     unfused = cls.forward
 
-    def local_b(adapter: Any) -> bool:
-        out = adapter.linear_out
-        return (type(adapter) is ParallelLinearAdapter and not adapter.is_expert and get_pg_size(out.tp_group) == 1
-                and isinstance(adapter.activation, torch.nn.Identity)
-                and (adapter.dropout_position == "pre" or isinstance(adapter.dropout, torch.nn.Identity))
-                and not out.config.defer_embedding_wgrad_compute and not out.config.cpu_offloading)
+    def local_b(adapter: Any) -> bool:  # decided once per adapter (a decode step asks 4 per layer)
+        decided = getattr(adapter, "_oumi_local_b", None)
+        if decided is None:
+            out = adapter.linear_out
+            decided = (type(adapter) is ParallelLinearAdapter and not adapter.is_expert and get_pg_size(out.tp_group) == 1
+                       and isinstance(adapter.activation, torch.nn.Identity)
+                       and (adapter.dropout_position == "pre" or isinstance(adapter.dropout, torch.nn.Identity))
+                       and not out.config.defer_embedding_wgrad_compute and not out.config.cpu_offloading)
+            adapter._oumi_local_b = decided
+        return decided
 
     def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         adapter = self.adapter
