@@ -55,8 +55,8 @@ def one_gemm_against_bridge(engine) -> dict:  # noqa: ANN001
 
     model = unwrap(engine.model[0])
     adapters = [p for p in model.parameters() if p.requires_grad]
-    ids = IDS[:2]
-    position = torch.arange(ids.shape[1]).expand_as(ids)
+    ids = IDS[:2].to(engine.device)
+    position = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
     def run() -> tuple:
         logits = model(input_ids=ids, position_ids=position, attention_mask=None)
