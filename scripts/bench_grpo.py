@@ -65,7 +65,8 @@ def ours_config(out: Path, args: argparse.Namespace, backend: str, tag: str, kv_
     raw = yaml.safe_load(REAL_CONFIG.read_text())
     completions = args.prompts * args.generations
     raw["training"].update(max_steps=args.steps, save_steps=0)
-    raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2, micro_batch_size=completions // 4,
+    raw["megatron"].update(inference_backend=backend, global_batch_size=completions // 2,
+                           micro_batch_size=args.micro_batch or completions // 4,
                            vllm_kv_cache_gib=kv_cache_gib, vllm_sleep=sleep)
     if graphs_kept is not None:
         raw["megatron"]["rollout_cuda_graphs_kept"] = graphs_kept
@@ -83,6 +84,8 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     completions, max_len = args.prompts * args.generations, real_max_prompt_length() + args.max_new_tokens
     kv = rollout_kv_cache_gib(args.model, completions, max_len) if sized_kv else 0.0
     tag = (f"{backend}_kv" if sized_kv else backend) + ("" if sleep else "_awake") + ("_capture" if graphs_kept == 0 else "")
+    if args.micro_batch:
+        tag += f"_mb{args.micro_batch}"
     if args.set:  # a work folder (and config) of its own: a run never resumes another setting's checkpoint
         tag += "_" + hashlib.sha1("\n".join(args.set).encode()).hexdigest()[:8]
     work = out / f"{args.task}_ours_{tag}"
@@ -91,7 +94,8 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
     train = result["train"]
     return {
         "name": f"oumi-megatron ({backend}" + (f", KV cache {kv:.3g} GiB" if kv else "") + ("" if sleep else ", awake")
-                + (", graphs captured per call" if graphs_kept == 0 else "") + "".join(f", {s}" for s in args.set) + ")",
+                + (", graphs captured per call" if graphs_kept == 0 else "")
+                + (f", micro batch {args.micro_batch}" if args.micro_batch else "") + "".join(f", {s}" for s in args.set) + ")",
         "processed_tokens": mean_of(train, "batch/processed_tokens"),
         "padding_fraction": mean_of(train, "batch/padding_fraction"),
         **columns,
@@ -110,20 +114,21 @@ def run_ours(args: argparse.Namespace, out: Path, backend: str, sized_kv: bool =
 
 
 def run_trl(args: argparse.Namespace, out: Path, vllm: bool) -> dict[str, Any]:
-    name = f"{args.task}_trl_vllm" if vllm else f"{args.task}_trl"
+    name = (f"{args.task}_trl_vllm" if vllm else f"{args.task}_trl") + (f"_mb{args.micro_batch}" if args.micro_batch else "")
     result = out / f"{name}.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_grpo_trl.py"), "--model", args.model, "--rows", args.rows,
            "--steps", str(args.steps), "--out", str(result), "--prompts", str(args.prompts), "--generations",
            str(args.generations), "--max-new-tokens", str(args.max_new_tokens), "--task", args.task,
            "--max-prompt-length", str(real_max_prompt_length()),
-           *(["--vllm"] if vllm else [])]
+           *(["--vllm"] if vllm else []), *(["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])]
     run_logged(cmd, out / f"{name}.log")
     r = json.loads(result.read_text())
     steady = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
     gen, step_s = r["generation_s"][steady], r["step_s"][steady]
     lengths = [x for x in r.get("completion_length", []) if x == x]
     return {
-        "name": f"TRL {r['trl']} ({'vLLM colocate' if vllm else 'HF generate'})",
+        "name": f"TRL {r['trl']} ({'vLLM colocate' if vllm else 'HF generate'}"
+                + (f", micro batch {args.micro_batch}" if args.micro_batch else "") + ")",
         "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
         "step_s": sum(step_s) / len(step_s),
         "rollout_s": sum(gen) / max(len(gen), 1),
@@ -192,6 +197,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=None, help="the micro batch of both sides (ours: "
+                   "megatron.micro_batch_size; TRL: per_device_train_batch_size); default prompts x generations / 4")
     p.add_argument("--profile", action="store_true", help="also print our rows' step profile (time/* phases)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting of our runs' config (YAML value), e.g. megatron.enable_sequence_packing=true")

@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--vllm-sleep", action="store_true", help="TRL's vllm_enable_sleep_mode (off by default: see the "
                    "GRPOConfig below for why its rollouts then come from the base model)")
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.4, help="this project's default, for parity")
+    p.add_argument("--micro-batch", type=int, default=None, help="per_device_train_batch_size (default prompts x "
+                   "generations / 4: two micro-batches per optimizer step); must divide the optimizer step's half")
     args = p.parse_args()
 
     from datasets import Dataset
@@ -86,11 +88,14 @@ def main() -> None:
 
     rows_dir = Path(args.rows)
     completions = args.prompts * args.generations
+    micro = args.micro_batch or completions // 4  # 32: two micro-batches per optimizer step of 64
+    if (completions // 2) % micro:
+        raise SystemExit(f"--micro-batch {micro} does not divide the optimizer step's {completions // 2} completions")
     cuda = torch.cuda.is_available()
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trl_run",
-        per_device_train_batch_size=completions // 4,  # 32: two micro-batches per optimizer step of 64
-        gradient_accumulation_steps=2,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=completions // 2 // micro,
         steps_per_generation=4,  # one generation of 128 completions feeds two optimizer steps
         num_generations=args.generations,
         max_completion_length=args.max_new_tokens,

@@ -217,7 +217,7 @@ def mode_grpo(c: Check) -> None:
             model, rows = "/tmp/scale_model", "/tmp/scale_rows"
         c.whole_run([*PY, "scripts/bench_grpo.py", "--task", task, "--model", model, "--rows", rows,
                      "--steps", env("GPU_CHECK_GRPO_STEPS", "20"), "--paths", env("GPU_CHECK_GRPO_PATHS", "embedded,trl"),
-                     "--profile", "--out", "/tmp/grpo", "--results", str(c.results),
+                     "--profile", "--out", "/tmp/grpo", "--results", str(c.results), *words("GPU_CHECK_GRPO_ARGS"),
                      *[a for s in words("GPU_CHECK_GRPO_SET") for a in ("--set", s)]], f"grpo_{task}")
 
 
@@ -349,7 +349,8 @@ MODES = [
          "(scripts/bench_episodes.py) for each SHAPE:ROWSxNEW:TURNS of GPU_CHECK_EPISODES"),
     Mode("rollout", 1, mode_rollout, "generation (scripts/bench_rollout.py) for each SHAPE:ROWSxNEW[:PATHS] of GPU_CHECK_ROLLOUT"),
     Mode("grpo", 1, mode_grpo, "whole GRPO runs, this project vs TRL (scripts/bench_grpo.py) for each task of GPU_CHECK_GRPO_TASKS "
-         "(default real; real needs GPU_CHECK_GGUF), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS, GPU_CHECK_GRPO_SET (K=V ...)"),
+         "(default real; real needs GPU_CHECK_GGUF), GPU_CHECK_GRPO_STEPS, GPU_CHECK_GRPO_PATHS, GPU_CHECK_GRPO_SET (K=V ...), "
+         "GPU_CHECK_GRPO_ARGS (more bench arguments, e.g. --micro-batch 64)"),
     Mode("async", 2, mode_async, "asynchronous GRPO (1 trainer GPU + 1 engine GPU) against synchronous DP=2 and the same "
          "placement synchronously, real task (scripts/bench_async.py; GPU_CHECK_GGUF, GPU_CHECK_ASYNC_STEPS, GPU_CHECK_ASYNC_PATHS)"),
     Mode("scale", 1, mode_scale, "GRPO at scale on the Llama-3.1-8B shape against NeMo-RL (scripts/bench_scale.py; --gpus is the "

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.engine.engine import StepResult
-from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
 from oumi_megatron.engine.state.checkpointing import AsyncCheckpointWriter, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from oumi_megatron.engine.state.hf_weights import HFWeightExporter, export_folders, save_policy
 from oumi_megatron.environments.driver import RolloutDriver
@@ -248,9 +247,9 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
 
     def _first_update_on_policy(self) -> bool:
         """Whether the step's first mini-batch takes its old logprobs from its own training forward: it is seen
-        once (one PPO epoch) by the policy that generated it. Not under training CUDA graphs, which are captured
-        without the entropy output."""
-        return self.grpo.ppo_epochs == 1 and not cuda_graphs_enabled(self.config.megatron)
+        once (one PPO epoch) by the policy that generated it. Training CUDA graphs hold the transformer layers only
+        (engine/kernels/cuda_graphs.py); the output layer, the logprobs and the entropy run eagerly after them."""
+        return self.grpo.ppo_epochs == 1
 
     def _old_and_reference_logprobs(self, layouts: list[MicrobatchLayout]) -> dict[str, float]:
         """Before any update of this step, without gradients: each microbatch gets ``old_logprobs`` (and
