@@ -96,7 +96,7 @@ def main() -> None:
         output_dir=str(Path(args.out).with_suffix("")) + "_trl_run",
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=completions // 2 // micro,
-        steps_per_generation=4,  # one generation of 128 completions feeds two optimizer steps
+        steps_per_generation=completions // micro,  # one generation of 128 completions feeds two optimizer steps
         num_generations=args.generations,
         max_completion_length=args.max_new_tokens,
         temperature=0.7,

@@ -10,7 +10,9 @@
 # run with the fa3 / triton / flashinfer attention does not load: flash_ops (FlashAttention builds, 1.1 GB unpacked,
 # imported inside a try), sm100/ (Blackwell), infllm_ops and flashmla_ops (MLA). The other wheels are what importing
 # sglang's engine and weight-sync modules loads beyond the image's packages (read off the CPU venv's sys.modules),
-# at the lock's versions where the lock has them. First cut: the GPU issue's run says what the image still lacks.
+# at the lock's versions where the lock has them (openai's too: the first cut's older openai, installed into the same
+# /tmp/site, broke vLLM's and TRL's imports on the GPU, 2026-12-06). That run also found IPython missing and the image's
+# newer transformers refusing SGLang's config registration: both added below.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-/tmp/oumi_sglang_gpu}
@@ -21,9 +23,15 @@ WHEELS=(
   sglang==0.5.17 sglang-kernel==0.4.5 flashinfer_python==0.6.15.post1 torch_memory_saver==0.0.10
   annotated-types==0.8.0 apache-tvm-ffi==0.1.11 blobfile==3.0.0 compressed-tensors==0.17.0 easydict==1.14
   fastapi==0.136.3 gguf==0.19.0 interegular==0.3.3 llguidance==1.7.6 loguru==0.7.3 msgspec==0.22.0 orjson==3.13.0
-  openai==2.6.1 openai-harmony==0.0.4 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.13.5
+  openai==3.57.0 openai-harmony==0.0.8 distro==1.9.0 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.13.5
   pydantic_core==2.46.5 python-multipart==0.0.22 pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0
   typing-inspection==0.4.5 uvicorn==0.35.0 watchfiles==1.1.0 xgrammar==0.2.1 zstandard==0.25.0
+  # the lock's transformers: the image's 5.17 already registers the `qwen3_asr` config SGLang 0.5.17 registers on import
+  transformers==5.12.1
+  # sglang/utils.py imports IPython at the top (the engine's import chain reaches it)
+  ipython==9.18.1 ipython-pygments-lexers==1.1.1 traitlets==5.16.1 jedi==0.20.1 parso==0.8.7 pexpect==4.9.0
+  ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2
+  pure_eval==0.2.4 matplotlib-inline==0.2.2 decorator==5.3.2
 )
 mkdir -p "$DL"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
