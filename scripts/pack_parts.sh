@@ -1,8 +1,9 @@
 # Sourced by scripts/pack_{vllm,ray,sglang}_for_gpu.sh: one reproducible tar of a wheel folder, split into parts that
 # each fit one device call (64 MiB carried: a 41 MiB part beside the ~5 MiB tree and .whl/), placed in .<L>chunkN/
 # folders that git ignores (.git/info/exclude), with the tar's sha256 in .<L>chunk0/SHA256. scripts/gpu_vllm_install.sh
-# joins and checks them on the GPU machine. PART_MIB=58 makes fewer, larger parts, for calls that carry no .whl/: files
-# carried earlier stay on a warm machine, so .whl/ need travel in a lease's first call only (2026-12-06: 8 calls -> 6).
+# joins and checks them on the GPU machine. PARTS=N splits the tar into N equal parts instead: fewer, larger ones for
+# calls that carry no .whl/ (files carried earlier stay on a warm machine, so .whl/ need travel in a lease's first
+# call only; 2026-12-06: GGUF, vLLM and SGLang staged in 6 calls instead of 8). A part must fit 64 MiB with the tree.
 #
 #   pack_parts REPO WORK NAME LETTER    # tars WORK/NAME into WORK/NAME.tar; prints each part; sets SHA
 
@@ -13,7 +14,11 @@ pack_parts() {
     -cf "$work/$name.tar" "$name"
   SHA=$(sha256sum "$work/$name.tar" | cut -d' ' -f1)
   rm -rf "$work/parts" && mkdir -p "$work/parts"
-  split -b "${PART_MIB:-41}M" -d -a 2 "$work/$name.tar" "$work/parts/part"
+  if [ -n "${PARTS:-}" ]; then
+    split -n "$PARTS" -d -a 2 "$work/$name.tar" "$work/parts/part"
+  else
+    split -b 41M -d -a 2 "$work/$name.tar" "$work/parts/part"
+  fi
   exclude=$(git -C "$repo" rev-parse --git-path info/exclude)
   case $exclude in /*) ;; *) exclude=$repo/$exclude ;; esac
   mkdir -p "$(dirname "$exclude")" && touch "$exclude"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang 0.5.17 for the lent GPU machine, whose image has none (megatron.inference_backend: sglang), as a tar of wheels
-# split into ~41 MiB parts: .schunk0/part00 + .schunk0/SHA256, .schunk1/part01, ... unpacked there by
+# split into ~41 MiB parts (PARTS=N: N equal ones): .schunk0/part00 + .schunk0/SHA256, .schunk1/part01, ... unpacked there by
 # scripts/gpu_vllm_install.sh (it installs the set once every part arrived). A TEST VEHICLE for that machine only:
 # users install `oumi-megatron[sglang]`.
 #
@@ -66,4 +66,4 @@ done
 source "$REPO/scripts/pack_parts.sh"
 pack_parts "$REPO" "$WORK" sglang_gpu_min s
 echo "$(ls "$SET"/*.whl | wc -l) wheels, $(du -b "$TAR" | cut -f1) bytes; sha256 $SHA"
-echo "carry each .schunkN with .whl in its own device call (scripts/gpu_vllm_install.sh installs SGLang once all arrived)"
+echo "carry each .schunkN in its own device call, with .whl where the lease has not carried it yet (scripts/gpu_vllm_install.sh installs SGLang once all arrived)"

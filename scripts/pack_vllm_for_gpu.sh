@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Rebuild, from nothing, the trimmed vLLM 0.26.0 (CUDA) wheel set that travels to the lent GPU machine
-# (whose image has no vLLM) in three ~41 MiB parts: .vchunk0/part00 + .vchunk0/SHA256, .vchunk1/part01,
-# .vchunk2/part02, unpacked there by scripts/gpu_vllm_install.sh (called by scripts/gpu_check.sh).
+# (whose image has no vLLM) in three ~41 MiB parts (PARTS=2: two of ~59 MiB, for calls after the lease's first, which
+# carried .whl/): .vchunk0/part00 + .vchunk0/SHA256, .vchunk1/part01, ..., unpacked there by
+# scripts/gpu_vllm_install.sh (called by scripts/gpu_check.sh).
 # A TEST VEHICLE for that machine only: users install vLLM normally (pip install vllm).
 # See docs/benchmarks.md, "vLLM on the GPU machine".
 #
@@ -89,21 +90,21 @@ EOF
 fi
 
 # 3. One reproducible tar of the folder (fixed order, times, owners, modes), split into 41 MiB parts:
-# each part plus the ~0.5 MB tree and .whl/ (~9 MiB) stays under the 64 MiB a device call carries.
+# each part plus the ~5 MB tree and .whl/ (~11 MiB) stays under the 64 MiB a device call carries.
 rm -rf "$SET" && mkdir -p "$SET"
 for spec in "${WHEELS[@]}"; do [ "${spec%%==*}" = vllm ] || cp "$(wheel_of "$spec")" "$SET/"; done
 cp "$VLLM_OUT" "$SET/"
 # Each part in .vchunkN/ (one folder per device call; git-ignored via .git/info/exclude).
 source "$REPO/scripts/pack_parts.sh"
 pack_parts "$REPO" "$WORK" vllm_gpu_min v
-PARTS=("$WORK"/parts/part*)
+PART_FILES=("$WORK"/parts/part*)
 echo
 echo "$(ls "$SET"/*.whl | wc -l) wheels, $(du -b "$TAR" | cut -f1) bytes in $TAR"
 echo "sha256 $SHA (in .vchunk0/SHA256)"
 echo
-# gpu_check.sh puts /tmp/site on PYTHONPATH only when .whl/ is carried, so every call carries it.
-echo "Device calls, issued back to back (the machine is given back after ~30 s idle):"
-for i in "${!PARTS[@]}"; do
-  echo "  run carry=[\".vchunk$i\", \".whl\"]  command: bash scripts/gpu_check.sh"
+# gpu_check.sh puts /tmp/site on PYTHONPATH when .whl/ is there: carried once, it stays on the warm machine.
+echo "Device calls, issued back to back (the machine is given back after ~30 s idle; .whl only where not carried yet):"
+for i in "${!PART_FILES[@]}"; do
+  echo "  run carry=[\".vchunk$i\", \".whl\"]  command: bash scripts/gpu_vllm_install.sh"
 done
-echo "(the last one installs vLLM into /tmp/site and runs its tests; done in $((SECONDS - START)) s)"
+echo "(the last one installs vLLM into /tmp/site; bash scripts/gpu_check.sh then runs with it; done in $((SECONDS - START)) s)"
