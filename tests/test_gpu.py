@@ -201,7 +201,8 @@ def test_lora_matches_hf_peft_on_gpu(tmp_path_factory: pytest.TempPathFactory) -
     PEFT in fp32 on the adapter the engine exported: logprobs within BF16_TOL while the adapters move them by several
     times that; adapters switched off give the HF base; the merged export is W + (alpha / r) B A; after an Adam step
     every base weight is bit-identical and the optimizer holds the adapters alone; canonical LoRA on q_proj and v_proj
-    alone likewise matches PEFT."""
+    alone likewise matches PEFT; the merged weights the embedded backend decodes from (lora_sync: merged) match PEFT
+    too, and every base weight comes back bit-identical after them."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -230,6 +231,9 @@ def test_lora_matches_hf_peft_on_gpu(tmp_path_factory: pytest.TempPathFactory) -
     canonical = work / "canonical_adapter_only" / "hf_adapter"
     report["canonical_peft_max_abs_diff"] = diff(r["canonical"]["logprobs"],
                                                  logprobs(PeftModel.from_pretrained(base(), canonical).eval()))
+    # the weights the embedded backend decodes from under lora_sync: merged (bf16: one rounding of W + s B A)
+    report["merged_peft_max_abs_diff"] = diff(ref["merged"]["logprobs"], peft_lp)
+    report["canonical_merged_max_abs_diff"] = diff(r["canonical"]["merged"]["logprobs"], r["canonical"]["logprobs"])
     if os.environ.get("GPU_RESULTS"):
         (Path(os.environ["GPU_RESULTS"]) / "lora_vs_peft.json").write_text(json.dumps(report))
     assert report["peft_max_abs_diff"] <= BF16_TOL, report
@@ -237,6 +241,8 @@ def test_lora_matches_hf_peft_on_gpu(tmp_path_factory: pytest.TempPathFactory) -
     assert report["adapters_off_max_abs_diff"] <= BF16_TOL, report
     assert report["canonical_peft_max_abs_diff"] <= BF16_TOL, report
     assert ref["logprobs_back_on"] == ref["logprobs"]  # switching the adapters off is undone exactly
+    assert report["merged_peft_max_abs_diff"] <= BF16_TOL and report["canonical_merged_max_abs_diff"] <= BF16_TOL, report
+    assert ref["merged"]["restored"] and ref["merged"]["restored_after_rollouts"] and r["canonical"]["merged"]["restored"]
     assert ref["base_changed"] == [] and ref["base_with_grad"] == []
     assert ref["optimizer_params"] == ref["adapter_params"] == 28_672  # 2 layers x (qkv, o, fc1, fc2) at r 8
     adapter, merged, hf = (load_file(next((work / f).glob("*.safetensors"))) for f in

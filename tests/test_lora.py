@@ -167,6 +167,33 @@ def test_canonical_lora_on_q_and_v_alone_matches_peft(lora: tuple[dict, Path]) -
     assert _max_diff(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]) > 1e-3
 
 
+def test_rollouts_decode_merged_weights_and_give_the_base_back_bit_exact(lora: tuple[dict, Path]) -> None:
+    """megatron.lora_sync: merged (the default): the embedded backend decodes from the base with the adapters folded in
+    (engine/peft.py ``adapters_merged``). In every layout (TP 2 and canonical LoRA's fused q/k/v included) the merged
+    model gives the adapters' logprobs, the base moved while merged and came back bit-identical, and the bytes kept
+    aside are the adapted layers' base weights, as ``oumi-megatron plan`` counts them; the backend's greedy rollouts
+    under merged and adapter agree, and leave the base as it was."""
+    from oumi_megatron.config.lora import LoraSettings
+    from oumi_megatron.model_shape import ModelShape
+    from oumi_megatron.plan import lora_merged_base_params
+
+    r, work = lora
+    for name in ("dp2", *LAYOUTS, "canonical", "canonical_tp2"):
+        got = r[name]["merged"]
+        assert _max_diff(got["logprobs"], r[name]["logprobs"]) <= PARITY, name
+        assert got["restored"] and got["base_moved"] > 1e-3, name
+        assert got["kept_bytes"] == got["adapted_bytes"] > 0, name
+    ref = r["dp2"]["merged"]
+    every = LoraSettings(8, 16.0, 0.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), False, "adapter_only")
+    assert ref["kept_bytes"] == 4 * lora_merged_base_params(ModelShape.from_file(work / "hf"), every)  # fp32, TP 1
+    assert ref["restored_after_rollouts"]
+    merged, adapter = ref["rollout_merged"], ref["rollout_adapter"]
+    assert len(merged) == len(adapter) == 4 and all(len(tokens) == 8 for tokens, _ in merged)
+    for (tokens_m, lp_m), (tokens_a, lp_a) in zip(merged, adapter, strict=True):
+        assert tokens_m == tokens_a
+        assert _max_diff(lp_m, lp_a) <= 1e-4
+
+
 @pytest.mark.parametrize(("override", "field"), [
     ({"lora_r": 0}, "peft.lora_r"),
     ({"lora_alpha": 0}, "peft.lora_alpha"),

@@ -36,6 +36,7 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     params.vllm_kv_cache_gib = megatron.pop("vllm_kv_cache_gib", 0.0)
     params.vllm_sleep = megatron.pop("vllm_sleep", True)
     params.sglang_mem_fraction_static = megatron.pop("sglang_mem_fraction_static", 0.4)
+    params.lora_sync = megatron.pop("lora_sync", "merged")
     gpu_memory_gib = megatron.pop("gpu_memory_gib", None)
     assert not megatron, megatron
     layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
@@ -169,6 +170,32 @@ def test_lora_keeps_the_base_in_bf16_and_trains_the_adapters_alone(tp: int, targ
     assert plan.grads * GIB == pytest.approx(4 * adapters, rel=1e-9)
     assert plan.optimizer * GIB == pytest.approx(12 * adapters / 2, rel=1e-9)
     assert plan.total < full.total
+
+
+@pytest.mark.parametrize(("tp", "targets", "copied"), [
+    # every adapted layer's base weight, bf16: QKV 64 x 128 + output 64 x 64 + fc1 64 x 256 + fc2 128 x 64 = 36,864
+    # a layer, 4 layers
+    (1, ["all-linear"], 2 * 4 * 36_864),
+    (2, ["all-linear"], 2 * 4 * 36_864 / 2),
+    # canonical q_proj and v_proj: the whole fused QKV weight they sit in
+    (1, ["q_proj", "v_proj"], 2 * 4 * 8_192),
+])
+def test_lora_merged_rollouts_count_the_base_kept_aside_while_decoding(tp: int, targets: list[str], copied: float) -> None:
+    """Embedded rollouts under lora_sync: merged keep the adapted layers' base weights aside while decoding (engine/peft.py
+    ``adapters_merged``): counted in rollout, beside the KV cache, not beside training's activations (the kept decode
+    buffers stay beside both); adapter keeps none."""
+    merged = _plan(TINY, tp=tp, lora_targets=targets)
+    adapter = _plan(TINY, tp=tp, lora_targets=targets, lora_sync="adapter")
+    copy = merged.rollout - adapter.rollout
+    assert copy * GIB == pytest.approx(copied, rel=1e-9)
+    persistent = merged.weights + merged.grads + merged.optimizer
+    kept = merged.kept_rollout
+    assert kept == adapter.kept_rollout > 0  # the decoder's kept graph buffers (a GPU run's default)
+    assert merged.total == pytest.approx(persistent + kept + max(merged.activations + merged.logits, copy), rel=1e-9)
+    assert adapter.total == pytest.approx(persistent + kept + adapter.activations + adapter.logits, rel=1e-9)
+    assert any("lora_sync: merged" in n for n in merged.notes) and not any("lora_sync" in n for n in adapter.notes)
+    full = _plan(TINY, tp=tp)
+    assert full.rollout == adapter.rollout
 
 
 def test_colocated_vllm_engine_by_hand_sleeps_while_training() -> None:

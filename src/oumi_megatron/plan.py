@@ -45,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oumi_megatron.config.lora import LoraSettings, lora_settings
+from oumi_megatron.config.lora import CANONICAL, HF_TO_MEGATRON, LoraSettings, lora_settings
 from oumi_megatron.engine.parallel.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
 from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, own_gpu_engine_problem, rollout_mode
@@ -140,11 +140,26 @@ def lora_params(shape: ModelShape, lora: LoraSettings, tp: int = 1, pp: int = 1)
     """The LoRA adapters' parameters on one GPU of a pipeline stage of ``pp`` (they live in its transformer layers),
     over TP ``tp`` (1, 1: the whole model's): r x (in + out) per targeted projection, both of an adapter's matrices
     split over TP (Megatron-Bridge's ParallelLinearAdapter: A over its rank, B over its outputs)."""
-    h, q, kv, ffn, _ = shape.widths()
-    sides = {"linear_qkv": (h, q + 2 * kv), "linear_fc1": (h, 2 * ffn), "linear_q": (h, q), "linear_k": (h, kv),
-             "linear_v": (h, kv), "linear_fc1_gate": (h, ffn), "linear_fc1_up": (h, ffn), "linear_proj": (q, h),
-             "linear_fc2": (ffn, h)}
+    sides = _projection_sides(shape)
     per_layer = sum(lora.rank * (sides[t][0] + sides[t][1]) for t in lora.targets)
+    return per_layer * shape.num_layers / pp / tp
+
+
+def _projection_sides(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection a LoRA target names: Megatron's fused ones and canonical LoRA's per-HF ones."""
+    h, q, kv, ffn, _ = shape.widths()
+    return {"linear_qkv": (h, q + 2 * kv), "linear_fc1": (h, 2 * ffn), "linear_q": (h, q), "linear_k": (h, kv),
+            "linear_v": (h, kv), "linear_fc1_gate": (h, ffn), "linear_fc1_up": (h, ffn), "linear_proj": (q, h),
+            "linear_fc2": (ffn, h)}
+
+
+def lora_merged_base_params(shape: ModelShape, lora: LoraSettings, tp: int = 1, pp: int = 1) -> float:
+    """The base parameters of the LoRA-adapted layers on one GPU of a pipeline stage: what the embedded backend keeps
+    aside while it decodes from merged weights (engine/peft.py ``adapters_merged``). A canonical adapter adapts the
+    whole fused projection it sits in (q_proj: linear_qkv)."""
+    sides = _projection_sides(shape)
+    owner = {CANONICAL[hf]: HF_TO_MEGATRON[hf] for hf in CANONICAL}  # a canonical target's fused projection
+    per_layer = sum(sides[name][0] * sides[name][1] for name in {owner.get(t, t) for t in lora.targets})
     return per_layer * shape.num_layers / pp / tp
 
 
@@ -264,8 +279,11 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
                 saving = 2 * (params.layers - output / m.module_queue_num_chunks)
                 weights -= min(max(saving, 0.0), activations + logits)  # the optimizer step needs every weight back
         overhead = overhead_gib * GIB
+        merge_copy = 0.0  # LoRA merged into the embedded decoder's weights: their base kept aside while decoding
         if mode.memory == DECODER_CACHE:  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
+            if lora is not None and m.lora_sync == "merged":
+                merge_copy = 2 * lora_merged_base_params(shape, lora, layout.tensor_parallel, pp)
         elif colocated_vllm:
             # each engine holds the whole model over its TP (every layer: a pipeline stage's engine serves all of them)
             # and its KV cache; it takes at least its share of the GPU (vllm_gpu_memory_utilization,
@@ -285,7 +303,10 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
             rollout = kept = rollout * m.rollout_cuda_graphs_kept
             resident = True
         training = activations + logits
-        total = weights + grads + optimizer + (training + rollout if resident else max(training, rollout)) + overhead
+        # kept decoder buffers (or an awake engine) stay beside training; the merge's copy lives while decoding only
+        busy = rollout + max(training, merge_copy) if resident else max(training, rollout + merge_copy)
+        rollout += merge_copy
+        total = weights + grads + optimizer + busy + overhead
         plan = MemoryPlan(weights=weights / GIB, grads=grads / GIB, optimizer=optimizer / GIB, activations=activations / GIB,
                           logits=logits / GIB, rollout=rollout / GIB, overhead=overhead / GIB, total=total / GIB, stage=stage,
                           gpu_memory_gib=gpu_memory_gib, kept_rollout=kept / GIB)
@@ -296,6 +317,9 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         notes.append(f"a colocated engine takes {field} of the GPU: pass --gpu-memory-gib to count it")
     if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
+        if lora is not None and m.lora_sync == "merged":
+            notes.append("LoRA, lora_sync: merged: the rollout decodes merged weights, the adapted layers' base weights "
+                         "kept aside meanwhile (counted in rollout); lora_sync: adapter keeps no copy, decodes slower")
     engine_problem = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
     return MemoryPlan(**{**asdict(best), "notes": tuple(notes), "by_stage": tuple(x.training_peak for x in stage_plans),
                          "engine_problem": engine_problem, "engine_weights": engine_weights / GIB})

@@ -183,11 +183,12 @@ def _check_lora(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     r.problems.extend(layout_problems(cfg))
     m = cfg.megatron
     if m.lora_sync not in ("adapter", "merged"):
-        r.add("megatron.lora_sync", f"unknown value {m.lora_sync!r}. Use adapter (the engines take the LoRA adapter "
-                                    "alone at each sync) or merged (the whole model with the adapters merged in).")
+        r.add("megatron.lora_sync", f"unknown value {m.lora_sync!r}. Use merged (rollouts decode the base with the "
+                                    "adapters merged in) or adapter (the base beside the adapter: vLLM engines take "
+                                    "the adapter alone at each sync, the embedded backend runs it in its forward).")
         return
     if lora is None or m.lora_sync != "adapter" or m.inference_backend == "megatron" or not m.enable_weight_sync:
-        return  # the embedded backend generates with the adapters in its forward: nothing to sync
+        return  # the embedded backend decodes either way (engine.rollout_weights): nothing to sync
     from oumi_megatron.rollout.registry import resolve_rollout_mode
     from oumi_megatron.rollout.vllm_engine import VLLM_LORA_RANKS, vllm_lora_rank
 

@@ -15,6 +15,9 @@ Builds a tiny Qwen2 model (WORK/hf) and converts it once. Then:
   full batch (DP 1 in each: the loss and the updated adapters must agree across these layouts).
 - ``canonical``: LoRA on q_proj and v_proj alone (PEFT's default for Llama), Bridge's canonical form (an adapter per
   HF projection), exported for PEFT; and the same adapters under TP 2 (``canonical_tp2``).
+- In every layout, ``merged``: the logprobs with the adapters merged into the base (``adapters_merged``, the embedded
+  backend's rollouts under ``lora_sync: merged``) and the base restored after; in ``dp2`` also the embedded backend's
+  greedy rollouts under ``lora_sync`` merged and adapter.
 With ``--gpu`` (one rank, bf16, CUDA): the reference on one rank (``dp1``) and ``canonical``, no other layout.
 Rank 0 writes WORK/result.json.
 """
@@ -80,6 +83,39 @@ def one_gemm_against_bridge(engine) -> dict:  # noqa: ANN001
             "grad_scale": max(b.abs().max().item() for b in bridge[1]),
             "ops": {name: {op: names.count(op) for op in ("addmm", "mul", "add", "mm")} | {"all": len(names)}
                     for name, names in (("one_gemm", one[2]), ("bridge", bridge[2]))}}
+
+
+def merged_against_adapters(engine, logprobs, rollouts: bool = False) -> dict:  # noqa: ANN001
+    """Inside ``adapters_merged`` (the embedded backend's rollouts under ``lora_sync: merged``): the logprobs (to equal
+    the adapters' own), the bytes kept aside, how far the base moved, and whether every base weight came back
+    bit-identical. With ``rollouts``: greedy completions of the embedded backend under ``lora_sync`` merged and adapter,
+    and whether the merged one restored the base."""
+    from oumi_megatron.engine.peft import adapters_merged
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    def base() -> dict:  # keyed by chunk too: virtual pipeline stages repeat the names
+        return {(i, n): p.detach().clone() for i, c in enumerate(engine.model) for n, p in c.named_parameters()
+                if not p.requires_grad}
+
+    before = base()
+    with adapters_merged(engine.peft, engine.model) as kept:
+        out = {"logprobs": logprobs(engine), "kept_bytes": kept,
+               "base_moved": max((p - before[n]).abs().max().item() for n, p in base().items())}
+    out["restored"] = all(torch.equal(p, before[n]) for n, p in base().items())
+    out["adapted_bytes"] = sum(p.numel() * p.element_size() for (_, n), p in before.items()
+                               if n.endswith("to_wrap.weight"))
+    if rollouts:
+        backend = MegatronRolloutBackend(engine, 300, path="static")
+        prompts = [IDS[0, :6].tolist(), IDS[1, :9].tolist()]
+        params = SamplingParams(max_new_tokens=8, greedy=True)
+        for mode in ("merged", "adapter"):
+            engine.params.lora_sync = mode
+            got = backend.generate(prompts, params, 2, seed=0)
+            out[f"rollout_{mode}"] = [[r.completion_ids, r.logprobs] for group in got for r in group]
+        engine.params.lora_sync = "merged"
+        out["restored_after_rollouts"] = all(torch.equal(p, before[n]) for n, p in base().items())
+    return out
 
 
 def main() -> None:
@@ -162,6 +198,7 @@ def main() -> None:
     ref = {"logprobs": logprobs(engine), "one_gemm": one_gemm_against_bridge(engine)}
     with adapters_off(engine.peft, engine.model):
         ref["logprobs_adapters_off"] = logprobs(engine)
+    ref["merged"] = merged_against_adapters(engine, logprobs, rollouts=True)
     ref["logprobs_back_on"] = logprobs(engine)
     engine.train_step([{"input_ids": IDS[2 * rank:2 * rank + 2]}], nll)  # each DP rank its half
     held = torch.tensor([sum(p.numel() for g in engine.optimizer.optimizer.param_groups for p in g["params"])],
@@ -187,6 +224,7 @@ def main() -> None:
                  "rank_adapter_params": sum(p.numel() for c in engine.model for p in c.parameters() if p.requires_grad)}
         with adapters_off(engine.peft, engine.model):
             entry["logprobs_adapters_off"] = logprobs(engine)
+        entry["merged"] = merged_against_adapters(engine, logprobs)
         if name == "tp2":
             save_all(weights, name)
         r = engine.train_step([{"input_ids": IDS[:2]}, {"input_ids": IDS[2:]}], nll)
@@ -200,13 +238,14 @@ def main() -> None:
     randomize(engine)
     save_adapters(engine, "canonical_adapters")
     save_all(weights, "canonical")
-    result["canonical"] = {"logprobs": logprobs(engine),
+    result["canonical"] = {"logprobs": logprobs(engine), "merged": merged_against_adapters(engine, logprobs),
                            "trainable": sorted({n.split("layers.0.")[-1] for c in engine.model
                                                 for n, p in c.named_parameters() if p.requires_grad and "layers.0." in n})}
     if world == 2:
         engine, weights = build(params_for(tp=2), canonical)  # each rank holds half of the heads
         load_model(engine.model, work / "canonical_adapters", adapters_only=True)
-        result["canonical_tp2"] = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights)}
+        result["canonical_tp2"] = {"logprobs": logprobs(engine), "adapters": adapter_tensors(weights),
+                                   "merged": merged_against_adapters(engine, logprobs)}
     if rank == 0:
         (work / "result.json").write_text(json.dumps(result))
     dist.barrier()

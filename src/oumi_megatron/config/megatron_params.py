@@ -231,12 +231,16 @@ class MegatronParams(BaseParams):
     """Push new weights to the rollout engines after every optimizer step."""
 
     lora_sync: str = "merged"
-    """LoRA (``training.use_peft``) with vLLM engines: ``merged`` (the base with the adapters merged in, the whole model
-    at each sync, as without LoRA) or ``adapter`` (the engine keeps the base it started from and takes the adapter alone
-    at each sync, in memory). The embedded backend syncs nothing either way; SGLang and the Ray fleet take ``merged``.
-    ``merged`` is the default because it measured faster where the engine shares the trainer's GPU (1.5B shape, one
-    H100: 2.13 s a step against 2.51; the adapter's sync, its level-1 sleep and vLLM's LoRA decode cost more than the
-    whole model's copy; docs/benchmarks.md); ``adapter`` sends far fewer bytes to a separate engine."""
+    """How rollouts see the LoRA policy (``training.use_peft``): ``merged`` (the base with the adapters merged in) or
+    ``adapter`` (the base beside the adapter). vLLM engines: ``merged`` takes the whole merged model at each sync, as
+    without LoRA; ``adapter`` keeps the base the engine started from and takes the adapter alone, in memory. SGLang
+    and the Ray fleet take ``merged``. The embedded backend syncs nothing; under ``merged`` it decodes from the adapted
+    layers' weights with the adapters folded in for the rollout (one GEMM a projection; their base weights kept aside
+    meanwhile, which ``oumi-megatron plan`` counts, and restored bit-exactly after), under ``adapter`` it runs each
+    adapter beside its layer (no copy, three GEMMs a projection). ``merged`` is the default because it measured faster
+    where the engine shares the trainer's GPU (1.5B shape, one H100, vLLM: 2.13 s a step against 2.51; the adapter's
+    sync, its level-1 sleep and vLLM's LoRA decode cost more than the whole model's copy; docs/benchmarks.md);
+    ``adapter`` sends far fewer bytes to a separate engine."""
 
     weight_sync_method: str = "nccl"
     """How weights reach ``separate`` vLLM engines: ``nccl`` (GPUs), ``gloo`` (CPU / debugging), or

@@ -261,6 +261,7 @@ class MegatronEngine:
 
         self.model = model
         self.peft, self.lora, self.base_dir = peft, lora, base_dir
+        self._rollout_merged = False  # inside ``rollout_weights`` (a turn-by-turn rollout nests generations)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -363,6 +364,23 @@ class MegatronEngine:
             chunk.eval()
         with torch.no_grad(), self._sequence_parallel_off(), self._context_parallel_off():
             yield
+
+    @contextlib.contextmanager
+    def rollout_weights(self) -> Iterator[None]:
+        """The weights a rollout of the embedded backend decodes from: under LoRA with ``megatron.lora_sync: merged``
+        the adapters folded into the base for the block (engine/peft.py ``adapters_merged``: one GEMM a projection,
+        the base restored bit-exactly after), otherwise the model as it is. Reentrant; collective over TP."""
+        if self.peft is None or self.params.lora_sync != "merged" or self._rollout_merged:
+            yield
+            return
+        from oumi_megatron.engine.peft import adapters_merged
+
+        self._rollout_merged = True
+        try:
+            with adapters_merged(self.peft, self.model):
+                yield
+        finally:
+            self._rollout_merged = False
 
     def _prepare(self, microbatches: list[dict[str, torch.Tensor]],
                  pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:

@@ -194,6 +194,69 @@ def adapters_off(peft: Any, chunks: list[torch.nn.Module]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def adapters_merged(peft: Any, chunks: list[torch.nn.Module]) -> Iterator[int]:
+    """The policy as one set of plain weights while the block runs: each adapted linear layer's base weight becomes
+    W + (alpha / r) B A (summed in fp32, rounded once, as PEFT's ``merge_and_unload``) and its adapter is switched off;
+    afterwards every base weight is restored bit-exactly from a copy kept aside, and the adapters are on again. A decode
+    step then runs one GEMM per projection instead of three (rollouts: ``megatron.lora_sync: merged``). The weights are
+    changed in place, so CUDA graphs captured on them stay valid. Yields the bytes kept aside: the adapted layers' base
+    weights on this rank (what ``oumi-megatron plan`` counts). Collective over TP (Bridge's merge gathers the adapter
+    shards); every rank of a model replica must enter it."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+
+    from oumi_megatron.engine.wrappers import unwrap
+
+    models = [unwrap(c) for c in chunks]
+    wrappers = [m for model in models for m in model.modules() if isinstance(m, AdapterWrapper) and m._adapter_enabled]
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for wrapper in wrappers:
+                weight = wrapper.to_wrap.weight
+                merged = _lora_delta(wrapper, weight).add_(weight)
+                kept.append((weight, weight.detach().clone()))
+                weight.copy_(merged)
+        with peft.disable_adapter(models):
+            yield sum(copy.numel() * copy.element_size() for _, copy in kept)
+    finally:
+        with torch.no_grad():
+            for weight, copy in kept:
+                weight.copy_(copy)
+
+
+def _lora_delta(wrapper: Any, weight: torch.Tensor) -> torch.Tensor:
+    """(alpha / r) B A of ``wrapper``'s adapters in fp32, shaped as this rank's shard of its base ``weight``.
+    Canonical LoRA's fused projections (an adapter per HF projection) place each projection's update where Megatron's
+    fused weight holds it: per query group of this rank its query heads, key and value (linear_qkv); gate, then up
+    (linear_fc1). A projection without an adapter adds nothing."""
+    from megatron.bridge.peft import canonical_lora
+    from megatron.bridge.peft.lora_layers import LoRALinear
+    from megatron.bridge.peft.lora_merge import LoRAMerge
+
+    def delta(adapter: Any, rows: int) -> torch.Tensor:  # Bridge's merge gathers A or B over TP as the layer needs
+        base = weight.new_zeros(rows, weight.shape[1], dtype=torch.float32)
+        return LoRAMerge().merge(base, adapter.linear_out.weight.float(), adapter.linear_in.weight.float(),
+                                 adapter.alpha, adapter.dim, tp_group=getattr(adapter, "tp_group", None))
+
+    def part(name: str, rows: int) -> torch.Tensor:
+        adapter = getattr(wrapper.adapter, name, None)
+        return weight.new_zeros(rows, weight.shape[1], dtype=torch.float32) if adapter is None else delta(adapter, rows)
+
+    if isinstance(wrapper, canonical_lora.LoRALinearSplitQKV):
+        config = wrapper.to_wrap.config
+        groups = weight.shape[0] // ((config.num_attention_heads // config.num_query_groups + 2) * config.kv_channels)
+        q, kv = weight.shape[0] // groups - 2 * config.kv_channels, config.kv_channels
+        parts = [part(n, groups * w).view(groups, w, -1) for n, w in (("adapter_q", q), ("adapter_k", kv), ("adapter_v", kv))]
+        return torch.cat(parts, dim=1).view_as(weight)
+    if isinstance(wrapper, canonical_lora.LoRALinearSplitFC1UpGate):
+        half = weight.shape[0] // 2
+        return torch.cat([part("adapter_gate", half), part("adapter_up", half)])
+    if not isinstance(wrapper, LoRALinear):  # LoRA on MoE routers or experts is refused at validation
+        raise NotImplementedError(f"merging a {type(wrapper).__name__} adapter into its base is not built")
+    return delta(wrapper.adapter, weight.shape[0])
+
+
 def adapter_parameters(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of every trainable parameter: the adapters."""
     return [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]

@@ -93,10 +93,12 @@ class MegatronRolloutBackend:
         if params.max_new_tokens == 0 or rows == 0:
             tokens, logprobs = torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0)
         elif self.decoder is not None:
-            tokens, logprobs, self.last_stats = self.decoder.generate(prompts, n, params, self.generator)
+            with self.engine.rollout_weights():
+                tokens, logprobs, self.last_stats = self.decoder.generate(prompts, n, params, self.generator)
         else:
             started = time.perf_counter()
-            tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
+            with self.engine.rollout_weights():
+                tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
             self.last_stats = GenerationStats(path=self.path, tokens=generated_tokens(tokens, params), prefill_s=0.0,
                                               decode_steps=tokens.shape[1], decode_s=time.perf_counter() - started)
         out = _rollouts(tokens, logprobs, [prompts[i // n] for i in range(rows)], params)
@@ -109,12 +111,15 @@ class MegatronRolloutBackend:
         next turn as soon as its observation is ready. One-turn episodes are a plain ``generate``; the ``schedule`` and
         ``recompute`` paths take turn by turn (rollout/turns.py)."""
         if self.decoder is None or max_turns <= 1 or params.max_new_tokens == 0 or not prompts:
-            run = turn_by_turn(self, prompts, params, n, turns, seed)
+            with self.engine.rollout_weights():  # once for every turn's generate
+                run = turn_by_turn(self, prompts, params, n, turns, seed)
             run.decode_steps = self.last_stats.decode_steps + 1 if self.last_stats is not None and max_turns <= 1 else 0
             return run
         if seed is not None:
             self.generator.manual_seed(seed)
-        run, self.last_stats = decode_episodes(self.decoder, prompts, n, params, self.generator, turns, budget, max_turns)
+        with self.engine.rollout_weights():
+            run, self.last_stats = decode_episodes(self.decoder, prompts, n, params, self.generator, turns, budget,
+                                                   max_turns)
         return run
 
     def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
