@@ -46,15 +46,15 @@ WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "setup: installing the pinned set from $LOCK (first time: ~3-9 min, ~7 GB)"
   # The PyPI torch build drags ~3.4 GB of CUDA libraries (it cannot import without them, and the
-  # CPU-only build lives on an index CI cannot reach), so .venv ends at ~6.9 GB. One pip command for
-  # the whole lock holds every downloaded wheel (3.4 GB) in $TMPDIR until it ends: a 10.5 GB peak, which
-  # ran CI's disk out. Installed in batches (below), the peak is .venv + the largest batch, ~7.5 GB
-  # measured. Fail now with the numbers rather than minutes later with ENOSPC.
+  # CPU-only build lives on an index CI cannot reach), so .venv ends at ~7.6 GB. One pip command for
+  # the whole lock holds every downloaded wheel (3.4 GB) in $TMPDIR until it ends: a 10.1 GiB peak, which
+  # ran CI's disk out. Installed in batches (below), the peak is .venv + the largest batch.
+  # Fail now with the numbers rather than minutes later with ENOSPC.
   need_gb=${OUMI_MEGATRON_SETUP_NEED_GB:-$NEED_GB}
   free_gb=$(df -Pk "$VENV" | awk 'NR==2 {print int($4 / 1048576)}')
   if [ "$free_gb" -lt "$need_gb" ]; then
     echo "setup: only ${free_gb} GB free on the disk of $VENV; the install needs ~${need_gb} GB" \
-         "(.venv ~6.9 GB + one batch of downloads). Free space (old venvs, /tmp, ~/.cache/pip) and rerun;" \
+         "(.venv ~7.6 GB + one batch of downloads). Free space (old venvs, /tmp, ~/.cache/pip) and rerun;" \
          "set OUMI_MEGATRON_SETUP_NEED_GB to override the check." >&2
     exit 1
   fi
@@ -66,13 +66,13 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "${PIP[@]}" uninstall -q -y "$OTHER_VLLM"
   fi
   # Each wheel of 50 MB or more (HEAVY) in a command of its own, the rest (~0.45 GB) in one, so pip's
-  # temporary downloads never exceed one batch. --no-compile: .pyc files (0.7 GB for the whole set) are
-  # written on first import instead, for the modules a run uses.
+  # temporary downloads never exceed one batch. (pip still compiles the .pyc files, 0.7 GB: where
+  # PYTHONDONTWRITEBYTECODE is set, as on this project's machines, nothing would write them later and every
+  # test process would compile its imports from source.)
   grep -E '^[A-Za-z0-9._-]+==' "$LOCK" | grep -E "$HEAVY" | while read -r req; do
-    "${PIP[@]}" install -q --no-deps --no-compile "$req" 2> >(grep -v "is ignored: it is neither" >&2)
+    "${PIP[@]}" install -q --no-deps "$req" 2> >(grep -v "is ignored: it is neither" >&2)
   done
-  "${PIP[@]}" install -q --no-deps --no-compile -r <(grep -v -E "$HEAVY" "$LOCK") \
-    2> >(grep -v "is ignored: it is neither" >&2)
+  "${PIP[@]}" install -q --no-deps -r <(grep -v -E "$HEAVY" "$LOCK") 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
 fi
