@@ -44,7 +44,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 STAMP="$VENV/.oumi_megatron_lock.sha256"
 WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "setup: installing the pinned set from $LOCK (first time: ~3-9 min, ~7 GB)"
+  echo "setup: installing the pinned set from $LOCK (first time: ~3-9 min, ~7.6 GB)"
   # The PyPI torch build drags ~3.4 GB of CUDA libraries (it cannot import without them, and the
   # CPU-only build lives on an index CI cannot reach), so .venv ends at ~7.6 GB. One pip command for
   # the whole lock holds every downloaded wheel (3.4 GB) in $TMPDIR until it ends: a 10.1 GiB peak, which
