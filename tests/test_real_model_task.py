@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,17 +129,21 @@ def test_smollm2_gguf_becomes_an_hf_folder_with_the_models_shape_and_tokens(smol
 @pytest.mark.slow
 def test_smollm2_megatron_round_trip_is_exact(smollm2_hf: Path, tmp_path: Path) -> None:
     mc, back = tmp_path / "megatron_checkpoint", tmp_path / "hf_back"
-    for cmd in (["oumi-megatron", "convert", "--hf", str(smollm2_hf), "--out", str(mc), "--dtype", "float32"],
-                ["oumi-megatron", "export", "--checkpoint", str(mc), "--out", str(back)]):
-        proc = run_cli(cmd)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    src, out = _tensors(smollm2_hf), _tensors(back)
-    assert set(out) == set(src) and "lm_head.weight" not in out  # tied: one embedding, as in the source
-    for name, tensor in src.items():
-        assert torch.equal(out[name], tensor), name  # fp32 both ways: bit-exact (q/k/v and gate/up re-split)
-    config = json.loads((back / "config.json").read_text())
-    assert (config["num_key_value_heads"], config["head_dim"], config["tie_word_embeddings"]) == (3, 64, True)
-    assert (back / "chat_template.jinja").read_text() == (smollm2_hf / "chat_template.jinja").read_text()
+    try:
+        for cmd in (["oumi-megatron", "convert", "--hf", str(smollm2_hf), "--out", str(mc), "--dtype", "float32"],
+                    ["oumi-megatron", "export", "--checkpoint", str(mc), "--out", str(back)]):
+            proc = run_cli(cmd)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        src, out = _tensors(smollm2_hf), _tensors(back)
+        assert set(out) == set(src) and "lm_head.weight" not in out  # tied: one embedding, as in the source
+        for name, tensor in src.items():
+            assert torch.equal(out[name], tensor), name  # fp32 both ways: bit-exact (q/k/v and gate/up re-split)
+        config = json.loads((back / "config.json").read_text())
+        assert (config["num_key_value_heads"], config["head_dim"], config["tie_word_embeddings"]) == (3, 64, True)
+        assert (back / "chat_template.jinja").read_text() == (smollm2_hf / "chat_template.jinja").read_text()
+    finally:  # 1.1 GB of fp32 copies: pytest keeps tmp_path to the session's end, and CI's disk is tight
+        shutil.rmtree(mc, ignore_errors=True)
+        shutil.rmtree(back, ignore_errors=True)
 
 
 def test_gguf_to_hf_names_a_missing_file(tmp_path: Path) -> None:
