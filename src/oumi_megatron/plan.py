@@ -252,6 +252,8 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     notes: list[str] = []
     stage_plans: list[MemoryPlan] = []
     lora, _ = lora_settings(cfg)
+    # the embedded decoder merges LoRA into its weights for a rollout (MegatronEngine.rollout_weights decides the same)
+    merged_rollouts = lora is not None and mode.memory == DECODER_CACHE and m.lora_sync == "merged"
     for stage in range(pp):
         params = _stage_params(shape, layout, stage, expert_split)
         weights, grads = 2 * params.total, 4 * params.total
@@ -282,7 +284,8 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         merge_copy = 0.0  # LoRA merged into the embedded decoder's weights: their base kept aside while decoding
         if mode.memory == DECODER_CACHE:  # generation and training take turns on the same memory
             rollout = _embedded_rollout_bytes(cfg, shape, layout, stage)
-            if lora is not None and m.lora_sync == "merged":
+            if merged_rollouts:
+                assert lora is not None
                 merge_copy = 2 * lora_merged_base_params(shape, lora, layout.tensor_parallel, pp)
         elif colocated_vllm:
             # each engine holds the whole model over its TP (every layer: a pipeline stage's engine serves all of them)
@@ -317,7 +320,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         notes.append(f"a colocated engine takes {field} of the GPU: pass --gpu-memory-gib to count it")
     if mode.memory == DECODER_CACHE:
         notes.append("embedded rollouts: the KV cache lives while generating, when no activations do (the larger counts)")
-        if lora is not None and m.lora_sync == "merged":
+        if merged_rollouts:
             notes.append("LoRA, lora_sync: merged: the rollout decodes merged weights, the adapted layers' base weights "
                          "kept aside meanwhile (counted in rollout); lora_sync: adapter keeps no copy, decodes slower")
     engine_problem = own_gpu_engine_problem(m, shape, gpu_memory_gib) if gpu_memory_gib else None
