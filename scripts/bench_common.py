@@ -151,9 +151,26 @@ class RowFailed(RuntimeError):
     """A row's process failed; its log's tail is the message."""
 
 
-def run_logged(cmd: list[str], log: Path) -> None:
-    """``cmd`` from the repo root, its output to ``log``; raises RowFailed (after printing the log's tail) if it fails."""
+SGLANG_SITE = "OUMI_SGLANG_SITE"
+"""Names, on the lent GPU machine, the folder of SGLang's carried wheel set (scripts/gpu_check.sh sets it): kept apart
+from vLLM's set, whose pins differ (pydantic, xgrammar, transformers), and put first on the path of SGLang's runs only."""
+
+
+def sglang_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with SGLang's carried set first on PYTHONPATH where ``OUMI_SGLANG_SITE`` names
+    one; unchanged elsewhere (SGLang installed as usual)."""
+    env = dict(os.environ if env is None else env)
+    if env.get(SGLANG_SITE):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env[SGLANG_SITE], env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, sglang: bool = False) -> None:
+    """``cmd`` from the repo root, its output to ``log``; raises RowFailed (after printing the log's tail) if it fails.
+    ``sglang``: a run that starts SGLang engines (``sglang_env``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    if sglang:
+        env = sglang_env(env)
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if proc.returncode:
@@ -169,15 +186,15 @@ def mean_of(rows: list[dict], key: str) -> float | None:
 
 
 def run_worker(work: Path, cfg: Path, args: Any, flags: list[str], launcher: list[str] | None = None,
-               gpus: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+               gpus: int = 1, sglang: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
     """One whole run of scripts/run_grpo.py (the trainer ``oumi train`` runs) on ``cfg`` in ``work``, its log beside
     it; ``args`` has ``rows`` and ``model``; ``launcher``: torchrun's command for several ranks (default: one
     process). Returns its result.json, the steps that count (step 1, the warm-up, left out where there are more) and
     the columns every whole-run row has: tokens/s/GPU (prompt + completion tokens of those steps' batches over their
-    step time / ``gpus``, NeMo-RL's definition), step time and its phases, rewards."""
+    step time / ``gpus``, NeMo-RL's definition), step time and its phases, rewards. ``sglang``: see ``run_logged``."""
     shutil.rmtree(work, ignore_errors=True)  # a run left from an earlier call would be resumed, not measured
     run_logged([*(launcher or [sys.executable]), str(RUN_GRPO), str(cfg), str(work), "--rows", args.rows, "--model", args.model,
-                *flags], work.parent / f"{work.name}.log")
+                *flags], work.parent / f"{work.name}.log", sglang=sglang)
     result = json.loads((work / "result.json").read_text())
     train = result["train"]
     steady = train[1:] if len(train) > 1 else train

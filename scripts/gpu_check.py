@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_common import sglang_env
+
 REPO = Path(__file__).resolve().parents[1]
 HF_SMOLLM2 = "output/smollm2_135m_instruct"  # the real task's model, converted from the GGUF once per machine
 # the engine before issue 12: SDPA only (fusions, chunked logprobs and fused optimizer kernels off)
@@ -76,19 +78,22 @@ class Check:
     def out(self, name: str) -> str:
         return f"{self.results}/{name}"
 
-    def sh(self, argv: list[str], *, log: str | None = None, tail: int | None = None, head: int | None = None) -> int:
+    def sh(self, argv: list[str], *, log: str | None = None, tail: int | None = None, head: int | None = None,
+           sglang: bool = False) -> int:
         """``argv`` with stdout and stderr together: into ``log`` if given, then its first ``head`` or last ``tail``
-        lines printed (``cmd 2>&1 | tee LOG | tail -N``). Its exit status; a failure stops nothing (as in the shell)."""
+        lines printed (``cmd 2>&1 | tee LOG | tail -N``). Its exit status; a failure stops nothing (as in the shell).
+        ``sglang``: a command that starts SGLang engines (SGLang's carried set first on its path: bench_common.sglang_env)."""
         if self.dry_run:
             notes = ([f"> {log}"] if log else []) + ([f"tail -{tail}"] if tail else []) + ([f"head -{head}"] if head else [])
             print(shlex.join(argv) + (f"  # {', '.join(notes)}" if notes else ""))
             return 0
+        run_env = sglang_env() if sglang else None
         if log is None:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env)
             text = proc.stdout.decode(errors="replace")
         else:
             with open(log, "wb") as f:
-                proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT)
+                proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=run_env)
             text = Path(log).read_text(errors="replace")
         shown = text.splitlines()[:head] if head else tail_lines(text, tail or 0)
         if shown:
@@ -314,6 +319,17 @@ def mode_lora(c: Check) -> None:
           "--rows", "128", "--out", c.out("lora_layer.json")], log=c.out("lora_layer.log"), tail=20)
 
 
+def mode_sglang(c: Check) -> None:
+    # the colocated SGLang engine against the embedded backend on the real task's model, bf16 (tests/workers/sglang_worker.py)
+    c.ensure_hf_model("GPU_CHECK_GGUF", tail=2)
+    ckpt = "/tmp/sglang_smollm2_mc"
+    if not Path(ckpt).is_dir():
+        c.sh([*PY, "-m", "oumi_megatron", "convert", "--hf", HF_SMOLLM2, "--out", ckpt, "--dtype", "bfloat16"], tail=2)
+    c.sh([*PY, "tests/workers/sglang_worker.py", ckpt, HF_SMOLLM2, c.out("sglang_smollm2.json"), "--placement", "colocated",
+          "--dtype", "bfloat16", "--rows", env("GPU_CHECK_SGLANG_ROWS", "128"), "--new-tokens", "64", "--syncs", "3"],
+         log=c.out("sglang_smollm2.log"), tail=4, sglang=True)
+
+
 def mode_sync(c: Check) -> None:
     c.sh([*PY, "scripts/bench_weight_sync.py", "--out", c.out("sync.json")], tail=20)
 
@@ -369,6 +385,9 @@ MODES = [
     Mode("8b", 2, mode_8b, "Llama-3-8B dimensions with TP=2, with and without CUDA graphs (2 x H200)"),
     Mode("lora", 1, mode_lora, "LoRA's adapter output in one GEMM against Megatron-Bridge's forward: train fwd+bwd and a "
          "decode-shaped forward on 8 of the 1.5B shape's layers (scripts/bench_lora_layer.py)"),
+    Mode("sglang", 1, mode_sglang, "the colocated SGLang engine's greedy parity with the embedded backend and its weight "
+         "probe after each of 3 syncs, SmolLM2-135M in bf16 (tests/workers/sglang_worker.py; GPU_CHECK_GGUF, "
+         "GPU_CHECK_SGLANG_ROWS)"),
     Mode("sync", 2, mode_sync, "the weight-sync benchmark, trainer GPU 0 -> receiver GPU 1", default=True),
     Mode("sync_slice", 1, mode_sync_slice, "one sender's export and push snapshot at the 70B and 405B widths, 1 and 2 "
          "layers, extrapolated to the whole models (scripts/bench_weight_sync.py --slice; issue 45)"),
@@ -403,7 +422,7 @@ def run_real_model(c: Check) -> None:
     GPU_CHECK_REAL_BACKEND=vllm rolls out with vLLM (GPU_CHECK_REAL_KV_GIB sizes its KV cache), GPU_CHECK_REAL_BUDGET_S
     (default 540) stops it in time for its metrics to come back, GPU_CHECK_REAL_SAVE_STEPS checkpoints more often,
     GPU_CHECK_REAL_CONFIG runs another config of the task (e.g. configs/smollm2_arithmetic_large_calculator_gpu.yaml; its
-    rows prepared for it)."""
+    rows prepared for it, in GPU_CHECK_REAL_ROWS, default .gpu_real/rows)."""
     c.ensure_hf_model("GPU_CHECK_REAL_MODEL", tail=4)
     backend = env("GPU_CHECK_REAL_BACKEND")
     config = env("GPU_CHECK_REAL_CONFIG", "configs/smollm2_arithmetic_gpu.yaml")
@@ -416,7 +435,7 @@ def run_real_model(c: Check) -> None:
              *(["--save-steps", env("GPU_CHECK_REAL_SAVE_STEPS")] if env("GPU_CHECK_REAL_SAVE_STEPS") else [])]
     log = c.out("real_model.log")
     rc = c.sh(["timeout", env("GPU_CHECK_REAL_BUDGET_S", "540"), *PY, "scripts/run_grpo.py", config,
-               work, "--rows", ".gpu_real/rows", *flags], log=log)
+               work, "--rows", env("GPU_CHECK_REAL_ROWS", ".gpu_real/rows"), *flags], log=log, sglang=backend == "sglang")
     c.copy(f"{work}/run/metrics.jsonl", c.out("real_metrics.jsonl"))
     c.copy(f"{work}/result.json", c.out("real_result.json"))
     c.note(f"tail -c 3000 {log} > {c.out('real_model_tail.log')}; rm {log}")

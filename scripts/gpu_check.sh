@@ -11,11 +11,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  if [ ! -f /tmp/site/.oumi_megatron_whl ]; then  # once per machine: a later vLLM install may upgrade pydantic
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    touch /tmp/site/.oumi_megatron_whl
-  fi
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.oumi_megatron_whl ]; then
+  # once per machine: a later vLLM install may upgrade pydantic
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  touch /tmp/site/.oumi_megatron_whl
+fi
+if [ -f /tmp/site/.oumi_megatron_whl ]; then  # installed by this call or an earlier one of the same lease
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 else
   export PYTHONPATH=$PWD/src:$PWD/tests
@@ -24,6 +25,8 @@ fi
 # The trimmed wheel set has no flashinfer: vLLM's sampler must not ask for it.
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
 bash scripts/gpu_vllm_install.sh
+# SGLang's set has a place of its own (its pins differ from vLLM's): SGLang's processes put it first on their path
+[ -d /tmp/site_sglang/sglang ] && export OUMI_SGLANG_SITE=/tmp/site_sglang
 # The image's python has no venv: make `python`, `torchrun` and the CLIs resolve for the tests.
 mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python
 printf '#!/usr/bin/env bash\nexec python3 -m oumi_megatron "$@"\n' > /tmp/bin/oumi-megatron && chmod +x /tmp/bin/oumi-megatron

@@ -461,6 +461,46 @@ def test_vllm_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPath
         assert "dropped its weights" in r["generate_while_dropped"], r["generate_while_dropped"]
 
 
+SGLANG_SITE = os.environ.get("OUMI_SGLANG_SITE", "")
+"""The lent GPU machine's SGLang set, kept apart from vLLM's (scripts/gpu_check.sh); empty where SGLang is installed as
+usual."""
+
+
+def _sglang_installed() -> bool:
+    return importlib.util.find_spec("sglang") is not None or Path(SGLANG_SITE, "sglang").is_dir()
+
+
+@pytest.mark.skipif(not _sglang_installed(), reason="SGLang not installed (the lent GPU image has none; scripts/gpu_check.sh "
+                                                  "installs the parts scripts/pack_sglang_for_gpu.sh makes)")
+def test_sglang_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The real SGLang engine colocated with the trainer on its GPU, bf16 (tests/workers/sglang_worker.py): its greedy
+    completions of 64 prompts equal the embedded backend's on the same weights for >= 95% of the rows, at the start and
+    after each of three updates (two optimizer steps and an in-memory sync each); the weight probe is <= 1e-2 after every
+    sync and well above it before one (what a sync that did nothing leaves). A model with peaked distributions
+    (init_std 0.2): at transformers' 0.02 a random model's next-token choices are near-ties that bf16 rounding decides."""
+    from oumi_megatron.examples.tiny_models import build_tiny_model
+
+    work = tmp_path_factory.mktemp("gpu_sglang")
+    src = build_tiny_model(work / "hf", arch="qwen2", head_dim=64, init_std=0.2)
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
+    out = work / "sglang.json"
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    if SGLANG_SITE:
+        env["PYTHONPATH"] = os.pathsep.join([SGLANG_SITE, os.environ.get("PYTHONPATH", "")])
+    _check(run_cli([PY, str(WORKERS / "sglang_worker.py"), str(ckpt), str(src), str(out), "--placement", "colocated",
+                    "--dtype", "bfloat16", "--rows", "64", "--new-tokens", "32", "--syncs", "3"], env=env))
+    r = json.loads(out.read_text())
+    if os.environ.get("GPU_RESULTS"):
+        (Path(os.environ["GPU_RESULTS"]) / "sglang_gpu_colocated.json").write_text(json.dumps(r))
+    for name in ("start", "synced_1", "synced_2", "synced"):
+        assert r[f"{name}_parity"]["equal_rows"] >= 0.95 * r[f"{name}_parity"]["rows"], (name, r[f"{name}_parity"])
+    assert r["probe_start"] <= 1e-2, r
+    assert all(s["probe"] <= 1e-2 for s in r["syncs"]) and len(r["syncs"]) == 3, r["syncs"]
+    assert min(r["probes_stale"]) >= 0.05, r["probes_stale"]
+    assert r["sync"]["method"] == "in_memory" and r["sync"]["tensors"] >= 30, r["sync"]
+
+
 def test_the_push_snapshot_takes_no_gpu_memory() -> None:
     """An asynchronous push's snapshot (rollout/weight_push.py) goes to pinned host memory tensor by tensor: 2 GiB of
     bf16 "exported" CUDA tensors add nothing to what the GPU holds (a GPU clone, as before, added 2 GiB), and the copies

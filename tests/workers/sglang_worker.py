@@ -1,13 +1,15 @@
-"""A real SGLang engine on the CPU receiving the Megatron policy's weights, checked against the trainer and the
-embedded backend (one engine start per call).
+"""A real SGLang engine receiving the Megatron policy's weights, checked against the trainer and the embedded backend
+(one engine start per call): fp32 on the CPU (CI), bf16 on a GPU (tests/test_gpu.py, scripts/gpu_check.py).
 
     python tests/workers/sglang_worker.py CKPT HF_DIR OUT.json --placement colocated|separate [--pp 2] (torchrun for 2)
+        [--dtype bfloat16 --rows 64 --new-tokens 32 --syncs 3]
 
 1. Greedy completions (with an EOS that ends rows early) equal the embedded backend's, and the weight probe
    (``weight_sync/probe_max_diff``: the engine's logprobs of a fixed sequence against the trainer's) is ~0 at the start.
 2. Sampled completions: the engine's logprobs of its own tokens equal the trainer's recomputed ones.
 3. Two optimizer steps change the policy: the probe, before a sync, sees it (what a sync that did nothing leaves);
-   after ``sync_weights`` the probe is ~0 again and the greedy completions equal the embedded backend's again.
+   after ``sync_weights`` the probe is ~0 again and the greedy completions equal the embedded backend's again
+   (``--syncs K``: K such updates, a probe after each).
 4. Multi-turn greedy episodes of a toy environment: SGLang's request chains (no turn barrier), SGLang turn by turn and
    the embedded backend give the same episodes.
 """
@@ -21,6 +23,26 @@ import torch
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 120, 64, 1], [77, 31, 200, 9, 14, 2, 150]]
 
 
+def prompts(rows: int, vocab: int) -> list[list[int]]:
+    """PROMPTS, then seeded random prompts of 3-24 tokens below ``vocab``, ``rows`` in all."""
+    g = torch.Generator().manual_seed(1)
+    extra = [torch.randint(0, vocab, (int(torch.randint(3, 25, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(max(rows - len(PROMPTS), 0))]
+    return (PROMPTS + extra)[:rows]
+
+
+def parity(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How many rows of two greedy decodes are equal, and where the first unequal row first differs."""
+    unequal = [k for k, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+    first = None
+    if unequal:
+        k = unequal[0]
+        a, b = ours[k], theirs[k]
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        first = {"row": k, "position": at, "sglang": a[at:at + 4], "embedded": b[at:at + 4]}
+    return {"rows": len(ours), "equal_rows": len(ours) - len(unequal), "first_divergence": first}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
@@ -28,10 +50,15 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--placement", default="colocated")
     p.add_argument("--pp", type=int, default=1, help="a replica of two pipeline stages (separate: its owner drives the engine)")
+    p.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
+    p.add_argument("--rows", type=int, default=len(PROMPTS), help="greedy parity rows: PROMPTS, then random ones")
+    p.add_argument("--new-tokens", type=int, default=12, help="greedy parity: tokens per row")
+    p.add_argument("--syncs", type=int, default=1, help="updates of two optimizer steps, each followed by a sync")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
 
     import torch.distributed as dist
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.config.megatron_params import MegatronParams
@@ -49,23 +76,27 @@ def main() -> None:
                             weight_sync_bucket_mb=0.05, pipeline_model_parallel_size=args.pp)  # small buckets: many
     params.transformer_config.recompute_granularity = None
     bridge, engine = build_engine(args.ckpt, engine_layout(params), params, OptimSettings(lr=2e-2, total_steps=10),
-                                  dtype=torch.float32)
+                                  dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
-    config = StandaloneConfig(model=ModelSection(model_name=args.hf, torch_dtype_str="float32"),
+    config = StandaloneConfig(model=ModelSection(model_name=args.hf, torch_dtype_str=args.dtype),
                               training=TrainingSection(seed=0), megatron=params,
                               grpo=MegatronGrpoParams(max_prompt_length=32, max_completion_length=128))
-    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, torch.float32, Path(args.out).parent))
-    embedded = MegatronRolloutBackend(engine, len(tokenizer), path="static")
+    backend = build_rollout_backend(RolloutContext(engine, config, tokenizer, dtype, Path(args.out).parent))
+    # SGLang decodes over the model's whole vocabulary (the tiny models': 320 rows for 259 tokens); the embedded backend,
+    # given the tokenizer's size, never picks a padding row: compare the two over the same rows
+    embedded = MegatronRolloutBackend(engine, AutoConfig.from_pretrained(args.hf).vocab_size, path="static")
     weights = HFWeightExporter(bridge, engine.model, Path(args.ckpt) / "hf")
-    result: dict = {"backend": type(backend).__name__}
+    result: dict = {"backend": type(backend).__name__, "dtype": args.dtype, "rollout_path": backend.decode_profile().path}
+    rows = prompts(args.rows, min(len(tokenizer), 250))
 
     def greedy(name: str) -> None:
         """Both backends' greedy completions, with an EOS some rows reach early (the embedded backend's 4th token)."""
-        probe = embedded.generate(PROMPTS, SamplingParams(max_new_tokens=12, pad_token_id=256, greedy=True), 1)
+        probe = embedded.generate(rows[:1], SamplingParams(max_new_tokens=12, pad_token_id=256, greedy=True), 1)
         eos = probe[0][0].completion_ids[3]
-        params = SamplingParams(max_new_tokens=12, pad_token_id=256, greedy=True, eos_token_id=eos)
-        result[f"{name}_sglang"] = [g[0].completion_ids for g in backend.generate(PROMPTS, params, 1)]
-        result[f"{name}_embedded"] = [g[0].completion_ids for g in embedded.generate(PROMPTS, params, 1)]
+        params = SamplingParams(max_new_tokens=args.new_tokens, pad_token_id=256, greedy=True, eos_token_id=eos)
+        result[f"{name}_sglang"] = [g[0].completion_ids for g in backend.generate(rows, params, 1)]
+        result[f"{name}_embedded"] = [g[0].completion_ids for g in embedded.generate(rows, params, 1)]
+        result[f"{name}_parity"] = parity(result[f"{name}_sglang"], result[f"{name}_embedded"])
 
     def mismatch() -> float:
         """max |engine - trainer| logprob over sampled completions (2 per prompt)."""
@@ -74,26 +105,34 @@ def main() -> None:
         batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
                               torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
         layout = padded_layout(batch, 2, pad_id=256)
-        worst = 0.0
+        worst, total, count = 0.0, 0.0, 0.0
         for mb, lp in zip(layout.microbatches, engine.compute_logprobs(layout.microbatches, 0.8)):
-            mask = mb["completion_mask"]
-            worst = max(worst, ((mb["rollout_logprobs"].float() - lp.float()).abs() * mask).max().item())
+            mask = mb["completion_mask"].to(lp.device)
+            diff = (mb["rollout_logprobs"].to(lp.device).float() - lp.float()).abs() * mask
+            worst, total, count = max(worst, diff.max().item()), total + diff.sum().item(), count + mask.sum().item()
         result["sampled_rows"] = len(rollouts)
+        result["sampled_logprob_mean_abs_diff"] = total / max(count, 1.0)
         return worst
 
     greedy("start")
     result["probe_start"] = backend.probe()
     result["sampled_logprob_max_abs_diff"] = mismatch()
     g = torch.Generator().manual_seed(0)
-    for _ in range(2):  # the policy moves
-        ids = torch.randint(0, 250, (4, 16), generator=g)
-        engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}],
-                          lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
-    result["probe_stale"] = backend.probe()
-    backend.sleep()
-    backend.wake()
-    stats = backend.sync_weights(weights)
-    result["sync"] = {"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes, "probe": stats.probe_max_diff}
+    result["probes_stale"], result["syncs"] = [], []
+    for k in range(args.syncs):
+        for _ in range(2):  # the policy moves
+            ids = torch.randint(0, 250, (4, 16), generator=g)
+            engine.train_step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}],
+                              lambda lp, b: (-lp[:, :-1].sum(), torch.tensor(lp[:, :-1].numel()), {}))
+        result["probes_stale"].append(backend.probe())
+        backend.sleep()
+        backend.wake()
+        stats = backend.sync_weights(weights)
+        result["syncs"].append({"method": stats.method, "tensors": stats.tensors, "bytes": stats.bytes,
+                                "seconds": stats.seconds, "probe": stats.probe_max_diff})
+        if k < args.syncs - 1:
+            greedy(f"synced_{k + 1}")
+    result["probe_stale"], result["sync"] = result["probes_stale"][0], result["syncs"][-1]
     greedy("synced")
     result["episodes"] = greedy_episodes(backend, embedded, tokenizer)
     if dist.get_rank() == 0:

@@ -319,7 +319,8 @@ class MegatronParams(BaseParams):
 
     sglang_attention_backend: str | None = None
     """SGLang's attention backend (``fa3``, ``flashinfer``, ``triton``, ``torch_native``, ...); null: SGLang's choice
-    on GPU, ``torch_native`` on the CPU."""
+    on GPU (FlashAttention 3 on Hopper), or ``triton`` on Hopper where the installed sglang-kernel has no FA3 kernels
+    (``sgl_kernel.flash_ops``; said in the log); ``torch_native`` on the CPU."""
 
     sglang_engine_args: dict[str, Any] = field(default_factory=dict)
     """More ``sglang.Engine`` arguments (its ``ServerArgs`` fields), passed as they are, e.g.

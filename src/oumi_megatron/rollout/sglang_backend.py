@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import logging
 import os
 import socket
@@ -64,6 +65,9 @@ OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", 
                                "enable_memory_saver", "max_total_tokens"})
 """sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
 UPDATE_GROUP = "oumi_megatron_sglang_weights"
+FA3_KERNELS = "sgl_kernel.flash_ops"
+"""The sglang-kernel module that holds FlashAttention 3, SGLang's attention on Hopper by default (326 of the wheel's
+365 MiB: trimmed or partial installs leave it out)."""
 
 
 def sglang_engine_fields() -> set[str]:
@@ -96,8 +100,27 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def gpu_attention_backend(choice: str | None) -> str | None:
+    """The attention backend a GPU engine starts with: ``megatron.sglang_attention_backend`` where set; else SGLang's
+    own choice (None), except on Hopper where the installed sglang-kernel lacks FA3's kernels (SGLang would pick FA3 and
+    fail at its first forward): there ``triton``, which needs no kernel package, said in the log."""
+    if choice:
+        return choice
+    try:
+        has_fa3 = importlib.util.find_spec(FA3_KERNELS) is not None
+    except ImportError:  # no sglang-kernel at all: SGLang's own error says what to install
+        return None
+    if torch.cuda.get_device_capability()[0] == 9 and not has_fa3:
+        logger.warning("megatron.sglang_attention_backend: null resolves to triton: this sglang-kernel has no FlashAttention "
+                       "3 kernels (%s), SGLang's default on Hopper. Install the whole sglang-kernel wheel for FA3, or set "
+                       "megatron.sglang_attention_backend to say which backend to use.", FA3_KERNELS)
+        return "triton"
+    return None
+
+
 def start_engine(spec: EngineSpec) -> Any:
-    """An ``sglang.Engine`` for ``spec`` (its scheduler started, the weights loaded)."""
+    """An ``sglang.Engine`` for ``spec`` (its scheduler started, the weights loaded); on GPU ``spec.attention_backend``
+    becomes the backend it runs where it was left to SGLang and had to be decided (``gpu_attention_backend``)."""
     try:
         import sglang
     except ImportError as e:
@@ -109,6 +132,7 @@ def start_engine(spec: EngineSpec) -> Any:
         kwargs.update(mem_fraction_static=spec.mem_fraction_static, enable_memory_saver=spec.memory_saver)
         if spec.base_gpu_id is not None:
             kwargs["base_gpu_id"] = spec.base_gpu_id
+        spec.attention_backend = gpu_attention_backend(spec.attention_backend)
         if spec.attention_backend:
             kwargs["attention_backend"] = spec.attention_backend
     else:
@@ -243,7 +267,9 @@ class _SglangBackend:
         return {}
 
     def decode_profile(self) -> DecodeProfile:
-        return DecodeProfile(path=f"sglang {self.placement}")  # its decode loops run in SGLang's scheduler
+        # its decode loops run in SGLang's scheduler; the attention it was started with, where this backend chose it
+        attention = f", {self.spec.attention_backend} attention" if self.spec.attention_backend else ""
+        return DecodeProfile(path=f"sglang {self.placement}{attention}")
 
     def close(self) -> None:
         if self.engine is not None:
