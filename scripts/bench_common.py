@@ -196,6 +196,8 @@ def run_worker(work: Path, cfg: Path, args: Any, flags: list[str], launcher: lis
     run_logged([*(launcher or [sys.executable]), str(RUN_GRPO), str(cfg), str(work), "--rows", args.rows, "--model", args.model,
                 *flags], work.parent / f"{work.name}.log", sglang=sglang)
     result = json.loads((work / "result.json").read_text())
+    # a row's final checkpoint is not a result: at the 1.5B shape it is ~21 GB, and the rows after it must fit the disk
+    shutil.rmtree(work / "run" / "checkpoints", ignore_errors=True)
     train = result["train"]
     steady = train[1:] if len(train) > 1 else train
     step_s = [t["perf/step_s"] or (t["time/rollout_s"] + t["time/logprob_s"] + t["time/train_s"]) for t in steady]

@@ -473,15 +473,17 @@ def _sglang_installed() -> bool:
 @pytest.mark.skipif(not _sglang_installed(), reason="SGLang not installed (the lent GPU image has none; scripts/gpu_check.sh "
                                                   "installs the parts scripts/pack_sglang_for_gpu.sh makes)")
 def test_sglang_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The real SGLang engine colocated with the trainer on its GPU, bf16 (tests/workers/sglang_worker.py): its greedy
-    completions of 64 prompts equal the embedded backend's on the same weights for >= 95% of the rows, at the start and
-    after each of three updates (two optimizer steps and an in-memory sync each); the weight probe is <= 1e-2 after every
-    sync and well above it before one (what a sync that did nothing leaves). A model with peaked distributions
-    (init_std 0.2): at transformers' 0.02 a random model's next-token choices are near-ties that bf16 rounding decides."""
+    """The real SGLang engine colocated with the trainer on its GPU, bf16 (tests/workers/sglang_worker.py), at the start
+    and after each of three updates (two optimizer steps and an in-memory sync each): the weight probe after every sync
+    is a tenth or less of the stale engine's before it (a sync that did nothing leaves the stale value), and every row
+    where SGLang's greedy tokens differ from the embedded backend's differs at a near-tie: the trainer's logprob margin
+    between the two tokens chosen is within twice the engines' measured bf16 noise (their largest logprob difference
+    on sampled tokens). The share of equal rows goes to the results (a random tiny model's next-token choices are
+    near-ties that bf16 rounding decides; the real model's parity is gpu_check's `sglang` mode)."""
     from oumi_megatron.examples.tiny_models import build_tiny_model
 
     work = tmp_path_factory.mktemp("gpu_sglang")
-    src = build_tiny_model(work / "hf", arch="qwen2", head_dim=64, init_std=0.2)
+    src = build_tiny_model(work / "hf", arch="qwen2", head_dim=64)
     ckpt = work / "mc"
     _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "bfloat16"]))
     out = work / "sglang.json"
@@ -493,12 +495,13 @@ def test_sglang_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPa
     r = json.loads(out.read_text())
     if os.environ.get("GPU_RESULTS"):
         (Path(os.environ["GPU_RESULTS"]) / "sglang_gpu_colocated.json").write_text(json.dumps(r))
+    assert r["sync"]["method"] == "in_memory" and r["sync"]["tensors"] >= 30 and len(r["syncs"]) == 3, r["syncs"]
+    for stale, synced in zip(r["probes_stale"], r["syncs"], strict=True):
+        assert synced["probe"] <= stale / 10, (r["probes_stale"], r["syncs"])
+    noise = r["sampled_logprob_max_abs_diff"]
     for name in ("start", "synced_1", "synced_2", "synced"):
-        assert r[f"{name}_parity"]["equal_rows"] >= 0.95 * r[f"{name}_parity"]["rows"], (name, r[f"{name}_parity"])
-    assert r["probe_start"] <= 1e-2, r
-    assert all(s["probe"] <= 1e-2 for s in r["syncs"]) and len(r["syncs"]) == 3, r["syncs"]
-    assert min(r["probes_stale"]) >= 0.05, r["probes_stale"]
-    assert r["sync"]["method"] == "in_memory" and r["sync"]["tensors"] >= 30, r["sync"]
+        margins = r[f"{name}_parity"]["divergence_margins"]
+        assert all(abs(m) <= 2 * noise + 0.01 for m in margins), (name, noise, margins, r[f"{name}_parity"])
 
 
 def test_the_push_snapshot_takes_no_gpu_memory() -> None:

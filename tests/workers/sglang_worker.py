@@ -31,16 +31,24 @@ def prompts(rows: int, vocab: int) -> list[list[int]]:
     return (PROMPTS + extra)[:rows]
 
 
-def parity(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    """How many rows of two greedy decodes are equal, and where the first unequal row first differs."""
+def parity(rows: list[list[int]], ours: list[list[int]], theirs: list[list[int]], engine) -> dict:  # noqa: ANN001
+    """How many rows of two greedy decodes (SGLang's, the embedded backend's) are equal; where the first unequal row
+    first differs; and, for every unequal row, the trainer's logprob margin between the two tokens chosen at its first
+    difference (embedded's minus SGLang's): a divergence within the engines' rounding noise is a near-tie, one beyond
+    it a real difference."""
     unequal = [k for k, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
-    first = None
-    if unequal:
-        k = unequal[0]
+    first, margins = None, []
+    for k in unequal:
         a, b = ours[k], theirs[k]
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        first = {"row": k, "position": at, "sglang": a[at:at + 4], "embedded": b[at:at + 4]}
-    return {"rows": len(ours), "equal_rows": len(ours) - len(unequal), "first_divergence": first}
+        if first is None:
+            first = {"row": k, "position": at, "sglang": a[at:at + 4], "embedded": b[at:at + 4]}
+        if at < min(len(a), len(b)):  # not where one row merely ended earlier
+            seqs = [torch.tensor([rows[k] + b[:at] + [token]]) for token in (b[at], a[at])]
+            lps = [engine.compute_logprobs([{"input_ids": q}])[0][0, -2].float().item() for q in seqs]  # t: log p(t + 1)
+            margins.append(lps[0] - lps[1])
+    return {"rows": len(ours), "equal_rows": len(ours) - len(unequal), "first_divergence": first,
+            "divergence_margins": margins}
 
 
 def main() -> None:
@@ -96,7 +104,7 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=args.new_tokens, pad_token_id=256, greedy=True, eos_token_id=eos)
         result[f"{name}_sglang"] = [g[0].completion_ids for g in backend.generate(rows, params, 1)]
         result[f"{name}_embedded"] = [g[0].completion_ids for g in embedded.generate(rows, params, 1)]
-        result[f"{name}_parity"] = parity(result[f"{name}_sglang"], result[f"{name}_embedded"])
+        result[f"{name}_parity"] = parity(rows, result[f"{name}_sglang"], result[f"{name}_embedded"], engine)
 
     def mismatch() -> float:
         """max |engine - trainer| logprob over sampled completions (2 per prompt)."""
