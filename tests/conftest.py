@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,60 @@ def run_cli(args: list[str], timeout: int = 600, env: dict[str, str] | None = No
     # COLUMNS: Oumi's rich console wraps long messages at the terminal width; keep them on one line.
     full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400", **(env or {})}
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process below it (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def run_cli_watching_listeners(args: list[str], timeout: int = 600, env: dict[str, str] | None = None,
+                               every_s: float = 0.2) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``run_cli`` that also reads, every ``every_s`` while the command runs, the TCP listening sockets of its
+    processes (``ss -ltnp``): (the finished process, every local address:port seen listening)."""
+    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400", **(env or {})}
+    seen: set[str] = set()
+    with subprocess.Popen(args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        import threading
+
+        out: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
+                   for k, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            pids = _process_tree(proc.pid)
+            listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+            for line in listing.splitlines():
+                fields = line.split()
+                if len(fields) >= 6 and any(f"pid={pid}," in fields[-1] for pid in pids):
+                    seen.add(fields[3])
+            time.sleep(every_s)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for r in readers:
+            r.join()
+    return subprocess.CompletedProcess(args, proc.returncode, out.get("stdout", ""), out.get("stderr", "")), seen
+
+
+def is_loopback(address: str) -> bool:
+    """A listening address of ``ss`` (``127.0.0.1:5000``, ``[::1]:5000``, ``*:5000``) on the loopback interface only."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from conftest import REPO, is_loopback, run_cli, run_cli_watching_listeners
 from oumi_megatron.engine.state.checkpointing import verify_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -56,11 +56,27 @@ def _fresh(tmp: Path, finished: Path) -> Path:
     return out
 
 
+LISTENING: set[str] = set()
+"""What the `finished` run's processes listened on (tests/conftest.py ``run_cli_watching_listeners``)."""
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     out = tmp_path_factory.mktemp("lifecycle") / "finished"
-    _ok(_train(out, tiny_model_dir, "--training.max_steps", "4", "--training.save_steps", "2"))
+    proc, listening = run_cli_watching_listeners(["oumi", "train", "-c", CONFIG, "--model.model_name", str(tiny_model_dir),
+                                                  "--training.output_dir", str(out), "--training.max_steps", "4",
+                                                  "--training.save_steps", "2"])
+    _ok(proc)
+    LISTENING.update(listening)
     return out
+
+
+def test_a_one_process_run_listens_on_the_loopback_only(finished: Path) -> None:
+    """During a whole one-process CPU run (conversion, 4 steps, checkpoints, the export) no socket of its processes
+    listens beyond the loopback interface: its store is in memory and its gloo connections stay on `lo`. Before,
+    torch's TCPStore listened on every interface (`*:port`)."""
+    assert LISTENING, "the run's listening sockets were not seen (gloo always opens one)"
+    assert all(is_loopback(a) for a in LISTENING), sorted(LISTENING)
 
 
 def _plan(out: Path, **training):  # noqa: ANN003, ANN202

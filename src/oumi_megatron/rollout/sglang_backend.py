@@ -25,12 +25,12 @@ import collections
 import importlib.util
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import FinishedRequest, request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightSyncError
 from oumi_megatron.utils.launcher_env import without_launcher_env
+from oumi_megatron.utils.net import LOOPBACK, listening_socket
 
 logger = logging.getLogger("oumi")
 
@@ -65,6 +66,8 @@ OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", 
                                "enable_memory_saver", "max_total_tokens"})
 """sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
 UPDATE_GROUP = "oumi_megatron_sglang_weights"
+UPDATE_GROUP_TIMEOUT = timedelta(minutes=30)
+"""How long the update group's members wait for each other (SGLang's default for its groups)."""
 FA3_KERNELS = "sgl_kernel.flash_ops"
 """The sglang-kernel module that holds FlashAttention 3, SGLang's attention on Hopper by default (326 of the wheel's
 365 MiB: trimmed or partial installs leave it out)."""
@@ -414,14 +417,17 @@ class SeparateSglangBackend(_SglangBackend):
         from sglang.srt.utils.common import init_custom_process_group
 
         assert self.thread is not None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # the group's store is ours, listening on the loopback alone (the engine is on this node; SGLang's own
+        # rendezvous would listen on every interface), on a port held from the start (no race for it)
+        listener = listening_socket(LOOPBACK, 0)
+        port = listener.getsockname()[1]
         backend = "nccl" if self.method == "nccl" else "gloo"
-        joined = self.thread.submit(self.engine.init_weights_update_group, "127.0.0.1", port, 1, 2, UPDATE_GROUP, backend)
-        with without_launcher_env():  # under torchrun, torch's rendezvous would take the agent's store instead of ours
-            group = init_custom_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", world_size=2,
-                                              rank=0, group_name=UPDATE_GROUP)
+        joined = self.thread.submit(self.engine.init_weights_update_group, LOOPBACK, port, 1, 2, UPDATE_GROUP, backend)
+        store = dist.TCPStore(LOOPBACK, port, world_size=2, is_master=True, timeout=UPDATE_GROUP_TIMEOUT,
+                              wait_for_workers=True, master_listen_fd=listener.fileno())
+        group = init_custom_process_group(backend=backend, store=dist.PrefixStore(UPDATE_GROUP, store), world_size=2,
+                                          rank=0, group_name=UPDATE_GROUP, timeout=UPDATE_GROUP_TIMEOUT)
+        self._update_store = (store, listener)  # both live as long as the group
         ok, message = joined.result()
         if not ok:
             raise WeightSyncError(f"the SGLang engine did not join the weight-update group: {message}")

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oumi_megatron.utils.net import bound_store, gloo_options, route_address
+
 _ALIGN = 64  # byte alignment of each tensor inside a bucket
 
 
@@ -136,7 +138,9 @@ class WeightSyncGroup:
     """A process group of its own, beside the training group: rank 0 is the trainer's sending rank, ranks 1.. the
     engines (one for a separate engine process; every engine of a Ray fleet). Its own TCPStore (rank 0 hosts it;
     ``host`` is its address as the engines reach it), not registered with torch.distributed, so
-    the training world is untouched."""
+    the training world is untouched. Every member listens on the interface that leads to ``host`` only: the store's
+    master on ``host`` itself, each member's gloo connections on its own address towards it (loopback when the engines
+    share the node)."""
 
     def __init__(self, host: str, port: int, rank: int, backend: str = "gloo", timeout_s: float = 3600.0,
                  device: torch.device | None = None, world_size: int = 2) -> None:
@@ -144,13 +148,11 @@ class WeightSyncGroup:
         members (an asynchronous push's sender may start before the engine's update session opens, behind a generation
         in flight)."""
         timeout = timedelta(seconds=timeout_s)
-        # the master's store listens on every interface: engines on other nodes connect to ``host``
-        self.store = dist.TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
-                                   wait_for_workers=True)
+        self.store, self._listener = bound_store(host, port, world_size, rank == 0, timeout)
         prefix = dist.PrefixStore("oumi_megatron_weight_sync", self.store)
         self.group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            self.group = dist.ProcessGroupGloo(prefix, rank, world_size, gloo_options(route_address(host, port), timeout))
         elif backend == "nccl":
             if device is not None:
                 torch.cuda.set_device(device)

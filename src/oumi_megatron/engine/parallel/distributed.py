@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.cpu_shims import install_cpu_shims
+from oumi_megatron.utils.net import LOOPBACK, route_address
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.parallel.layout import ParallelLayout
@@ -34,33 +35,53 @@ def free_port() -> int:
 
 
 def node_address() -> str:
-    """This node's address as other nodes reach it: the local end of a route to the rendezvous host (MASTER_ADDR; no
-    packet is sent), 127.0.0.1 when the rendezvous is on this host. Where a rank hosts a store others connect to (a
-    weight sender's group)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if master in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    """This node's address as other nodes reach it: the local end of a route to the rendezvous host (MASTER_ADDR),
+    127.0.0.1 when the rendezvous is on this host. Where a rank hosts a store others connect to (a weight sender's
+    group)."""
+    return route_address(os.environ.get("MASTER_ADDR", LOOPBACK), int(os.environ.get("MASTER_PORT", "29500")))
+
+
+def _single_host() -> bool:
+    """Every rank of the world runs on this host (torchrun's LOCAL_WORLD_SIZE is the world's size)."""
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
 
 
 def init_distributed(timeout_minutes: int = 30) -> None:
-    """Create the default process group: NCCL on GPUs, gloo on CPU. Works without torchrun (1 rank)."""
+    """Create the default process group: NCCL on GPUs, gloo on CPU. Works without torchrun (1 rank).
+
+    Nothing of it listens beyond this host where the world is on this host: a world of one keeps its store in memory
+    (no TCP rendezvous at all), and a single-host world's gloo connections go over the loopback interface
+    (GLOO_SOCKET_IFNAME, where the user did not set it). NCCL's bootstrap takes NCCL_SOCKET_IFNAME's interface (a
+    single-host trainer may still stream weights to engines on other nodes over NCCL, so it is left to the user), and
+    torchrun's own rendezvous store (MASTER_PORT) is torchrun's: docs/security.md says how to keep both private."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a plain `python`/`oumi train` run: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    one = "RANK" not in os.environ  # a plain `python`/`oumi train` run: a world of one
+    if one:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR=LOOPBACK)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))  # read by code that asks where the rendezvous is
+    loopback = _loopback_interface()
+    if _single_host() and loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if one:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux); None where there is none by that name."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234, cuda_graphs: bool = False) -> None:
