@@ -54,7 +54,7 @@ def bound_store(host: str, port: int, world_size: int, is_master: bool, timeout:
 def gloo_options(host: str, timeout: timedelta) -> Any:
     """A gloo group's options with its device on ``host``'s interface: its peers' connections are accepted there only
     (gloo's default device takes the address the host name resolves to)."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from torch's stub
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout
     return options
