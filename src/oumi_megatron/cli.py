@@ -78,6 +78,8 @@ def _print_report(report, config=None, gpu_memory_gib: float | None = None) -> i
             + (f", {shape.num_experts} experts" if shape.is_moe else "")
         )
     console.print(report.require_layout().describe())
+    for line in report.checked:
+        console.print(f"data: {line}")
     status = 0
     if shape is not None and config is not None:  # the memory plan's figure (oumi-megatron plan: the parts)
         from oumi_megatron.plan import estimate_memory
@@ -105,7 +107,7 @@ def _local_gpu_gib() -> float | None:
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.validation import validate_config
+    from oumi_megatron.validation import check_data, validate_config
 
     config = load_config(args.config, parse_overrides(extra))
     report = validate_config(
@@ -114,6 +116,8 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         model_config_path=args.model_config,
     )
+    if not args.skip_data:
+        check_data(config, report)
     return _print_report(report, config, args.gpu_memory_gib)
 
 
@@ -321,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
     v.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, to check the estimated peak "
                    "against (default: this machine's GPU; none: not checked)")
+    v.add_argument("--skip-data", action="store_true", help="do not load the datasets' first rows (nor check the reward "
+                   "functions' arguments and the environment against them)")
     v.set_defaults(func=cmd_validate)
 
     pl = _command(sub, "plan", help="estimate per-GPU memory of a config's layout (and suggest layouts)")
