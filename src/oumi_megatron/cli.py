@@ -152,6 +152,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(result.as_dict(), indent=1))
         return 1 if result.plan is None else (2 if result.plan.fits is False else 0)
+    for note in result.report.notes if result.plan is not None else []:  # _print_report prints them otherwise
+        err_console.print(f"[cyan]note:[/cyan] {note}")
     if result.plan is None:
         _print_report(result.report)
         if result.report.ok:

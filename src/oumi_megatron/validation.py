@@ -36,7 +36,7 @@ from oumi_megatron.config.problems import Problem
 from oumi_megatron.data import HEAD_ROWS, DatasetHead, dataset_heads
 from oumi_megatron.engine.parallel.layout import ParallelLayout, resolve_layout
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from oumi_megatron.model_shape import ModelShape, ModelShapeError
+from oumi_megatron.model_shape import ModelShape, ModelShapeError, resolve_shape
 from oumi_megatron.rollout.registry import own_gpu_engine_problem, resolve_rollout_mode
 from oumi_megatron.utils.options import option_value
 
@@ -682,18 +682,20 @@ def validate_config(
             if model_config_path:
                 model_shape = ModelShape.from_file(model_config_path)
             else:
-                model_shape = ModelShape.resolve(config.model.model_name, config.model.model_revision)
+                resolved = resolve_shape(config.model.model_name, config.model.model_revision)
+                model_shape = resolved.shape
+                if resolved.note:
+                    r.notes.append(f"model.model_name: {resolved.note}")
         except ModelShapeError as e:
             field_name = "--model-config" if model_config_path else "model.model_name"
             if e.unsupported_architecture:
                 r.add(field_name, str(e))
                 check_bridge = False  # said already, in the words that fit
-            else:
-                r.add(
-                    field_name,
-                    f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
-                    f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
-                )
+            elif model_config_path or str(e).startswith("local model path"):
+                r.add(field_name, f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
+                                  f"name, or pass `--model-config PATH/config.json` with a copy of {source}'s config.")
+            else:  # a Hub name: the message names --model-config and the shipped shapes
+                r.add(field_name, str(e))
     resolution = resolve_layout(config, world_size, gpus_per_node, model_shape)
     r.layout = resolution.layout
     r.problems.extend(resolution.problems)

@@ -28,6 +28,7 @@ from oumi_megatron.engine.model import build_model_chunks, configure_provider, d
 from oumi_megatron.engine.parallel.distributed import init_distributed, init_model_parallel
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.errors import UserInputError
+from oumi_megatron.model_shape import download_problem
 from oumi_megatron.utils.atomic import atomic_directory
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
@@ -47,7 +48,10 @@ def _resolve_local(hf_path: str | Path) -> Path:
         return local
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(hf_path)))
+    try:
+        return Path(snapshot_download(str(hf_path)))
+    except Exception as e:  # noqa: BLE001 - offline, gated, no such model: one line saying what it needs
+        raise UserInputError(download_problem(str(hf_path), e)) from e
 
 
 def resolve_source(hf_path: str | Path) -> Path:
@@ -64,10 +68,10 @@ def resolve_source(hf_path: str | Path) -> Path:
         try:
             found = snapshot_download(str(hf_path))
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            problem = f"model.model_name: {hf_path} could not be downloaded on rank {global_rank()} ({type(e).__name__}: {e})"
+            problem = f"{download_problem(str(hf_path), e)} (rank {global_rank()})"
     problem = first_failure(problem)  # also the barrier: every node's download is done
     if problem is not None:
-        raise RuntimeError(problem)
+        raise UserInputError(problem)
     return Path(found or snapshot_download(str(hf_path), local_files_only=True))
 
 
