@@ -322,7 +322,8 @@ def test_a_shipped_shape_resolves_offline_in_one_line_and_other_names_say_what_t
                        "set) and the local cache has no copy."]
     r = validate_config(make_config(model={"model_name": "org-that-is-not/cached-model"}), world_size=1, check_bridge=False)
     (problem,) = [p for p in r.problems if p.field == "model.model_name"]
-    assert problem.message.startswith("cannot read config.json of 'org-that-is-not/cached-model': the Hub is not read "
+    assert problem.message.startswith("cannot read config.json of 'org-that-is-not/cached-model' (nor is it a local "
+                                      f"folder: {Path.cwd() / 'org-that-is-not/cached-model'} does not exist): the Hub is not read "
                                       "(HF_HUB_OFFLINE is set) and the local cache has no copy. Pass `--model-config "
                                       "PATH/config.json`"), problem.message
     assert "shapes shipped in configs/model_shapes/: Qwen/Qwen2.5-1.5B-Instruct, meta-llama/Llama-3.1-405B-Instruct" in problem.message

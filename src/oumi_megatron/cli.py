@@ -117,7 +117,15 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         model_config_path=args.model_config,
     )
     if not args.skip_data:
-        check_data(config, report)
+        import logging
+
+        oumi_log = logging.getLogger("oumi")
+        level = oumi_log.level
+        oumi_log.setLevel(logging.WARNING)  # the dataset classes' "Creating map dataset ..." lines: the report says it
+        try:
+            check_data(config, report)
+        finally:
+            oumi_log.setLevel(level)
     return _print_report(report, config, args.gpu_memory_gib)
 
 

@@ -200,8 +200,9 @@ def resolve_shape(model_name: str, revision: str | None = None) -> ResolvedShape
             return ResolvedShape(ModelShape.from_file(path), f"{model_name}'s config.json read from the shipped {where}: "
                                                              f"{why}.")
         known = ", ".join(sorted(shipped_shapes())) or "none in this installation"
+        folder = f" (nor is it a local folder: {Path.cwd() / model_name} does not exist)" if "/" in model_name else ""
         raise ModelShapeError(
-            f"cannot read config.json of '{model_name}': {why}. Pass `--model-config PATH/config.json` (a copy of "
+            f"cannot read config.json of '{model_name}'{folder}: {why}. Pass `--model-config PATH/config.json` (a copy of "
             f"{model_name}'s config.json), or use a local model folder; shapes shipped in configs/model_shapes/: {known}"
         ) from e
     return ResolvedShape(ModelShape.from_file(downloaded))
