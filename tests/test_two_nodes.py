@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -198,11 +199,18 @@ def test_two_nodes_on_one_host_convert_once_resume_and_match_one_node(tmp_path: 
     assert [w[2] for w in converted["weight_files"]] == node0_times  # rank 0's view of the source
     steps = _metrics(shared)
     assert sorted(steps)[:2] == [1, 2] and steps[1]["preflight/nodes"] == 2.0, steps  # both nodes trained steps 1-2
+    # the long operations said what they did, once (rank 0), in human units
+    for line in (f"Writing the converted checkpoint {shared / 'megatron_checkpoint'}: done in ",
+                 f"Saving checkpoint step 2 to {shared / 'checkpoints' / 'step_000002'}: done in "):
+        assert text.count(line) == 1, (line, text[-4000:])
+    assert re.search(r"Saving checkpoint step 2 to \S+: done in [\d.]+ s \([\d.]+ [KMG]iB, [\d.]+ [KMG]iB/s\)", text)
 
     resumed = _launch(nodes, free_port())
     text = _wait(resumed, nodes)
     assert all(p.returncode == 0 for p in resumed), text[-6000:]
     assert "Reusing the converted checkpoint" in text and "Re-converting" not in text and "Resumed from" in text, text[-4000:]
+    assert text.count(f"Loading checkpoint {shared / 'checkpoints' / 'step_000002'}: done in ") == 1, text[-4000:]
+    assert text.count(f"Exporting {shared / 'hf_model'}: done in ") == 1, text[-4000:]
 
     reference = tmp_path / "one_node"
     cfg = _config(str(reference / "run"))
