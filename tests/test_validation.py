@@ -336,6 +336,15 @@ def test_a_shipped_shape_resolves_offline_in_one_line_and_other_names_say_what_t
         "set) and the local cache has no copy; download it once where the Hub can be reached (`hf download "
         "org-that-is-not/cached-model` with the same HF_HOME), or set model.model_name to a local folder.")
     assert resolve_shape("meta-llama/llama-3.1-70b-instruct").shape.num_layers == 80  # Hub names ignore case
+    # training's first read of the model (its tokenizer, before conversion) says the same in one line
+    from oumi.core.configs import ModelParams
+
+    from oumi_megatron.assembly import _hub_tokenizer
+    from oumi_megatron.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"^model.model_name: Qwen/Qwen2.5-1.5B-Instruct could not be downloaded: "
+                                             r"the Hub is not read \(HF_HUB_OFFLINE is set\)"):
+        _hub_tokenizer(ModelParams(model_name="Qwen/Qwen2.5-1.5B-Instruct"))
 
 
 def test_wrong_trainer_type_with_megatron_section(make_config) -> None:  # noqa: ANN001
