@@ -156,6 +156,13 @@ def test_the_environment_starts_from_the_rows_and_its_observations_render(make_c
             "(oumi-megatron/char-class): KeyError: 'secret' (the rows have no 'secret' column") in report.format_problems()
 
 
+def test_a_plugin_that_does_not_import_leaves_the_data_unchecked_with_a_warning(make_config) -> None:  # noqa: ANN001
+    cfg = make_config(grpo={"plugins": ["no_such_plugin_module"]})
+    report = validate_config(cfg, world_size=1, check_bridge=False)
+    check_data(cfg, report)
+    assert report.fields() == ["grpo.plugins"] and "the data was not checked: it needs grpo.plugins" in report.warnings[-1]
+
+
 def test_training_checks_the_rewards_arguments_before_converting(sums_config, tmp_path: Path) -> None:  # noqa: ANN001
     from oumi_megatron.train import train_megatron_grpo
     from oumi_megatron.validation import MegatronConfigError

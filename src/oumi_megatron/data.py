@@ -3,7 +3,9 @@
 A bad data file must be reported before the model is converted (minutes, hours at 70B), in one
 message naming the file, the row and the fix: a missing or empty file, a line that is not JSON or
 not UTF-8, a row without the ``prompt`` column (or that the dataset class cannot transform).
-Every row is transformed once here, so no step later meets a row it cannot use.
+Every row is transformed once here, so no step later meets a row it cannot use. ``oumi-megatron validate`` reads
+each dataset's first rows the same way (``dataset_heads``), collecting every dataset's problem, before any GPU is
+touched.
 """
 
 from __future__ import annotations

@@ -815,6 +815,9 @@ def check_data(config: MegatronTrainingConfig, r: ValidationReport, rows: int = 
     ``data.validation`` registered with Oumi and its path present, its first ``rows`` rows loaded and transformed
     into prompts; the reward functions' keyword arguments in those rows; the environment's needs. Each problem names
     the field and the fix; where the Hub cannot be reached, a warning says what was not checked."""
+    if "grpo.plugins" in r.fields():  # the modules that register the datasets and rewards did not import
+        r.warn("the data was not checked: it needs grpo.plugins to import first (see its problem above).")
+        return
     heads: list[DatasetHead] = []
     for split in ("train", "validation"):
         if getattr(config.data, split).datasets:
