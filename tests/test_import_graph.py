@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("validation",),  # checks a whole config: field rules, the layout it resolves, the model's split
     ("plan", "examples"),  # the memory planner (it validates); example content, imported by the CLI alone (test below)
     ("assembly",),  # the composition root: builds the engine, backends and trainer from a config, for the entry points
-    ("train", "evaluate", "cli", "integration", "_oumi_hook", "__main__", "(package)"),  # entry points; the package's
+    ("train", "evaluate", "rollout_view", "cli", "integration", "_oumi_hook", "__main__", "(package)"),  # entry points; the package's
     # __init__ exports lazily (no runtime imports)
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

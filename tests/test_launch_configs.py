@@ -1,6 +1,8 @@
 """The launch recipes in configs/launch/ (README.md): every Oumi job config loads through Oumi's own ``JobConfig``, and
 the training config its run command names validates for the job's world size (nodes x GPUs per node), with the
-command's overrides; the same for the plain sbatch script."""
+command's overrides; the same for the plain sbatch script. The Slurm jobs' scripts as Oumi's launcher writes them
+start one launcher per node and carry the placeholders a user fills in; the README's `oumi launch up` line is complete
+for Oumi's Slurm launcher. (The two-node job itself runs in tests/test_two_nodes.py, on a stand-in Slurm.)"""
 
 from __future__ import annotations
 
@@ -64,3 +66,47 @@ def test_the_shipped_job_configs_cover_slurm_and_skypilot() -> None:
 
     clouds = {JobConfig.from_yaml(p).resources.cloud for p in LAUNCH.glob("*_job.yaml")}
     assert {"slurm", "gcp"} <= clouds, clouds
+
+
+SLURM_JOBS = sorted(p.name for p in LAUNCH.glob("*_slurm_job.yaml"))
+
+
+@pytest.mark.parametrize("job", SLURM_JOBS)
+def test_slurm_job_scripts_start_one_launcher_per_node_and_reuse_one_venv(job: str) -> None:
+    """The script Oumi's launcher writes (its own builder): sbatch reads the account, partition and one task per node
+    from its top; the run starts `oumi distributed torchrun` under `srun --ntasks-per-node=1` (Slurm runs the script on
+    the first node only); setup reuses the venv on the shared filesystem."""
+    from oumi.core.configs import JobConfig
+    from oumi.launcher.clusters.slurm_cluster import _create_job_script
+
+    from slurm_standin import parse_options, script_directives
+
+    config = JobConfig.from_yaml(LAUNCH / job)
+    script = _create_job_script(config)
+    directives, _ = parse_options("sbatch", script_directives(script))
+    assert directives["account"] == "<account>" and directives["partition"] == "<partition>", directives
+    assert directives["ntasks-per-node"] == "1", directives
+    launch = next(line for line in script.splitlines() if line.strip().startswith("srun "))
+    assert "--ntasks-per-node=1" in launch and launch.rstrip().endswith("\\"), launch  # continued by the launcher
+    assert script.index(launch) < script.index("oumi distributed torchrun")
+    assert {"OUMI_MEGATRON_VENV", "OUTPUT_DIR", "HF_HOME", "DO_NOT_TRACK"} <= set(config.envs), config.envs
+    assert 'if [ -x "$OUMI_MEGATRON_VENV/bin/oumi" ]' in script and 'source "$OUMI_MEGATRON_VENV/bin/activate"' in script
+
+
+def test_the_readme_launch_line_is_complete_for_oumi_s_slurm_launcher() -> None:
+    """README.md's `oumi launch up` line: a Slurm job needs --cluster user@host and --user (the same user); the README
+    says what OUMI_SLURM_CONNECTIONS holds."""
+    import shlex
+
+    from oumi.core.configs import JobConfig
+    from oumi.launcher.clusters.slurm_cluster import SlurmCluster, _validate_job_config
+
+    readme = (REPO / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.strip().startswith("oumi launch up -c configs/launch/llama70b_slurm_job"))
+    words = shlex.split(line.split("#")[0])
+    args = dict(zip(words[3::2], words[4::2]))
+    assert set(args) == {"-c", "--cluster", "--user"}, words
+    config = JobConfig.from_yaml_and_arg_list(str(REPO / args["-c"]), [f"user={args['--user']}"])
+    _validate_job_config(config)  # Oumi's own check: "User must be provided for Slurm jobs." without --user
+    assert SlurmCluster.parse_cluster_name(args["--cluster"]).user == config.user
+    assert re.search(r"OUMI_SLURM_CONNECTIONS=\S+@\S+", readme), "the README says what OUMI_SLURM_CONNECTIONS holds"

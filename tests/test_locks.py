@@ -34,6 +34,12 @@ def test_the_gpu_lock_is_the_cpu_lock_with_vllm_for_cuda() -> None:
         assert cpu[package] == gpu[package], package
 
 
-def test_setup_refuses_an_unknown_option() -> None:
+def test_setup_refuses_an_unknown_option_and_sglang_s_kernels_without_the_gpu_lock() -> None:
     proc = run_cli(["bash", str(REPO / "scripts" / "setup.sh"), "--cuda"])
-    assert proc.returncode == 2 and "usage: bash scripts/setup.sh [--gpu]" in proc.stderr
+    assert proc.returncode == 2 and "usage: bash scripts/setup.sh [--gpu [--sglang]]" in proc.stderr
+    proc = run_cli(["bash", str(REPO / "scripts" / "setup.sh"), "--sglang"])
+    assert proc.returncode == 2 and "--sglang installs SGLang's CUDA kernels: use it with --gpu" in proc.stderr
+    # the kernels it adds are not in the GPU lock (they pin what the lock shares with vLLM): installed beside it
+    text = (REPO / "scripts" / "setup.sh").read_text()
+    assert "SGLANG_KERNELS=(sglang-kernel==0.4.5 torch_memory_saver==0.0.10)" in text
+    assert not {"sglang-kernel", "torch_memory_saver", "torch-memory-saver"} & set(_pins("constraints-py312-gpu.txt"))

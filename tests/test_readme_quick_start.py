@@ -1,10 +1,13 @@
 """README.md's "One GPU, your model, data and reward" as a new user copies it: its my_task.py and my_grpo.yaml, with
 the model swapped for the tiny local one (no network) and a two-row data/sums.jsonl in the format it states. The
-config validates, the plugin's dataset gives prompts, and its reward scores a right and a wrong completion."""
+config validates, the plugin's dataset gives prompts, and its reward scores a right and a wrong completion. Then every
+`oumi-megatron validate` / `plan` line of the README runs as written, offline (HF_HUB_OFFLINE=1): the README's own
+model names resolve to the shapes shipped in configs/model_shapes/, said in one note."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,8 +21,8 @@ def _blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
-def test_the_readme_quick_start_validates_loads_its_data_and_scores(tmp_path: Path, tiny_model_dir: Path,
-                                                                      monkeypatch) -> None:  # noqa: ANN001
+def test_the_readme_quick_start_validates_loads_its_data_and_scores(tmp_path: Path, tiny_model_dir: Path, monkeypatch,  # noqa: ANN001
+                                                                      capsys) -> None:  # noqa: ANN001
     from oumi.core.configs import TrainingConfig
 
     from oumi_megatron.data import load_prompts
@@ -48,4 +51,20 @@ def test_the_readme_quick_start_validates_loads_its_data_and_scores(tmp_path: Pa
     scored = RewardComputer(cfg.grpo.reward_functions, "raise")(["What is 17 + 25?"] * 2, ["It is 42", "It is 41"],
                                                                 [row, row])
     assert scored.total.tolist() == [1.0, 0.0]
+
+    # the README's validate / plan lines as written (my_grpo.yaml verbatim: its Hub model, offline)
+    from oumi_megatron.cli import main
+
+    (tmp_path / "my_grpo.yaml").write_text(next(b for b in _blocks("yaml") if "my_grpo.yaml" in b))
+    lines = [line.split("  #")[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+             if re.match(r"oumi-megatron (validate|plan) ", line.strip())]
+    assert len(lines) == 3, lines  # the quick start's validate and plan, the 70B plan
+    for line in lines:
+        monkeypatch.chdir(tmp_path if "my_grpo.yaml" in line else REPO)
+        code = main(shlex.split(line)[1:])
+        out, err = capsys.readouterr()
+        assert code == 0, (line, out, err)
+        assert "config.json read from the shipped configs/model_shapes/" in err and "Traceback" not in err, (line, err)
+        if " validate " in line:
+            assert "data: data.train.datasets[0] (my-org/sums): the first 2 of 2 rows give prompts" in out, out
     sys.modules.pop("my_task", None)

@@ -306,6 +306,47 @@ def test_missing_and_unreadable_model(make_config, tmp_path: Path) -> None:  # n
     assert "--model-config" in r.format_problems()
 
 
+def test_a_shipped_shape_resolves_offline_in_one_line_and_other_names_say_what_to_pass(make_config) -> None:  # noqa: ANN001
+    """HF_HUB_OFFLINE=1 (the tests' setting) and no cached copy: a name configs/model_shapes/ ships resolves to that copy,
+    with one note; another name's problem names --model-config and the shipped names."""
+    from oumi_megatron.model_shape import download_problem, resolve_shape, shipped_shapes
+
+    assert set(shipped_shapes()) == {"meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-70B-Instruct",
+                                     "meta-llama/Llama-3.1-405B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"}
+    assert all(path.is_file() for path in shipped_shapes().values())
+    r = validate_config(make_config(model={"model_name": "Qwen/Qwen2.5-1.5B-Instruct"}), world_size=1, check_bridge=False)
+    assert r.ok, r.format_problems()
+    assert r.model_shape.hidden_size == 1536 and r.model_shape.num_layers == 28
+    assert r.notes == ["model.model_name: Qwen/Qwen2.5-1.5B-Instruct's config.json read from the shipped "
+                       "configs/model_shapes/qwen2.5-1.5b-instruct/config.json: the Hub is not read (HF_HUB_OFFLINE is "
+                       "set) and the local cache has no copy."]
+    r = validate_config(make_config(model={"model_name": "org-that-is-not/cached-model"}), world_size=1, check_bridge=False)
+    (problem,) = [p for p in r.problems if p.field == "model.model_name"]
+    assert problem.message.startswith("cannot read config.json of 'org-that-is-not/cached-model' (nor is it a local "
+                                      f"folder: {Path.cwd() / 'org-that-is-not/cached-model'} does not exist): the Hub is not read "
+                                      "(HF_HUB_OFFLINE is set) and the local cache has no copy. Pass `--model-config "
+                                      "PATH/config.json`"), problem.message
+    assert "shapes shipped in configs/model_shapes/: Qwen/Qwen2.5-1.5B-Instruct, meta-llama/Llama-3.1-405B-Instruct" in problem.message
+    with pytest.raises(Exception) as e:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download("org-that-is-not/cached-model")
+    assert download_problem("org-that-is-not/cached-model", e.value) == (
+        "model.model_name: org-that-is-not/cached-model could not be downloaded: the Hub is not read (HF_HUB_OFFLINE is "
+        "set) and the local cache has no copy; download it once where the Hub can be reached (`hf download "
+        "org-that-is-not/cached-model` with the same HF_HOME), or set model.model_name to a local folder.")
+    assert resolve_shape("meta-llama/llama-3.1-70b-instruct").shape.num_layers == 80  # Hub names ignore case
+    # training's first read of the model (its tokenizer, before conversion) says the same in one line
+    from oumi.core.configs import ModelParams
+
+    from oumi_megatron.assembly import _hub_tokenizer
+    from oumi_megatron.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"^model.model_name: Qwen/Qwen2.5-1.5B-Instruct could not be downloaded: "
+                                             r"the Hub is not read \(HF_HUB_OFFLINE is set\)"):
+        _hub_tokenizer(ModelParams(model_name="Qwen/Qwen2.5-1.5B-Instruct"))
+
+
 def test_wrong_trainer_type_with_megatron_section(make_config) -> None:  # noqa: ANN001
     r = check(make_config(training={"trainer_type": "TRL_GRPO"}))
     assert "training.trainer_type" in problem_fields(r)

@@ -50,6 +50,20 @@ def build_tokenizer(model: Any) -> Any:
                                          revision=model.model_revision)
 
 
+def _hub_tokenizer(model: Any) -> Any:
+    """``build_tokenizer``; a Hub model that cannot be fetched (offline, gated, no such name) is one line saying what it
+    needs, not transformers' traceback (the tokenizer is the run's first read of the model)."""
+    try:
+        return build_tokenizer(model)
+    except OSError as e:
+        if Path(str(model.model_name)).expanduser().exists():
+            raise  # a local folder's own problem: transformers names the file
+        from oumi_megatron.errors import UserInputError
+        from oumi_megatron.model_shape import download_problem
+
+        raise UserInputError(download_problem(str(model.model_name), e)) from e
+
+
 def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dataset: Any = None,
                   reward_functions: dict[str, Any] | None = None, shape: ModelShape | None = None,
                   converted_dir: str | Path | None = None) -> AssembledRun:
@@ -81,7 +95,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     start = plan_start(config.training)  # the trainer logs the resume when it loads the checkpoint
     rollout_mode(config.megatron).preflight(config)  # e.g. a Ray cluster that holds the engines
     check_space(config, shape, start)  # output_dir's disk holds what the run will write
-    tokenizer = build_tokenizer(config.model)
+    tokenizer = _hub_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # the chat template renders the environment's observations
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype

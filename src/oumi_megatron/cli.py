@@ -63,11 +63,13 @@ def _print_report(report, config=None, gpu_memory_gib: float | None = None) -> i
     """The report; with the model's shape and ``config``, the memory plan's peak against ``gpu_memory_gib`` (else this
     machine's GPU). 0: valid (and fits, or memory not checked), 1: invalid, 2: valid but will not fit."""
     for note in report.notes:
-        err_console.print(f"[cyan]note:[/cyan] {note}")
+        err_console.print("[cyan]note:[/cyan] ", end="")
+        err_console.print(note, markup=False)
     for warning in report.warnings:
-        err_console.print(f"[yellow]warning:[/yellow] {warning}")
+        err_console.print("[yellow]warning:[/yellow] ", end="")
+        err_console.print(warning, markup=False)
     if not report.ok:
-        err_console.print(report.format_problems())
+        err_console.print(report.format_problems(), markup=False)
         return 1
     shape = report.model_shape
     if shape is not None:
@@ -78,6 +80,8 @@ def _print_report(report, config=None, gpu_memory_gib: float | None = None) -> i
             + (f", {shape.num_experts} experts" if shape.is_moe else "")
         )
     console.print(report.require_layout().describe())
+    for line in report.checked:
+        console.print(f"data: {line}", markup=False)
     status = 0
     if shape is not None and config is not None:  # the memory plan's figure (oumi-megatron plan: the parts)
         from oumi_megatron.plan import estimate_memory
@@ -105,7 +109,7 @@ def _local_gpu_gib() -> float | None:
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
-    from oumi_megatron.validation import validate_config
+    from oumi_megatron.validation import check_data, validate_config
 
     config = load_config(args.config, parse_overrides(extra))
     report = validate_config(
@@ -114,6 +118,16 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         model_config_path=args.model_config,
     )
+    if not args.skip_data:
+        import logging
+
+        oumi_log = logging.getLogger("oumi")
+        level = oumi_log.level
+        oumi_log.setLevel(logging.WARNING)  # the dataset classes' "Creating map dataset ..." lines: the report says it
+        try:
+            check_data(config, report)
+        finally:
+            oumi_log.setLevel(level)
     return _print_report(report, config, args.gpu_memory_gib)
 
 
@@ -148,6 +162,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(result.as_dict(), indent=1))
         return 1 if result.plan is None else (2 if result.plan.fits is False else 0)
+    for note in result.report.notes if result.plan is not None else []:  # _print_report prints them otherwise
+        err_console.print(f"[cyan]note:[/cyan] {note}")
     if result.plan is None:
         _print_report(result.report)
         if result.report.ok:
@@ -237,6 +253,27 @@ def cmd_make_arithmetic_data(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_rollouts(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.rollout_view import json_lines, load_tokenizer, render_text, select, write_html
+
+    if extra:
+        raise SystemExit(f"error: unexpected argument(s) {' '.join(extra)}; see oumi-megatron rollouts --help")
+    samples, header = select(args.path, args.step, args.rank, args.sample)
+    tokenizer = None
+    if any("completion_tokens" not in s.data for s in samples):  # dumps written before the per-token text
+        tokenizer = load_tokenizer(args.tokenizer, args.path)
+    if args.html:
+        out = write_html(samples, header, args.html, f"rollouts of {args.path}", tokenizer)
+        err_console.print(f"wrote {out} ({len(samples)} sample(s))")
+    if args.json:
+        for line in json_lines(samples, tokenizer):
+            print(line)
+    elif not args.html:
+        for part in render_text(samples, header, args.logprobs, tokenizer):
+            console.print(part)
+    return 0
+
+
 def _layout(args: argparse.Namespace):  # noqa: ANN202
     """(layout, params) of the --tp/--pp/--vpp flags on this world (WORLD_SIZE under torchrun, else one rank)."""
     from oumi_megatron.config.megatron_params import MegatronParams
@@ -279,8 +316,9 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
             console.print(f"exported {args.checkpoint} -> {out}")
         return 0
     if args.peft_save_mode:
-        console.print(f"--peft-save-mode is for a LoRA run's checkpoint; {args.checkpoint} holds full weights.")
-        return 2
+        err_console.print(f"error: --peft-save-mode is for a LoRA run's checkpoint; {args.checkpoint} holds full weights "
+                          "(export it without the flag).", markup=False)
+        return 1
     out = export_to_hf(args.checkpoint, args.out, layout, params)
     console.print(f"exported {args.checkpoint} -> {out}")
     return 0
@@ -301,6 +339,7 @@ EXAMPLES = {
     "eval": 'oumi-megatron eval -c configs/smollm2_arithmetic_cpu.yaml --model output/run/hf_model --out eval.json',
     "gguf-to-hf": 'oumi-megatron gguf-to-hf --out output/smollm2_135m_instruct',
     "make-arithmetic-data": 'oumi-megatron make-arithmetic-data --out data --numbers large',
+    "rollouts": 'oumi-megatron rollouts output/tiny_cpu_grpo --sample 0 --logprobs   (--html rollouts.html, --json)',
 }
 """One example per command, shown by its --help."""
 
@@ -321,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-config", default=None, help="config.json (or folder) to read the model shape from")
     v.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, to check the estimated peak "
                    "against (default: this machine's GPU; none: not checked)")
+    v.add_argument("--skip-data", action="store_true", help="do not load the datasets' first rows (nor check the reward "
+                   "functions' arguments and the environment against them)")
     v.set_defaults(func=cmd_validate)
 
     pl = _command(sub, "plan", help="estimate per-GPU memory of a config's layout (and suggest layouts)")
@@ -376,6 +417,21 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--numbers", choices=("small", "large"), default="small",
                    help="large: 3-digit sums, 2-digit products (the arithmetic_large_* files, for the calculator task)")
     a.set_defaults(func=cmd_make_arithmetic_data)
+
+    r = _command(sub, "rollouts", help="show a run's rollout dumps (grpo.rollout_dump_steps): prompts, policy turns and "
+                      "observations, rewards; as text, JSON lines or an HTML page")
+    r.add_argument("path", help="a run's output_dir, its rollouts/ folder, or one step_XXXXXX_rank_XXXXX.jsonl file")
+    r.add_argument("--step", default=None, help="a dumped step, or all (default: the latest dumped step)")
+    r.add_argument("--rank", type=int, default=None, help="one data-parallel rank's samples (default: every rank's)")
+    r.add_argument("--sample", type=int, default=None, help="one sample: its line in each chosen file, from 0")
+    r.add_argument("--logprobs", action="store_true", help="each policy token with its log-probability (text view)")
+    r.add_argument("--json", action="store_true", help="one JSON object per sample: the dump's fields, step, rank, "
+                   "sample, file and its loss-mask runs")
+    r.add_argument("--html", default=None, metavar="OUT", help="write one self-contained HTML page, tokens colored by "
+                   "loss mask and log-probability")
+    r.add_argument("--tokenizer", default=None, help="the model's folder or name, to split dumps written without "
+                   "per-token text (default: the run's converted model, where PATH is a run's folder)")
+    r.set_defaults(func=cmd_rollouts)
     return parser
 
 
@@ -394,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             from oumi.exceptions import OumiConfigError
         except ImportError:  # engine-only machines (the lent GPU image has no Oumi)
             OumiConfigError = UserInputError  # noqa: N806
-        if isinstance(e, (OumiConfigError, UserInputError)):
-            err_console.print(f"[red]error:[/red] {e}")
-            return 2
+        if isinstance(e, (OumiConfigError, UserInputError)):  # the input cannot be used: 1, as validate's "invalid"
+            err_console.print("[red]error:[/red] ", end="")
+            err_console.print(str(e), markup=False)  # messages quote user text ("[/INST]"): never markup
+            return 1
         raise
 
 

@@ -1,4 +1,10 @@
-"""The model's shape, read from its Hugging Face ``config.json`` without loading any weights."""
+"""The model's shape, read from its Hugging Face ``config.json`` without loading any weights.
+
+A Hub name is read from the Hub (or its cache). Where the Hub cannot be reached (``HF_HUB_OFFLINE=1``, no network, a
+gated model without a token), a name the repository ships a shape for (configs/model_shapes/index.json) resolves to
+that copy, said in one line (``ResolvedShape.note``); any other name fails naming ``--model-config`` and the shipped
+names.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "model_shapes"
+"""Copies of the public config.json of the models the shipped configs name (a source checkout's configs/)."""
 
 # Expert-count keys used by the MoE families transformers ships (Mixtral, Qwen-MoE, DeepSeek, ...).
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -125,19 +134,75 @@ class ModelShape:
 
     @classmethod
     def resolve(cls, model_name: str, revision: str | None = None) -> ModelShape:
-        """From a local folder (or config.json), else from the Hugging Face Hub (config.json only)."""
-        local = Path(model_name).expanduser()
-        if local.exists():
-            return cls.from_file(local)
-        if model_name.startswith((".", "/", "~")):
-            raise ModelShapeError(f"local model path {model_name} does not exist")
-        try:
-            from huggingface_hub import hf_hub_download
+        """From a local folder (or config.json), else from the Hugging Face Hub (config.json only), else the shipped
+        copy where the Hub cannot be reached (``resolve_shape`` says which it read)."""
+        return resolve_shape(model_name, revision).shape
 
-            downloaded = hf_hub_download(model_name, "config.json", revision=revision)
-        except Exception as e:  # noqa: BLE001 - offline, gated, missing repo: all mean "can't read it"
-            raise ModelShapeError(
-                f"could not read config.json of '{model_name}' from the Hugging Face Hub "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-            ) from e
-        return cls.from_file(downloaded)
+
+@dataclass(frozen=True)
+class ResolvedShape:
+    shape: ModelShape
+    note: str | None = None
+    """One line where the shape is not the model's own config.json: the shipped copy read instead, and why."""
+
+
+def shipped_shapes() -> dict[str, Path]:
+    """Hub name -> the shipped copy of its config.json (configs/model_shapes/index.json)."""
+    index = SHIPPED_SHAPES / "index.json"
+    if not index.is_file():  # an installed wheel carries no configs/
+        return {}
+    return {name: SHIPPED_SHAPES / folder / "config.json" for name, folder in json.loads(index.read_text()).items()}
+
+
+def hub_failure(e: BaseException) -> str:
+    """Why the Hub gave no config.json, in a user's words."""
+    text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no", "off"):
+        return "the Hub is not read (HF_HUB_OFFLINE is set) and the local cache has no copy"
+    if type(e).__name__ == "GatedRepoError" or " 401 " in f" {e} " or "gated" in text.lower():
+        return ("it is gated: set HF_TOKEN to a token of an account that accepted its license (or run "
+                "`hf auth login`)")
+    if type(e).__name__ in ("RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError"):
+        return f"the Hub has no such model ({text})"
+    return f"the Hub cannot be reached ({text})"
+
+
+def download_problem(model_name: str, e: BaseException) -> str:
+    """``model.model_name``'s download failed: why, and what it needs, in one line."""
+    why = hub_failure(e)
+    need = {"the Hub is not read": f"download it once where the Hub can be reached (`hf download {model_name}` with the "
+                                   "same HF_HOME), or set model.model_name to a local folder",
+            "it is gated": "then run again",
+            "the Hub has no such model": "check model.model_name"}
+    fix = next((v for k, v in need.items() if why.startswith(k)), "check the network (or set HF_HUB_OFFLINE=1 to use "
+               "the local cache), or set model.model_name to a local folder")
+    return f"model.model_name: {model_name} could not be downloaded: {why}; {fix}."
+
+
+def resolve_shape(model_name: str, revision: str | None = None) -> ResolvedShape:
+    """``ModelShape.resolve`` with what it read: a local folder, the Hub's config.json (or its cache), or, where the Hub
+    gives none and the repository ships one for ``model_name``, that copy (with a one-line note)."""
+    local = Path(model_name).expanduser()
+    if local.exists():
+        return ResolvedShape(ModelShape.from_file(local))
+    if model_name.startswith((".", "/", "~")):
+        raise ModelShapeError(f"local model path {model_name} does not exist")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        downloaded = hf_hub_download(model_name, "config.json", revision=revision)
+    except Exception as e:  # noqa: BLE001 - offline, gated, missing repo: all mean "can't read it"
+        why = hub_failure(e)
+        shipped = {name.lower(): path for name, path in shipped_shapes().items()}
+        path = shipped.get(model_name.lower())
+        if path is not None and path.is_file() and not why.startswith("the Hub has no such model"):
+            where = path.relative_to(SHIPPED_SHAPES.parent.parent) if path.is_relative_to(SHIPPED_SHAPES.parent.parent) else path
+            return ResolvedShape(ModelShape.from_file(path), f"{model_name}'s config.json read from the shipped {where}: "
+                                                             f"{why}.")
+        known = ", ".join(sorted(shipped_shapes())) or "none in this installation"
+        folder = f" (nor is it a local folder: {Path.cwd() / model_name} does not exist)" if "/" in model_name else ""
+        raise ModelShapeError(
+            f"cannot read config.json of '{model_name}'{folder}: {why}. Pass `--model-config PATH/config.json` (a copy of "
+            f"{model_name}'s config.json), or use a local model folder; shapes shipped in configs/model_shapes/: {known}"
+        ) from e
+    return ResolvedShape(ModelShape.from_file(downloaded))

@@ -14,7 +14,7 @@ from oumi.utils.logging import logger
 
 from oumi_megatron.data import load_eval_sets, load_prompts, steps_for_epochs
 from oumi_megatron.utils.options import option_value
-from oumi_megatron.validation import validate_config
+from oumi_megatron.validation import reward_argument_problems, validate_config
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
@@ -53,6 +53,10 @@ def train_megatron_grpo(config: Any, verbose: bool = False) -> Any:
     dataset = load_prompts(config, log=logger if rank == 0 else None)
     evaluating = option_value(config.training.eval_strategy, "no") != "no"
     eval_dataset = load_eval_sets(config, log=logger if rank == 0 else None) if evaluating else None
+    # the reward functions' keyword arguments against the rows (a missing column fails the first step, after conversion)
+    heads = dataset.heads() + [h for part in (eval_dataset or {}).values() for h in part.heads()]
+    report.problems.extend(reward_argument_problems(config, heads))
+    report.raise_if_invalid()
     if config.training.max_steps <= 0:
         config.training.max_steps = steps_for_epochs(config.training.num_train_epochs, len(dataset),
                                                      layout.prompts_per_rollout)

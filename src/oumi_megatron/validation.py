@@ -11,6 +11,7 @@ first, before any heavy work.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -32,9 +33,10 @@ from oumi_megatron.config.megatron_params import (
     WEIGHT_SYNC_METHODS,
 )
 from oumi_megatron.config.problems import Problem
+from oumi_megatron.data import HEAD_ROWS, DatasetHead, dataset_heads
 from oumi_megatron.engine.parallel.layout import ParallelLayout, resolve_layout
 from oumi_megatron.grpo.algorithm import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from oumi_megatron.model_shape import ModelShape, ModelShapeError
+from oumi_megatron.model_shape import ModelShape, ModelShapeError, resolve_shape
 from oumi_megatron.rollout.registry import own_gpu_engine_problem, resolve_rollout_mode
 from oumi_megatron.utils.options import option_value
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
-__all__ = ["MegatronConfigError", "Problem", "ValidationReport", "validate_config"]
+__all__ = ["MegatronConfigError", "Problem", "ValidationReport", "check_data", "reward_argument_problems", "validate_config"]
 
 
 class MegatronConfigError(OumiConfigError):
@@ -61,6 +63,8 @@ class ValidationReport:
     """Settings taken over from Oumi's own fields (config/oumi_fields.py), for the log."""
     layout: ParallelLayout | None = None
     model_shape: ModelShape | None = None
+    checked: list[str] = field(default_factory=list)
+    """What the data checks read (``check_data``), one line per dataset, for the user."""
 
     @property
     def ok(self) -> bool:
@@ -678,18 +682,20 @@ def validate_config(
             if model_config_path:
                 model_shape = ModelShape.from_file(model_config_path)
             else:
-                model_shape = ModelShape.resolve(config.model.model_name, config.model.model_revision)
+                resolved = resolve_shape(config.model.model_name, config.model.model_revision)
+                model_shape = resolved.shape
+                if resolved.note:
+                    r.notes.append(f"model.model_name: {resolved.note}")
         except ModelShapeError as e:
             field_name = "--model-config" if model_config_path else "model.model_name"
             if e.unsupported_architecture:
                 r.add(field_name, str(e))
                 check_bridge = False  # said already, in the words that fit
-            else:
-                r.add(
-                    field_name,
-                    f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
-                    f"name, or (offline) pass `--model-config PATH/config.json` with a copy of {source}'s config.",
-                )
+            elif model_config_path or str(e).startswith("local model path"):
+                r.add(field_name, f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
+                                  f"name, or pass `--model-config PATH/config.json` with a copy of {source}'s config.")
+            else:  # a Hub name: the message names --model-config and the shipped shapes
+                r.add(field_name, str(e))
     resolution = resolve_layout(config, world_size, gpus_per_node, model_shape)
     r.layout = resolution.layout
     r.problems.extend(resolution.problems)
@@ -701,3 +707,130 @@ def validate_config(
     if check_bridge:
         _check_megatron_bridge(r, model_shape)
     return r
+
+
+# --------------------------------------------------------------------------------------------------
+# The data (oumi-megatron validate): the datasets' first rows, the rewards' arguments, the environment
+# --------------------------------------------------------------------------------------------------
+_REWARD_GIVES = frozenset({"completions", "prompts"})
+"""What every TRL-style reward call passes besides the rows' columns (grpo/rewards.py)."""
+
+
+def _columns(rows: list[dict], environment: bool) -> set[str]:
+    """The keyword arguments a batch of these rows gives a TRL-style reward (grpo/rewards.py: the first row's columns
+    but the prompt; ``env_info`` where episodes run an environment)."""
+    columns = {k for k in rows[0] if k not in ("prompt", "completion")} if rows else set()
+    return columns | ({"env_info"} if environment else set())
+
+
+def reward_argument_problems(config: MegatronTrainingConfig, heads: list[DatasetHead]) -> list[Problem]:
+    """Each reward function's keyword arguments against the rows it will be called with (the first rows of each
+    dataset in ``heads``): a TRL-style function's required parameters are among the columns, ``completions``,
+    ``prompts`` and its ``kwargs``, and without ``**kwargs`` it accepts every column; a verl-style one finds
+    ``reward_model.ground_truth`` in the rows."""
+    from oumi_megatron.grpo.rewards import _is_verl_style, _registry_function
+
+    problems: list[Problem] = []
+    for i, rf in enumerate(config.grpo.reward_functions):
+        try:
+            fn = _registry_function(rf.name)
+        except KeyError:
+            continue  # reported by _check_grpo_fields
+        where_rf = f"grpo.reward_functions[{i}]"
+        params = inspect.signature(fn).parameters
+        for head in heads:
+            if not head.rows:
+                continue
+            data = f"{head.where} ({head.name})"
+            if _is_verl_style(fn):
+                if not all(isinstance(r.get("reward_model"), dict) and "ground_truth" in r["reward_model"] for r in head.rows):
+                    problems.append(Problem(where_rf, f"{rf.name!r} is a verl-style reward (solution_str, ground_truth): it "
+                                            f"reads each row's reward_model.ground_truth, which the rows of {data} do not "
+                                            "have. Return {'reward_model': {'ground_truth': ...}} from the dataset's "
+                                            "transform, or use a TRL-style reward (completions, **columns)."))
+                continue
+            columns = _columns(head.rows, config.grpo.environment is not None)
+            given = _REWARD_GIVES | columns | set(rf.kwargs)
+            required = [n for n, p in params.items() if p.default is p.empty
+                        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            missing = [n for n in required if n not in given]
+            if missing:
+                problems.append(Problem(where_rf, f"{rf.name!r} needs the keyword argument(s) {', '.join(map(repr, missing))}, "
+                                        f"which the rows of {data} do not have (their columns after the dataset's "
+                                        f"transform: {', '.join(sorted(columns)) or 'none'} besides 'prompt'; every call also "
+                                        f"gets completions and prompts). Return {' and '.join(map(repr, missing))} from the "
+                                        f"dataset's transform, or set it in {where_rf}.kwargs."))
+            clash = sorted(set(rf.kwargs) & (columns | _REWARD_GIVES))
+            if clash:
+                problems.append(Problem(f"{where_rf}.kwargs", f"sets {', '.join(map(repr, clash))}, which every call already "
+                                        f"passes from the rows of {data}: the call would get it twice. Rename the argument."))
+            positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+            if positional:
+                problems.append(Problem(where_rf, f"{rf.name!r} has positional-only parameter(s) {positional}; rewards are "
+                                        "called with keyword arguments (completions=..., prompts=..., one per column)."))
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                unexpected = sorted(given - set(rf.kwargs) - set(params))
+                if unexpected:
+                    problems.append(Problem(where_rf, f"{rf.name!r} takes no **kwargs, and every call passes "
+                                            f"{', '.join(map(repr, unexpected))} (from the rows of {data}), which it does "
+                                            "not accept. Add **kwargs to its signature."))
+    return problems
+
+
+def _environment_problems(config: MegatronTrainingConfig, heads: list[DatasetHead], r: ValidationReport) -> None:
+    """``grpo.environment``'s needs: an episode starts from each first row, and the model's chat template renders the
+    environment's observations (where the tokenizer can be read here)."""
+    from oumi_megatron.environments.registry import ENVIRONMENTS, build_environment, check_environment
+    from oumi_megatron.errors import UserInputError
+
+    g = config.grpo
+    if g.environment is None or g.environment not in ENVIRONMENTS:
+        return
+    environment = build_environment(g.environment)
+    for head in heads:
+        for index, row in enumerate(head.rows):
+            try:
+                environment.start(row)
+            except Exception as e:  # noqa: BLE001 - the environment's own failure on the user's row
+                missing = f" (the rows have no {e} column: return it from the dataset's transform)" if isinstance(e, KeyError) else ""
+                r.add("grpo.environment", f"{g.environment!r} cannot start an episode from row {index} of {head.where} "
+                                          f"({head.name}): {type(e).__name__}: {e}{missing}.")
+                break
+    try:
+        from oumi.builders import build_tokenizer
+
+        tokenizer = build_tokenizer(config.model)
+    except Exception as e:  # noqa: BLE001 - offline, gated: this check waits for training
+        r.warn(f"grpo.environment: whether the chat template of {config.model.model_name} renders {g.environment!r}'s "
+               f"observations was not checked: its tokenizer cannot be read here ({type(e).__name__}); training checks it.")
+        return
+    try:
+        check_environment(g, tokenizer)
+    except UserInputError as e:
+        r.add("grpo.environment", str(e).removeprefix("grpo.environment: "))
+
+
+def check_data(config: MegatronTrainingConfig, r: ValidationReport, rows: int = HEAD_ROWS) -> None:
+    """``oumi-megatron validate``'s data checks, before any GPU is touched: every dataset of ``data.train`` and
+    ``data.validation`` registered with Oumi and its path present, its first ``rows`` rows loaded and transformed
+    into prompts; the reward functions' keyword arguments in those rows; the environment's needs. Each problem names
+    the field and the fix; where the Hub cannot be reached, a warning says what was not checked."""
+    if "grpo.plugins" in r.fields():  # the modules that register the datasets and rewards did not import
+        r.warn("the data was not checked: it needs grpo.plugins to import first (see its problem above).")
+        return
+    heads: list[DatasetHead] = []
+    for split in ("train", "validation"):
+        if getattr(config.data, split).datasets:
+            heads.extend(dataset_heads(config, split, rows))
+    for head in heads:
+        if head.problem is not None:
+            r.problems.append(head.problem)
+        if head.warning is not None:
+            r.warn(head.warning)
+        if head.rows:
+            of = f" of {head.total:,}" if head.total is not None else ""
+            columns = ", ".join(sorted(head.rows[0]))
+            r.checked.append(f"{head.where} ({head.name}): the first {len(head.rows)}{of} rows give prompts; columns "
+                             f"after its transform: {columns}")
+    r.problems.extend(reward_argument_problems(config, heads))
+    _environment_problems(config, [h for h in heads if h.where.startswith("data.train")], r)

@@ -9,7 +9,7 @@ for MEGATRON_GRPO:
 3. ``oumi.train.train`` hands MEGATRON_GRPO configs to ``oumi_megatron.train``.
 4. ``oumi distributed torchrun -c cfg.yaml`` (the design document's form, which stock Oumi passes
    verbatim to torchrun) becomes ``torchrun ... -m oumi train -c cfg.yaml`` for MEGATRON_GRPO configs,
-   and runs on CPU-only machines with gloo.
+   and runs on CPU-only machines with gloo (one machine, or each node of a Slurm job).
 """
 
 from __future__ import annotations
@@ -222,6 +222,25 @@ def _nproc_from_args(args: list[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
+def _slurm_nodes(module: types.ModuleType, env: dict[str, str]) -> tuple[int, int, str, int]:
+    """(nodes, this node's rank, master address, master port) from Slurm's variables, read as Oumi's own Slurm detection
+    reads them (``scontrol show hostnames $SLURM_NODELIST``, ``SLURM_NODEID``, ``MASTER_PORT``); Oumi's version also
+    counts this node's GPUs and refuses none."""
+    import subprocess
+
+    nodes = module._parse_nodes_str(subprocess.run(["scontrol", "show", "hostnames", env["SLURM_NODELIST"]],
+                                                   capture_output=True, text=True, check=True, timeout=30).stdout)
+    if not nodes:
+        raise RuntimeError(f"SLURM_NODELIST={env['SLURM_NODELIST']!r} names no node.")
+    node_rank = module._get_optional_int_env_var("SLURM_NODEID", env)
+    if node_rank is None:
+        if len(nodes) > 1:
+            raise ValueError(f"SLURM_NODEID is not set on a job of {len(nodes)} nodes: start one launcher per node with "
+                             "`srun --ntasks-per-node=1 oumi distributed torchrun ...`.")
+        node_rank = 0
+    return len(nodes), node_rank, nodes[0], int(env.get("MASTER_PORT", "8007"))
+
+
 def patch_distributed_torchrun(module: types.ModuleType) -> None:
     orig_torchrun = module.torchrun
     if _already_patched(orig_torchrun):
@@ -236,21 +255,27 @@ def patch_distributed_torchrun(module: types.ModuleType) -> None:
 
         import torch
 
-        if torch.cuda.is_available() or module._detect_backend() != "local":
+        backend = module._detect_backend()
+        if torch.cuda.is_available() or backend not in ("local", "slurm"):
             return orig_torchrun(ctx, level)
-        # Stock Oumi refuses to start without GPUs. Megatron-Core runs on CPU with gloo (tests,
-        # the demo), so start N local CPU processes; N from --nproc-per-node, default 1.
+        # Stock Oumi refuses to start without GPUs (it counts them per node). Megatron-Core runs on CPU with gloo (tests,
+        # the demo, CPU Slurm nodes), so start N CPU processes on this node; N from --nproc-per-node, default 1.
         nproc, rest = _nproc_from_args(list(ctx.args))
+        nnodes, node_rank, master_addr, master_port = (
+            _slurm_nodes(module, dict(os.environ)) if backend == "slurm"
+            else (1, 0, os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "8007"))))
         cmds = [
             "torchrun",
-            "--nnodes=1",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
             f"--nproc-per-node={nproc or 1}",
-            f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
-            f"--master-port={os.environ.get('MASTER_PORT', '8007')}",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
             *rest,
         ]
-        module.logger.info(f"No GPU found: starting {nproc or 1} CPU process(es) with gloo.")
-        module._run_subprocess(cmds, rank=0)
+        where = f" on node {node_rank} of {nnodes} (Slurm)" if backend == "slurm" else ""
+        module.logger.info(f"No GPU found: starting {nproc or 1} CPU process(es) with gloo{where}.")
+        module._run_subprocess(cmds, rank=node_rank)
 
     setattr(torchrun, _PATCHED, True)
     module.torchrun = torchrun  # type: ignore[attr-defined]  # Oumi's CLI command replaced: ModuleType declares no attributes

@@ -1,22 +1,31 @@
-"""Rollout dumps (``grpo.rollout_dump_steps``, verl's ``rollout_data_dir``): every N-th step's samples, token for token.
+"""Rollout dumps (``grpo.rollout_dump_steps``, verl's ``rollout_data_dir``): every N-th step's samples, token for token,
+and their reader (``oumi-megatron rollouts`` shows them: rollout_view.py).
 
 Each data-parallel rank's samples go to ``output_dir/rollouts/step_XXXXXX_rank_XXXXX.jsonl`` (the rank: its DP rank),
 written by its replica's first rank (the other ranks of a replica hold the same samples), one JSON line per sample:
 ``prompt_ids``, ``completion_ids``, ``loss_mask`` (null for single-turn samples: every token is the policy's),
 ``logprobs`` (the engine's), ``reward`` (the weighted reward functions; null where the reward was skipped or the
-episode failed), ``turns``, ``finished``, ``round`` (dynamic sampling's generation round), and ``prompt`` / ``text``:
+episode failed), ``turns``, ``finished``, ``round`` (dynamic sampling's generation round), ``prompt`` / ``text``:
 the prompt and the completion decoded with their special tokens, so the chat template's turns and the environment's
-observations read as the model saw them. A step's file appears whole or not at all (a temporary file, renamed).
+observations read as the model saw them, and ``completion_tokens``: each completion token decoded on its own (a
+character split over two tokens shows as U+FFFD in each). A step's file appears whole or not at all (a temporary file,
+renamed).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oumi_megatron.errors import UserInputError
 from oumi_megatron.rollout.base import Rollout
+
+DUMP_NAME = re.compile(r"step_(\d{6,})_rank_(\d{5,})\.jsonl")
+"""A dump file's name: its GRPO step and its data-parallel rank."""
 
 
 class RolloutDump:
@@ -37,11 +46,14 @@ class RolloutDump:
             return
         prompts = tokenizer.batch_decode([r.prompt_ids for r in rollouts], skip_special_tokens=False)
         texts = tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=False)
+        pieces = tokenizer.batch_decode([[i] for r in rollouts for i in r.completion_ids], skip_special_tokens=False)
+        start = 0
         for r, reward, turn, prompt, text in zip(rollouts, rewards, turns, prompts, texts, strict=True):
+            tokens, start = pieces[start:start + len(r.completion_ids)], start + len(r.completion_ids)
             self.lines.append(json.dumps({
                 "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids, "loss_mask": r.loss_mask,
                 "logprobs": r.logprobs, "reward": reward, "turns": turn, "finished": r.finished, "round": round_index,
-                "prompt": prompt, "text": text}))
+                "prompt": prompt, "text": text, "completion_tokens": tokens}))
 
     def write(self, step: int, dp_rank: int) -> Path | None:
         """The step's file (temporary file, then renamed); None where nothing is dumped."""
@@ -54,3 +66,82 @@ class RolloutDump:
         os.replace(tmp, path)
         self.lines = []
         return path
+
+
+class RolloutDumpError(UserInputError):
+    """A path that holds no rollout dumps, or a dump line that cannot be read; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class DumpFile:
+    step: int | None
+    """The GRPO step, from the file's name (None: a file renamed by hand)."""
+    rank: int | None
+    """The data-parallel rank whose samples it holds."""
+    path: Path
+
+
+def find_dumps(path: str | Path) -> list[DumpFile]:
+    """The dump files at ``path``: a run's ``output_dir`` (its ``rollouts/``), a ``rollouts/`` folder, or one file;
+    by step, then rank."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise RolloutDumpError(f"{path} does not exist. Give a run's output_dir, its rollouts/ folder or one "
+                               "step_XXXXXX_rank_XXXXX.jsonl file.")
+    if path.is_file():
+        match = DUMP_NAME.fullmatch(path.name)
+        return [DumpFile(int(match.group(1)), int(match.group(2)), path) if match else DumpFile(None, None, path)]
+    folder = path / "rollouts" if (path / "rollouts").is_dir() else path
+    found = [DumpFile(int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir() if (m := DUMP_NAME.fullmatch(p.name))]
+    found.sort(key=lambda d: (d.step or 0, d.rank or 0))
+    if not found:
+        raise RolloutDumpError(f"{path} holds no rollout dumps (step_XXXXXX_rank_XXXXX.jsonl{' in rollouts/' if folder != path else ''}). "
+                               "A run writes them every grpo.rollout_dump_steps steps (0, the default, writes none).")
+    return found
+
+
+_LISTS = ("prompt_ids", "completion_ids")
+_PER_TOKEN = ("loss_mask", "logprobs", "completion_tokens")
+
+
+def read_dump(path: Path) -> list[dict[str, Any]]:
+    """The samples of one dump file, each line checked: a JSON object with the token lists, per-token fields as long as
+    the completion; a clear error naming the file, the line and the field otherwise."""
+    samples = []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                sample = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RolloutDumpError(f"{where} is not a JSON line ({e}); a dump file holds one JSON object per "
+                                       "sample (was it cut short or edited?).") from e
+            if not isinstance(sample, dict):
+                raise RolloutDumpError(f"{where} is a JSON {type(sample).__name__}, not a sample object.")
+            for key in _LISTS:
+                if not isinstance(sample.get(key), list) or not all(isinstance(i, int) for i in sample[key]):
+                    raise RolloutDumpError(f"{where}: '{key}' is missing or not a list of token ids; not a rollout dump.")
+            n = len(sample["completion_ids"])
+            for key in _PER_TOKEN:
+                value = sample.get(key)
+                if value is not None and (not isinstance(value, list) or len(value) != n):
+                    raise RolloutDumpError(f"{where}: '{key}' has {len(value) if isinstance(value, list) else value!r} "
+                                           f"entries for {n} completion tokens.")
+            samples.append(sample)
+    return samples
+
+
+def mask_runs(sample: dict[str, Any]) -> list[tuple[int, int, bool]]:
+    """(start, end, the policy's) of each run of equal loss-mask values over the completion: the policy's turns
+    (trained) and the environment's observations (not trained); one policy run where the sample has no mask."""
+    n = len(sample["completion_ids"])
+    mask = sample.get("loss_mask") or [1] * n
+    runs: list[tuple[int, int, bool]] = []
+    for i, m in enumerate(mask):
+        if runs and runs[-1][2] == bool(m):
+            runs[-1] = (runs[-1][0], i + 1, bool(m))
+        else:
+            runs.append((i, i + 1, bool(m)))
+    return runs

@@ -58,6 +58,7 @@ from oumi_megatron.engine.state.checkpoint_manifest import (
 )
 from oumi_megatron.utils import atomic
 from oumi_megatron.utils.disk import space_problem
+from oumi_megatron.utils.progress import EVERY_S, Progress
 from oumi_megatron.utils.ranks import first_failure, global_rank
 
 if TYPE_CHECKING:
@@ -402,9 +403,9 @@ def checkpoint_bytes(engine: MegatronEngine) -> float:
     return float(mine.item())
 
 
-def _require_space(engine: MegatronEngine, root: Path, step: int, keep_last: int) -> None:
+def _require_space(engine: MegatronEngine, root: Path, step: int, keep_last: int) -> float:
     """Stops before writing anything when ``root``'s filesystem cannot take one more checkpoint (decided on rank 0,
-    raised on every rank)."""
+    raised on every rank); the checkpoint's bytes otherwise."""
     need = checkpoint_bytes(engine)
     problem = None
     if global_rank() == 0:
@@ -415,6 +416,7 @@ def _require_space(engine: MegatronEngine, root: Path, step: int, keep_last: int
     problem = first_failure(problem)
     if problem is not None:
         raise CheckpointSpaceError(problem)
+    return need
 
 
 def save_checkpoint(
@@ -436,57 +438,66 @@ def save_checkpoint(
     final = Path(root) / step_dir_name(step)
     if async_writer is not None:
         async_writer.wait()  # one checkpoint in flight at a time
-    _require_space(engine, Path(root), step, keep_last)
-    tmp = atomic.begin(final)
-    if global_rank() == 0:
-        (tmp / "model").mkdir()
-        (tmp / "optimizer").mkdir()
-        shutil.copytree(hf_artifacts, tmp / "hf")
-        (tmp / META_FILE).write_text(json.dumps(_meta(engine), indent=2))
-    if dist.is_initialized():
-        dist.barrier()
-    fully_parallel = _fully_parallel(engine)
-    optim_sd = engine.optimizer.sharded_state_dict(
-        model_sharded_state_dict(engine.model), is_loading=False, metadata=OPTIMIZER_FORMATS[optimizer_format(engine)]
-    )
-    # The RNG / scheduler state is small and written now; the tensors may go in the background.
-    _rank_file(tmp, global_rank()).write_text(
-        json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
-    )
+    need = _require_space(engine, Path(root), step, keep_last)
     background = async_writer is not None
-    requests = [
-        dist_checkpointing.save(
-            sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
-            async_sharded_save=background, async_strategy="mcore",
-        )
-        for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
-                        ("optimizer", {"optimizer": optim_sd}))
-    ]
-
-    def commit() -> None:
-        write_rank_manifest(tmp, global_rank())  # this rank's files, written (every rank at once)
-        if dist.is_initialized():
-            dist.barrier()
+    progress = Progress(f"Saving checkpoint step {step} to {final}" + (" in the background" if background else ""),
+                        watch=atomic.partial_path(final), expected=need, every=None if background else EVERY_S)
+    progress.__enter__()  # left in commit(), which a background save runs when its files are written
+    try:
+        tmp = atomic.begin(final)
         if global_rank() == 0:
-            write_manifest(tmp, dist.get_world_size() if dist.is_initialized() else 1)
-            # written last: its presence marks a complete checkpoint
-            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-        atomic.commit(final)
-        if global_rank() == 0 and keep_last > 0:
-            # only checkpoints up to this step: newer ones (of a run resumed from an earlier step) are replaced
-            # when training reaches their step, never pruned in favour of an older lineage
-            for _, old in [c for c in list_checkpoints(root) if c[0] <= step][:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            (tmp / "model").mkdir()
+            (tmp / "optimizer").mkdir()
+            shutil.copytree(hf_artifacts, tmp / "hf")
+            (tmp / META_FILE).write_text(json.dumps(_meta(engine), indent=2))
         if dist.is_initialized():
             dist.barrier()
+        fully_parallel = _fully_parallel(engine)
+        optim_sd = engine.optimizer.sharded_state_dict(
+            model_sharded_state_dict(engine.model), is_loading=False, metadata=OPTIMIZER_FORMATS[optimizer_format(engine)]
+        )
+        # The RNG / scheduler state is small and written now; the tensors may go in the background.
+        _rank_file(tmp, global_rank()).write_text(
+            json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
+        )
+        requests = [
+            dist_checkpointing.save(
+                sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
+                async_sharded_save=background, async_strategy="mcore",
+            )
+            for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
+                            ("optimizer", {"optimizer": optim_sd}))
+        ]
 
-    if async_writer is not None:  # background
-        requests[0].add_finalize_fn(lambda: None)
-        async_writer.schedule(requests[0])
-        requests[1].add_finalize_fn(commit)
-        async_writer.schedule(requests[1])
-    else:
-        commit()
+        def commit() -> None:
+            write_rank_manifest(tmp, global_rank())  # this rank's files, written (every rank at once)
+            if dist.is_initialized():
+                dist.barrier()
+            if global_rank() == 0:
+                write_manifest(tmp, dist.get_world_size() if dist.is_initialized() else 1)
+                # written last: its presence marks a complete checkpoint
+                (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+            atomic.commit(final)
+            progress.result = final
+            progress.__exit__(None, None, None)
+            if global_rank() == 0 and keep_last > 0:
+                # only checkpoints up to this step: newer ones (of a run resumed from an earlier step) are replaced
+                # when training reaches their step, never pruned in favour of an older lineage
+                for _, old in [c for c in list_checkpoints(root) if c[0] <= step][:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+            if dist.is_initialized():
+                dist.barrier()
+
+        if async_writer is not None:  # background
+            requests[0].add_finalize_fn(lambda: None)
+            async_writer.schedule(requests[0])
+            requests[1].add_finalize_fn(commit)
+            async_writer.schedule(requests[1])
+        else:
+            commit()
+    except BaseException as e:  # the lines in between stop; the partial folder is replaced by the next save
+        progress.__exit__(type(e), e, e.__traceback__)
+        raise
     return final
 
 
@@ -502,7 +513,8 @@ def load_checkpoint(engine: MegatronEngine, checkpoint: str | Path, verified: bo
         raise CheckpointError(f"cannot resume from {checkpoint}: {problem}.")
     local = _read_rank_state(checkpoint, global_rank())
     try:
-        _load_tensors(engine, checkpoint)
+        with Progress(f"Loading checkpoint {checkpoint}", reads=checkpoint):
+            _load_tensors(engine, checkpoint)
     except Exception as e:  # noqa: BLE001 - torch / dist_checkpointing errors do not name the checkpoint
         raise CheckpointError(f"cannot resume from {checkpoint}: {type(e).__name__}: {e}") from e
     engine.scheduler.load_state_dict(local["scheduler"])

@@ -28,7 +28,9 @@ from oumi_megatron.engine.model import build_model_chunks, configure_provider, d
 from oumi_megatron.engine.parallel.distributed import init_distributed, init_model_parallel
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.model_shape import download_problem
+from oumi_megatron.utils.atomic import atomic_directory, partial_path
+from oumi_megatron.utils.progress import Progress
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
 if TYPE_CHECKING:
@@ -47,7 +49,10 @@ def _resolve_local(hf_path: str | Path) -> Path:
         return local
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(hf_path)))
+    try:
+        return Path(snapshot_download(str(hf_path)))
+    except Exception as e:  # noqa: BLE001 - offline, gated, no such model: one line saying what it needs
+        raise UserInputError(download_problem(str(hf_path), e)) from e
 
 
 def resolve_source(hf_path: str | Path) -> Path:
@@ -64,10 +69,10 @@ def resolve_source(hf_path: str | Path) -> Path:
         try:
             found = snapshot_download(str(hf_path))
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            problem = f"model.model_name: {hf_path} could not be downloaded on rank {global_rank()} ({type(e).__name__}: {e})"
+            problem = f"{download_problem(str(hf_path), e)} (rank {global_rank()})"
     problem = first_failure(problem)  # also the barrier: every node's download is done
     if problem is not None:
-        raise RuntimeError(problem)
+        raise UserInputError(problem)
     return Path(found or snapshot_download(str(hf_path), local_files_only=True))
 
 
@@ -121,9 +126,10 @@ def convert_hf_to_megatron(
     dtype = dtype or default_dtype()
     init_model_parallel(layout)
     source = source or resolve_source(hf_path)
-    bridge = load_bridge(source, trust_remote_code=trust_remote_code)
-    provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
-    chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
+    with Progress(f"Reading {hf_path}'s weights for the conversion", reads=source):
+        bridge = load_bridge(source, trust_remote_code=trust_remote_code)
+        provider = configure_provider(bridge.to_megatron_provider(load_weights=True), params, dtype)
+        chunks = build_model_chunks(provider, ddp_config=None, load_hf_weights=True)
     meta = {
         "format_version": FORMAT_VERSION,
         **(source_fingerprint(source, name=str(hf_path)) if global_rank() == 0 else {}),
@@ -134,15 +140,17 @@ def convert_hf_to_megatron(
             "virtual_pipeline_model_parallel_size": params.virtual_pipeline_model_parallel_size,
         },
     }
-    with atomic_directory(out_dir) as tmp:
-        if global_rank() == 0:
-            (tmp / "model").mkdir()
-            bridge.hf_pretrained.save_artifacts(tmp / "hf")
-        if dist.is_initialized():
-            dist.barrier()
-        save_model(chunks, tmp / "model")
-        if global_rank() == 0:
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    with Progress(f"Writing the converted checkpoint {out_dir}", watch=partial_path(Path(out_dir))) as progress:
+        with atomic_directory(out_dir) as tmp:
+            if global_rank() == 0:
+                (tmp / "model").mkdir()
+                bridge.hf_pretrained.save_artifacts(tmp / "hf")
+            if dist.is_initialized():
+                dist.barrier()
+            save_model(chunks, tmp / "model")
+            if global_rank() == 0:
+                (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        progress.result = Path(out_dir)
     return Path(out_dir)
 
 
@@ -203,12 +211,13 @@ def build_from_checkpoint(checkpoint_dir: str | Path, layout: ParallelLayout, pa
     provider = configure_provider(bridge.to_megatron_provider(load_weights=False), params, dtype, cuda_graphs=graphs,
                                   schedule=layout.pipeline_schedule)
     model_dir = Path(checkpoint_dir) / "model"
-    if peft is not None:
-        chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False,
-                                    pre_wrap_hooks=pre_wrap_hooks(peft, lambda bare: load_model(bare, model_dir)))
-    else:
-        chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
-        load_model(chunks, model_dir)
+    with Progress(f"Loading the model's weights from {model_dir}", reads=model_dir):
+        if peft is not None:
+            chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False,
+                                        pre_wrap_hooks=pre_wrap_hooks(peft, lambda bare: load_model(bare, model_dir)))
+        else:
+            chunks = build_model_chunks(provider, ddp_config=ddp_config, load_hf_weights=False)
+            load_model(chunks, model_dir)
     if graphs:
         attach_cuda_graphs(chunks)
     return bridge, chunks
@@ -223,7 +232,9 @@ def save_hf(bridge: Any, chunks: list[torch.nn.Module], hf_artifacts: str | Path
     """
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
 
-    return HFWeightExporter(bridge, chunks, hf_artifacts, max_shard_size).save(out_dir)
+    with Progress(f"Exporting the HF model to {out_dir}", watch=partial_path(Path(out_dir))) as progress:
+        progress.result = HFWeightExporter(bridge, chunks, hf_artifacts, max_shard_size).save(out_dir)
+    return progress.result
 
 
 def _saved_dtype(checkpoint_dir: Path) -> torch.dtype:

@@ -158,16 +158,20 @@ def save_policy(weights: HFWeightExporter, out_dir: str | Path, save_mode: str |
     ``model.model_name``), ``adapter_and_base_model`` ``hf_adapter/`` and the base weights in ``hf_model/``, ``merged``
     ``hf_model/`` with the adapters merged in (plain transformers loads it)."""
     from oumi_megatron.engine.peft import save_adapter
+    from oumi_megatron.utils.atomic import partial_path
+    from oumi_megatron.utils.progress import Progress
 
     out = Path(out_dir)
     written = []
     for folder in export_folders(save_mode if weights.peft is not None else None):
-        if folder == HF_ADAPTER:
-            adapter = weights.adapters()
-            assert adapter is not None
-            written.append(save_adapter(adapter, out / folder))
-        else:
-            written.append(weights.save(out / folder, base=save_mode == "adapter_and_base_model"))
+        with Progress(f"Exporting {out / folder}", watch=partial_path(out / folder)) as progress:
+            if folder == HF_ADAPTER:
+                adapter = weights.adapters()
+                assert adapter is not None
+                written.append(save_adapter(adapter, out / folder))
+            else:
+                written.append(weights.save(out / folder, base=save_mode == "adapter_and_base_model"))
+            progress.result = written[-1]
     return written
 
 
