@@ -299,18 +299,15 @@ def _sglang(colocated: bool) -> RolloutBuilder:
     return build
 
 
-SGLANG_INSTALL_HINT = ("`bash scripts/setup.sh --gpu --sglang` on a GPU machine (SGLang 0.5.17 from the GPU lock, its CUDA "
-                       "kernels beside it); `bash scripts/setup.sh` on the CPU")
-"""The one way SGLang is installed (README.md, docs/rollouts.md say the same)."""
-
-
 def _sglang_fields(colocated: bool) -> Callable[[MegatronParams], list[Problem]]:
     def check(m: MegatronParams) -> list[Problem]:
         """SGLang installed, its own fields, and what its placements run on."""
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            return [Problem("megatron.inference_backend", f"sglang is not installed. Install it: {SGLANG_INSTALL_HINT}.")]
+            from oumi_megatron.rollout.sglang_backend import SGLANG_INSTALL
+
+            return [Problem("megatron.inference_backend", f"sglang is not installed. Install it: {SGLANG_INSTALL}.")]
 
         from oumi_megatron.rollout.sglang_backend import OWNED_ENGINE_ARGS, sglang_engine_fields
 

@@ -59,8 +59,9 @@ from oumi_megatron.utils.net import LOOPBACK, listening_socket
 
 logger = logging.getLogger("oumi")
 
-SGLANG_INSTALL = ("pip install 'oumi-megatron[sglang]' (sglang 0.5.17 with its CUDA kernels) on a GPU machine; on the "
-                  "CPU `bash scripts/setup.sh` installs it from the lock")
+SGLANG_INSTALL = ("`bash scripts/setup.sh --gpu --sglang` on a GPU machine (SGLang 0.5.17 from the GPU lock, its CUDA "
+                  "kernels beside it); `bash scripts/setup.sh` on the CPU")
+"""The one way SGLang is installed (README.md and docs/rollouts.md say the same)."""
 OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", "device", "skip_tokenizer_init",
                                "context_length", "mem_fraction_static", "attention_backend", "base_gpu_id",
                                "enable_memory_saver", "max_total_tokens"})
