@@ -28,6 +28,9 @@ class Observation:
     """The call failed (a parse failure, or the tool refused its arguments): counted in ``env/tool_errors``."""
     parse_failure: bool = False
     """The turn's tool call did not parse (``env/parse_failures``); implies ``error``."""
+    truncated: bool = False
+    """Set by the runner: ``text`` was cut to its character cap before it left the environment's rank
+    (``env/observations_truncated``)."""
 
 
 @dataclass

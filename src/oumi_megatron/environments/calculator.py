@@ -27,6 +27,9 @@ from oumi_megatron.environments.tool_calls import ToolCallParseError, parse_tool
 MAX_CHARS = 200
 MAX_NODES = 64
 MAX_ABS = 1e15
+TAIL_WINDOW = 4 * MAX_CHARS
+"""How much of a turn's end ``trailing_expression`` reads: room for an expression of MAX_CHARS characters with its
+thousands separators and dollar signs."""
 
 TOOL_PROMPT = ('You can use a calculator. To compute something, write exactly <tool_call>{"name": "calculator", '
                '"arguments": {"expression": "EXPRESSION"}}</tool_call> with numbers and + - * / ( ) only, and wait for '
@@ -53,8 +56,9 @@ def evaluate(expression: str) -> int | float:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
         raise CalculatorError(f"the expression does not parse ({e.msg})") from e
-    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
-        raise CalculatorError(f"the expression has more than {MAX_NODES} parts")
+    for count, _ in enumerate(ast.walk(tree), 1):  # stops at the first node past the limit
+        if count > MAX_NODES:
+            raise CalculatorError(f"the expression has more than {MAX_NODES} parts")
     return _value(tree.body)
 
 
@@ -132,13 +136,19 @@ def trailing_expression(text: str) -> str | None:
     body = text.rstrip()
     if not body.endswith("="):
         return None
+    # only the text's end can hold an expression ``evaluate`` takes (MAX_CHARS, after separators and "$" go): the
+    # search and the loop below then cost the same for any length of model text (the whole text made them quadratic)
+    body = body[-TAIL_WINDOW:]
     match = _ARITHMETIC_TAIL.search(_THOUSANDS.sub("", body[:-1]))
     if match is None:
         return None
-    tail = match.group(0).replace("$", "").replace("\u00d7", "*").replace("\u00f7", "/")
+    tail = match.group(0).replace("$", "").replace("\u00d7", "*").replace("\u00f7", "/").rstrip()
     for start in range(len(tail)):
-        candidate = tail[start:].strip()
-        if not candidate or not re.search(r"\d\s*[+\-*/]\s*[(\d.+\-]", candidate):  # needs an operation
+        # a start at a space gives the next start's candidate; one longer than MAX_CHARS cannot evaluate
+        if tail[start].isspace() or len(tail) - start > MAX_CHARS:
+            continue
+        candidate = tail[start:]
+        if not re.search(r"\d\s*[+\-*/]\s*[(\d.+\-]", candidate):  # needs an operation
             continue
         try:
             evaluate(candidate)

@@ -215,7 +215,7 @@ class Episodes:
             ids, truncated = observation_ids(self.tokenizer, answer, self.max_observation_tokens)
         if e.at_turn_limit and self.eos_token_id is not None:  # the turn the limit cut is closed as the template closes one
             ids = [self.eos_token_id, *ids]
-        stats.observations_truncated += truncated
+        stats.observations_truncated += truncated or answer.truncated
         if len(e.ids) + len(ids) >= self.budget:  # no room for the observation and a turn after it
             e.running, e.finished = False, False
             return

@@ -12,7 +12,7 @@ from typing import Any
 from oumi_megatron.environments.base import Environment
 from oumi_megatron.environments.calculator import CalculatorEnvironment, InlineCalculatorEnvironment
 from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders
-from oumi_megatron.environments.runner import EnvironmentRunner
+from oumi_megatron.environments.runner import EnvironmentRunner, observation_char_cap
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.registry import Registry
 
@@ -57,7 +57,8 @@ def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = N
     if grpo.environment is None:
         return None
     return EnvironmentRunner(build_environment(grpo.environment), grpo.environment_timeout_s, group, ranks,
-                             workers=grpo.environment_workers)
+                             workers=grpo.environment_workers,
+                             max_observation_chars=observation_char_cap(grpo.max_observation_tokens))
 
 
 ENVIRONMENTS.add("calculator", CalculatorEnvironment)

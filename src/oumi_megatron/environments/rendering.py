@@ -58,7 +58,9 @@ def observation_ids(tokenizer: Any, observation: Observation, max_tokens: int | 
 def inline_ids(tokenizer: Any, observation: Observation, max_tokens: int | None = None) -> tuple[list[int], bool]:
     """(the ids of the observation's text alone, as is: what continues the assistant's message after a stop string,
     and what a template's message holds; whether the text was cut to ``max_tokens``)."""
-    ids = tokenizer(observation.text, add_special_tokens=False)["input_ids"] if observation.text else []
+    # special tokens' text in an observation (a tool echoing "<|im_end|>") is read as text: a tool cannot end a turn
+    ids = tokenizer(observation.text, add_special_tokens=False, split_special_tokens=True)["input_ids"] \
+        if observation.text else []
     truncated = max_tokens is not None and len(ids) > max_tokens
     return (ids[:max_tokens] if truncated else ids), truncated
 

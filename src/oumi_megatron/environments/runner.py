@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import inspect
 import queue
 import threading
@@ -81,13 +82,33 @@ class _Raised:
     error: BaseException
 
 
-def _answer(k: int, ok: bool, value: Any) -> Answer:
-    """A call's outcome as the episode's answer: the environment's, or the ``Failure`` naming what went wrong."""
+OBSERVATION_CHARS_PER_TOKEN = 64
+"""An observation's text is cut to this many characters per token of ``grpo.max_observation_tokens`` before it is
+broadcast or tokenized (more than any tokenizer's tokens hold), so a tool that answers with megabytes costs no more
+than one that answers with the most the episode keeps."""
+MAX_REASON_CHARS = 2000
+"""A failure's reason (an exception's message, which may quote model text) is cut to this many characters."""
+
+
+def observation_char_cap(max_observation_tokens: int) -> int:
+    return OBSERVATION_CHARS_PER_TOKEN * max(max_observation_tokens, 1)
+
+
+def _answer(k: int, ok: bool, value: Any, max_chars: int) -> Answer:
+    """A call's outcome as the episode's answer: the environment's (an observation's text cut to ``max_chars``), or the
+    ``Failure`` naming what went wrong (an exception, a value that is not an answer, an observation without text)."""
     if isinstance(value, _Raised):
         ok, value = False, f"step (episode {k}): {type(value.error).__name__}: {value.error}"
     if ok and not isinstance(value, (Observation, EpisodeEnd)):
         ok, value = False, f"step (episode {k}): returned {type(value).__name__}, not an Observation or EpisodeEnd"
-    return value if ok else Failure(value)
+    if ok and isinstance(value, Observation):
+        if not isinstance(value.text, str) or not isinstance(value.role, str):
+            bad = "text" if not isinstance(value.text, str) else "role"
+            ok, value = False, (f"step (episode {k}): returned an Observation whose {bad} is "
+                                f"{type(getattr(value, bad)).__name__}, not str")
+        elif len(value.text) > max_chars:
+            value = dataclasses.replace(value, text=value.text[:max_chars], truncated=True)
+    return value if ok else Failure(str(value)[:MAX_REASON_CHARS])
 
 
 class _EventLoop:
@@ -169,10 +190,12 @@ class EnvironmentRunner:
     their answers broadcast over ``group``. ``start_all`` and ``step_all`` are collective over the replica."""
 
     def __init__(self, env: Environment, timeout_s: float, group: Any = None, ranks: list[int] | None = None,
-                 workers: int = 0) -> None:
+                 workers: int = 0, max_observation_chars: int = observation_char_cap(256)) -> None:
         """``workers``: 0 answers in line (``step_all``); N >= 1 in the background on up to N threads (``submit``,
-        ``poll``)."""
+        ``poll``). ``max_observation_chars``: an observation's text is cut to it before it leaves this rank
+        (``observation_char_cap``)."""
         self.env = env
+        self.max_observation_chars = max_observation_chars
         self.workers = workers
         self._loop = _EventLoop() if inspect.iscoroutinefunction(env.step) or inspect.iscoroutinefunction(env.start) else None
         self._pool: _Pool | None = None
@@ -236,7 +259,7 @@ class EnvironmentRunner:
         if self.calls_here:
             for k, text, ids in turns:
                 ok, value = self._call(self._blocking(self.env.step, self.states[k], text, ids), f"step (episode {k})")
-                out.append(_answer(k, ok, value))
+                out.append(_answer(k, ok, value, self.max_observation_chars))
         return self._shared(out)
 
     def submit(self, turns: list[tuple[int, str, list[int]]]) -> None:
@@ -255,7 +278,7 @@ class EnvironmentRunner:
         out: list[tuple[int, Answer]] = []
         if self.calls_here and self._pool is not None:
             started = time.perf_counter()
-            out = [(k, _answer(k, ok, value if ok or isinstance(value, str) else _Raised(value)))
+            out = [(k, _answer(k, ok, value if ok or isinstance(value, str) else _Raised(value), self.max_observation_chars))
                    for k, ok, value in self._pool.collect(wait and bool(self.answering))]
             self.seconds += time.perf_counter() - started if wait else 0.0
         out = self._shared(out)

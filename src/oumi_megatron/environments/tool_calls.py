@@ -8,12 +8,12 @@ call per turn, as NeMo-RL's and verl's single-tool examples do); text after it i
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+MAX_CALL_CHARS = 16_384
+"""The longest tool call (its JSON) parsed: a longer one is refused before ``json.loads`` sees it."""
 
 
 @dataclass
@@ -28,16 +28,23 @@ class ToolCallParseError(ValueError):
 
 def parse_tool_call(text: str) -> ToolCall | None:
     """The turn's first tool call; None when it has none. ``ToolCallParseError`` when it opens one that is unclosed,
-    not JSON, or not ``{"name": str, "arguments": object}``."""
-    match = _CALL.search(text)
-    if match is None:
-        if OPEN in text:
-            raise ToolCallParseError(f"the tool call is not closed with {CLOSE}")
+    too long, not JSON (nested too deep, a number too long included), or not ``{"name": str, "arguments": object}``.
+    Linear in ``text``: the model writes it, so its cost must not grow faster than its length."""
+    start = text.find(OPEN)
+    if start < 0:
         return None
+    end = text.find(CLOSE, start + len(OPEN))
+    if end < 0:
+        raise ToolCallParseError(f"the tool call is not closed with {CLOSE}")
+    body = text[start + len(OPEN):end]
+    if len(body) > MAX_CALL_CHARS:
+        raise ToolCallParseError(f"the tool call is longer than {MAX_CALL_CHARS} characters")
     try:
-        call = json.loads(match.group(1))
+        call = json.loads(body)
     except json.JSONDecodeError as e:
         raise ToolCallParseError(f"the tool call is not valid JSON ({e.msg} at character {e.pos})") from e
+    except (ValueError, RecursionError) as e:  # a number past Python's digit limit; nesting past the recursion limit
+        raise ToolCallParseError(f"the tool call's JSON cannot be read ({type(e).__name__})") from e
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
         raise ToolCallParseError('a tool call is {"name": "<tool>", "arguments": {...}}')
     return ToolCall(call["name"], call.get("arguments", {}))
