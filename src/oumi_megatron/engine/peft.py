@@ -309,10 +309,10 @@ def save_adapter(adapter: AdapterWeights, folder: str | Path) -> Path:
     written by rank 0 and appearing complete or not at all."""
     from safetensors.torch import save_file
 
-    from oumi_megatron.utils.atomic import atomic_directory
+    from oumi_megatron.utils.atomic import HF_ADAPTER, atomic_directory
     from oumi_megatron.utils.ranks import global_rank
 
-    with atomic_directory(folder) as tmp:
+    with atomic_directory(folder, HF_ADAPTER) as tmp:
         if global_rank() == 0:
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2))
             save_file(adapter.tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})

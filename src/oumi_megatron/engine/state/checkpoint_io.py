@@ -84,9 +84,14 @@ def save_strategy(fully_parallel: bool, background: bool = False) -> Any:
 
 
 def load_strategy(directory: str | Path, fully_parallel: bool) -> Any:
-    """Megatron-Core's default load strategy; with ``fully_parallel``, DP replicas split the reading."""
+    """Megatron-Core's default load strategy; with ``fully_parallel``, DP replicas split the reading. Every load
+    passes here: torch's readers are made safe first (engine/state/safe_reads.py)."""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    from oumi_megatron.engine.state import safe_reads
+
+    safe_reads.install()
 
     strategy = get_default_load_sharded_strategy(str(directory))
     return FullyParallelLoadStrategyWrapper(strategy, _dp_group()) if fully_parallel else strategy

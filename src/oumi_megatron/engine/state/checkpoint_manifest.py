@@ -103,9 +103,26 @@ class Share:
     bytes_read: int = 0
 
 
+def _inside(checkpoint: Path, name: str) -> Path | None:
+    """``checkpoint / name`` where ``name`` is a relative path that stays inside the checkpoint and passes through no
+    link; None otherwise (a manifest written elsewhere could name any file of this host)."""
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts:
+        return None
+    path = checkpoint
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            return None
+    return path
+
+
 def _check_files(checkpoint: Path, files: dict[str, Any], share: Share) -> None:
     for name, want in files.items():
-        path = checkpoint / name
+        path = _inside(checkpoint, str(name))
+        if path is None:
+            share.problem = f"a manifest of {checkpoint} names {name!r}, which is not a file inside it (refused)"
+            return
         if not path.is_file():
             share.problem = f"{path} is missing"
             return

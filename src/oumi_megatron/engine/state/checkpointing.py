@@ -448,7 +448,7 @@ def save_checkpoint(
         if global_rank() == 0:
             (tmp / "model").mkdir()
             (tmp / "optimizer").mkdir()
-            shutil.copytree(hf_artifacts, tmp / "hf")
+            shutil.copytree(hf_artifacts, tmp / "hf", symlinks=True)  # links copied as links, never followed
             (tmp / META_FILE).write_text(json.dumps(_meta(engine), indent=2))
         if dist.is_initialized():
             dist.barrier()

@@ -29,7 +29,7 @@ from oumi_megatron.engine.parallel.distributed import init_distributed, init_mod
 from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.model_shape import download_problem
-from oumi_megatron.utils.atomic import atomic_directory, partial_path
+from oumi_megatron.utils.atomic import MEGATRON_CHECKPOINT, atomic_directory, partial_path
 from oumi_megatron.utils.progress import Progress
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank, local_rank
 
@@ -141,7 +141,7 @@ def convert_hf_to_megatron(
         },
     }
     with Progress(f"Writing the converted checkpoint {out_dir}", watch=partial_path(Path(out_dir))) as progress:
-        with atomic_directory(out_dir) as tmp:
+        with atomic_directory(out_dir, MEGATRON_CHECKPOINT) as tmp:
             if global_rank() == 0:
                 (tmp / "model").mkdir()
                 bridge.hf_pretrained.save_artifacts(tmp / "hf")

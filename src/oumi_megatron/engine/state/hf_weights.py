@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.state.hf_writer import save_hf_folder
 from oumi_megatron.engine.wrappers import unwrap
+from oumi_megatron.utils.atomic import HF_ADAPTER, HF_MODEL
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.peft import AdapterWeights
@@ -141,8 +142,8 @@ class HFWeightExporter:
             self._base_only = False
 
 
-HF_MODEL, HF_ADAPTER = "hf_model", "hf_adapter"
-"""The final export's folders in output_dir: the HF model (merged under LoRA, or its base), the HF PEFT adapter."""
+# HF_MODEL, HF_ADAPTER (utils/atomic.py): the final export's folders in output_dir, the HF model (merged under LoRA, or
+# its base) and the HF PEFT adapter, each marked as what it holds
 EXPORTS = {None: (HF_MODEL,), "adapter_only": (HF_ADAPTER,), "adapter_and_base_model": (HF_ADAPTER, HF_MODEL),
            "merged": (HF_MODEL,)}
 """The folders each ``peft.peft_save_mode`` writes (None: full fine-tuning)."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.utils.atomic import atomic_directory
+from oumi_megatron.utils.atomic import HF_MODEL, atomic_directory
 from oumi_megatron.utils.disk import parse_size
 from oumi_megatron.utils.ranks import global_rank
 
@@ -230,7 +230,7 @@ def save_hf_folder(stage_tensors: Iterable[tuple[str, torch.Tensor]], stage: int
     skip = {"lm_head.weight"} if _tied(config) else set()  # tied: HF checkpoints hold only the embedding
     rank = global_rank()
     ranks = _stage_ranks(stage)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, HF_MODEL) as tmp:
         shards = StageShards(tmp, stage, ranks, parse_size(max_shard_size), rank)
         for name, tensor in stage_tensors:
             if name not in skip:
@@ -243,8 +243,9 @@ def save_hf_folder(stage_tensors: Iterable[tuple[str, torch.Tensor]], stage: int
         if rank == 0:
             try:
                 for path in hf_artifacts.iterdir():
-                    if path.is_file() and not path.name.endswith(_WEIGHT_FILES):
-                        shutil.copy2(path, tmp / path.name)
+                    # a link is not followed: a checkpoint from elsewhere could point one at any file of this host
+                    if path.is_file() and not path.is_symlink() and not path.name.endswith(_WEIGHT_FILES):
+                        shutil.copy2(path, tmp / path.name, follow_symlinks=False)
                 _name_files(tmp, reports)
             except (OSError, HFExportError) as e:
                 verdict[0] = str(e) if isinstance(e, HFExportError) else f"{type(e).__name__}: {e}"
