@@ -17,6 +17,7 @@ benchmark (bench_grpo.py, bench_async.py, bench_scale.py, bench_scale_laws.py --
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -29,9 +30,17 @@ from typing import Any
 
 import torch
 
+OUMI_GSM8K_REWARD_SHA256 = "b7e5b2f4b97b1173764456432391dbc354cc18bfc07a8211a71e04db27ece975"
+"""The sha256 of oumi 0.9's oumi/datasets/grpo/rewards/gsm8k_reward.py (the lock's): the one file this script runs."""
+
 
 def oumi_gsm8k_reward(source: Path) -> Callable[..., list[float]]:
-    """Oumi's gsm8k reward function, from its source file (the registry decorator made a no-op)."""
+    """Oumi's gsm8k reward function, from its source file (the registry decorator made a no-op). Only Oumi's own file
+    runs: a file of other bytes beside the rows is refused, never executed."""
+    code = source.read_bytes()
+    if hashlib.sha256(code).hexdigest() != OUMI_GSM8K_REWARD_SHA256:
+        raise SystemExit(f"{source} is not oumi 0.9's gsm8k reward (its sha256 differs): refusing to run it. "
+                         "Write the rows again with scripts/prepare_gpu_real_model.py.")
     registry = types.ModuleType("oumi.core.registry")
     registry.RegistryType = SimpleNamespace(REWARD_FUNCTION="reward_function")  # type: ignore[attr-defined]
     registry.register = lambda name, kind: (lambda fn: fn)  # type: ignore[attr-defined]
@@ -39,7 +48,7 @@ def oumi_gsm8k_reward(source: Path) -> Callable[..., list[float]]:
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["oumi.core.registry"] = registry
     namespace: dict = {"__name__": "oumi_gsm8k_reward"}
-    exec(compile(source.read_text(), str(source), "exec"), namespace)  # noqa: S102 - Oumi's own file
+    exec(compile(code, str(source), "exec"), namespace)  # noqa: S102 - Oumi's own file, checked above
     for name in ("oumi.core.registry", "oumi.core", "oumi"):
         sys.modules.pop(name, None)  # nothing else may mistake the stub for Oumi
     return namespace["gsm8k_reward"]

@@ -34,6 +34,11 @@ def test_good_data_loads_every_row(make_config, tmp_path: Path) -> None:  # noqa
         (["", "  "], r"d\.jsonl has no rows"),
         ([json.dumps(GOOD), '{"prompt": "x", "target": ', json.dumps(GOOD)], r"d\.jsonl line 2 is not valid JSON"),
         ([json.dumps(GOOD), "[1, 2]"], r"d\.jsonl line 2 is a JSON list, not an object"),
+        # hostile rows: nesting past the recursion limit, an integer past the digit limit (were a raw RecursionError
+        # and ValueError)
+        ([json.dumps(GOOD), '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+         r"d\.jsonl line 2 cannot be read as JSON \(nested too deep\)"),
+        ([json.dumps(GOOD), '{"prompt": "x", "n": ' + "7" * 5000 + "}"], r"d\.jsonl line 2 cannot be read as JSON \(Exceeds"),
         # a row without the prompt column, among rows with it (it would have crashed the step that drew it)
         ([json.dumps(GOOD), "", json.dumps({"question": "q", "target": "digits"})],
          r"d\.jsonl row 1 \(line 3\) has no prompt text"),

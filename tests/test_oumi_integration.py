@@ -111,10 +111,15 @@ def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path,
     weights, and the run learns exactly like the 1F1B run of ``pp2_run`` (same config, plain torchrun):
     ZB-H1 changes when weight gradients are computed and ModuleQueue where weights wait, not what they
     are (rewards equal, losses and grad norms within 1e-6)."""
+    # launched from a folder holding a file named like the module torchrun runs: the ranks run Oumi, not the file
+    shadow = tmp_path / "launch"
+    shadow.mkdir()
+    (shadow / "oumi.py").write_text("import sys\nprint('SHADOWED: the launch folder came first')\nsys.exit(3)\n")
     stock = run_cli(["oumi", "distributed", "torchrun", "--nproc-per-node", "2", "-m", "oumi", "train", "-c", str(bad_yaml)],
-                    env={"MASTER_PORT": str(free_port())})
+                    env={"MASTER_PORT": str(free_port())}, cwd=shadow)
     assert stock.returncode != 0
     stock_output = stock.stdout + stock.stderr
+    assert "SHADOWED" not in stock_output, stock_output[-2000:]
     assert "MEGATRON_GRPO config has" in stock_output and "megatron.tensor_model_parallel_size" in stock_output
     # a new output_dir (a used one is refused), with the conversion of the pp2 run copied in
     out_dir = tmp_path / "seed"

@@ -99,3 +99,22 @@ def test_a_batch_function_returning_the_wrong_count_is_named(registry) -> None: 
         REGISTRY.register("test_short", RegistryType.REWARD_FUNCTION, lambda completions, **kw: [1.0])
     with pytest.raises(RewardFunctionError, match=r"'test_short' returned 1 values for 3 completions"):
         RewardComputer([spec("test_short")])(["p"] * 3, ["a", "b", "c"], [{"prompt": "p"}] * 3)
+
+
+def test_a_reward_too_large_for_the_advantages_is_an_error_or_skipped(registry) -> None:  # noqa: ANN001
+    """10 ** 400 (past float's range) and 1e300 (finite, but its square and the loss overflow) are a reward function's
+    errors: named under raise, dropped as samples without a reward under skip, and the group's advantages stay finite.
+    Before, the first raised a raw OverflowError even under skip and the second gave NaN advantages."""
+    from oumi_megatron.grpo.algorithm import group_advantages
+
+    fn = {"test_huge": lambda completions, **kw: [10 ** 400 if c == "int" else 1e300 if c == "big" else 1.0
+                                                  for c in completions]}
+    with pytest.raises(RewardFunctionError, match="beyond float's range"):
+        RewardComputer([spec("test_huge")], functions=fn)(["p"] * 2, ["ok", "int"], [{"prompt": "p"}] * 2)
+    with pytest.raises(RewardFunctionError, match="beyond the"):
+        RewardComputer([spec("test_huge")], functions=fn)(["p"] * 2, ["ok", "big"], [{"prompt": "p"}] * 2)
+    r = RewardComputer([spec("test_huge")], on_error="skip", functions=fn)(["p"] * 4, ["ok", "int", "big", "ok"],
+                                                                           [{"prompt": "p"}] * 4)
+    assert r.valid.tolist() == [True, False, False, True] and r.total.tolist() == [1.0, 0.0, 0.0, 1.0]
+    advantages = group_advantages(r.total, 4, valid=r.valid)
+    assert torch.isfinite(advantages).all(), advantages

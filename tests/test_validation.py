@@ -86,6 +86,9 @@ def test_world_size_not_divisible_uses_the_seed_message(make_config) -> None:  #
          "megatron.sglang_engine_args", "'chunked_prefil_size' is not an argument of sglang.Engine"),
         ({"inference_backend": "sglang", "sglang_engine_args": {"tp_size": 2}}, DENSE, 1,
          "megatron.sglang_engine_args", "'tp_size' is set by the backend itself"),
+        ({"inference_backend": "sglang", "sglang_engine_args": {"trust_remote_code": True}}, DENSE, 1,  # the model's own field
+         "megatron.sglang_engine_args", "'trust_remote_code' is set by the backend itself; use its own field (model.model_name, "
+                                        "model.torch_dtype_str, model.trust_remote_code"),
         ({"inference_backend": "sglang", "sglang_mem_fraction_static": 1.5}, DENSE, 1, "megatron.sglang_mem_fraction_static",
          "must be in (0, 1]"),
         ({"inference_backend": "sglang", "rollout_placement": "separate", "weight_sync_method": "checkpoint"}, DENSE, 1,

@@ -102,6 +102,9 @@ def _jsonl_line(raw: bytes, number: int, path: Path, where: str) -> str | None:
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: {path} line {number} is not valid JSON ({e.msg} at column {e.colno}). "
                         "Each line must be one JSON object.") from e
+    except (ValueError, RecursionError) as e:  # a number past Python's digit limit; nesting past the recursion limit
+        why = "nested too deep" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise DataError(f"{where}: {path} line {number} cannot be read as JSON ({why}). Fix or remove the row.") from e
     if not isinstance(value, dict):
         raise DataError(f"{where}: {path} line {number} is a JSON {type(value).__name__}, not an object "
                         "with the dataset's columns.")

@@ -32,6 +32,10 @@ class RewardResult:
     """Why samples were dropped (the first few), for the warning a skipped step logs."""
 
 
+MAX_ABS_REWARD = 1e12
+"""The largest reward magnitude accepted: beyond it, the advantages' float32 statistics and the loss overflow."""
+
+
 def as_reward(value: Any) -> float:
     """A reward function's value as a float. Only numbers count (int, float, numpy and one-element
     torch scalars): ``float("0.5")`` would silently accept a string, so strings and other types
@@ -91,8 +95,15 @@ class RewardComputer:
         except TypeError as e:
             self._handle(name, i, completion, str(e), errors)
             return
+        except OverflowError:  # an int past float's range (10 ** 400)
+            self._handle(name, i, completion, f"returned an integer beyond float's range ({str(value)[:20]}...)", errors)
+            return
         if not torch.isfinite(values[i]):
             self._handle(name, i, completion, f"returned {values[i].item()}", errors)
+        elif abs(values[i].item()) > MAX_ABS_REWARD:
+            self._handle(name, i, completion, f"returned {values[i].item():g}, beyond the +-{MAX_ABS_REWARD:g} a reward "
+                         "may take (its square and the loss would overflow)", errors)
+            values[i] = float("nan")  # under skip: dropped as a sample without a reward
 
     def _values(self, name: str, fn: Callable, kwargs: dict[str, Any], prompts: list[str], completions: list[str],
                 rows: list[dict[str, Any]], errors: list[str]) -> torch.Tensor:

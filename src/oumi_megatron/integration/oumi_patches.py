@@ -252,6 +252,9 @@ def patch_distributed_torchrun(module: types.ModuleType) -> None:
         if found is None or not config_requests_megatron(found[1], []):
             return orig_torchrun(ctx, level)  # Not ours: stock behaviour, unchanged.
         ctx.args[:] = rewrite_torchrun_args(list(ctx.args))
+        # `torchrun -m oumi` would put the launch folder first on every rank's sys.path, where a file named like a
+        # module (oumi.py, torch.py) would run instead: the ranks search it no more than `oumi train` does
+        os.environ.setdefault("PYTHONSAFEPATH", "1")
 
         import torch
 

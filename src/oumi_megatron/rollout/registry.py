@@ -294,7 +294,7 @@ def _sglang(colocated: bool) -> RolloutBuilder:
         step = (c.megatron.global_batch_size or c.grpo.num_generations) * c.grpo.num_mini_batches
         rows = max(step, c.training.per_device_eval_batch_size or 1)
         return cls(c.model.model_name, ctx.dtype, c.megatron, c.grpo, seed=c.training.seed, engine=ctx.engine,
-                   vocab_size=len(ctx.tokenizer), rows_per_step=rows)
+                   vocab_size=len(ctx.tokenizer), rows_per_step=rows, trust_remote_code=bool(c.model.trust_remote_code))
 
     return build
 
@@ -322,8 +322,9 @@ def _sglang_fields(colocated: bool) -> Callable[[MegatronParams], list[Problem]]
             for name in sorted(args):
                 if name in OWNED_ENGINE_ARGS:
                     out.append(Problem("megatron.sglang_engine_args", f"{name!r} is set by the backend itself; use its own "
-                                       "field (model.model_name, model.torch_dtype_str, megatron.sglang_mem_fraction_static, "
-                                       "megatron.sglang_attention_backend, ...) or leave it out."))
+                                       "field (model.model_name, model.torch_dtype_str, model.trust_remote_code, "
+                                       "megatron.sglang_mem_fraction_static, megatron.sglang_attention_backend, ...) or "
+                                       "leave it out."))
                 elif name not in known:
                     out.append(Problem("megatron.sglang_engine_args", f"{name!r} is not an argument of sglang.Engine "
                                        "(sglang.srt.server_args.ServerArgs). Check its spelling against SGLang 0.5.17."))

@@ -64,7 +64,7 @@ SGLANG_INSTALL = ("`bash scripts/setup.sh --gpu --sglang` on a GPU machine (SGLa
 """The one way SGLang is installed (README.md and docs/rollouts.md say the same)."""
 OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", "device", "skip_tokenizer_init",
                                "context_length", "mem_fraction_static", "attention_backend", "base_gpu_id",
-                               "enable_memory_saver", "max_total_tokens"})
+                               "enable_memory_saver", "max_total_tokens", "trust_remote_code"})
 """sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
 UPDATE_GROUP = "oumi_megatron_sglang_weights"
 UPDATE_GROUP_TIMEOUT = timedelta(minutes=30)
@@ -101,6 +101,8 @@ class EngineSpec:
     """The KV pool on the CPU (tokens); on GPU ``mem_fraction_static`` sizes it."""
     base_gpu_id: int | None = None
     memory_saver: bool = False
+    trust_remote_code: bool = False
+    """``model.trust_remote_code``: the model folder's own code may run (never through ``sglang_engine_args``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,7 +133,8 @@ def start_engine(spec: EngineSpec) -> Any:
         raise UserInputError(f"megatron.inference_backend: sglang, but SGLang is not installed ({e}). Install it: "
                              f"{SGLANG_INSTALL}.") from e
     kwargs: dict[str, Any] = dict(model_path=spec.model, dtype=spec.dtype, random_seed=spec.seed, skip_tokenizer_init=True,
-                                  context_length=spec.context_length, log_level="warning")
+                                  context_length=spec.context_length, log_level="warning",
+                                  trust_remote_code=spec.trust_remote_code)
     if torch.cuda.is_available():
         kwargs.update(mem_fraction_static=spec.mem_fraction_static, enable_memory_saver=spec.memory_saver)
         if spec.base_gpu_id is not None:
@@ -169,7 +172,7 @@ class _SglangBackend:
     placement = ""
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
-                 vocab_size: int, rows_per_step: int) -> None:
+                 vocab_size: int, rows_per_step: int, trust_remote_code: bool = False) -> None:
         """``engine``: the trainer's MegatronEngine (the probe's reference logprobs); ``vocab_size``: the tokenizer's;
         ``rows_per_step``: this rank's rollouts per step (the CPU KV pool holds them)."""
         self.trainer_engine = engine
@@ -179,7 +182,7 @@ class _SglangBackend:
                                context_length=self.context_length, mem_fraction_static=params.sglang_mem_fraction_static,
                                attention_backend=params.sglang_attention_backend,
                                max_total_tokens=max(4 * self.context_length, 2 * rows_per_step * self.context_length),
-                               extra=dict(params.sglang_engine_args or {}))
+                               extra=dict(params.sglang_engine_args or {}), trust_remote_code=trust_remote_code)
         self.engine: Any = None
         """The ``sglang.Engine`` this rank drives (None where it drives none)."""
         self.last_probe: float | None = None
@@ -313,8 +316,8 @@ class ColocatedSglangBackend(_SglangBackend):
     placement = "colocated"
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
-                 vocab_size: int, rows_per_step: int) -> None:
-        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step)
+                 vocab_size: int, rows_per_step: int, trust_remote_code: bool = False) -> None:
+        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step, trust_remote_code)
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.spec.seed = seed + rank  # one seed per engine
         if torch.cuda.is_available():
@@ -376,10 +379,10 @@ class SeparateSglangBackend(_SglangBackend):
     placement = "separate"
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
-                 vocab_size: int, rows_per_step: int) -> None:
+                 vocab_size: int, rows_per_step: int, trust_remote_code: bool = False) -> None:
         from oumi_megatron.rollout.vllm_backend import _engine_gpu_for_owner
 
-        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step)
+        super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step, trust_remote_code)
         self.owner = self.replica[0]
         self.is_owner = not dist.is_initialized() or dist.get_rank() == self.owner
         self.method = params.weight_sync_method

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,11 +169,30 @@ def link_metrics(engine: dict[str, float], step: dict[str, Any]) -> dict[str, fl
     return out
 
 
+SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "auth"})
+"""A setting named with one of these words (``api_key``, ``hf_token``; not ``max_tokens``) is not sent to a dashboard."""
+REDACTED = "<redacted>"
+
+
+def _secret(name: Any) -> bool:
+    return isinstance(name, str) and not SECRET_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def redacted(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with every setting named like a secret (``SECRET_WORDS``) replaced."""
+    if isinstance(value, dict):
+        return {k: REDACTED if _secret(k) else redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    return value
+
+
 def wandb_settings(config: MegatronTrainingConfig) -> dict[str, Any] | None:
-    """``training.enable_wandb``: W&B run settings (project from WANDB_PROJECT, name from run_name)."""
+    """``training.enable_wandb``: W&B run settings (project from WANDB_PROJECT, name from run_name); the config it
+    shows has its secrets redacted (reward kwargs and engine arguments are the user's free-form settings)."""
     t = config.training
     if not t.enable_wandb:
         return None
     sections = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                 for k, v in (("megatron", config.megatron), ("grpo", config.grpo))}
-    return {"name": t.run_name, "config": sections}
+    return {"name": t.run_name, "config": redacted(sections)}
