@@ -83,6 +83,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     check_space(config, shape, start)  # output_dir's disk holds what the run will write
     tokenizer = build_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # the chat template renders the environment's observations
+    start_sandbox(config.grpo, reward_functions)  # model-written code's isolation, or the fix: before any heavy work
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
@@ -106,6 +107,23 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, dataset, rollout)
     trainer.start_metrics.update(network.metrics())
     return AssembledRun(trainer, start.checkpoint)
+
+
+def start_sandbox(grpo: Any, reward_functions: dict[str, Any] | None = None) -> None:
+    """The process's sandbox (utils/sandbox.py) with ``grpo.sandbox``, when the environment or a reward runs code the
+    model wrote: started now, its isolation logged; ``UserInputError`` with the fixes when this machine lacks it."""
+    from oumi_megatron.environments.registry import ENVIRONMENTS
+    from oumi_megatron.errors import UserInputError
+    from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.utils.sandbox import SandboxUnavailable, start_shared
+
+    environment = grpo.environment is not None and getattr(ENVIRONMENTS.get(grpo.environment), "uses_sandbox", False)
+    if not (environment or RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward_functions).uses_sandbox):
+        return
+    try:
+        start_shared(grpo.sandbox.settings(grpo.environment_workers))
+    except SandboxUnavailable as e:
+        raise UserInputError(str(e)) from e
 
 
 def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions: dict[str, Any] | None = None,
@@ -158,6 +176,7 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     load_plugins(config.grpo.plugins)  # their reward functions and environments
     tokenizer = build_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # before the weights are read
+    start_sandbox(config.grpo, reward_functions)
     _, engine = build_inference_engine(config.model.model_name, layout, config.megatron, dtype,
                                        trust_remote_code=bool(config.model.trust_remote_code))
     rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_sets,

@@ -88,7 +88,7 @@ class Evaluator:
         # generated and not scored.
         share, real = -(-len(self.rows) // dp), len(mine)
         mine += [mine[0] if mine else 0] * (share - real)
-        names = [name for name, *_ in self.rewards.specs]
+        names = self.rewards.columns  # each function's reward, then the metrics they declare
         # scored, reward, format, length, truncated, n, correct, per function, then the episodes' (eval_sums)
         sums = torch.zeros(7 + len(names) + EVAL_SUMS, dtype=torch.float64)
         for start in range(0, share, self.batch_size):

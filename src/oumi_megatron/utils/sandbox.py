@@ -75,7 +75,7 @@ class Limits:
     """Address space of each process (RLIMIT_AS), MiB."""
     max_processes: int = 32
     """Processes and threads at once (RLIMIT_NPROC of the program's own uid: enforced under ``namespaces``)."""
-    max_output_bytes: int = 1 << 20
+    max_output_bytes: int = 65536
     """Each of stdout and stderr is cut here (RLIMIT_FSIZE: a write past it fails), and so is any file it writes."""
 
     def __post_init__(self) -> None:
@@ -491,7 +491,8 @@ def check_hostile(sandbox: Sandbox, case: Hostile, host: dict[str, Any], limits:
             escaped = f"the sandbox does not run the next program ({alive.problem or alive.stdout!r})"
     except SandboxError as e:
         escaped = escaped or f"the sandbox does not run the next program ({e})"
-    detail = escaped or (result.problem or "ended normally") + (
+    last = result.stderr.strip().splitlines()[-1:] if result.stderr.strip() and not result.ok else []
+    detail = escaped or (result.problem or "ended normally") + (f" ({last[0][:120]})" if last else "") + (
         f"; {result.leftover_processes} process(es) it left were killed" if result.leftover_processes else "")
     return CheckResult(case.name, escaped is None, detail)
 
