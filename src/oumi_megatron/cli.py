@@ -5,7 +5,7 @@
     oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
     oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N] [--peft-save-mode MODE]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
-    oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
+    oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--samples N] [--a.b=v ...]
     oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
     oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200] [--numbers large]
     oumi-megatron make-code-data [--out data] [--train 2000] [--eval 200]
@@ -203,7 +203,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     config = load_config(args.config, parse_overrides(extra))
     config.finalize_and_validate()
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    metrics = evaluate_hf_model(config, args.model, log=logger if rank0 else None)
+    metrics = evaluate_hf_model(config, args.model, log=logger if rank0 else None, samples=args.samples)
     if rank0:
         from rich.table import Table
 
@@ -436,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=None, help="HF folder to evaluate (default: model.model_name), e.g. "
                     "output_dir/hf_model")
     ev.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    ev.add_argument("--samples", type=int, default=1, help="completions per prompt: 1 greedy; N sampled at "
+                    "grpo.temperature, with pass@k for k = 1, 5, 10, ... <= N (with a code_tests reward)")
     ev.set_defaults(func=cmd_eval)
 
     g = _command(sub, "gguf-to-hf", help="dequantize a GGUF model into an HF folder (default: the bundled "
