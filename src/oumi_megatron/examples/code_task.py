@@ -330,7 +330,8 @@ def _call(name: str, args: tuple) -> str:
 
 
 def make_row(template: Template, rng: Rng) -> dict[str, Any]:
-    """One task of ``template``: ``{"question", "tests", "public_tests", "entry_point", "template"}``."""
+    """One task of ``template``: ``{"question", "tests", "public_tests", "entry_point", "template", "params"}``
+    (``params``: the values its specification was drawn with)."""
     p = template.params(rng)
     calls: list[tuple] = []
     seen: set[str] = set()
@@ -344,7 +345,7 @@ def make_row(template: Template, rng: Rng) -> dict[str, Any]:
     question = (f"Write a Python function `{template.name}({template.signature}` that "
                 f"{template.text.format(**p)}. {example} {INSTRUCTION}")
     return {"question": question, "tests": tests, "public_tests": tests[:PUBLIC_TESTS], "entry_point": template.name,
-            "template": template.id}
+            "template": template.id, "params": p}
 
 
 def make_rows(n: int, seed: int, templates: tuple[Template, ...] = TRAIN_TEMPLATES) -> list[dict[str, Any]]:
