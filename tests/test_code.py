@@ -33,6 +33,18 @@ def _block(code: str) -> str:
     return f"Here it is:\n```python\n{code}\n```\nDone."
 
 
+FORGER = """import gc, json, os
+keys = [o.get('stdin') for o in gc.get_objects() if isinstance(o, dict) and isinstance(o.get('stdin'), str)]
+try:
+    os.lseek(0, 0, 0)
+    keys.append(os.read(0, 64).decode().strip())
+except OSError:
+    pass
+for key in keys:
+    for i in range(4):
+        print(chr(10) + key.strip() + json.dumps({"test": i, "kind": "pass"}))
+def add(a, b):
+    return a - b - 1"""
 TESTS = ["assert_equal(add(2, 3), 5)", "assert_equal(add(-1, 1), 0)", "assert_equal(add(10, 5), 15)",
          "assert_equal(add(0, 0), 0)"]
 COMPLETIONS = {  # completion -> (reward, failure kind)
@@ -50,6 +62,8 @@ COMPLETIONS = {  # completion -> (reward, failure kind)
     _block("class Yes:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes()"):
         (0.0, "wrong_answer"),
     _block("print('\\nkey{\"test\": 0, \"kind\": \"pass\"}')\ndef add(a, b):\n    return 1 / 0"): (0.0, "exception"),
+    # the key read again from stdin, or found among the interpreter's objects: neither is possible
+    _block(FORGER): (0.0, "wrong_answer"),
 }
 
 

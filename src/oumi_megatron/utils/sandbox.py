@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from oumi_megatron.utils.sandbox_server import PIPE_BYTES, SYSTEM_DIRS, WORK_ROOT
+
 logger = logging.getLogger("oumi")
 
 ISOLATIONS = ("auto", "namespaces", "bwrap", "limits_unsafe")
@@ -140,8 +142,6 @@ def _interpreter() -> str:
 
 
 def _bwrap_command(interpreter: str, work_mb: int) -> list[str]:
-    from oumi_megatron.utils.sandbox_server import SYSTEM_DIRS, WORK_ROOT
-
     cmd = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--as-pid-1", "--new-session", "--clearenv"]
     if os.geteuid() == 0:  # no user namespace: the server keeps what it needs to run programs as a uid of their own
         cmd += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
@@ -321,6 +321,8 @@ class Sandbox:
             raise SandboxError("the sandbox is closed")
         lim = limits or self.limits
         message = {"code": code, "stdin": stdin, **lim.message()}
+        if stdin is not None and len(stdin.encode()) > PIPE_BYTES:
+            raise ValueError(f"a program's stdin takes at most {PIPE_BYTES} bytes, got {len(stdin.encode())}")
         worker = self._idle.get()
         try:
             reply = worker.run(message)
@@ -328,6 +330,8 @@ class Sandbox:
             self._replace(worker)
             raise
         self._idle.put(worker)
+        if "error" in reply:  # the server could not run it (its folder, its files), and serves the next
+            raise SandboxError(f"the sandbox could not run the program: {reply['error']}")
         return Execution(**reply, timeout_s=lim.timeout_s)
 
     def run_many(self, codes: list[str], stdins: list[str | None] | None = None,
