@@ -280,6 +280,26 @@ def test_humaneval_is_never_trained_on(make_config: Any) -> None:
         load_prompts(cfg)
 
 
+def test_a_run_that_runs_code_stops_before_any_heavy_work_without_the_isolation(
+        sandbox: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """assembly.start_sandbox (before conversion): the isolation named is missing (bubblewrap, off PATH here), the
+    message names the field and the ways out; the process's running sandbox is kept. Without a code feature nothing
+    starts."""
+    from oumi_megatron.assembly import start_sandbox
+    from oumi_megatron.config.grpo_params import MegatronGrpoParams, RewardFunctionParams, SandboxParams
+    from oumi_megatron.errors import UserInputError
+    from oumi_megatron.utils.sandbox import shared
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no bwrap to find
+    grpo = MegatronGrpoParams(environment="python", reward_functions=[RewardFunctionParams(name="code_tests")],
+                              sandbox=SandboxParams(isolation="bwrap"))
+    with pytest.raises(UserInputError, match=r"grpo.sandbox.isolation: .*'bwrap'.*Run as root .*limits_unsafe"):
+        start_sandbox(grpo)
+    assert shared() is sandbox and sandbox.run("print(1)").stdout == "1\n"
+    start_sandbox(MegatronGrpoParams(reward_functions=[RewardFunctionParams(name="gsm8k")],
+                                     sandbox=SandboxParams(isolation="bwrap")))  # no code feature: not started
+
+
 @pytest.mark.parametrize(("sandbox_fields", "field", "text"), [
     ({"isolation": "docker"}, "grpo.sandbox.isolation", "limits_unsafe"),
     ({"workers": 0}, "grpo.sandbox.workers", "[1, 64]"),

@@ -280,10 +280,15 @@ class Sandbox:
         self._workers = [first]
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._idle.put(first)
-        for slot in range(1, workers):
-            worker = _Worker(slot, self.isolation, work_mb)
-            self._workers.append(worker)
-            self._idle.put(worker)
+        try:
+            for slot in range(1, workers):
+                worker = _Worker(slot, self.isolation, work_mb)
+                self._workers.append(worker)
+                self._idle.put(worker)
+        except BaseException:
+            for worker in self._workers:
+                worker.close()
+            raise
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="oumi-sandbox")
         self._lock = threading.Lock()
         self.closed = False
@@ -529,10 +534,9 @@ def start_shared(settings: SandboxSettings) -> Sandbox:
     with _shared_lock:
         if _shared is not None and _shared[0] == settings and not _shared[1].closed:
             return _shared[1]
-        if _shared is not None:
-            _shared[1].close()
-            _shared = None
         sandbox = Sandbox(settings.isolation, settings.workers, settings.limits, settings.work_mb)
+        if _shared is not None:  # replaced only once the new one runs
+            _shared[1].close()
         _shared = (settings, sandbox)
     lim = asdict(settings.limits)
     logger.info(f"sandbox for model-written code: {sandbox.description}; {sandbox.workers} worker(s); limits {lim}.")

@@ -383,6 +383,7 @@ def serve(setup: dict[str, Any]) -> None:
                        f"{setup['work_mb']} MiB tmpfs for the working folder), network, PID, IPC, UTS namespaces; programs "
                        f"run as {who}")
     else:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller is killed: so is this server (its programs are reaped)
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         description = ("limits only (no namespaces): the program can read the machine's files and reach the network; "
                        "rlimits, a fresh folder, a cleared environment, and its processes reaped")
