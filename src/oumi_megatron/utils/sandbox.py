@@ -136,6 +136,20 @@ def _uid(slot: int) -> int:
     return UID_BASE + (os.getpid() % (1 << 20)) * MAX_WORKERS + slot
 
 
+_slots: set[int] = set()
+_slots_lock = threading.Lock()
+
+
+def _take_slot() -> int:
+    """A server number no other running server of this process has (its programs' uid is its own)."""
+    with _slots_lock:
+        free = next((i for i in range(MAX_WORKERS) if i not in _slots), None)
+        if free is None:
+            raise SandboxError(f"this process runs {MAX_WORKERS} sandbox servers already; close a Sandbox first")
+        _slots.add(free)
+        return free
+
+
 def _interpreter() -> str:
     """The base interpreter (not a venv's wrapper): run with -I -S, programs see the standard library alone."""
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
@@ -179,8 +193,10 @@ def _check_readable_by_others(prefix: str) -> None:
 class _Worker:
     """One server process (utils/sandbox_server.py) and its pipes."""
 
-    def __init__(self, slot: int, isolation: str, work_mb: int) -> None:
-        self.slot, self.isolation = slot, isolation
+    def __init__(self, isolation: str, work_mb: int, slot: int | None = None) -> None:
+        """``slot``: the number of the server this one replaces (else a free one of the process's)."""
+        self.slot, self.isolation = _take_slot() if slot is None else slot, isolation
+        slot = self.slot
         interpreter = _interpreter()
         self.folder = tempfile.mkdtemp(prefix="oumi-sandbox-")
         os.chmod(self.folder, 0o711)  # limits: the program's uid passes through to its folder
@@ -245,7 +261,11 @@ class _Worker:
         self._send(message)
         return self._receive(time.monotonic() + message["timeout_s"] + REPLY_MARGIN_S)
 
-    def close(self) -> None:
+    def close(self, keep_slot: bool = False) -> None:
+        """Stops the server; ``keep_slot``: its number goes to its replacement."""
+        if not keep_slot:
+            with _slots_lock:
+                _slots.discard(self.slot)
         if self.proc.poll() is None:
             self.proc.kill()  # the server's namespace dies with it (PR_SET_PDEATHSIG)
         self.proc.wait()
@@ -256,9 +276,9 @@ class _Worker:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _try_start(isolation: str, slot: int, work_mb: int) -> tuple[_Worker | None, str]:
+def _try_start(isolation: str, work_mb: int) -> tuple[_Worker | None, str]:
     try:
-        return _Worker(slot, isolation, work_mb), ""
+        return _Worker(isolation, work_mb), ""
     except (SandboxError, OSError) as e:
         return None, str(e)
 
@@ -281,8 +301,8 @@ class Sandbox:
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._idle.put(first)
         try:
-            for slot in range(1, workers):
-                worker = _Worker(slot, self.isolation, work_mb)
+            for _ in range(1, workers):
+                worker = _Worker(self.isolation, work_mb)
                 self._workers.append(worker)
                 self._idle.put(worker)
         except BaseException:
@@ -304,7 +324,7 @@ class Sandbox:
             if name == "bwrap" and shutil.which("bwrap") is None:
                 tried.append("bwrap: bubblewrap is not installed")
                 continue
-            worker, why = _try_start(name, 0, work_mb)
+            worker, why = _try_start(name, work_mb)
             if worker is not None:
                 return worker, name
             tried.append(f"{name}: {why}")
@@ -352,11 +372,13 @@ class Sandbox:
         return list(self._pool.map(one, range(len(codes))))
 
     def _replace(self, worker: _Worker) -> None:
-        worker.close()
+        worker.close(keep_slot=True)
         with self._lock:
             if self.closed:
+                with _slots_lock:
+                    _slots.discard(worker.slot)
                 return
-            fresh = _Worker(worker.slot, self.isolation, self.work_mb)
+            fresh = _Worker(self.isolation, self.work_mb, slot=worker.slot)
             self._workers[self._workers.index(worker)] = fresh
         self._idle.put(fresh)
 
@@ -439,7 +461,9 @@ class CheckResult:
 
 
 def sandbox_processes() -> int:
-    """Processes running as a program's uid on this machine (0 when programs do not have uids of their own)."""
+    """Processes running as the uid of a program of this process's sandboxes (0 where programs do not have uids of
+    their own); other processes' sandboxes (another test worker's) have other uids."""
+    first = _uid(0)
     count = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -447,7 +471,7 @@ def sandbox_processes() -> int:
                 uid = os.stat(entry.path).st_uid
             except OSError:
                 continue
-            count += UID_BASE <= uid < UID_BASE + (MAX_WORKERS << 20)
+            count += first <= uid < first + MAX_WORKERS
     return count
 
 
