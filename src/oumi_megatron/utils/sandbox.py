@@ -13,7 +13,8 @@ Isolation (``isolation``; ``Sandbox.description`` says what is in force):
 - ``namespaces`` (root, Linux): mount, network, PID, IPC and UTS namespaces; a read-only root of the system's library
   folders and the interpreter; no network interface; programs as a uid of their own (``UID_BASE`` + ...), without
   capabilities;
-- ``bwrap``: the same namespaces from bubblewrap (installed, for users who are not root);
+- ``bwrap``: the same namespaces from bubblewrap (installed, for users who are not root; their programs run as the
+  caller's uid inside them);
 - ``auto``: the first of those this machine has; none: ``SandboxUnavailable``, with the fixes;
 - ``limits_unsafe``: limits only: the program can read this machine's files and reach the network. Never chosen by
   ``auto``: the user opts out by this name.
@@ -124,7 +125,10 @@ class Execution:
         if self.signal is not None:
             import signal as signals
 
-            name = signals.Signals(self.signal).name if self.signal in signals.Signals._value2member_map_ else str(self.signal)
+            try:
+                name = signals.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
             why = {"SIGXCPU": " (the CPU time limit)", "SIGKILL": " (a limit)", "SIGSEGV": " (a crash)"}.get(name, "")
             return f"it was killed by {name}{why}"
         if self.exit_code:
