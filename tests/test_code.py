@@ -320,7 +320,9 @@ def test_the_sandbox_commands_check_this_machine_and_run_a_file_as_an_episode_wo
 
     assert main(["sandbox", "check", "--timeout", "1"]) == 0
     out = capsys.readouterr().out
-    assert "isolation in force: namespaces" in out and "12 of 12 hostile programs contained" in out
+    from oumi_megatron.utils.sandbox import HOSTILE
+
+    assert "isolation in force: namespaces" in out and f"{len(HOSTILE)} of {len(HOSTILE)} hostile programs contained" in out
     program = tmp_path / "solution.py"
     program.write_text("import sys\nprint(input() * 2)\nprint('oops', file=sys.stderr)\nsys.exit(2)\n")
     (tmp_path / "in.txt").write_text("ab\n")

@@ -51,7 +51,7 @@ def test_this_machine_isolates_with_namespaces(sandbox: Sandbox) -> None:
     """CI runs as root on Linux: the strongest isolation, and the description says what it holds."""
     assert os.geteuid() == 0, "the tests expect root (CI's machines): the namespaces' isolation is what they check"
     assert sandbox.isolation == "namespaces"
-    for part in ("mount", "network", "PID", "read-only", "without capabilities"):
+    for part in ("mount", "network", "PID", "read-only", "without capabilities", "memory: "):
         assert part in sandbox.description, sandbox.description
 
 

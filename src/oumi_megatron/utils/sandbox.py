@@ -6,8 +6,9 @@ interpreter each, which forks once per program and never runs a program itself) 
 ``run(code)`` from any thread, ``run_many(codes)`` over all of them at once. A program gets a time limit (wall and
 CPU), a memory limit, a process-count limit, a cap on each of stdout and stderr, a fresh working folder removed
 afterwards, an environment without the caller's variables, and every process it left is killed before the result
-comes back. What a program does is its result (``Execution``: exit status, signal, timeout, output); a failure of the
-sandbox itself is a ``SandboxError``.
+comes back. Where a memory cgroup can be made below the caller's, each server and its programs get one of
+``memory_mb``: all of a program's processes together stay under it. What a program does is its result
+(``Execution``: exit status, signal, timeout, output); a failure of the sandbox itself is a ``SandboxError``.
 
 Isolation (``isolation``; ``Sandbox.description`` says what is in force):
 - ``namespaces`` (root, Linux): mount, network, PID, IPC and UTS namespaces; a read-only root of the system's library
@@ -75,7 +76,8 @@ class Limits:
     cpu_s: float | None = None
     """CPU seconds of each process (RLIMIT_CPU); None: ``timeout_s``."""
     memory_mb: int = 1024
-    """Address space of each process (RLIMIT_AS), MiB."""
+    """Address space of each process (RLIMIT_AS), MiB, and of all of a program's processes together where the sandbox
+    has a memory cgroup (its servers' limit is the sandbox's own ``memory_mb``)."""
     max_processes: int = 32
     """Processes and threads at once (RLIMIT_NPROC of the program's own uid: enforced under ``namespaces``)."""
     max_output_bytes: int = 65536
@@ -112,6 +114,8 @@ class Execution:
     leftover_processes: int
     """Processes it left running when it ended (killed)."""
     timeout_s: float
+    memory_exceeded: bool = False
+    """The kernel killed one of its processes at the memory cgroup's limit (its processes together)."""
 
     @property
     def ok(self) -> bool:
@@ -122,6 +126,8 @@ class Execution:
         """Why the program did not end normally, in words (None: it exited with status 0)."""
         if self.timed_out:
             return f"it ran longer than the time limit ({self.timeout_s:g} s) and was stopped"  # wall or CPU
+        if self.memory_exceeded:
+            return "its processes together used more memory than the limit, and the kernel killed one"
         if self.signal is not None:
             import signal as signals
 
@@ -194,11 +200,106 @@ def _check_readable_by_others(prefix: str) -> None:
                 f"default), or an interpreter installed where every user can read it.")
 
 
+SERVER_MIB = 64
+"""What a server itself may hold beside its program, in its memory cgroup."""
+
+
+class _MemoryCgroup:
+    """A memory cgroup of one server and its programs, below this process's own (cgroup v2 where the memory controller
+    is delegated to it, else v1's memory hierarchy): all of a program's processes together stay under its limit (a
+    fork bomb of memory bombs included); past it the kernel kills one of them. None where no such folder is writable
+    (then each process has RLIMIT_AS alone)."""
+
+    def __init__(self, folder: str, version: int) -> None:
+        self.folder, self.version = folder, version
+
+    @classmethod
+    def create(cls, name: str, limit_bytes: int) -> _MemoryCgroup | None:
+        for version, parent in _cgroup_parents():
+            folder = os.path.join(parent, name)
+            try:
+                os.mkdir(folder)
+            except OSError:
+                continue
+            group = cls(folder, version)
+            try:
+                if version == 2:
+                    group._write("memory.max", str(limit_bytes))
+                    group._write("memory.swap.max", "0", optional=True)
+                else:
+                    group._write("memory.limit_in_bytes", str(limit_bytes))
+                    group._write("memory.memsw.limit_in_bytes", str(limit_bytes), optional=True)
+            except OSError:
+                group.remove()
+                continue
+            return group
+        return None
+
+    def _write(self, name: str, value: str, optional: bool = False) -> None:
+        path = os.path.join(self.folder, name)
+        if optional and not os.path.exists(path):
+            return
+        with open(path, "w") as f:
+            f.write(value)
+
+    def add(self, pid: int) -> None:
+        self._write("cgroup.procs", str(pid))
+
+    def oom_kills(self) -> int:
+        """How many of its processes the kernel killed at the limit so far."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.folder, name)) as f:
+                return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+        except OSError:
+            return 0
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while True:  # empty once the killed server's processes are gone
+            try:
+                os.rmdir(self.folder)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return  # left behind, empty of memory; the machine's cgroup tree keeps an empty folder
+                time.sleep(0.01)
+
+
+def _cgroup_parents() -> list[tuple[int, str]]:
+    """(version, folder) of this process's own memory cgroups, v2 first (only where it may give memory to children)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return []
+    out: list[tuple[int, str]] = []
+    for _, controllers, path in lines:
+        for m in mounts:
+            fstype = m[m.index("-") + 1]
+            if controllers == "" and fstype == "cgroup2":
+                folder = m[4] + path.rstrip("/")
+                try:
+                    with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+                        if "memory" in f.read().split():
+                            out.insert(0, (2, folder))
+                except OSError:
+                    pass
+            elif "memory" in controllers.split(",") and fstype == "cgroup" and "memory" in m[-1].split(","):
+                out.append((1, m[4] + path.rstrip("/")))
+    return [(v, f) for v, f in out if os.access(f, os.W_OK)]
+
+
 class _Worker:
     """One server process (utils/sandbox_server.py) and its pipes."""
 
-    def __init__(self, isolation: str, work_mb: int, slot: int | None = None) -> None:
-        """``slot``: the number of the server this one replaces (else a free one of the process's)."""
+    def __init__(self, isolation: str, work_mb: int, memory_mb: int, slot: int | None = None) -> None:
+        """``memory_mb``: what a program may hold in all (the server's memory cgroup, where one can be made); ``slot``:
+        the number of the server this one replaces (else a free one of the process's)."""
         self.slot, self.isolation = _take_slot() if slot is None else slot, isolation
         slot = self.slot
         interpreter = _interpreter()
@@ -216,6 +317,14 @@ class _Worker:
                else [interpreter, "-I", "-S", str(SERVER)])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
                                      cwd="/", start_new_session=True, close_fds=True)
+        # into its cgroup before the setup message: the server forks its namespaces' init, and that its programs, after
+        self.cgroup = _MemoryCgroup.create(f"oumi-sandbox-{os.getpid()}-{slot}", (memory_mb + SERVER_MIB) << 20)
+        if self.cgroup is not None:
+            try:
+                self.cgroup.add(self.proc.pid)
+            except OSError:
+                self.cgroup.remove()
+                self.cgroup = None
         try:
             self._send(setup)
             reply = self._receive(time.monotonic() + START_TIMEOUT_S)
@@ -225,7 +334,9 @@ class _Worker:
         if not reply.get("ready"):
             self.close()
             raise SandboxUnavailable(reply.get("error", "the server did not start"))
-        self.description: str = reply["description"]
+        self.description: str = reply["description"] + (
+            f"; memory: each program's processes together under {memory_mb} MiB (a cgroup v{self.cgroup.version})"
+            if self.cgroup is not None else "; memory: per process (RLIMIT_AS; no memory cgroup can be made here)")
 
     def _send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message).encode()
@@ -262,8 +373,11 @@ class _Worker:
         return f": {text}" if text else ""
 
     def run(self, message: dict[str, Any]) -> dict[str, Any]:
+        before = self.cgroup.oom_kills() if self.cgroup is not None else 0
         self._send(message)
-        return self._receive(time.monotonic() + message["timeout_s"] + REPLY_MARGIN_S)
+        reply = self._receive(time.monotonic() + message["timeout_s"] + REPLY_MARGIN_S)
+        reply["memory_exceeded"] = self.cgroup is not None and self.cgroup.oom_kills() > before
+        return reply
 
     def close(self, keep_slot: bool = False) -> None:
         """Stops the server; ``keep_slot``: its number goes to its replacement."""
@@ -278,11 +392,13 @@ class _Worker:
                 with contextlib.suppress(OSError):  # a request still buffered for a server that is gone
                     f.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
-def _try_start(isolation: str, work_mb: int) -> tuple[_Worker | None, str]:
+def _try_start(isolation: str, work_mb: int, memory_mb: int) -> tuple[_Worker | None, str]:
     try:
-        return _Worker(isolation, work_mb), ""
+        return _Worker(isolation, work_mb, memory_mb), ""
     except (SandboxError, OSError) as e:
         return None, str(e)
 
@@ -299,14 +415,14 @@ class Sandbox:
             raise ValueError(f"sandbox workers must be in [1, {MAX_WORKERS}], got {workers!r}")
         self.limits = limits or Limits()
         self.work_mb = work_mb
-        first, self.isolation = self._first_worker(isolation, work_mb, field)
+        first, self.isolation = self._first_worker(isolation, work_mb, self.limits.memory_mb, field)
         self.description = f"{self.isolation}: {first.description.split(': ', 1)[-1]}"
         self._workers = [first]
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._idle.put(first)
         try:
             for _ in range(1, workers):
-                worker = _Worker(self.isolation, work_mb)
+                worker = _Worker(self.isolation, work_mb, self.limits.memory_mb)
                 self._workers.append(worker)
                 self._idle.put(worker)
         except BaseException:
@@ -318,7 +434,7 @@ class Sandbox:
         self.closed = False
 
     @staticmethod
-    def _first_worker(isolation: str, work_mb: int, field: str) -> tuple[_Worker, str]:
+    def _first_worker(isolation: str, work_mb: int, memory_mb: int, field: str) -> tuple[_Worker, str]:
         tried: list[str] = []
         candidates = ["namespaces", "bwrap"] if isolation == "auto" else [isolation]
         for name in candidates:
@@ -328,7 +444,7 @@ class Sandbox:
             if name == "bwrap" and shutil.which("bwrap") is None:
                 tried.append("bwrap: bubblewrap is not installed")
                 continue
-            worker, why = _try_start(name, work_mb)
+            worker, why = _try_start(name, work_mb, memory_mb)
             if worker is not None:
                 return worker, name
             tried.append(f"{name}: {why}")
@@ -382,7 +498,7 @@ class Sandbox:
                 with _slots_lock:
                     _slots.discard(worker.slot)
                 return
-            fresh = _Worker(self.isolation, self.work_mb, slot=worker.slot)
+            fresh = _Worker(self.isolation, self.work_mb, self.limits.memory_mb, slot=worker.slot)
             self._workers[self._workers.index(worker)] = fresh
         self._idle.put(fresh)
 
@@ -429,6 +545,10 @@ HOSTILE: tuple[Hostile, ...] = (
             lambda r, host: None if not r.ok else "it ended normally"),
     Hostile("memory bomb", "chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))",
             lambda r, host: None if not r.ok and not r.timed_out else "it was not stopped at the memory limit"),
+    Hostile("memory bombs in many processes",
+            "import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n        break\n"
+            "chunk = bytearray(b'x') * (200 << 20)\ntime.sleep(3600)",
+            lambda r, host: None if not r.ok and (r.memory_exceeded or not host["cgroup"]) else "it was not stopped"),
     Hostile("100 MB of output", "import sys\nfor _ in range(1_000_000):\n    sys.stdout.write('x' * 100)",
             lambda r, host: None if r.stdout_truncated and len(r.stdout) <= host["cap"] else "its output was not cut"),
     Hostile("socket to 127.0.0.1", "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
@@ -505,7 +625,7 @@ def hostile_host(cap: int) -> Iterator[dict[str, Any]]:
                 return False
 
         yield {"secret": secret, "secret_file": secret_file, "outside": outside, "port": listener.getsockname()[1],
-               "cap": cap, "accepted": accepted,
+               "cap": cap, "accepted": accepted, "cgroup": bool(_cgroup_parents()),
                "written": lambda: sorted(os.listdir(outside)) != ["secret.txt"] or any(
                    os.path.exists(p) for p in ("/tmp/oumi_sandbox_escaped", "/usr/oumi_sandbox_escaped", "/escaped"))}
 
