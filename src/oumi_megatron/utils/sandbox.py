@@ -459,6 +459,11 @@ class Sandbox:
     def workers(self) -> int:
         return len(self._workers)
 
+    @property
+    def memory_cgroup(self) -> bool:
+        """A program's processes together are held to ``limits.memory_mb`` (each server has a memory cgroup)."""
+        return all(w.cgroup is not None for w in self._workers)
+
     def run(self, code: str, stdin: str | None = None, limits: Limits | None = None) -> Execution:
         """Runs ``code`` as ``python main.py`` would (``stdin``: its standard input) under ``limits`` (default the
         sandbox's), on the next idle server; blocks until it ends."""
@@ -625,7 +630,7 @@ def hostile_host(cap: int) -> Iterator[dict[str, Any]]:
                 return False
 
         yield {"secret": secret, "secret_file": secret_file, "outside": outside, "port": listener.getsockname()[1],
-               "cap": cap, "accepted": accepted, "cgroup": bool(_cgroup_parents()),
+               "cap": cap, "accepted": accepted,
                "written": lambda: sorted(os.listdir(outside)) != ["secret.txt"] or any(
                    os.path.exists(p) for p in ("/tmp/oumi_sandbox_escaped", "/usr/oumi_sandbox_escaped", "/escaped"))}
 
@@ -633,6 +638,7 @@ def hostile_host(cap: int) -> Iterator[dict[str, Any]]:
 def check_hostile(sandbox: Sandbox, case: Hostile, host: dict[str, Any], limits: Limits = CHECK_LIMITS) -> CheckResult:
     """Runs ``case`` and checks from outside that it was contained: its result, the host's folder, socket and secrets
     (``host``), no process left, and the sandbox still running the next program."""
+    host = {**host, "cgroup": sandbox.memory_cgroup}
     code = case.code.format(**{k: v for k, v in host.items() if isinstance(v, (str, int))})
     try:
         result = sandbox.run(code, limits=limits)
