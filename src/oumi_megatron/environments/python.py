@@ -23,7 +23,7 @@ from typing import Any
 
 from oumi_megatron.environments.base import EpisodeEnd, Observation
 from oumi_megatron.environments.tool_calls import ToolCallParseError, parse_tool_call
-from oumi_megatron.grpo.code_tests import TestOutcome, run_tests
+from oumi_megatron.grpo.code_tests import CodeOutcome, run_tests
 from oumi_megatron.utils.sandbox import Execution, Sandbox, SandboxError, shared
 
 HEAD_CHARS = 2000
@@ -87,7 +87,7 @@ def execution_text(execution: Execution) -> str:
     return _unfenced("\n".join(parts) if parts else "(no output)")
 
 
-def tests_text(outcome: TestOutcome) -> str:
+def tests_text(outcome: CodeOutcome) -> str:
     """What the model reads of a run against public tests."""
     parts = []
     if outcome.stdout.strip():

@@ -119,14 +119,14 @@ def extract_code(text: str, entry_point: str | None = None) -> str | None:
     return text if _LOOKS_LIKE_CODE.search(text) else None
 
 
-def test_program(code: str, tests: list[str], prefix: str = "") -> str:
+def harness_program(code: str, tests: list[str], prefix: str = "") -> str:
     """The sandbox program that runs ``tests`` against ``prefix + code``."""
     prefix = prefix + "\n" if prefix and not prefix.endswith("\n") else prefix
     return HARNESS.replace("_harness(CODE, PREFIX, TESTS)", f"_harness({code!r}, {prefix!r}, {list(tests)!r})")
 
 
 @dataclass
-class TestOutcome:
+class CodeOutcome:
     """How one completion did on its tests."""
 
     total: int
@@ -150,7 +150,7 @@ class TestOutcome:
                 **{kind: float(self.failure == kind) for kind in FAILURE_KINDS}}
 
 
-def outcome_of(execution: Execution, key: str, tests: list[str]) -> TestOutcome:
+def outcome_of(execution: Execution, key: str, tests: list[str]) -> CodeOutcome:
     """The tests' outcome from the program's execution (``key``: what its result lines start with)."""
     reports, lines = [], []
     for line in execution.stdout.split("\n"):
@@ -161,7 +161,7 @@ def outcome_of(execution: Execution, key: str, tests: list[str]) -> TestOutcome:
             except json.JSONDecodeError:
                 pass
         lines.append(line)
-    out = TestOutcome(total=len(tests), stdout="\n".join(lines).strip("\n"), stderr=execution.stderr)
+    out = CodeOutcome(total=len(tests), stdout="\n".join(lines).strip("\n"), stderr=execution.stderr)
     stage = next((r for r in reports if "stage" in r), None)
     if stage is None or stage["kind"] != "ok":
         if stage is not None:
@@ -196,14 +196,14 @@ def _short(test: str) -> str:
 
 
 def run_tests(sandbox: Sandbox, codes: list[str | None], tests: list[list[str]],
-              prefixes: list[str] | None = None) -> list[TestOutcome]:
+              prefixes: list[str] | None = None) -> list[CodeOutcome]:
     """Each of ``codes`` against its ``tests`` (``prefixes``: what goes before each), all at once on ``sandbox``'s
     servers. ``None`` code: ``no_code``. A failure of the sandbox itself raises ``SandboxError``."""
     todo = [i for i, code in enumerate(codes) if code is not None and code.strip()]
     keys = [secrets.token_hex(16) for _ in todo]
-    programs = [test_program(codes[i] or "", tests[i], (prefixes or [""] * len(codes))[i] or "") for i in todo]
+    programs = [harness_program(codes[i] or "", tests[i], (prefixes or [""] * len(codes))[i] or "") for i in todo]
     executions = sandbox.run_many(programs, stdins=[k + "\n" for k in keys])
-    out = [TestOutcome(total=len(t), failure="no_code", detail="no code found in the completion") for t in tests]
+    out = [CodeOutcome(total=len(t), failure="no_code", detail="no code found in the completion") for t in tests]
     for i, key, execution in zip(todo, keys, executions):
         if isinstance(execution, SandboxError):
             raise execution
