@@ -198,15 +198,16 @@ def _short(test: str) -> str:
 def run_tests(sandbox: Sandbox, codes: list[str | None], tests: list[list[str]],
               prefixes: list[str] | None = None) -> list[CodeOutcome]:
     """Each of ``codes`` against its ``tests`` (``prefixes``: what goes before each), all at once on ``sandbox``'s
-    servers. ``None`` code: ``no_code``. A failure of the sandbox itself raises ``SandboxError``."""
+    servers. ``None`` code: ``no_code``. A program whose server failed runs once more; a second failure of the sandbox
+    raises ``SandboxError``."""
     todo = [i for i, code in enumerate(codes) if code is not None and code.strip()]
     keys = [secrets.token_hex(16) for _ in todo]
     programs = [harness_program(codes[i] or "", tests[i], (prefixes or [""] * len(codes))[i] or "") for i in todo]
     executions = sandbox.run_many(programs, stdins=[k + "\n" for k in keys])
     out = [CodeOutcome(total=len(t), failure="no_code", detail="no code found in the completion") for t in tests]
-    for i, key, execution in zip(todo, keys, executions):
-        if isinstance(execution, SandboxError):
-            raise execution
+    for i, key, program, execution in zip(todo, keys, programs, executions):
+        if isinstance(execution, SandboxError):  # its server failed (it is replaced): once more, then the error stands
+            execution = sandbox.run(program, stdin=key + "\n")
         out[i] = outcome_of(execution, key, tests[i])
     return out
 
