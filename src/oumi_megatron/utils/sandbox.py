@@ -575,6 +575,8 @@ HOSTILE: tuple[Hostile, ...] = (
             lambda r, host: None if r.signal is not None else "it was not ended by a signal"),
     Hostile("sys.exit", "import sys\nsys.exit(7)",
             lambda r, host: None if r.exit_code == 7 else f"exit status {r.exit_code}, not 7"),
+    Hostile("a folder tree 5,000 levels deep", "import os\nfor _ in range(5000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+            "os.chmod('.', 0)\nprint('deep')", lambda r, host: None if r.ok and r.stdout == "deep\n" else "it did not run"),
     Hostile("a thread and a process that outlive the program",
             "import os, threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n"
             "if os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('main ended')",

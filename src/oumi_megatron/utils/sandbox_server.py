@@ -257,7 +257,8 @@ def _write(path: str, text: str, uid: int | None, gid: int | None) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """``path`` and everything below it, whatever modes the program left (no link is followed)."""
+    """``path`` and everything below it, whatever the program left there: any modes, no link followed, a tree of any
+    depth (each folder is moved up beside ``path`` before it is emptied: no recursion, short paths, few descriptors)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -265,10 +266,20 @@ def remove_tree(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
         return
-    os.chmod(path, 0o700)
-    for entry in os.scandir(path):
-        remove_tree(entry.path)
-    os.rmdir(path)
+    parent, moved = os.path.dirname(path), 0
+    todo = [path]
+    while todo:
+        folder = todo.pop()
+        os.chmod(folder, 0o700)
+        for entry in os.scandir(folder):
+            if entry.is_dir(follow_symlinks=False):
+                moved += 1
+                flat = os.path.join(parent, f".removing-{moved}")
+                os.rename(entry.path, flat)
+                todo.append(flat)
+            else:
+                os.unlink(entry.path)
+        os.rmdir(folder)
 
 
 def run_main(path: str) -> int:
