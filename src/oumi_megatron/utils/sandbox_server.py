@@ -138,7 +138,8 @@ def build_root(new_root: str, prefixes: list[str], work_mb: int) -> list[str]:
         _mount("/dev/" + name, path, None, MS_BIND)
         _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)
     os.makedirs(new_root + WORK_ROOT)
-    _mount("tmpfs", new_root + WORK_ROOT, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={work_mb}m,mode=711")
+    _mount("tmpfs", new_root + WORK_ROOT, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"size={work_mb}m,nr_inodes={work_mb * 256},mode=711")  # files count too: 256 a MiB
     old = new_root + "/.old_root"
     os.makedirs(old)
     _check(_libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], new_root.encode(), old.encode()), "pivot_root")
