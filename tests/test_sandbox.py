@@ -126,3 +126,14 @@ def test_what_the_machine_lacks_is_refused_with_the_fixes() -> None:
         Sandbox("docker")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         Limits(timeout_s=0)
+
+
+def test_a_closed_sandbox_leaves_nothing_behind() -> None:
+    """Its servers' processes, their new roots' mount points on the host and their memory cgroups are gone."""
+    sb = Sandbox("auto", workers=2, limits=LIMITS)
+    sb.run("import os\nif os.fork() == 0:\n    import time\n    time.sleep(60)")
+    kept = [(w.proc, w.folder, w.cgroup.folder if w.cgroup else None) for w in sb._workers]
+    sb.close()
+    for proc, folder, cgroup in kept:
+        assert proc.poll() is not None and not os.path.exists(folder) and (cgroup is None or not os.path.exists(cgroup))
+    assert sandbox_processes() == 0

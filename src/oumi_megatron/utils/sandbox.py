@@ -300,15 +300,15 @@ class _Worker:
     def __init__(self, isolation: str, work_mb: int, memory_mb: int, slot: int | None = None) -> None:
         """``memory_mb``: what a program may hold in all (the server's memory cgroup, where one can be made); ``slot``:
         the number of the server this one replaces (else a free one of the process's)."""
+        root = os.geteuid() == 0
+        if isolation == "limits_unsafe" and root:
+            _check_readable_by_others(os.path.realpath(sys.base_prefix))
         self.slot, self.isolation = _take_slot() if slot is None else slot, isolation
         slot = self.slot
         interpreter = _interpreter()
         self.folder = tempfile.mkdtemp(prefix="oumi-sandbox-")
         os.chmod(self.folder, 0o711)  # limits: the program's uid passes through to its folder
         """namespaces: the new root's mount point (empty on the host); limits: where the working folder is made."""
-        root = os.geteuid() == 0
-        if isolation == "limits_unsafe" and root:
-            _check_readable_by_others(os.path.realpath(sys.base_prefix))
         setup = {"isolation": {"limits_unsafe": "limits"}.get(isolation, isolation), "work_mb": work_mb,
                  "uid": _uid(slot) if root else None, "gid": _uid(slot) if root else None,
                  "new_root": self.folder, "work_parent": self.folder, "executable": interpreter,
@@ -391,9 +391,20 @@ class _Worker:
             if f is not None:
                 with contextlib.suppress(OSError):  # a request still buffered for a server that is gone
                     f.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
         if self.cgroup is not None:
-            self.cgroup.remove()
+            self.cgroup.remove()  # waits until the server's processes are gone
+        deadline = time.monotonic() + 2.0
+        while True:  # the folder is the mount point of the server's new root until the server (its init) is gone
+            try:
+                shutil.rmtree(self.folder)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    logger.warning(f"sandbox: {self.folder} could not be removed (an empty folder)")
+                    return
+                time.sleep(0.01)
 
 
 def _try_start(isolation: str, work_mb: int, memory_mb: int) -> tuple[_Worker | None, str]:
