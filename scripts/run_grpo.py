@@ -120,7 +120,8 @@ def main() -> None:
     work, rows_dir = Path(args.work), Path(args.rows)
     hf = Path(config.model.model_name)
     out = Path(config.training.output_dir)
-    # the real task's reward (Oumi's gsm8k) where its source came with the rows; the scale task's cheap one
+    # the real task's reward (Oumi's gsm8k) where its source came with the rows; the scale task's cheap one; this
+    # package's own (code_tests) resolve by name without Oumi (grpo/rewards.py)
     reward: dict[str, Any] = {"char_diversity": char_diversity}
     if (rows_dir / "oumi_gsm8k_reward.py").is_file():
         reward["gsm8k"] = oumi_gsm8k_reward(rows_dir / "oumi_gsm8k_reward.py")
@@ -184,10 +185,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         (work / "result.json").write_text(json.dumps(result, indent=1))
         curve = result["eval_curve"]
-        for prefix in eval_sets:
-            print(f"{prefix} accuracy: step {curve[0]['step']} {curve[0][f'{prefix}/accuracy']:.3f} -> step "
-                  f"{curve[-1]['step']} {curve[-1][f'{prefix}/accuracy']:.3f}; exported hf_model "
-                  f"{result['hf_model_eval'][f'{prefix}/accuracy']:.3f}")
+        for prefix in eval_sets:  # gsm8k's accuracy, or code_tests' pass@1 (the code task, HumanEval)
+            name = next(m for m in ("accuracy", "pass@1", "reward_mean") if f"{prefix}/{m}" in curve[0])
+            print(f"{prefix} {name}: step {curve[0]['step']} {curve[0][f'{prefix}/{name}']:.3f} -> step "
+                  f"{curve[-1]['step']} {curve[-1][f'{prefix}/{name}']:.3f}; exported hf_model "
+                  f"{result['hf_model_eval'][f'{prefix}/{name}']:.3f}")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def test_unknown_megatron_key_is_rejected_with_its_name(tmp_path: Path, tiny_mod
 
 STANDALONE_CONFIGS = ["tiny_cpu_grpo.yaml", "smollm2_arithmetic_gpu.yaml", "smollm2_arithmetic_large_calculator_gpu.yaml",
                       "llama70b_slice_1gpu.yaml", "one_gpu_grpo.yaml",
-                      "llama8b_grpo_8gpu_async.yaml"]
+                      "llama8b_grpo_8gpu_async.yaml", "qwen2_5_coder_0_5b_code_python_gpu.yaml"]
 
 
 @pytest.mark.parametrize("name", STANDALONE_CONFIGS)

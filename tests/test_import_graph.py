@@ -136,7 +136,8 @@ def test_examples_stay_outside_the_core() -> None:
     importers = {m: sorted(t for t in targets if _layer(t) == "examples") for m, targets in graph.items()
                  if _layer(m) != "examples"}
     importers = {m: ts for m, ts in importers.items() if ts}
-    assert importers == {f"{PACKAGE}.cli": [f"{PACKAGE}.examples.arithmetic_task", f"{PACKAGE}.examples.gguf_model"]}
+    assert importers == {f"{PACKAGE}.cli": [f"{PACKAGE}.examples.arithmetic_task", f"{PACKAGE}.examples.code_task",
+                                            f"{PACKAGE}.examples.gguf_model"]}
     assert {f"{PACKAGE}.examples.demo_task", f"{PACKAGE}.examples.tiny_models"} <= set(graph)
 
 

@@ -110,3 +110,26 @@ def test_the_readme_launch_line_is_complete_for_oumi_s_slurm_launcher() -> None:
     _validate_job_config(config)  # Oumi's own check: "User must be provided for Slurm jobs." without --user
     assert SlurmCluster.parse_cluster_name(args["--cluster"]).user == config.user
     assert re.search(r"OUMI_SLURM_CONNECTIONS=\S+@\S+", readme), "the README says what OUMI_SLURM_CONNECTIONS holds"
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(REPO)) for p in [*(REPO / "configs" / "launch").glob("*.sh"),
+                                                                            *(REPO / "scripts").glob("*.sh")]))
+def test_shipped_shell_scripts_parse(script: str) -> None:
+    """``bash -n``: every shipped script at least parses (the Ray recipe did not: an apostrophe inside ${2:?...})."""
+    import subprocess
+
+    proc = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_ray_recipe_starts_an_authenticated_cluster_on_one_interface_and_stops_it() -> None:
+    """Whoever reaches a Ray cluster runs code on its nodes: the recipe turns Ray's token authentication on, makes the
+    token on the head, binds each node to RAY_NODE_IP (the dashboard to the loopback), and has a `down` (ray stop)."""
+    text = (REPO / "configs" / "launch" / "ray_fleet_up.sh").read_text()
+    code = [line.split("#")[0] for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert "export RAY_AUTH_MODE=token" in code
+    assert any("ray get-auth-token --generate" in line for line in code)
+    starts = [line for line in code if "ray start" in line]
+    assert len(starts) == 2 and all('--node-ip-address="$node_ip"' in line for line in starts), starts
+    assert any("--dashboard-host=127.0.0.1" in line for line in starts)
+    assert any(line.strip() == "ray stop" for line in code)

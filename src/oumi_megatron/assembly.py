@@ -97,6 +97,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     check_space(config, shape, start)  # output_dir's disk holds what the run will write
     tokenizer = _hub_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # the chat template renders the environment's observations
+    start_sandbox(config.grpo, reward_functions)  # model-written code's isolation, or the fix: before any heavy work
     output_dir = Path(config.training.output_dir)
     dtype = config.model.torch_dtype
     trust = bool(config.model.trust_remote_code)
@@ -122,13 +123,30 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
     return AssembledRun(trainer, start.checkpoint)
 
 
+def start_sandbox(grpo: Any, reward_functions: dict[str, Any] | None = None) -> None:
+    """The process's sandbox (utils/sandbox.py) with ``grpo.sandbox``, when the environment or a reward runs code the
+    model wrote: started now, its isolation logged; ``UserInputError`` with the fixes when this machine lacks it."""
+    from oumi_megatron.environments.registry import ENVIRONMENTS
+    from oumi_megatron.errors import UserInputError
+    from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.utils.sandbox import SandboxUnavailable, start_shared
+
+    environment = grpo.environment is not None and getattr(ENVIRONMENTS.get(grpo.environment), "uses_sandbox", False)
+    if not (environment or RewardComputer(grpo.reward_functions, grpo.on_reward_error, reward_functions).uses_sandbox):
+        return
+    try:
+        start_shared(grpo.sandbox.settings(grpo.environment_workers))
+    except SandboxUnavailable as e:
+        raise UserInputError(str(e)) from e
+
+
 def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions: dict[str, Any] | None = None,
-                  eval_sets: Any = None, work_dir: Path) -> RolloutParts:
+                  eval_sets: Any = None, work_dir: Path, eval_samples: int = 1) -> RolloutParts:
     """Collective: the run's rollout parts, in the order their process groups are made: the backend of the rollout mode
     (``megatron.inference_backend`` x ``rollout_placement``), the replica's reward scorer (``grpo.reward_functions``;
     ``reward_functions``, name -> callable, take precedence over Oumi's registry), the environment's runner on the
     scorer's group, the driver over them, the training sampling, and an evaluator per eval set (``eval_sets``: one set
-    of rows, or sets by metric prefix; None: none)."""
+    of rows, or sets by metric prefix; None: none; ``eval_samples`` completions per prompt, 1: greedy)."""
     from oumi_megatron.environments.driver import RolloutDriver
     from oumi_megatron.environments.registry import environment_runner
     from oumi_megatron.grpo.rewards import RewardComputer
@@ -145,15 +163,16 @@ def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions:
     # grpo.environment: multi-turn episodes, the environment called once per replica (the scorer's group)
     driver = RolloutDriver(backend, tokenizer, g, environment_runner(g, scorer.group, scorer.ranks))
     evaluators = [] if eval_sets is None else build_evaluators(
-        eval_sets, tokenizer, scorer, driver, g, config.training.per_device_eval_batch_size, engine.device)
+        eval_sets, tokenizer, scorer, driver, g, config.training.per_device_eval_batch_size, engine.device, eval_samples)
     return RolloutParts(driver, scorer, sampling_for(g, tokenizer), evaluators)
 
 
 def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_dir: str | Path | None = None, *,
-                   reward_functions: dict[str, Any] | None = None) -> dict[str, float]:
+                   reward_functions: dict[str, Any] | None = None, samples: int = 1) -> dict[str, float]:
     """Collective: greedy evaluation of an HF folder (default ``model.model_name``) on ``eval_sets`` with the config's
-    rewards, generation limits and rollout mode, exactly as the evaluation during training (trainer/evaluation.py).
-    The weights are read in memory by Megatron-Bridge; nothing is converted on disk."""
+    rewards, generation limits and rollout mode, exactly as the evaluation during training (trainer/evaluation.py);
+    ``samples`` > 1: that many completions per prompt at ``grpo.temperature`` (pass@k). The weights are read in memory
+    by Megatron-Bridge; nothing is converted on disk."""
     from oumi_megatron.engine.builder import build_inference_engine
     from oumi_megatron.engine.peft import ADAPTER_CONFIG
     from oumi_megatron.environments.registry import check_environment
@@ -172,10 +191,11 @@ def evaluate_model(config: Any, layout: ParallelLayout, eval_sets: Any, model_di
     load_plugins(config.grpo.plugins)  # their reward functions and environments
     tokenizer = build_tokenizer(config.model)
     check_environment(config.grpo, tokenizer)  # before the weights are read
+    start_sandbox(config.grpo, reward_functions)
     _, engine = build_inference_engine(config.model.model_name, layout, config.megatron, dtype,
                                        trust_remote_code=bool(config.model.trust_remote_code))
     rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_sets,
-                            work_dir=Path(config.training.output_dir) / "eval_vllm")
+                            work_dir=Path(config.training.output_dir) / "eval_vllm", eval_samples=samples)
     metrics: dict[str, float] = {}
     try:
         for evaluator in rollout.evaluators:

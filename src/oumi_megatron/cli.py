@@ -5,9 +5,12 @@
     oumi-megatron convert --hf MODEL --out DIR [--tp N --pp N --vpp N] [--dtype auto]
     oumi-megatron export --checkpoint DIR --out HF_DIR [--tp N --pp N --vpp N] [--peft-save-mode MODE]
     oumi-megatron train -c cfg.yaml [--a.b=v ...]
-    oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--a.b=v ...]
+    oumi-megatron eval -c cfg.yaml [--model HF_DIR] [--out metrics.json] [--samples N] [--a.b=v ...]
     oumi-megatron gguf-to-hf [--gguf FILE.gguf] --out HF_DIR
     oumi-megatron make-arithmetic-data [--out data] [--train 2000] [--eval 200] [--numbers large]
+    oumi-megatron make-code-data [--out data] [--train 2000] [--eval 200]
+    oumi-megatron sandbox check [--timeout S] [--isolation I]
+    oumi-megatron sandbox run FILE.py [--timeout S] [--stdin FILE] [-c CFG] [--environment python|python_tests]
 
 convert/export run on one process, or on several under torchrun with the matching --tp/--pp.
 
@@ -26,6 +29,7 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from oumi_megatron.state_plan import StatePlan
+    from oumi_megatron.utils.sandbox import Limits, Sandbox
 
 # soft_wrap: messages name fields and fixes; never break them mid-line.
 console = Console(stderr=False, highlight=False, soft_wrap=True)
@@ -216,7 +220,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     config = load_config(args.config, parse_overrides(extra))
     config.finalize_and_validate()
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    metrics = evaluate_hf_model(config, args.model, log=logger if rank0 else None)
+    metrics = evaluate_hf_model(config, args.model, log=logger if rank0 else None, samples=args.samples)
     if rank0:
         from rich.table import Table
 
@@ -275,6 +279,77 @@ def cmd_rollouts(args: argparse.Namespace, extra: list[str]) -> int:
         for part in render_text(samples, header, args.logprobs, tokenizer):
             console.print(part)
     return 0
+
+
+def cmd_make_code_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from oumi_megatron.examples.code_task import TRAIN_TEMPLATES, UNSEEN_TEMPLATES, write_splits
+
+    for name, value in (("--train", args.train), ("--eval", args.eval)):
+        if value < 1:
+            raise SystemExit(f"error: {name} {value}: write at least 1 row")
+    paths = write_splits(args.out, train=args.train, eval_=args.eval, seed=args.seed)
+    console.print(f"wrote {paths['train']} ({args.train} rows, {len(TRAIN_TEMPLATES)} templates), {paths['eval_seen']} "
+                  f"({args.eval} rows, the same templates) and {paths['eval_unseen']} ({args.eval} rows, "
+                  f"{len(UNSEEN_TEMPLATES)} templates never trained on)")
+    return 0
+
+
+def _with_timeout(limits: Limits, timeout: float | None) -> Limits:
+    from dataclasses import replace
+
+    return limits if timeout is None else replace(limits, timeout_s=timeout, cpu_s=timeout)
+
+
+def _sandbox(args: argparse.Namespace, extra: list[str]) -> Sandbox:
+    """One sandbox server with ``grpo.sandbox`` of ``-c CFG`` (else its defaults), the command's --timeout and
+    --isolation; ``UserInputError`` with the fixes when this machine lacks the isolation."""
+    from oumi_megatron.config.grpo_params import SandboxParams
+    from oumi_megatron.errors import UserInputError
+    from oumi_megatron.utils.sandbox import Sandbox, SandboxUnavailable
+
+    params = load_config(args.config, parse_overrides(extra)).grpo.sandbox if args.config else SandboxParams()
+    settings = params.settings()
+    try:
+        return Sandbox(args.isolation or settings.isolation, 1, _with_timeout(settings.limits, args.timeout),
+                       settings.work_mb)
+    except SandboxUnavailable as e:
+        raise UserInputError(str(e)) from e
+
+
+def cmd_sandbox_check(args: argparse.Namespace, extra: list[str]) -> int:
+    import secrets
+
+    from oumi_megatron.utils.sandbox import CHECK_LIMITS, SECRET_VARIABLE, hostile_checks
+
+    os.environ[SECRET_VARIABLE] = secrets.token_hex(8)  # before the sandbox starts: no program may read it
+    with _sandbox(args, extra) as sandbox:
+        console.print(f"isolation in force: {sandbox.description}")
+        results = hostile_checks(sandbox, _with_timeout(CHECK_LIMITS, args.timeout))
+    for r in results:
+        mark = "[green]contained[/green]" if r.contained else "[red]NOT CONTAINED[/red]"
+        console.print(f"{mark}  {r.name}: {r.detail}")
+    escaped = [r.name for r in results if not r.contained]
+    console.print(f"{len(results) - len(escaped)} of {len(results)} hostile programs contained"
+                  + (f"; not: {', '.join(escaped)}" if escaped else ""))
+    return 1 if escaped else 0
+
+
+def cmd_sandbox_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from pathlib import Path
+
+    from oumi_megatron.environments.python import execution_text
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist")
+    code = path.read_text(encoding="utf-8", errors="replace")
+    stdin = Path(args.stdin).read_text(encoding="utf-8", errors="replace") if args.stdin else None
+    with _sandbox(args, extra) as sandbox:
+        err_console.print(f"sandbox: {sandbox.description}")
+        result = sandbox.run(code, stdin=stdin)
+    print(execution_text(result))  # exactly the observation the `python` environment gives the model
+    err_console.print(f"({result.problem or 'exit status 0'}; {result.wall_s:.3f} s wall, {result.cpu_s:.3f} s CPU)")
+    return 0 if result.ok else 1
 
 
 def _layout(args: argparse.Namespace):  # noqa: ANN202
@@ -350,6 +425,8 @@ EXAMPLES = {
     "gguf-to-hf": 'oumi-megatron gguf-to-hf --out output/smollm2_135m_instruct',
     "make-arithmetic-data": 'oumi-megatron make-arithmetic-data --out data --numbers large',
     "rollouts": 'oumi-megatron rollouts output/tiny_cpu_grpo --sample 0 --logprobs   (--html rollouts.html, --json)',
+    "make-code-data": 'oumi-megatron make-code-data --out data',
+    "sandbox": 'oumi-megatron sandbox check   |   oumi-megatron sandbox run solution.py --timeout 5',
 }
 """One example per command, shown by its --help."""
 
@@ -412,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=None, help="HF folder to evaluate (default: model.model_name), e.g. "
                     "output_dir/hf_model")
     ev.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    ev.add_argument("--samples", type=int, default=1, help="completions per prompt: 1 greedy; N sampled at "
+                    "grpo.temperature, with pass@k for k = 1, 5, 10, ... <= N (with a code_tests reward)")
     ev.set_defaults(func=cmd_eval)
 
     g = _command(sub, "gguf-to-hf", help="dequantize a GGUF model into an HF folder (default: the bundled "
@@ -445,6 +524,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", default=None, help="the model's folder or name, to split dumps written without "
                    "per-token text (default: the run's converted model, where PATH is a run's folder)")
     r.set_defaults(func=cmd_rollouts)
+    cd = _command(sub, "make-code-data", help="write function-writing tasks with their tests, split by template "
+                        "(code_train.jsonl, code_eval_seen.jsonl, code_eval_unseen.jsonl)")
+    cd.add_argument("--out", default="data", help="output folder")
+    cd.add_argument("--train", type=int, default=2000, help="training rows")
+    cd.add_argument("--eval", type=int, default=200, help="rows of each eval set (seen templates, unseen templates)")
+    cd.add_argument("--seed", type=int, default=0, help="generator seed (the eval sets use other seeds)")
+    cd.set_defaults(func=cmd_make_code_data)
+
+    sb = _command(sub, "sandbox", help="the sandbox for model-written code: which isolation is in force here "
+                        "(check, with hostile programs), or run a file as an episode would (run)")
+    sbs = sb.add_subparsers(dest="sandbox_command", required=True)
+    check = sbs.add_parser("check", help="say which isolation is in force and run the hostile programs (a fork bomb, "
+                                         "a memory bomb, ...), each checked from outside; exit 1 if one got out")
+    run = sbs.add_parser("run", help="run FILE.py exactly as an episode of the python environment would and print "
+                                     "the observation the model would read; exit 1 if the program did not end with 0")
+    run.add_argument("file", help="a Python program")
+    run.add_argument("--stdin", default=None, help="a file for the program's standard input")
+    for p in (check, run):
+        p.add_argument("-c", "--config", default=None, help="take grpo.sandbox from this config (default: its defaults)")
+        p.add_argument("--timeout", type=float, default=None, help="seconds per program (wall and CPU)")
+        p.add_argument("--isolation", default=None, choices=["auto", "namespaces", "bwrap", "limits_unsafe"],
+                       help="instead of grpo.sandbox.isolation")
+    check.set_defaults(func=cmd_sandbox_check)
+    run.set_defaults(func=cmd_sandbox_run)
     return parser
 
 

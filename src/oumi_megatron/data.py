@@ -167,6 +167,9 @@ def load_prompts(config: MegatronTrainingConfig, log: Any = None, split: str = "
                 "d1shs0ap/countdown, and oumi-megatron/char-class from grpo.plugins: [oumi_megatron.examples.demo_task]) are; register "
                 "your own with @register_dataset in a module named in grpo.plugins."
             )
+        if split == "train" and getattr(cls, "eval_only", False):
+            raise DataError(f"{where}: {d.dataset_name!r} is an evaluation set (its class says eval_only): it is never "
+                            "trained on. Move it under data.validation.datasets.")
         lines = None
         path = Path(d.dataset_path).expanduser() if d.dataset_path else None
         if path is not None:

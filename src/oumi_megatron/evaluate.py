@@ -18,8 +18,11 @@ from oumi_megatron.errors import UserInputError
 from oumi_megatron.validation import validate_config
 
 
-def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None) -> dict[str, float]:
-    """Collective: greedy eval of ``model_dir`` (default: ``model.model_name``) on ``data.validation``."""
+def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None, samples: int = 1) -> dict[str, float]:
+    """Collective: greedy eval of ``model_dir`` (default: ``model.model_name``) on ``data.validation``; ``samples`` > 1:
+    that many sampled completions per prompt (pass@k)."""
+    if samples < 1:
+        raise UserInputError(f"--samples {samples}: sample at least 1 completion per prompt (1: greedy).")
     if model_dir is not None:
         config.model.model_name = str(model_dir)
     if not (config.data.validation and config.data.validation.datasets):
@@ -33,7 +36,7 @@ def evaluate_hf_model(config: Any, model_dir: str | None = None, log: Any = None
 
     from oumi_megatron.assembly import evaluate_model
 
-    return evaluate_model(config, layout, eval_sets)
+    return evaluate_model(config, layout, eval_sets, samples=samples)
 
 
 def write_metrics(metrics: dict[str, float], path: str | Path) -> None:

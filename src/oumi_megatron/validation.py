@@ -507,6 +507,29 @@ def _check_environment(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
                                   "generations). Use rollout_placement: separate, or max_staleness: 0.")
 
 
+def _check_sandbox(g: MegatronGrpoParams, r: ValidationReport) -> None:
+    """``grpo.sandbox``: where model-written code runs (utils/sandbox.py)."""
+    from oumi_megatron.utils.sandbox import ISOLATIONS, MAX_WORKERS
+
+    s = g.sandbox
+    if s.isolation not in ISOLATIONS:
+        r.add("grpo.sandbox.isolation", f"unknown value {s.isolation!r}. Use one of {_fmt_choices(ISOLATIONS)} "
+                                        "(limits_unsafe: resource limits only, the model's code can read this machine's "
+                                        "files and reach the network).")
+    if s.workers is not None and (not isinstance(s.workers, int) or isinstance(s.workers, bool)
+                                  or not 1 <= s.workers <= MAX_WORKERS):
+        r.add("grpo.sandbox.workers", f"must be an integer in [1, {MAX_WORKERS}] or null (max(environment_workers, "
+                                      f"min(4, CPUs))), got {s.workers!r}.")
+    for name in ("timeout_s", "cpu_s"):
+        value = getattr(s, name)
+        if (value is not None or name == "timeout_s") and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                                           or not value > 0):
+            r.add(f"grpo.sandbox.{name}", f"must be > 0 seconds{' or null (= timeout_s)' if name == 'cpu_s' else ''}, "
+                                          f"got {value!r}. Typical: 10.")
+    for name in ("memory_mb", "max_processes", "max_output_bytes", "work_mb"):
+        _check_positive(r, f"grpo.sandbox.{name}", getattr(s, name))
+
+
 def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None:
     g = cfg.grpo
     dump = g.rollout_dump_steps
@@ -534,6 +557,7 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
                                             f"{_fmt_choices(OFF_POLICY_CORRECTIONS)}, or leave it unset.")
     _check_staleness(cfg, r)
     _check_environment(cfg, r)
+    _check_sandbox(g, r)
     if g.beta < 0:
         r.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
     if g.kl_estimator not in KL_ESTIMATORS:
@@ -576,10 +600,11 @@ def _check_grpo_fields(cfg: MegatronTrainingConfig, r: ValidationReport) -> None
 
 
 def _registered_reward_functions() -> set[str]:
-    import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
-    from oumi.core.registry import REGISTRY, RegistryType
+    from oumi.core.registry import RegistryType
 
-    return set(REGISTRY.get_all(RegistryType.REWARD_FUNCTION))
+    from oumi_megatron.grpo.rewards import load_reward_registry
+
+    return set(load_reward_registry().get_all(RegistryType.REWARD_FUNCTION))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,6 +34,51 @@ class RewardFunctionParams(BaseParams):
 
 
 @dataclass
+class SandboxParams(BaseParams):
+    """Where code the model wrote runs (utils/sandbox.py): the ``python`` / ``python_tests`` environments and the
+    ``code_tests`` reward. Each program gets these limits, a fresh working folder and no network; every process it
+    leaves is killed. Started only when the config uses one of them; the log says which isolation is in force."""
+
+    isolation: str = "auto"
+    """``auto``: Linux namespaces (mount, network, PID, IPC, UTS; a read-only root; programs as a uid of their own)
+    when the process is root, else bubblewrap where it is installed; neither: the run stops with the fixes.
+    ``namespaces`` or ``bwrap``: that one or stop. ``limits_unsafe``: resource limits only: the model's code can read
+    this machine's files and reach the network (the opt-out, by name)."""
+
+    workers: int | None = None
+    """Programs at once (a pre-started interpreter each). None: max(grpo.environment_workers, min(4, CPUs))."""
+
+    timeout_s: float = 10.0
+    """Wall-clock seconds per program; it and every process it started are killed then."""
+
+    cpu_s: float | None = None
+    """CPU seconds per process (RLIMIT_CPU). None: timeout_s."""
+
+    memory_mb: int = 1024
+    """Address space per process, MiB (RLIMIT_AS)."""
+
+    max_processes: int = 32
+    """Processes and threads of one program at once."""
+
+    max_output_bytes: int = 65536
+    """Each of stdout and stderr (and any file the program writes) is cut at this many bytes."""
+
+    work_mb: int = 64
+    """Size of the tmpfs that holds the working folder, MiB."""
+
+    def settings(self, environment_workers: int = 0) -> Any:
+        """As utils/sandbox.py takes them (``SandboxSettings``)."""
+        import os
+
+        from oumi_megatron.utils.sandbox import Limits, SandboxSettings
+
+        workers = self.workers if self.workers is not None else max(environment_workers, min(4, os.cpu_count() or 1))
+        limits = Limits(timeout_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
+                        max_processes=self.max_processes, max_output_bytes=self.max_output_bytes)
+        return SandboxSettings(self.isolation, workers, limits, self.work_mb)
+
+
+@dataclass
 class MegatronGrpoParams(BaseParams):
     """GRPO algorithm settings (rollouts, advantages, loss)."""
 
@@ -174,6 +219,9 @@ class MegatronGrpoParams(BaseParams):
     """With ``environment``: the most seconds one environment call (``start`` or ``step``) may take; an episode whose
     call takes longer is stopped there and marked invalid (out of the loss and the group statistics, named in the log),
     and the run goes on."""
+
+    sandbox: SandboxParams = field(default_factory=SandboxParams)
+    """Where code the model wrote runs, with which limits (``SandboxParams``)."""
 
     # DAPO (Yu et al. 2025): dynamic sampling, overlong shaping and filtering.
     dynamic_sampling: bool = False

@@ -1,4 +1,5 @@
-"""The environments a config selects by name (``grpo.environment``), the built-in ``calculator`` among them.
+"""The environments a config selects by name (``grpo.environment``): the built-in ``calculator``,
+``calculator_inline``, ``python`` and ``python_tests`` among them.
 
 Your own: ``@register_environment("my_env")`` on a class with environments/base.py's ``Environment`` interface (or a
 factory returning one) in a module named in ``grpo.plugins``; validation checks the name against this live table.
@@ -11,6 +12,7 @@ from typing import Any
 
 from oumi_megatron.environments.base import Environment
 from oumi_megatron.environments.calculator import CalculatorEnvironment, InlineCalculatorEnvironment
+from oumi_megatron.environments.python import PythonEnvironment, PythonTestsEnvironment
 from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders
 from oumi_megatron.environments.runner import EnvironmentRunner, observation_char_cap
 from oumi_megatron.errors import UserInputError
@@ -63,3 +65,5 @@ def environment_runner(grpo: Any, group: Any = None, ranks: list[int] | None = N
 
 ENVIRONMENTS.add("calculator", CalculatorEnvironment)
 ENVIRONMENTS.add("calculator_inline", InlineCalculatorEnvironment)
+ENVIRONMENTS.add("python", PythonEnvironment)
+ENVIRONMENTS.add("python_tests", PythonTestsEnvironment)

@@ -16,6 +16,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from oumi_megatron.grpo.reward_metrics import RewardsAndMetrics
+
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned a non-finite value (grpo.on_reward_error: raise)."""
@@ -28,6 +30,7 @@ class RewardResult:
     valid: torch.Tensor
     """[N] False for samples dropped under grpo.on_reward_error: skip."""
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+    """[N] each function's reward (0 for invalid samples), then the metrics functions declare (``<name>/<metric>``)."""
     errors: list[str] = field(default_factory=list)
     """Why samples were dropped (the first few), for the warning a skipped step logs."""
 
@@ -49,11 +52,30 @@ def as_reward(value: Any) -> float:
     raise TypeError(f"returned {type(value).__name__} {value!r}; a reward must be a number (int or float)")
 
 
-def _registry_function(name: str) -> Callable:
+def builtin_rewards() -> dict[str, Callable]:
+    """This package's reward functions by name (in Oumi's registry too, where Oumi is installed)."""
+    from oumi_megatron.grpo.code_tests import code_tests
+
+    return {"code_tests": code_tests}
+
+
+def load_reward_registry() -> Any:
+    """Oumi's REWARD_FUNCTION registry with Oumi's reward functions and this package's registered."""
     import oumi.datasets.grpo.rewards  # noqa: F401 - registers Oumi's reward functions
     from oumi.core.registry import REGISTRY
 
-    fn = REGISTRY.get_reward_function(name)
+    builtin_rewards()  # registers ours
+    return REGISTRY
+
+
+def _registry_function(name: str) -> Callable:
+    try:
+        registry = load_reward_registry()
+    except ImportError:  # engine-only machines (no Oumi): this package's own rewards
+        if name in builtin_rewards():
+            return builtin_rewards()[name]
+        raise
+    fn = registry.get_reward_function(name)
     if fn is None:
         raise KeyError(f"grpo.reward_functions: {name!r} is not in Oumi's REWARD_FUNCTION registry")
     return fn
@@ -73,6 +95,14 @@ class RewardComputer:
             (s.name, float(s.weight), dict(s.kwargs), functions.get(s.name) or _registry_function(s.name)) for s in specs
         ]
         self.on_error = on_error
+        self.columns = [name for name, *_ in self.specs] + [
+            f"{name}/{metric}" for name, _, _, fn in self.specs for metric in getattr(fn, "reward_metrics", ())]
+        """What every result's ``per_function`` holds: each function's reward, then the metrics they declare."""
+
+    @property
+    def uses_sandbox(self) -> bool:
+        """A function runs model-written code (utils/sandbox.py)."""
+        return any(getattr(fn, "uses_sandbox", False) for *_, fn in self.specs)
 
     def _fail(self, name: str, index: int | None, completion: str | None, why: str) -> NoReturn:
         # a sample's failure comes with its index and completion, a whole batch's with neither
@@ -106,10 +136,13 @@ class RewardComputer:
             values[i] = float("nan")  # under skip: dropped as a sample without a reward
 
     def _values(self, name: str, fn: Callable, kwargs: dict[str, Any], prompts: list[str], completions: list[str],
-                rows: list[dict[str, Any]], errors: list[str]) -> torch.Tensor:
-        """One function's reward per sample, NaN where it gave none (under ``skip``)."""
+                rows: list[dict[str, Any]], errors: list[str], metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One function's reward per sample, NaN where it gave none (under ``skip``); its declared metrics into
+        ``metrics`` (0 where it gave none)."""
         n = len(completions)
         values = torch.full((n,), float("nan"), dtype=torch.float64)
+        for metric in getattr(fn, "reward_metrics", ()):
+            metrics[f"{name}/{metric}"] = torch.zeros(n, dtype=torch.float64)
         if _is_verl_style(fn):
             for i, (text, row) in enumerate(zip(completions, rows)):
                 try:
@@ -127,6 +160,15 @@ class RewardComputer:
         except Exception as e:  # noqa: BLE001
             self._handle(name, None, None, f"raised {type(e).__name__}: {e}", errors)
             return values
+        if isinstance(outs, RewardsAndMetrics):
+            declared = set(getattr(fn, "reward_metrics", ()))
+            if set(outs.metrics) != declared or any(len(v) != n for v in outs.metrics.values()):
+                self._handle(name, None, None, f"returned metrics {sorted(outs.metrics)} (one value per completion "
+                                               f"each), not its reward_metrics {sorted(declared)}", errors)
+                return values
+            for metric, column in outs.metrics.items():
+                metrics[f"{name}/{metric}"] = torch.tensor(column, dtype=torch.float64)
+            outs = outs.rewards
         if isinstance(outs, (str, bytes, dict)) or not hasattr(outs, "__len__") or len(outs) != n:
             got = f"{len(outs)} values" if isinstance(outs, (list, tuple)) else repr(outs)[:80]
             self._handle(name, None, None, f"returned {got} for {n} completions (one number each is needed)", errors)
@@ -140,12 +182,13 @@ class RewardComputer:
         total = torch.zeros(n, dtype=torch.float64)
         valid = torch.ones(n, dtype=torch.bool)
         per_function: dict[str, torch.Tensor] = {}
+        metrics: dict[str, torch.Tensor] = {}
         errors: list[str] = []
         for name, weight, kwargs, fn in self.specs:
-            values = self._values(name, fn, kwargs, prompts, completions, rows, errors)
+            values = self._values(name, fn, kwargs, prompts, completions, rows, errors, metrics)
             bad = ~torch.isfinite(values)
             valid &= ~bad
             per_function[name] = torch.where(bad, torch.zeros_like(values), values)
             total += weight * per_function[name]
-        return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function,
+        return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function | metrics,
                             valid=valid, errors=errors)

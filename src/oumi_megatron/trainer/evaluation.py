@@ -14,7 +14,11 @@ Metrics (``eval/`` prefix in metrics.jsonl, TensorBoard and the plots; each eval
   an answer in gsm8k's format, "#### N", right or wrong (it separates "learned the format" from
   "learned the arithmetic");
 - ``eval/completion_length/mean`` (tokens) and ``eval/truncated_fraction`` (cut at max_completion_length);
-- ``eval/samples`` and ``eval/time_s``;
+- ``eval/pass@1`` (with a reward that declares a ``passed`` metric, as ``code_tests`` does): the fraction of prompts
+  whose completion passed every test; ``oumi-megatron eval --samples N`` samples N completions per prompt at
+  ``grpo.temperature`` instead of one greedy one and reports ``pass@k`` for k in 1, 5, 10, ... up to N (the unbiased
+  estimator of Chen et al. 2021, HumanEval's own);
+- ``eval/samples`` (prompts) and ``eval/time_s``;
 - each prompt is one greedy episode (environments/driver.py), scored as in training: one turn without an environment;
   with ``grpo.environment`` also ``eval/tool_call_rate`` (episodes that called a tool) and ``eval/turns_mean``, and an
   episode whose environment failed counts as wrong.
@@ -25,6 +29,7 @@ per generate call); the sums are reduced over DP, so every rank returns the same
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from functools import partial
@@ -42,6 +47,16 @@ from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.options import option_value
 
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+PASS_AT_K = (1, 5, 10, 20, 50, 100)
+"""The k of the pass@k an evaluation with samples reports (those up to its samples per prompt)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of ``k`` of ``n`` samples, ``c`` of which passed, passes: 1 - C(n-c, k) / C(n, k),
+    the unbiased estimator of Chen et al. (2021), HumanEval's."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 """The answer format Oumi's (verl's) strict gsm8k reward extracts."""
 
 
@@ -59,7 +74,8 @@ class Evaluator:
     """Greedy episodes of ``rows`` (Oumi GRPO dataset rows) through ``driver``; rewards as in training."""
 
     def __init__(self, rows: Any, tokenizer: Any, rewards: ReplicaScorer, driver: RolloutDriver, grpo: Any,
-                 batch_size: int, device: torch.device, prefix: str = "eval") -> None:
+                 batch_size: int, device: torch.device, prefix: str = "eval", samples: int = 1) -> None:
+        """``samples``: completions per prompt; 1 is greedy, more are sampled at ``grpo.temperature`` (pass@k)."""
         self.rows = rows
         self.prefix = prefix
         self.tokenizer = tokenizer
@@ -72,7 +88,11 @@ class Evaluator:
         self.gsm8k = next((fn for name, _, _, fn in rewards.specs if name == "gsm8k"), None)
         self.check_format = self.gsm8k is not None
         # greedy: the model's best answer, the number a user compares; same length limit as training
-        self.sampling = sampling_for(grpo, tokenizer, greedy=True)
+        self.samples = max(1, int(samples))
+        self.sampling = sampling_for(grpo, tokenizer, greedy=self.samples == 1)
+        # a reward that says whether every test passed (code_tests' ``passed``): pass@k over the samples of a prompt
+        self.passed = next((c for c in rewards.columns if c.endswith("/passed")), None)
+        self.pass_ks = [k for k in PASS_AT_K if k <= self.samples] if self.passed else []
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -88,54 +108,65 @@ class Evaluator:
         # generated and not scored.
         share, real = -(-len(self.rows) // dp), len(mine)
         mine += [mine[0] if mine else 0] * (share - real)
-        names = [name for name, *_ in self.rewards.specs]
-        # scored, reward, format, length, truncated, n, correct, per function, then the episodes' (eval_sums)
-        sums = torch.zeros(7 + len(names) + EVAL_SUMS, dtype=torch.float64)
+        names, n = self.rewards.columns, self.samples
+        # prompts, completions, scored, reward, format, length, truncated, correct, per column, pass@k, the episodes'
+        sums = torch.zeros(8 + len(names) + len(self.pass_ks) + EVAL_SUMS, dtype=torch.float64)
+        at_k = 8 + len(names)
         for start in range(0, share, self.batch_size):
             rows = [self.rows[i] for i in mine[start:start + self.batch_size]]
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length, self.driver.system_prompt)[0]
                        for r in rows]
             keep = max(0, min(len(rows), real - start))
-            grouped, episodes = self.driver.run(prompts, rows, self.sampling, 1)
-            rows, rollouts = rows[:keep], [group[0] for group in grouped][:keep]
+            grouped, episodes = self.driver.run(prompts, rows, self.sampling, n, seed=None if n == 1 else start)
+            rows = rows[:keep]
+            samples = [row for row in rows for _ in range(n)]  # episode k is prompt k // n's
+            rollouts = [r for group in grouped[:keep] for r in group]
             completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
             texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
-            scored = self.rewards(texts, completions, episodes.reward_rows(rows))
+            scored = self.rewards(texts, completions, episodes.reward_rows(samples))
             for k in episodes.failed:  # a failed episode is scored as wrong
-                if k < len(rows):
+                if k < len(samples):
                     scored.valid[k], scored.total[k] = True, 0.0
                     for values in scored.per_function.values():
                         values[k] = 0.0
                     completions[k] = ""
-            correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, rows),
+            correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, samples),
                                         "the gsm8k accuracy check") if self.check_format else 0
             if not rows:
                 continue
             valid = scored.valid
-            sums[0] += float(valid.sum())
-            sums[1] += float(scored.total[valid].sum())
-            sums[2] += sum(bool(GSM8K_ANSWER.search(c)) for c in completions)
-            sums[3] += sum(len(r.completion_ids) for r in rollouts)
-            sums[4] += sum(not r.finished for r in rollouts)
-            sums[5] += len(rows)
-            sums[6] += correct
-            sums[7 + len(names):] += torch.tensor(eval_sums(episodes, keep), dtype=torch.float64)
+            sums[0] += len(rows)
+            sums[1] += len(samples)
+            sums[2] += float(valid.sum())
+            sums[3] += float(scored.total[valid].sum())
+            sums[4] += sum(bool(GSM8K_ANSWER.search(c)) for c in completions)
+            sums[5] += sum(len(r.completion_ids) for r in rollouts)
+            sums[6] += sum(not r.finished for r in rollouts)
+            sums[7] += correct
             for j, name in enumerate(names):
-                sums[7 + j] += float(scored.per_function[name][valid].sum())
+                sums[8 + j] += float(scored.per_function[name][valid].sum())
+            if self.passed:
+                passed = (scored.per_function[self.passed] * valid).view(len(rows), n).sum(dim=1).tolist()
+                for j, k in enumerate(self.pass_ks):
+                    sums[at_k + j] += sum(pass_at_k(n, int(c), k) for c in passed)
+            sums[at_k + len(self.pass_ks):] += torch.tensor(eval_sums(episodes, len(samples)), dtype=torch.float64)
         if dp > 1:
             total = sums.to(self.device)
             dist.all_reduce(total, group=group)
             sums = total.cpu()
-        scored_n, n = max(float(sums[0]), 1.0), max(float(sums[5]), 1.0)
+        prompts_n, completions_n, scored_n = max(float(sums[0]), 1.0), max(float(sums[1]), 1.0), max(float(sums[2]), 1.0)
         metrics = {
-            "reward_mean": float(sums[1]) / scored_n,
-            **{f"reward/{name}": float(sums[7 + j]) / scored_n for j, name in enumerate(names)},
-            **({"accuracy": float(sums[6]) / n, "format_rate": float(sums[2]) / n} if self.check_format else {}),
-            "completion_length/mean": float(sums[3]) / n,
-            "truncated_fraction": float(sums[4]) / n,
-            **eval_metrics(sums[7 + len(names):].tolist(), n, self.driver.multi_turn),
-            "samples": int(sums[5]),
+            "reward_mean": float(sums[3]) / scored_n,
+            **{f"reward/{name}": float(sums[8 + j]) / scored_n for j, name in enumerate(names)},
+            **({"accuracy": float(sums[7]) / completions_n, "format_rate": float(sums[4]) / completions_n}
+               if self.check_format else {}),
+            **{f"pass@{k}": float(sums[at_k + j]) / prompts_n for j, k in enumerate(self.pass_ks)},
+            "completion_length/mean": float(sums[5]) / completions_n,
+            "truncated_fraction": float(sums[6]) / completions_n,
+            **eval_metrics(sums[at_k + len(self.pass_ks):].tolist(), completions_n, self.driver.multi_turn),
+            "samples": int(sums[0]),
+            **({"completions": int(sums[1])} if n > 1 else {}),
             "time_s": time.perf_counter() - started,
         }
         return {f"{self.prefix}/{k}": v for k, v in metrics.items()}
@@ -149,12 +180,12 @@ class Evaluator:
 
 
 def build_evaluators(eval_sets: Any, tokenizer: Any, rewards: ReplicaScorer, driver: RolloutDriver, grpo: Any,
-                     batch_size: int, device: torch.device) -> list[Evaluator]:
+                     batch_size: int, device: torch.device, samples: int = 1) -> list[Evaluator]:
     """One ``Evaluator`` per eval set: ``eval_sets`` is ``{metric prefix: rows}`` (data.load_eval_sets), or rows
-    alone (one set, ``eval``)."""
+    alone (one set, ``eval``); ``samples`` completions per prompt (1: greedy)."""
     if not isinstance(eval_sets, dict):
         eval_sets = {"eval": eval_sets}
-    return [Evaluator(rows, tokenizer, rewards, driver, grpo, batch_size, device, prefix=prefix)
+    return [Evaluator(rows, tokenizer, rewards, driver, grpo, batch_size, device, prefix=prefix, samples=samples)
             for prefix, rows in eval_sets.items()]
 
 

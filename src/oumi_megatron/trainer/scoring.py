@@ -33,6 +33,7 @@ class ReplicaScorer:
     def __init__(self, rewards: RewardComputer) -> None:
         self.rewards = rewards
         self.specs = rewards.specs
+        self.columns = rewards.columns
         self.group: Any
         self.ranks: list[int]
         self.group, self.ranks = replica_group() if dist.is_initialized() else (None, [0])
@@ -70,4 +71,4 @@ class ReplicaScorer:
 
     def _empty(self) -> RewardResult:
         return RewardResult(total=torch.zeros(0, dtype=torch.float64), valid=torch.ones(0, dtype=torch.bool),
-                            per_function={name: torch.zeros(0, dtype=torch.float64) for name, *_ in self.specs})
+                            per_function={name: torch.zeros(0, dtype=torch.float64) for name in self.columns})
