@@ -133,3 +133,17 @@ def test_the_export_copies_no_link_out_of_the_checkpoint(tmp_path: Path) -> None
     assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors",
                                                      "tokenizer_config.json"]
     assert output_kind(out) == HF_MODEL and stat.S_IMODE(os.stat(out).st_mode) & 0o007 == 0
+
+
+def test_the_dashboard_config_has_its_secrets_redacted(make_config) -> None:  # noqa: ANN001
+    """``training.enable_wandb``: the sections W&B shows keep every setting but those named like secrets (a reward's
+    ``api_key``, an engine's ``hf-token``); ``max_observation_tokens`` is not a secret."""
+    from oumi_megatron.trainer.step_metrics import REDACTED, wandb_settings
+
+    config = make_config(["training.enable_wandb=true"], grpo={
+        "reward_functions": [{"name": "char_class", "kwargs": {"api_key": "sk-live", "threshold": 3}}]})
+    shown = wandb_settings(config)["config"]
+    kwargs = shown["grpo"]["reward_functions"][0]["kwargs"]
+    assert kwargs == {"api_key": REDACTED, "threshold": 3}, kwargs
+    assert shown["grpo"]["max_observation_tokens"] == config.grpo.max_observation_tokens
+    assert "sk-live" not in json.dumps(shown, default=str)
