@@ -177,12 +177,11 @@ def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
     for tag, engine in engines:
         for s in sets:
             prompts = EPISODE_PROMPTS[s]
-            groups, stats = run_episodes(engine, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
-                                         [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
-                                         max_turn_tokens=8)
-            episodes = [r for g in groups for r in g]
+            episodes, _ = run_episodes(engine, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
+                                       [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
+                                       max_turn_tokens=8)
             mine[f"{tag}{s}"] = {"ids": [r.completion_ids for r in episodes], "mask": [r.loss_mask for r in episodes],
-                                 "logprobs": [r.logprobs for r in episodes], "turns": stats.turns}
+                                 "logprobs": [r.logprobs for r in episodes], "turns": [r.turns for r in episodes]}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

@@ -271,9 +271,10 @@ def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # no
     out = {}
     for name, gated, workers, delay in (("in_line", False, 0, 0.0), ("background", True, 2, 0.0), ("late", False, 2, 3.0)):
         env = Gated(gated, delay)
-        groups, stats = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
-                                     [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
-        out[name] = {"ids": [r.completion_ids for g in groups for r in g], "turns": stats.turns, "failed": stats.failed}
+        samples, _ = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
+                                  [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
+        out[name] = {"ids": [r.completion_ids for r in samples], "turns": [r.turns for r in samples],
+                     "failed": {k: r.failure for k, r in enumerate(samples) if r.failed}}
     return {"background_same_episodes": out["background"]["ids"] == out["in_line"]["ids"],
             "late_same_episodes": out["late"]["ids"] == out["in_line"]["ids"], "late_failed": list(out["late"]["failed"]),
             "background_turns": out["background"]["turns"], "background_failed": list(out["background"]["failed"])}
