@@ -297,9 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
     # the generation path (embedded rollouts): last-position logits of the probe rows, no KV cache
+    from oumi_megatron.rollout.decoding.generation_mode import last_token_logits
+
     seq = probe.shape[1]
     future = ~torch.ones(seq, seq, dtype=torch.bool).tril()
-    last = engine.last_token_logits(probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
+    last = last_token_logits(engine, probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
     results["last_token_logits"] = last.tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
     mlp = unwrap(engine.model[0]).decoder.layers[0].mlp  # MoE: SequentialMLP experts on this rank

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.rollout.decoding.generation_mode import last_token_logits, new_kv_cache
     from oumi_megatron.rollout.decoding.padding import left_padded_batch
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
@@ -54,19 +55,19 @@ def main(argv: list[str] | None = None) -> None:
     ids, positions, mask = left_padded_batch(PROMPTS, pad_id=256)
     lengths = torch.tensor([len(q) for q in PROMPTS])
     pads = ids.shape[1] - lengths  # every row grows by one real token per step: its padding stays the same
-    cache = engine.new_kv_cache(len(PROMPTS), ids.shape[1] + NEW_TOKENS)
-    cached = engine.last_token_logits(ids, positions, mask, cache)
+    cache = new_kv_cache(len(PROMPTS), ids.shape[1] + NEW_TOKENS)
+    cached = last_token_logits(engine, ids, positions, mask, cache)
     worst = 0.0
     greedy = []
     for step in range(NEW_TOKENS):
-        full = engine.last_token_logits(ids, positions, mask)
+        full = last_token_logits(engine, ids, positions, mask)
         worst = max(worst, (full - cached).abs().max().item())
         nxt = cached[:, :vocab].argmax(-1).cpu()
         greedy.append(nxt)
         ids, positions, mask = left_padded_batch([row[pad:].tolist() + [t] for row, pad, t in zip(ids, pads.tolist(), nxt.tolist())], 256)
         if step < NEW_TOKENS - 1:
             decode_mask = mask[:, :, -1:, :]  # the newest token's row: its prefix, without the padding
-            cached = engine.last_token_logits(ids[:, -1:], positions[:, -1:], decode_mask, cache)
+            cached = last_token_logits(engine, ids[:, -1:], positions[:, -1:], decode_mask, cache)
     greedy_tokens = torch.stack(greedy, 1)
 
     # Sampling through the backend, same seed, with and without the cache
