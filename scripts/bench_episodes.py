@@ -104,15 +104,17 @@ def main() -> None:
         best = None
         for _ in range(args.repeat):
             out, seconds, peak = measure(fn)
-            groups = out[0] if isinstance(out, tuple) else out
-            policy = sum(sum(r.loss_mask) if r.loss_mask is not None else len(r.completion_ids) for g in groups for r in g)
+            # episodes: (samples, stats); a single generation: rollouts grouped per prompt
+            samples = out[0] if isinstance(out, tuple) else [r for g in out for r in g]
+            policy = sum(sum(s.loss_mask) if getattr(s, "loss_mask", None) is not None else len(s.completion_ids)
+                         for s in samples)
             stats = backend.last_stats
             row = {"policy_tokens": policy, "seconds": seconds, "tokens_per_s": policy / seconds, "peak_gib": peak,
                    "decode_ms_per_step": stats.decode_ms_per_step if stats else None,
                    "last_call_capture_s": stats.capture_s if stats else None,
                    "last_call_prefill_s": stats.prefill_s if stats else None}
             if isinstance(out, tuple):
-                row["turns_mean"] = sum(out[1].turns) / len(out[1].turns)
+                row["turns_mean"] = sum(s.turns for s in samples) / len(samples)
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
         results[name] = best  # type: ignore[assignment]

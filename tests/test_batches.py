@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from oumi_megatron.grpo.algorithm import aggregate
+from oumi_megatron.rollout.sample import Sample, SampleStatus
 from oumi_megatron.trainer.batches import (
-    SequenceBatch,
     block_causal_mask,
     first_fit_decreasing,
     packed_layout,
@@ -18,11 +18,14 @@ from oumi_megatron.trainer.batches import (
 )
 
 
-def _batch() -> SequenceBatch:
+def _batch() -> list[Sample]:
     ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17], [18, 19]]
-    return SequenceBatch(ids, prompt_lengths=[2, 1, 2, 3, 1, 1], advantages=torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0]),
-                         trainable=torch.tensor([True, True, True, False, True, True]),
-                         rollout_logprobs=[[-0.1, -0.2, -0.3], [-0.4], [-0.5], [-0.6], [-0.7, -0.8], [-0.9]])
+    prompt_lengths = [2, 1, 2, 3, 1, 1]
+    advantages = [1.0, -1.0, 0.5, 2.0, -0.5, 0.0]
+    trainable = [True, True, True, False, True, True]
+    logprobs = [[-0.1, -0.2, -0.3], [-0.4], [-0.5], [-0.6], [-0.7, -0.8], [-0.9]]
+    return [Sample(t[:p], t[p:], group=i, logprobs=lp, advantage=a, trainable=tr)
+            for i, (t, p, a, tr, lp) in enumerate(zip(ids, prompt_lengths, advantages, trainable, logprobs))]
 
 
 def test_first_fit_decreasing_respects_capacity_and_places_everything() -> None:
@@ -70,7 +73,7 @@ def test_segment_aggregation_equals_one_row_per_sequence() -> None:
     batch = _batch()
     padded, packed = padded_layout(batch, 6, pad_id=0), packed_layout(batch, 4, pad_id=0)
     g = torch.Generator().manual_seed(0)
-    per_seq_values = [torch.randn(len(t), generator=g) for t in batch.token_ids]
+    per_seq_values = [torch.randn(s.length, generator=g) for s in batch]
 
     def place(layout):  # noqa: ANN001, ANN202
         mb = layout.microbatches[0]
@@ -92,18 +95,18 @@ def test_segment_aggregation_equals_one_row_per_sequence() -> None:
 
 
 def test_observation_tokens_are_out_of_the_loss_in_both_layouts() -> None:
-    """A multi-turn episode's completion is turn 1 + observation + turn 2 (issue 46): ``Rollout.loss_mask`` marks the
+    """A multi-turn episode's completion is turn 1 + observation + turn 2 (issue 46): ``Sample.loss_mask`` marks the
     policy's tokens, both layouts score only those, and through the real GRPO loss (KL and TIS on) the gradient at every
     observation position is exactly zero while the policy's tokens get one."""
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
     from oumi_megatron.grpo.loss import make_grpo_loss_fn
-    from oumi_megatron.rollout.base import Rollout
     from oumi_megatron.trainer.batches import mini_batches
 
-    episode = Rollout([1, 2], [3, 4, 90, 91, 92, 5, 6], True, [-0.1] * 7, loss_mask=[1, 1, 0, 0, 0, 1, 1])
-    single = Rollout([1, 2], [7, 8, 9], True, [-0.2] * 3)
-    batch = mini_batches([episode, single], torch.tensor([1.0, -1.0]), torch.tensor([True, True]), 0, 2, 1)[0]
-    assert batch.loss_masks == [[1, 1, 0, 0, 0, 1, 1], None]
+    episode = Sample([1, 2], [3, 4, 90, 91, 92, 5, 6], 0, SampleStatus.FINISHED, [-0.1] * 7,
+                     loss_mask=[1, 1, 0, 0, 0, 1, 1], advantage=1.0, trainable=True)
+    single = Sample([1, 2], [7, 8, 9], 0, SampleStatus.FINISHED, [-0.2] * 3, advantage=-1.0, trainable=True)
+    batch = mini_batches([episode, single], 2, 1)[0]
+    assert [s.loss_mask for s in batch] == [[1, 1, 0, 0, 0, 1, 1], None]
     padded, packed = padded_layout(batch, 2, pad_id=0), packed_layout(batch, 2, pad_id=0)
     masks = [lay.per_sequence([mb["completion_mask"] for mb in lay.microbatches]) for lay in (padded, packed)]
     assert masks[0][0].tolist() == masks[1][0].tolist() == [0, 1, 1, 0, 0, 0, 1, 1, 0]  # position t scores token t + 1
@@ -117,5 +120,5 @@ def test_observation_tokens_are_out_of_the_loss_in_both_layouts() -> None:
     grad = logprobs.grad[0]
     assert (grad[3:6] == 0).all() and (grad[[1, 2, 6, 7]] != 0).all(), grad
     with pytest.raises(ValueError, match="a loss mask of 2 tokens for a completion of 3"):
-        padded_layout(mini_batches([Rollout([1], [2, 3, 4], True, loss_mask=[1, 0])], torch.tensor([1.0]),
-                                   torch.tensor([True]), 0, 1, 1)[0], 1, pad_id=0)
+        padded_layout(mini_batches([Sample([1], [2, 3, 4], 0, loss_mask=[1, 0], advantage=1.0, trainable=True)], 1, 1)[0],
+                      1, pad_id=0)

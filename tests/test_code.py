@@ -180,14 +180,14 @@ def test_hostile_code_inside_episodes_gets_an_error_observation_and_the_run_goes
                              None)] for i, p in enumerate(prompts)]
 
     runner = EnvironmentRunner(build_environment("python"), 30.0, workers=2)
-    groups, stats = run_episodes(Scripted(), tok, runner, [[1], [2]], [{}, {}],
-                                 SamplingParams(max_new_tokens=2000, eos_token_id=eos), n=1, max_turns=3)
-    assert stats.failed == {} and stats.turns == [2, 2] and stats.tool_errors == 2
-    for (episode,) in groups:
+    samples, stats = run_episodes(Scripted(), tok, runner, [[1], [2]], [{}, {}],
+                                  SamplingParams(max_new_tokens=2000, eos_token_id=eos), n=1, max_turns=3)
+    assert not any(s.failed for s in samples) and [s.turns for s in samples] == [2, 2] and stats.tool_errors == 2
+    for episode in samples:
         text = tok.decode(episode.completion_ids, skip_special_tokens=True)
         assert "error: it ran longer than the time limit (1.5 s) and was stopped" in text and episode.finished
         assert 0 in episode.loss_mask
-    assert [info.get("code", "").startswith(("import os", "while True")) for info in stats.infos] == [True, True]
+    assert [s.env_info.get("code", "").startswith(("import os", "while True")) for s in samples] == [True, True]
     assert sandbox_processes() == 0
 
 

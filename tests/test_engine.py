@@ -279,7 +279,7 @@ def test_layout_matches_single_rank(layout: str, workdir: Path, layout_runs: dic
         assert got["norm_rows"]["train"] == [seq] and got["sequence_parallel_norm_weights"] == 0
     lp, ref_lp = torch.tensor(got["logprobs"]), torch.tensor(reference["logprobs"])
     assert (lp - ref_lp).abs().max().item() <= WEIGHT_ATOL * 10
-    # the generation path (under CP: whole sequences on each rank, engine._context_parallel_off)
+    # the generation path (under CP: whole sequences on each rank, rollout/decoding/generation_mode.py whole_sequences)
     logits, ref_logits = (torch.tensor(r["last_token_logits"])[:, :320] for r in (got, reference))  # the real vocabulary
     assert logits.shape == ref_logits.shape == (4, 320) and (logits - ref_logits).abs().max().item() <= WEIGHT_ATOL * 10
     w, ref_w = _weights(out / "hf"), _weights(ref_dir / "hf")

@@ -165,6 +165,19 @@ class _ScriptedPolicy:
         return out
 
 
+def _turns(samples: list) -> list[int]:
+    return [s.turns for s in samples]
+
+
+def _tool_calls(samples: list) -> int:
+    return sum(s.tool_calls for s in samples)
+
+
+def _failed(samples: list) -> dict[int, str]:
+    """Episode index -> why its environment failed."""
+    return {k: s.failure for k, s in enumerate(samples) if s.failed}
+
+
 def _runner(env: object, timeout_s: float = 60.0) -> object:
     from oumi_megatron.environments.runner import EnvironmentRunner
 
@@ -184,15 +197,15 @@ def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
     tok = build_byte_tokenizer()
     answer = tok("The answer is 84.", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
     policy = _ScriptedPolicy([_call("12*7"), answer])
-    groups, stats = run_episodes(policy, tok, _runner(build_environment("calculator")), [[1, 2, 3]], [{}],
-                                 SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=4)
-    (episode,) = groups[0]
+    samples, stats = run_episodes(policy, tok, _runner(build_environment("calculator")), [[1, 2, 3]], [{}],
+                                  SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=4)
+    (episode,) = samples
     obs, _ = observation_ids(tok, Observation("84"))
     assert episode.completion_ids == _call("12*7") + obs + answer  # exactly the sampled ids, the observation between
     assert episode.loss_mask == [1] * len(_call("12*7")) + [0] * len(obs) + [1] * len(answer)
     assert episode.logprobs == [-0.5] * len(_call("12*7")) + [0.0] * len(obs) + [-0.5] * len(answer)
-    assert episode.finished and stats.turns == [2] and stats.tool_calls == 1 and stats.tool_errors == 0
-    assert stats.observation_tokens == len(obs) and [list(s) for s in stats.sample] == [["turn"], ["observation"], ["turn"]]
+    assert episode.finished and _turns(samples) == [2] and _tool_calls(samples) == 1 and stats.tool_errors == 0
+    assert stats.observation_tokens == len(obs) and [list(s) for s in stats.transcript] == [["turn"], ["observation"], ["turn"]]
     # the second turn's prompt is the whole history, and its budget what is left
     assert policy.calls[1] == ([3 + len(_call("12*7")) + len(obs)], 400 - len(_call("12*7")) - len(obs), 1)
 
@@ -207,19 +220,19 @@ def test_inline_episodes_stop_at_the_equals_sign_and_continue_the_assistant_s_me
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     turns = [ids("Omar has 964 + 494 ="), ids(" so x ="), ids(" 1458 - 8 ="), ids(" #### 1450") + [_ScriptedPolicy.EOS]]
     policy = _ScriptedPolicy(turns)
-    groups, stats = run_episodes(policy, tok, _runner(build_environment("calculator_inline")), [[1, 2, 3]], [{}],
-                                 SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=8)
-    (episode,) = groups[0]
+    samples, stats = run_episodes(policy, tok, _runner(build_environment("calculator_inline")), [[1, 2, 3]], [{}],
+                                  SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=8)
+    (episode,) = samples
     assert policy.stops == tuple(ids("="))  # every turn's sampling stops at "=" too
     assert episode.completion_ids == turns[0] + ids(" 1458") + turns[1] + turns[2] + ids(" 1450") + turns[3]
     assert episode.loss_mask == ([1] * len(turns[0]) + [0] * 5 + [1] * len(turns[1]) + [1] * len(turns[2]) + [0] * 5
                                  + [1] * len(turns[3]))
     assert tok.decode(episode.completion_ids, skip_special_tokens=True) == "Omar has 964 + 494 = 1458 so x = 1458 - 8 = 1450 #### 1450"
-    assert episode.finished and stats.turns == [4] and stats.tool_calls == 2 and stats.observation_tokens == 10
+    assert episode.finished and _turns(samples) == [4] and _tool_calls(samples) == 2 and stats.observation_tokens == 10
     # an episode whose last turn stops at "=" (max_turns) is not finished: it ended at no end-of-turn token
-    groups, stats = run_episodes(_ScriptedPolicy(turns[:1]), tok, _runner(build_environment("calculator_inline")),
-                                 [[1]], [{}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=2)
-    assert not groups[0][0].finished and stats.turns == [2]
+    samples, stats = run_episodes(_ScriptedPolicy(turns[:1]), tok, _runner(build_environment("calculator_inline")),
+                                  [[1]], [{}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=2)
+    assert not samples[0].finished and _turns(samples) == [2]
 
 
 def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> None:
@@ -229,15 +242,16 @@ def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> 
     tok = build_byte_tokenizer()
     calls = _call("1+1")
     always = _ScriptedPolicy([calls])  # calls the tool every turn
-    groups, stats = run_episodes(always, tok, _runner(build_environment("calculator")), [[1], [2]], [{}, {}],
-                                 SamplingParams(max_new_tokens=10_000), n=2, max_turns=3)
-    assert stats.turns == [3] * 4 and all(not r.finished for g in groups for r in g)  # a call left unanswered
-    assert stats.tool_calls == 4 * 3 and len(always.calls) == 3
-    assert [[r.prompt_ids for r in g] for g in groups] == [[[1], [1]], [[2], [2]]]  # n per prompt, in the prompts' order
+    samples, stats = run_episodes(always, tok, _runner(build_environment("calculator")), [[1], [2]], [{}, {}],
+                                  SamplingParams(max_new_tokens=10_000), n=2, max_turns=3)
+    assert _turns(samples) == [3] * 4 and all(not r.finished for r in samples)  # a call left unanswered
+    assert _tool_calls(samples) == 4 * 3 and len(always.calls) == 3
+    # n per prompt, in the prompts' order
+    assert [(r.group, r.prompt_ids) for r in samples] == [(0, [1]), (0, [1]), (1, [2]), (1, [2])]
     budget = 2 * len(calls) + 20
-    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(build_environment("calculator")), [[1]], [{}],
-                                 SamplingParams(max_new_tokens=budget), n=1, max_turns=10)
-    (cut,) = groups[0]
+    samples, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(build_environment("calculator")), [[1]], [{}],
+                                  SamplingParams(max_new_tokens=budget), n=1, max_turns=10)
+    (cut,) = samples
     assert len(cut.completion_ids) <= budget and not cut.finished and len(cut.loss_mask) == len(cut.completion_ids)
 
     class Broken:
@@ -247,10 +261,10 @@ def test_episodes_end_at_max_turns_at_the_budget_and_on_environment_errors() -> 
         def step(self, state: None, turn_text: str, turn_ids: list[int]) -> Observation:
             raise RuntimeError("sandbox died")
 
-    groups, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(Broken()), [[1]], [{}], SamplingParams(max_new_tokens=500),
-                                 n=2, max_turns=3)
-    assert stats.failed == {0: "step (episode 0): RuntimeError: sandbox died", 1: "step (episode 1): RuntimeError: sandbox died"}
-    assert all(not r.finished for r in groups[0]) and stats.turns == [1, 1]
+    samples, stats = run_episodes(_ScriptedPolicy([calls]), tok, _runner(Broken()), [[1]], [{}],
+                                  SamplingParams(max_new_tokens=500), n=2, max_turns=3)
+    assert _failed(samples) == {0: "step (episode 0): RuntimeError: sandbox died", 1: "step (episode 1): RuntimeError: sandbox died"}
+    assert all(not r.finished for r in samples) and _turns(samples) == [1, 1]
 
 
 def test_an_environment_that_hangs_fails_its_episode_and_the_others_go_on() -> None:
@@ -276,12 +290,12 @@ def test_an_environment_that_hangs_fails_its_episode_and_the_others_go_on() -> N
     tok = build_byte_tokenizer()
     answer = tok("done", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
     runner = _runner(HangsOnce(), timeout_s=0.3)
-    groups, stats = run_episodes(_ScriptedPolicy([answer]), tok, runner, [[1], [2]], [{"id": 0}, {"id": 1}],
-                                 SamplingParams(max_new_tokens=100, eos_token_id=258), n=1, max_turns=2)
+    samples, stats = run_episodes(_ScriptedPolicy([answer]), tok, runner, [[1], [2]], [{"id": 0}, {"id": 1}],
+                                  SamplingParams(max_new_tokens=100, eos_token_id=258), n=1, max_turns=2)
     release.set()
-    assert stats.failed == {0: "step (episode 0): no answer within grpo.environment_timeout_s = 0.3 s"}
-    assert stats.infos == [{}, {"row": 1}]
-    assert not groups[0][0].finished and groups[1][0].finished
+    assert _failed(samples) == {0: "step (episode 0): no answer within grpo.environment_timeout_s = 0.3 s"}
+    assert [s.env_info for s in samples] == [{}, {"row": 1}]
+    assert not samples[0].finished and samples[1].finished
     assert 0.3 <= stats.environment_s < 5
     _, again = run_episodes(_ScriptedPolicy([answer]), tok, runner, [[2]], [{"id": 1}],
                             SamplingParams(max_new_tokens=100, eos_token_id=258), n=1, max_turns=2)
@@ -465,10 +479,10 @@ def test_an_episode_s_ids_are_the_chat_template_s_rendering_of_its_conversation(
     policy = _ScriptedPolicy(scripted)
     conversation = [{"role": "user", "content": "What is 964 + 494 - 8?"}]
     prompt = list(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
-    groups, stats = run_episodes(policy, tok, _runner(_Answers(results)), [prompt], [{}],
-                                 SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
-    (episode,) = groups[0]
-    assert stats.turns == [3] and episode.finished
+    samples, stats = run_episodes(policy, tok, _runner(_Answers(results)), [prompt], [{}],
+                                  SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
+    (episode,) = samples
+    assert _turns(samples) == [3] and episode.finished
     for turn, result in zip(turns, [*results, None]):
         conversation.append({"role": "assistant", "content": turn})
         if result is not None:
@@ -496,11 +510,11 @@ def test_an_inline_episode_s_ids_are_one_assistant_message(name: str, smollm2_to
     turns = [encode("Omar has 964 + 494 ="), encode(" apples, so #### 1458") + [tok.eos_token_id]]
     conversation = [{"role": "user", "content": "How many apples?"}]
     prompt = list(tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
-    groups, stats = run_episodes(_ScriptedPolicy(turns), tok, _runner(build_environment("calculator_inline")), [prompt],
-                                 [{}], SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
-    (episode,) = groups[0]
+    samples, stats = run_episodes(_ScriptedPolicy(turns), tok, _runner(build_environment("calculator_inline")), [prompt],
+                                  [{}], SamplingParams(max_new_tokens=2000, eos_token_id=tok.eos_token_id), n=1, max_turns=4)
+    (episode,) = samples
     text = tok.decode(episode.completion_ids, skip_special_tokens=True)
-    assert text == "Omar has 964 + 494 = 1458 apples, so #### 1458" and stats.turns == [2]
+    assert text == "Omar has 964 + 494 = 1458 apples, so #### 1458" and _turns(samples) == [2]
     rendered = list(tok.apply_chat_template([*conversation, {"role": "assistant", "content": text}], tokenize=True,
                                             return_dict=False))
     assert prompt + episode.completion_ids + encode("\n") == rendered, (tok.decode(prompt + episode.completion_ids),
@@ -522,9 +536,9 @@ def test_sampled_ids_are_kept_where_a_re_tokenization_would_merge_them(smollm2_t
     turn = encode("Six") + pieces + [tok.eos_token_id]
     prompt = list(tok.apply_chat_template([{"role": "user", "content": "Fruit?"}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False))
-    groups, _ = run_episodes(_ScriptedPolicy([turn]), tok, _runner(_Answers([])), [prompt], [{}],
-                             SamplingParams(max_new_tokens=100, eos_token_id=tok.eos_token_id), n=1, max_turns=2)
-    (episode,) = groups[0]
+    samples, _ = run_episodes(_ScriptedPolicy([turn]), tok, _runner(_Answers([])), [prompt], [{}],
+                              SamplingParams(max_new_tokens=100, eos_token_id=tok.eos_token_id), n=1, max_turns=2)
+    (episode,) = samples
     assert episode.completion_ids == turn and episode.loss_mask == [1] * len(turn)
     rendered = list(tok.apply_chat_template([{"role": "user", "content": "Fruit?"},
                                              {"role": "assistant", "content": "Six apples"}], tokenize=True, return_dict=False))
@@ -585,7 +599,7 @@ def test_episodes_answered_in_the_background_equal_those_answered_in_line() -> N
     runs = []
     for workers in (0, 3):
         runner = EnvironmentRunner(build_environment("calculator"), 60.0, workers=workers)
-        groups, stats = run_episodes(_ScriptedPolicy([_call("12*7"), _call("2+2"), answer]), tok, runner, [[1, 2], [3]],
+        samples, stats = run_episodes(_ScriptedPolicy([_call("12*7"), _call("2+2"), answer]), tok, runner, [[1, 2], [3]],
                                      [{}, {}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=2, max_turns=4)
-        runs.append(([(r.completion_ids, r.loss_mask) for g in groups for r in g], stats.turns, stats.tool_calls))
+        runs.append(([(r.completion_ids, r.loss_mask) for r in samples], _turns(samples), _tool_calls(samples)))
     assert runs[0] == runs[1] and runs[0][1] == [3, 3, 3, 3] and runs[0][2] == 8

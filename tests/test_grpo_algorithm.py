@@ -247,7 +247,8 @@ def test_truncated_importance_sampling_weights_and_loss() -> None:
 def test_a_skipped_sample_changes_nothing_in_the_loss(mode: str, packed: bool) -> None:
     """A sample whose reward was skipped stays in the batch (shapes stay fixed) but adds nothing to the
     loss or to the count it is normalized by: loss and count equal those of the batch without it."""
-    from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
+    from oumi_megatron.rollout.sample import Sample
+    from oumi_megatron.trainer.batches import packed_layout, padded_layout
 
     grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", tis_cap=None,
                            loss_aggregation=mode, max_completion_length=6)
@@ -256,8 +257,8 @@ def test_a_skipped_sample_changes_nothing_in_the_loss(mode: str, packed: bool) -
     adv = torch.tensor([0.5, -1.0, 1.5, 0.25])
 
     def loss(keep: list[int], trainable: list[bool]) -> tuple[float, int]:
-        batch = SequenceBatch(token_ids=[seqs[i] for i in keep], prompt_lengths=[2] * len(keep),
-                              advantages=adv[keep], trainable=torch.tensor(trainable))
+        batch = [Sample(seqs[i][:2], seqs[i][2:], group=i, advantage=float(adv[i]), trainable=t)
+                 for i, t in zip(keep, trainable, strict=True)]
         layout = packed_layout(batch, 1, 0) if packed else padded_layout(batch, 1, 0)
         total, count = 0.0, 0
         for mb in layout.microbatches:

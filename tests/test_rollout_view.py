@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from oumi_megatron.cli import main
-from oumi_megatron.rollout.base import Rollout
+from oumi_megatron.rollout.sample import Sample, SampleStatus
 from oumi_megatron.trainer.rollout_dump import RolloutDump
 
 
@@ -37,10 +37,12 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Path:  # noq
     for step in (1, 3):  # RolloutDump counts steps from 0
         for rank in (0, 1):
             dump = RolloutDump(out / "rollouts", every=2, writes=True)
-            single = Rollout(prompt, _ids(tokenizer, "It is 42"), finished=False, logprobs=[-0.1 * (i + 1) for i in range(8)])
-            multi = Rollout(prompt, episode, finished=True, logprobs=[-0.5] * len(episode),
-                            loss_mask=[1] * len(turn1) + [0] * len(obs) + [1] * len(turn2))
-            dump.add(step, 0, tokenizer, [single, multi], [0.25 + rank, None if step == 3 else 1.0], [1, 2])
+            single = Sample(prompt, _ids(tokenizer, "It is 42"), 0, SampleStatus.TRUNCATED,
+                            logprobs=[-0.1 * (i + 1) for i in range(8)], turns=1, reward=0.25 + rank)
+            multi = Sample(prompt, episode, 0, SampleStatus.FINISHED, logprobs=[-0.5] * len(episode),
+                           loss_mask=[1] * len(turn1) + [0] * len(obs) + [1] * len(turn2), turns=2,
+                           reward=None if step == 3 else 1.0)
+            dump.add(step, tokenizer, [single, multi])
             assert dump.write(step, rank) == out / "rollouts" / f"step_{step + 1:06d}_rank_{rank:05d}.jsonl"
     return out
 

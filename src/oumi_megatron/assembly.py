@@ -117,7 +117,7 @@ def build_trainer(config: Any, layout: ParallelLayout, dataset: Any, *, eval_dat
                                             "trainable parameters on this rank)")
         logger.info(f"Megatron-Core engine ready: {len(engine.model)} model chunk(s) per rank, dtype {dtype}{adapters}.")
     rollout = build_rollout(config, engine, tokenizer, reward_functions=reward_functions, eval_sets=eval_dataset,
-                            work_dir=output_dir)
+                            work_dir=output_dir, asynchronous=bool(config.grpo.max_staleness))
     trainer = OumiMegatronGrpoTrainer(config, engine, bridge, checkpoint, layout, dataset, rollout)
     trainer.start_metrics.update(network.metrics())
     return AssembledRun(trainer, start.checkpoint)
@@ -141,13 +141,14 @@ def start_sandbox(grpo: Any, reward_functions: dict[str, Any] | None = None) -> 
 
 
 def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions: dict[str, Any] | None = None,
-                  eval_sets: Any = None, work_dir: Path, eval_samples: int = 1) -> RolloutParts:
+                  eval_sets: Any = None, work_dir: Path, eval_samples: int = 1, asynchronous: bool = False) -> RolloutParts:
     """Collective: the run's rollout parts, in the order their process groups are made: the backend of the rollout mode
     (``megatron.inference_backend`` x ``rollout_placement``), the replica's reward scorer (``grpo.reward_functions``;
     ``reward_functions``, name -> callable, take precedence over Oumi's registry), the environment's runner on the
-    scorer's group, the driver over them, the training sampling, and an evaluator per eval set (``eval_sets``: one set
-    of rows, or sets by metric prefix; None: none; ``eval_samples`` completions per prompt, 1: greedy)."""
-    from oumi_megatron.environments.driver import RolloutDriver
+    scorer's group (and, ``asynchronous``: for asynchronous GRPO's episode thread), the driver over them, the training
+    sampling, and an evaluator per eval set (``eval_sets``: one set of rows, or sets by metric prefix; None: none;
+    ``eval_samples`` completions per prompt, 1: greedy)."""
+    from oumi_megatron.environments.driver import EpisodeTools, RolloutDriver
     from oumi_megatron.environments.registry import environment_runner
     from oumi_megatron.grpo.rewards import RewardComputer
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
@@ -161,7 +162,11 @@ def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions:
     # each sample scored once, by its replica's first rank (trainer/scoring.py; collective: after the backend's groups)
     scorer = ReplicaScorer(RewardComputer(g.reward_functions, g.on_reward_error, reward_functions))
     # grpo.environment: multi-turn episodes, the environment called once per replica (the scorer's group)
-    driver = RolloutDriver(backend, tokenizer, g, environment_runner(g, scorer.group, scorer.ranks))
+    tools = EpisodeTools(tokenizer, environment_runner(g, scorer.group, scorer.ranks))
+    # asynchronous episodes run on the engine owner's thread, with a tokenizer and an environment of their own (the
+    # owner alone calls it: no group)
+    async_tools = EpisodeTools(copy.deepcopy(tokenizer), environment_runner(g)) if asynchronous and g.environment else None
+    driver = RolloutDriver(backend, g, tools, async_tools)
     evaluators = [] if eval_sets is None else build_evaluators(
         eval_sets, tokenizer, scorer, driver, g, config.training.per_device_eval_batch_size, engine.device, eval_samples)
     return RolloutParts(driver, scorer, sampling_for(g, tokenizer), evaluators)

@@ -252,7 +252,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
     notes: list[str] = []
     stage_plans: list[MemoryPlan] = []
     lora, _ = lora_settings(cfg)
-    # the embedded decoder merges LoRA into its weights for a rollout (MegatronEngine.rollout_weights decides the same)
+    # the embedded decoder merges LoRA into its weights for a rollout (MegatronRolloutBackend._rollout_weights decides the same)
     merged_rollouts = lora is not None and mode.memory == DECODER_CACHE and m.lora_sync == "merged"
     for stage in range(pp):
         params = _stage_params(shape, layout, stage, expert_split)

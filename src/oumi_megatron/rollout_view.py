@@ -124,7 +124,8 @@ def _facts(sample: Sample) -> str:
     d = sample.data
     reward = d.get("reward")
     reward_text = f"reward {reward:.4g}" if isinstance(reward, (int, float)) else "no reward (skipped or the episode failed)"
-    finished = "finished" if d.get("finished") else "cut at max_completion_length"
+    finished = ("finished" if d.get("finished") else f"failed: {d.get('failure')}" if d.get("status") == "failed"
+                else "cut at max_completion_length")
     where = f"step {sample.step if sample.step is not None else '?'}, DP rank {sample.rank if sample.rank is not None else '?'}"
     return (f"{where}, sample {sample.index}: {reward_text}, {d.get('turns', '?')} turn(s), {finished}, "
             f"{len(d['completion_ids'])} completion tokens" + (f", generation round {d['round']}" if d.get("round") else ""))

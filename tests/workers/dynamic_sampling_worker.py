@@ -57,7 +57,7 @@ def main() -> None:
         consumed = [collector.dataset[collector.order[i % len(rows)]]["target"] for i in range(start, collector.data_position)]
         groups = len(batch.group_rows)
         filler = batch.filler.view(groups, G)[:, 0].tolist()
-        share = len(batch.rollouts)
+        share = len(batch.samples)
         first = rank * share
         expected_prompts = [prompt_token_ids(tokenizer, batch.group_rows[(first + i) // G]["prompt"], 64)[0]
                             for i in range(share)]
@@ -68,11 +68,11 @@ def main() -> None:
             "filler_targets": [row["target"] for row, f in zip(batch.group_rows, filler) if f],
             "kept_rewards_differ": [bool(t.max() > t.min()) for t, f in zip(totals, filler) if not f],
             "filler_rewards_equal": [bool(t.max() == t.min()) for t, f in zip(totals, filler) if f],
-            "share_matches_prompts": [r.prompt_ids for r in batch.rollouts] == expected_prompts,
+            "share_matches_prompts": [s.prompt_ids for s in batch.samples] == expected_prompts,
             "batch_samples": len(batch.scores),
             # the redistribution's bytes against this rank's share alone: each rank receives its share, not the batch
             "collation_bytes": collector.last_collation_bytes,
-            "share_bytes": len(pickle.dumps(batch.rollouts, protocol=pickle.HIGHEST_PROTOCOL)),
+            "share_bytes": len(pickle.dumps(batch.samples, protocol=pickle.HIGHEST_PROTOCOL)),
             "rounds": batch.rounds,
         })
         return batch

@@ -177,12 +177,11 @@ def expert_parallel_episodes_check(engine, out: Path) -> None:  # noqa: ANN001
     for tag, engine in engines:
         for s in sets:
             prompts = EPISODE_PROMPTS[s]
-            groups, stats = run_episodes(engine, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
-                                         [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
-                                         max_turn_tokens=8)
-            episodes = [r for g in groups for r in g]
+            episodes, _ = run_episodes(engine, tokenizer, EnvironmentRunner(_SetEnvironment(), 60.0), prompts,
+                                       [{"set": s, "prompt": i} for i in range(len(prompts))], greedy, n=2, max_turns=3,
+                                       max_turn_tokens=8)
             mine[f"{tag}{s}"] = {"ids": [r.completion_ids for r in episodes], "mask": [r.loss_mask for r in episodes],
-                                 "logprobs": [r.logprobs for r in episodes], "turns": stats.turns}
+                                 "logprobs": [r.logprobs for r in episodes], "turns": [r.turns for r in episodes]}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
@@ -298,9 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     lp = engine.compute_logprobs([{"input_ids": probe[:2]}, {"input_ids": probe[2:]}])
     results["logprobs"] = torch.cat(lp).tolist() if dp_rank == 0 else None
     # the generation path (embedded rollouts): last-position logits of the probe rows, no KV cache
+    from oumi_megatron.rollout.decoding.generation_mode import last_token_logits
+
     seq = probe.shape[1]
     future = ~torch.ones(seq, seq, dtype=torch.bool).tril()
-    last = engine.last_token_logits(probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
+    last = last_token_logits(engine, probe, torch.arange(seq).expand_as(probe), future.expand(probe.shape[0], 1, seq, seq))
     results["last_token_logits"] = last.tolist() if dp_rank == 0 else None
     results["core_attention"] = core_attention_name(engine.model[0])
     mlp = unwrap(engine.model[0]).decoder.layers[0].mlp  # MoE: SequentialMLP experts on this rank

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.rollout.decoding.generation_mode import last_token_logits, new_kv_cache
     from oumi_megatron.rollout.decoding.padding import left_padded_batch
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
@@ -54,19 +55,19 @@ def main(argv: list[str] | None = None) -> None:
     ids, positions, mask = left_padded_batch(PROMPTS, pad_id=256)
     lengths = torch.tensor([len(q) for q in PROMPTS])
     pads = ids.shape[1] - lengths  # every row grows by one real token per step: its padding stays the same
-    cache = engine.new_kv_cache(len(PROMPTS), ids.shape[1] + NEW_TOKENS)
-    cached = engine.last_token_logits(ids, positions, mask, cache)
+    cache = new_kv_cache(len(PROMPTS), ids.shape[1] + NEW_TOKENS)
+    cached = last_token_logits(engine, ids, positions, mask, cache)
     worst = 0.0
     greedy = []
     for step in range(NEW_TOKENS):
-        full = engine.last_token_logits(ids, positions, mask)
+        full = last_token_logits(engine, ids, positions, mask)
         worst = max(worst, (full - cached).abs().max().item())
         nxt = cached[:, :vocab].argmax(-1).cpu()
         greedy.append(nxt)
         ids, positions, mask = left_padded_batch([row[pad:].tolist() + [t] for row, pad, t in zip(ids, pads.tolist(), nxt.tolist())], 256)
         if step < NEW_TOKENS - 1:
             decode_mask = mask[:, :, -1:, :]  # the newest token's row: its prefix, without the padding
-            cached = engine.last_token_logits(ids[:, -1:], positions[:, -1:], decode_mask, cache)
+            cached = last_token_logits(engine, ids[:, -1:], positions[:, -1:], decode_mask, cache)
     greedy_tokens = torch.stack(greedy, 1)
 
     # Sampling through the backend, same seed, with and without the cache
@@ -271,9 +272,10 @@ def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # no
     out = {}
     for name, gated, workers, delay in (("in_line", False, 0, 0.0), ("background", True, 2, 0.0), ("late", False, 2, 3.0)):
         env = Gated(gated, delay)
-        groups, stats = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
-                                     [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
-        out[name] = {"ids": [r.completion_ids for g in groups for r in g], "turns": stats.turns, "failed": stats.failed}
+        samples, _ = run_episodes(static, tokenizer, EnvironmentRunner(env, 20.0, workers=workers), prompts,
+                                  [{"k": k} for k in range(len(prompts))], greedy, 1, max_turns=3, max_turn_tokens=6)
+        out[name] = {"ids": [r.completion_ids for r in samples], "turns": [r.turns for r in samples],
+                     "failed": {k: r.failure for k, r in enumerate(samples) if r.failed}}
     return {"background_same_episodes": out["background"]["ids"] == out["in_line"]["ids"],
             "late_same_episodes": out["late"]["ids"] == out["in_line"]["ids"], "late_failed": list(out["late"]["failed"]),
             "background_turns": out["background"]["turns"], "background_failed": list(out["background"]["failed"])}

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.grpo.loss import make_grpo_loss_fn
-    from oumi_megatron.trainer.batches import SequenceBatch, packed_layout, padded_layout
+    from oumi_megatron.rollout.sample import Sample
+    from oumi_megatron.trainer.batches import packed_layout, padded_layout
 
     params = MegatronParams(pipeline_model_parallel_size=args.pp, tensor_model_parallel_size=args.tp,
                             sequence_parallel=args.sequence_parallel, context_parallel_size=args.cp,
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     ids, prompt_lens, advantages = sequences()
     trainable = torch.ones(len(ids), dtype=torch.bool)
     trainable[3] = False  # a skipped sample: kept in the batch, not trained on
-    batch = SequenceBatch(ids, prompt_lens, advantages, trainable)
+    batch = [Sample(t[:p], t[p:], i, advantage=float(a), trainable=bool(tr))
+             for i, (t, p, a, tr) in enumerate(zip(ids, prompt_lens, advantages, trainable, strict=True))]
     layouts = {"padded": padded_layout(batch, args.mbs, pad_id=0), "packed": packed_layout(batch, args.mbs, pad_id=0)}
 
     per_seq = {}

@@ -29,6 +29,7 @@ def main() -> None:
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.conversion import convert_hf_to_megatron, export_to_hf
     from oumi_megatron.examples.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
+    from oumi_megatron.rollout.decoding.generation_mode import last_token_logits
 
     results = {}
     params = MegatronParams()
@@ -53,7 +54,7 @@ def main() -> None:
 
         prompts = [ids[0, :20].tolist(), ids[1, :32].tolist()]
         pid, ppos, pmask = left_padded_batch(prompts, pad_id=0)
-        last = engine.last_token_logits(pid.to(device), ppos.to(device), pmask.to(device)).float().cpu()
+        last = last_token_logits(engine, pid.to(device), ppos.to(device), pmask.to(device)).float().cpu()
         ref_last = torch.stack([ref_logits[0, 19], ref_logits[1, 31]])
         exported = export_to_hf(ckpt, workdir / f"export_{arch}", layout, params)
         a = load_file(str(next(src.glob("*.safetensors"))))

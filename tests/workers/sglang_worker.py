@@ -77,8 +77,9 @@ def main() -> None:
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
+    from oumi_megatron.rollout.sample import Sample
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
+    from oumi_megatron.trainer.batches import padded_layout
 
     params = MegatronParams(inference_backend="sglang", rollout_placement=args.placement, weight_sync_method="gloo",
                             weight_sync_bucket_mb=0.05, pipeline_model_parallel_size=args.pp)  # small buckets: many
@@ -110,8 +111,7 @@ def main() -> None:
         """max |engine - trainer| logprob over sampled completions (2 per prompt)."""
         rollouts = [r for g in backend.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=10,
                                                                       pad_token_id=256), 2) for r in g]
-        batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
-                              torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
+        batch = [Sample(r.prompt_ids, r.completion_ids, 0, logprobs=r.logprobs, trainable=True) for r in rollouts]
         layout = padded_layout(batch, 2, pad_id=256)
         worst, total, count = 0.0, 0.0, 0.0
         for mb, lp in zip(layout.microbatches, engine.compute_logprobs(layout.microbatches, 0.8)):
@@ -168,10 +168,10 @@ def greedy_episodes(backend, embedded, tokenizer) -> dict:  # noqa: ANN001
     out = {}
     for name, engine in (("sglang", backend), ("sglang_turn_by_turn", GenerateOnly()), ("embedded", embedded)):
         env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
-        groups, stats = run_episodes(engine, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
-                                     max_observation_tokens=16, max_turn_tokens=6)
-        out[name] = {"tokens": [g[0].completion_ids for g in groups], "masks": [g[0].loss_mask for g in groups],
-                     "turns": stats.turns, "observation_tokens": stats.observation_tokens}
+        samples, stats = run_episodes(engine, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
+                                      max_observation_tokens=16, max_turn_tokens=6)
+        out[name] = {"tokens": [s.completion_ids for s in samples], "masks": [s.loss_mask for s in samples],
+                     "turns": [s.turns for s in samples], "observation_tokens": stats.observation_tokens}
     return out
 
 

@@ -42,8 +42,9 @@ def main() -> None:
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
+    from oumi_megatron.rollout.sample import Sample
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.trainer.batches import SequenceBatch, padded_layout
+    from oumi_megatron.trainer.batches import padded_layout
 
     params = MegatronParams(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             inference_backend="vllm", rollout_placement=args.placement, weight_sync_method=args.method,
@@ -62,8 +63,7 @@ def main() -> None:
     def mismatch(name: str) -> None:
         """result[name] = max |engine - trainer| logprob on completion tokens; result[name_mean] = the mean."""
         rollouts = [r for group in backend.generate(PROMPTS, sample, 2) for r in group]
-        batch = SequenceBatch([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts],
-                              torch.zeros(len(rollouts)), rollout_logprobs=[r.logprobs for r in rollouts])
+        batch = [Sample(r.prompt_ids, r.completion_ids, 0, logprobs=r.logprobs, trainable=True) for r in rollouts]
         layout = padded_layout(batch, 2, pad_id=256)
         trainer = engine.compute_logprobs(layout.microbatches)
         worst, total, count = 0.0, 0.0, 0.0
@@ -158,10 +158,10 @@ def greedy_episodes(vllm_backend, engine, tokenizer) -> dict:  # noqa: ANN001
     for name, backend in (("vllm", vllm_backend), ("vllm_turn_by_turn", GenerateOnly()),
                           ("embedded", MegatronRolloutBackend(engine, 259, path="static"))):
         env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
-        groups, stats = run_episodes(backend, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
-                                     max_observation_tokens=16, max_turn_tokens=6)
-        out[name] = {"tokens": [g[0].completion_ids for g in groups], "masks": [g[0].loss_mask for g in groups],
-                     "turns": stats.turns, "observation_tokens": stats.observation_tokens}
+        samples, stats = run_episodes(backend, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
+                                      max_observation_tokens=16, max_turn_tokens=6)
+        out[name] = {"tokens": [s.completion_ids for s in samples], "masks": [s.loss_mask for s in samples],
+                     "turns": [s.turns for s in samples], "observation_tokens": stats.observation_tokens}
     return out
 
 

@@ -104,8 +104,9 @@ class MegatronGrpoParams(BaseParams):
     rollout_dump_steps: int = 0
     """Every this many GRPO steps, write the step's samples of each data-parallel rank to
     ``output_dir/rollouts/step_XXXXXX_rank_XXXXX.jsonl`` (verl's ``rollout_data_dir``): one line per sample with its
-    ``prompt_ids``, ``completion_ids``, ``loss_mask`` (null for single-turn), ``logprobs``, ``reward``, ``turns``,
-    ``finished`` and the decoded ``text``: what the policy and the environment said, token for token. 0: never."""
+    ``prompt_ids``, ``completion_ids``, ``loss_mask`` (null for single-turn), ``logprobs``, ``versions``, ``reward``
+    and ``rewards``, ``turns``, ``status`` (finished, truncated or failed) and the decoded ``text``: what the policy and
+    the environment said, token for token. 0: never."""
 
     eval_metric_prefixes: list[str] = field(default_factory=list)
     """One metric prefix per ``data.validation.datasets`` entry, in order: each prefix is its own eval set, e.g.

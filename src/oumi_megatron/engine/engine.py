@@ -15,12 +15,11 @@ path (``calculate_per_token_loss``) divides the reduced gradients by the global 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.kernels.cuda_graphs import cuda_graphs_enabled
+from oumi_megatron.engine.kernels.token_logprobs import shift_targets, token_entropy, token_logprobs
 from oumi_megatron.engine.parallel.schedules import SCHEDULES, schedule_function
+from oumi_megatron.engine.parallel.sequence_parallel import sequence_parallel_off
 from oumi_megatron.engine.wrappers import unwrap
 
 if TYPE_CHECKING:
@@ -68,60 +69,15 @@ class StepResult:
     """Seconds of this rank's optimizer step (the gradient norm, the update, the distributed optimizer's gathers)."""
 
 
-def shift_targets(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
-    """Next-token targets: ``target[:, t] = input_ids[:, t + 1]``; the last column is ``pad_id``."""
-    targets = torch.full_like(input_ids, pad_id)
-    targets[:, :-1] = input_ids[:, 1:]
-    return targets
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T) at ``targets``; logits may be split over the TP group (vocab-parallel).
-
-    Note: Megatron's vocab-parallel cross entropy overwrites its input in place (fp32 logits included).
-    """
-    from megatron.core import tensor_parallel
-
-    scaled = logits.float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / T) at every position; logits may be split over the TP group."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    z = logits.float() / temperature
-    z_max = z.max(dim=-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-    e = (z - z_max).exp()
-    sums = torch.cat([e.sum(dim=-1, keepdim=True), (e * z).sum(dim=-1, keepdim=True)], dim=-1)
-    if tp > 1:
-        dist.all_reduce(sums, group=group)
-    # H = log sum exp(z) - E_p[z]
-    return (sums[..., 0].log() + z_max[..., 0] - sums[..., 1] / sums[..., 0])
-
-
-def _sequence_parallel_flags(model: torch.nn.Module) -> tuple[str, ...]:
-    """The module attributes that switch sequence parallelism (Megatron-Core's, as ``set_model_to_sequence_parallel``
-    sets them, and LoRA adapters' ``disable_sequence_parallel_comm``: True is off)."""
-    embeddings = () if getattr(model, "position_embedding_type", None) == "learned_absolute" else ("reduce_scatter_embeddings",)
-    return ("sequence_parallel", "scatter_to_sequence_parallel", *embeddings, "disable_sequence_parallel_comm")
-
-
-def _forward_only(fn: Callable) -> Callable:
-    """A forward-only pass without autograd. With CUDA graphs (engine/kernels/cuda_graphs.py) it runs under
-    ``torch.inference_mode``, which keeps Megatron-Core's layers eager (they would otherwise replay the
-    fixed-shape training graphs), and its tensors are copied out of inference mode for later autograd use."""
+def forward_only(fn: Callable) -> Callable:
+    """A forward-only pass of the engine (``fn``'s first argument) without autograd or sequence parallelism. With CUDA
+    graphs (engine/kernels/cuda_graphs.py) it runs under ``torch.inference_mode``, which keeps Megatron-Core's layers
+    eager (they would otherwise replay the fixed-shape training graphs), and its tensors are copied out of inference
+    mode for later autograd use."""
 
     @functools.wraps(fn)
     def wrapper(self: MegatronEngine, *args: Any, **kwargs: Any) -> Any:
-        with self._sequence_parallel_off():
+        with sequence_parallel_off(self.model, self.config):
             if not cuda_graphs_enabled(self.params):
                 with torch.no_grad():
                     return fn(self, *args, **kwargs)
@@ -261,14 +217,14 @@ class MegatronEngine:
 
         self.model = model
         self.peft, self.lora, self.base_dir = peft, lora, base_dir
-        self._rollout_merged = False  # inside ``rollout_weights`` (a turn-by-turn rollout nests generations)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
         self.step_count = 0
         self.schedule = schedule  # resolved once, in engine/parallel/layout.py; looked up by name in engine/parallel/schedules.py
         self._graph_mbs: int | None = None  # the micro batch size CUDA graphs were captured for
-        self._cp_whole_sequences = 1  # CP size while _context_parallel_off runs whole sequences
+        self.cp_whole_sequences = 1
+        """The CP size while generation runs whole sequences on every CP rank (rollout/decoding/generation_mode.py)."""
         from oumi_megatron.engine.parallel.module_queue import module_queues
 
         self._module_queues = module_queues(model)  # the last stage's ModuleQueue, where enabled
@@ -291,97 +247,6 @@ class MegatronEngine:
     # ----------------------------------------------------------------------------------------------
     # Running the schedule
     # ----------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _sequence_parallel_off(self) -> Iterator[None]:
-        """Forward-only passes (logprobs, generation: one token at a time) run without sequence parallelism,
-        as Megatron-Core's own inference does (the flags ``set_model_to_sequence_parallel`` sets); training turns it
-        back on. Each flag gets back the value it had, not True: a LoRA adapter's own linear layers are built without
-        sequence parallelism and gather their input themselves (``disable_sequence_parallel_comm``, switched off here
-        with the rest), and Megatron-Core's helper would turn them on. Its cache of modules by ``id(model)`` is not
-        used either: a later model can take a freed one's id."""
-        if not self.config.sequence_parallel:
-            yield
-            return
-        models = [unwrap(chunk) for chunk in self.model]
-        flags = [(m, attr, getattr(m, attr)) for model in models for m in model.modules()
-                 for attr in _sequence_parallel_flags(model) if hasattr(m, attr)]
-        for m, attr, _ in flags:
-            setattr(m, attr, attr == "disable_sequence_parallel_comm")
-        configs = {id(model.config): model.config for model in models}
-        for config in configs.values():
-            config.sequence_parallel = False
-        try:
-            yield
-        finally:
-            for m, attr, value in flags:
-                setattr(m, attr, value)
-            for config in configs.values():
-                config.sequence_parallel = True
-
-    @contextlib.contextmanager
-    def _context_parallel_off(self) -> Iterator[None]:
-        """Generation under CP: each CP rank runs whole sequences (a KV cache holds whole sequences), so the
-        attention skips its K/V gather, the rotary table is not sliced per CP rank, and pipeline messages
-        carry whole sequences (``_run_schedule`` scales the length Megatron-Core divides by CP). The CP ranks of a
-        DP replica generate the same tokens (same seeds), redundantly."""
-        cp = self.config.context_parallel_size
-        if cp == 1:
-            yield
-            return
-        from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
-
-        attention = [m for chunk in self.model for m in chunk.modules() if isinstance(m, SdpaCoreAttention)]
-        rotary = [r for r in (getattr(unwrap(chunk), "rotary_pos_emb", None) for chunk in self.model) if r is not None]
-        groups = [r.cp_group for r in rotary]
-
-        def clear_rotary_cache() -> None:  # RotaryEmbedding.forward is lru_cached on its arguments, not on cp_group
-            for r in rotary:
-                getattr(type(r).forward, "cache_clear", lambda: None)()
-
-        for m in attention:
-            m.cp_size = 1
-        for r in rotary:
-            r.cp_group = None
-        clear_rotary_cache()
-        self.config.context_parallel_size = 1
-        self._cp_whole_sequences = cp
-        try:
-            yield
-        finally:
-            self.config.context_parallel_size = cp
-            self._cp_whole_sequences = 1
-            for m in attention:
-                m.cp_size = cp
-            for r, g in zip(rotary, groups):
-                r.cp_group = g
-            clear_rotary_cache()
-
-    @contextlib.contextmanager
-    def generation_mode(self) -> Iterator[None]:
-        """The model as token-by-token generation runs it (rollout/decoding/): eval mode, no autograd, no sequence
-        parallelism, whole sequences on every CP rank (``_context_parallel_off``)."""
-        for chunk in self.model:
-            chunk.eval()
-        with torch.no_grad(), self._sequence_parallel_off(), self._context_parallel_off():
-            yield
-
-    @contextlib.contextmanager
-    def rollout_weights(self) -> Iterator[None]:
-        """The weights a rollout of the embedded backend decodes from: under LoRA with ``megatron.lora_sync: merged``
-        the adapters folded into the base for the block (engine/peft.py ``adapters_merged``: one GEMM a projection,
-        the base restored bit-exactly after), otherwise the model as it is. Reentrant; collective over TP."""
-        if self.peft is None or self.params.lora_sync != "merged" or self._rollout_merged:
-            yield
-            return
-        from oumi_megatron.engine.peft import adapters_merged
-
-        self._rollout_merged = True
-        try:
-            with adapters_merged(self.peft, self.model):
-                yield
-        finally:
-            self._rollout_merged = False
-
     def _prepare(self, microbatches: list[dict[str, torch.Tensor]],
                  pad_to: int | None = None) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """Same sequence length for every microbatch (pipeline p2p shapes are fixed per step): the longest,
@@ -443,31 +308,6 @@ class MegatronEngine:
         """The device this rank computes on: its current CUDA device, or the CPU."""
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    @property
-    def expert_peers(self) -> int:
-        """Ranks whose forward passes pair with this rank's: expert parallelism exchanges tokens between EP
-        ranks (other data-parallel replicas) by all-to-all in every MoE layer, so they must run the same
-        number of forwards, whatever their own batches need (1 without EP)."""
-        from megatron.core import parallel_state as ps
-
-        return ps.get_expert_model_parallel_world_size()
-
-    def forward_peers_done(self, done: bool) -> bool:
-        """Whether ``done`` holds on this rank and on all its expert peers (a collective over them; no
-        communication without EP). Generation loops stop on it, so that no peer waits in an all-to-all."""
-        return self.max_over_expert_peers([0 if done else 1])[0] == 0
-
-    def max_over_expert_peers(self, values: list[int]) -> list[int]:
-        """Each of ``values``' largest value over this rank and its expert peers (a collective over them; ``values``
-        as they are without EP): what peers that must run the same forwards agree on first."""
-        if self.expert_peers == 1:
-            return list(values)
-        from megatron.core import parallel_state as ps
-
-        flat = torch.tensor(values, dtype=torch.long, device=self.device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
-        return [int(v) for v in flat.tolist()]
-
     def _run(
         self,
         microbatches: list[dict[str, torch.Tensor]],
@@ -496,7 +336,7 @@ class MegatronEngine:
         chunk = self.logprob_chunk_tokens()
         cp = self.config.context_parallel_size
         chunked = keep_logits is None and inference_context is None and self.chunks_logprobs(mbs * seq_len // cp)
-        if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation: _context_parallel_off
+        if cp > 1 and (keep_logits is not None or inference_context is not None):  # generation runs whole sequences
             raise ValueError("context parallelism splits training and logprob passes; generation runs whole sequences")
         run = _RunSettings(loss_fn=loss_fn, temperature=temperature, widths=widths, micro_batch_size=mbs, cp=cp,
                            chunked=chunked, chunk_tokens=chunk, fused_logprobs=self.logprob_fusion(),
@@ -519,7 +359,7 @@ class MegatronEngine:
 
     def _graphed(self, forward_only: bool) -> bool:
         """Whether a pass runs through the training CUDA graphs: training passes with them on; forward-only passes
-        stay eager (``_forward_only``)."""
+        stay eager (``forward_only``)."""
         return not forward_only and cuda_graphs_enabled(self.params)
 
     def _varlen_packing(self, batches: list[dict[str, torch.Tensor]], seq_len: int) -> dict[int, Any]:
@@ -582,8 +422,8 @@ class MegatronEngine:
             data_iterator=iterators,
             model=self.model,
             num_microbatches=n,
-            # Megatron-Core divides the p2p length by the CP group's size; whole sequences under _context_parallel_off
-            seq_length=seq_len * self._cp_whole_sequences,
+            # Megatron-Core divides the p2p length by the CP group's size; generation runs whole sequences
+            seq_length=seq_len * self.cp_whole_sequences,
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
@@ -656,13 +496,13 @@ class MegatronEngine:
         dist.all_reduce(count)
         return int(count.item())
 
-    @_forward_only
+    @forward_only
     def compute_logprobs(self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-token logprobs of each microbatch's ``input_ids`` (targets = next tokens), on every rank
         of this DP replica; shape of each: its own ``input_ids``' [mbs, seq] (the padding the engine adds is removed)."""
         return self._forward_only_per_token(microbatches, temperature, with_entropy=False)[0]
 
-    @_forward_only
+    @forward_only
     def compute_logprobs_and_entropy(
         self, microbatches: list[dict[str, torch.Tensor]], temperature: float = 1.0
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -690,76 +530,25 @@ class MegatronEngine:
                     t = outputs[i][name].float().contiguous()
                 else:
                     t = torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=self.device)
-                result[name].append(self._from_last_stage(t).cpu())
+                result[name].append(self.from_last_stage(t).cpu())
         return result["logprobs"], result.get("entropy", [])
 
-    # ----------------------------------------------------------------------------------------------
-    # Generation (the embedded rollout backend)
-    # ----------------------------------------------------------------------------------------------
-    def _generation_microbatches(self, rows: int) -> tuple[int, int]:
-        """(microbatches, padded rows) for a generation forward: with PP > 1 one microbatch per stage,
-        so stages overlap (and the interleaved schedule, which needs at least PP, runs)."""
-        from megatron.core import parallel_state as ps
-
-        m = ps.get_pipeline_model_parallel_world_size()
-        return m, -(-rows // m) * m
-
-    def new_kv_cache(self, rows: int, max_sequence_length: int) -> Any:
-        """A Megatron-Core static KV cache for ``rows`` sequences of up to ``max_sequence_length`` tokens
-        (each rank caches keys/values of its own layers and TP heads)."""
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        return StaticInferenceContext(max_batch_size=self._generation_microbatches(rows)[1],
-                                      max_sequence_length=max_sequence_length)
-
-    @_forward_only
-    def last_token_logits(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        kv_cache: Any = None,
-    ) -> torch.Tensor:
-        """Full-vocabulary logits (fp32) at the last position of each row, on every rank.
-
-        ``attention_mask`` is True where attention is not allowed: [b, 1, s, s] (causal + padding),
-        which lets left-padded prompts be batched, or with a ``kv_cache`` holding the earlier tokens
-        [b, 1, s, cached + s]. With a cache the call appends these ``s`` tokens to it.
-        """
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-
-        for chunk in self.model:
-            chunk.eval()
+    def last_position_logits(self, microbatches: list[dict[str, torch.Tensor]],
+                             inference_context: Any = None) -> dict[int, torch.Tensor]:
+        """A forward-only pass (the caller holds ``forward_only``'s state) of ``microbatches`` (``input_ids``,
+        ``position_ids``, ``attention_mask``) keeping each one's last-position logits: microbatch index -> its fp32
+        (vocab-parallel) logits, on the last pipeline stage ({} elsewhere). ``inference_context`` (a Megatron-Core KV
+        cache) is handed to the model, microbatch i using cache rows from i * micro_batch_size."""
 
         def no_loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple:
             return logprobs.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
-        rows = input_ids.shape[0]
-        m, padded = self._generation_microbatches(rows)
-        tensors = [input_ids, position_ids, attention_mask]
-        if padded > rows:  # repeat the last row to fill the microbatches; its outputs are dropped
-            tensors = [torch.cat([t, t[-1:].expand(padded - rows, *t.shape[1:])]) for t in tensors]
-        size = padded // m
-        batches = [{"input_ids": tensors[0][i : i + size], "position_ids": tensors[1][i : i + size],
-                    "attention_mask": tensors[2][i : i + size]} for i in range(0, padded, size)]
-        # The last stage's loss function sees the (vocab-parallel) logits: keep them, gather over TP.
         captured: dict[int, torch.Tensor] = {}
-        with self._context_parallel_off():
-            self._run(batches, no_loss, 1.0, forward_only=True, keep_logits=captured, inference_context=kv_cache)
-        if kv_cache is not None:
-            kv_cache.increment_sequence_len_offset(input_ids.shape[1])
-        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        if last_stage:
-            last = torch.cat([captured[i] for i in range(m)])
-            last = tensor_parallel.gather_from_tensor_model_parallel_region(last.contiguous())
-        vocab = self._from_last_stage(torch.tensor([last.shape[-1] if last_stage else 0], device=self.device))
-        if not last_stage:
-            last = torch.empty(padded, int(vocab.item()), dtype=torch.float32, device=self.device)
-        return self._from_last_stage(last)[:rows]
+        self._run(microbatches, no_loss, 1.0, forward_only=True, keep_logits=captured, inference_context=inference_context)
+        return captured
 
     @staticmethod
-    def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as filled on the last pipeline stage, on every rank of the pipeline group
         (other ranks pass a buffer of the same shape and dtype)."""
         from megatron.core import parallel_state as ps
@@ -774,7 +563,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         keys = sorted(outputs[0].keys()) if outputs else []
-        n_keys = self._from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self.device))
+        n_keys = self.from_last_stage(torch.tensor([len(keys)], dtype=torch.int64, device=self.device))
         sums = torch.zeros(int(n_keys.item()), dtype=torch.float64, device=self.device)
         maxima = torch.full_like(sums, -math.inf)
         if outputs:
@@ -788,7 +577,7 @@ class MegatronEngine:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         is_max = torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool, device=sums.device)
         values = torch.where(is_max, maxima, sums) if outputs else sums
-        self._from_last_stage(values)
+        self.from_last_stage(values)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             keys = self._broadcast_keys(keys)
         return dict(zip(keys, values.tolist()))

@@ -3,31 +3,75 @@
 A single-turn rollout is an episode of one turn with no environment; under ``grpo.environment`` an episode takes turns
 until the environment ends it (environments/episodes.py). ``RolloutDriver`` is built once per run (assembly.py) and
 handed to the trainer's collector (training rounds, dynamic sampling's rounds, asynchronous GRPO's submissions) and to
-the evaluators; none of them asks whether an environment is set: the driver's result is the same shape either way
-(the samples grouped per prompt, and their ``EpisodeStats``).
+the evaluators; none of them asks whether an environment is set: the driver's result is the same either way (a
+``Sample`` per episode, rollout/sample.py, and the batch's ``EpisodeStats``), and every sample it returns went through
+the same episodes' bookkeeping, asynchronous ones included.
 """
 
 from __future__ import annotations
 
-import copy
+import collections
 import functools
+from dataclasses import dataclass
 from typing import Any
 
-from oumi_megatron.environments.episodes import EpisodeStats, run_episodes, single_generation_stats
-from oumi_megatron.environments.registry import environment_runner
+from oumi_megatron.environments.episodes import EpisodeStats, run_episodes
 from oumi_megatron.environments.runner import EnvironmentRunner
-from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, DecodeProfile, Rollout, RolloutBackend
+from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, DecodeProfile, Rollout, RolloutBackend, TaggedRollouts
+from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 
 
-class RolloutDriver:
-    """Episodes of ``grpo``'s shape (``max_turns``, observation and turn limits) on ``backend``; ``environment``: the
-    runner of ``grpo.environment`` for this rank's replica (None: single-turn)."""
+@dataclass(frozen=True)
+class EpisodeTools:
+    """What one thread's episodes run with: a tokenizer and the environment's runner (None: single-turn). Asynchronous
+    episodes run on the engine owner's episode thread with tools of their own: a fast tokenizer is not safe to share
+    across threads while it encodes, and the main thread evaluates meanwhile."""
 
-    def __init__(self, backend: RolloutBackend, tokenizer: Any, grpo: Any, environment: EnvironmentRunner | None) -> None:
-        self.backend, self.tokenizer, self.grpo, self.environment = backend, tokenizer, grpo, environment
-        self._worker: tuple[Any, EnvironmentRunner | None] | None = None
-        """Asynchronous episodes: the tokenizer and environment their thread uses (``submit``)."""
+    tokenizer: Any
+    environment: EnvironmentRunner | None
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    """A submission in flight (asynchronous GRPO): what its episodes are."""
+
+    prompts: list[list[int]]
+    rows: list[dict[str, Any]]
+    params: SamplingParams
+    n: int
+    seed: int | None
+    groups: list[int] | None
+
+
+class _Generated:
+    """A generation the engine made on its own (a single-turn submission, collected) as the one turn of each episode."""
+
+    def __init__(self, grouped: list[list[Rollout]]) -> None:
+        self.grouped = grouped
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        return self.grouped
+
+
+class RolloutDriver:
+    """Episodes of ``grpo``'s shape (``max_turns``, observation and turn limits) on ``backend``; ``tools``: this rank's
+    tokenizer and the runner of ``grpo.environment`` for its replica (None: single-turn); ``async_tools``: those of
+    asynchronous episodes' thread (None: no asynchronous multi-turn episodes)."""
+
+    def __init__(self, backend: RolloutBackend, grpo: Any, tools: EpisodeTools, async_tools: EpisodeTools | None = None) -> None:
+        self.backend, self.grpo, self.tools, self.async_tools = backend, grpo, tools, async_tools
+        self._submitted: collections.deque[_Submitted] = collections.deque()
+        """Asynchronous GRPO: the submissions not collected yet, oldest first (a backend collects in order)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tools.tokenizer
+
+    @property
+    def environment(self) -> EnvironmentRunner | None:
+        return self.tools.environment
 
     @property
     def system_prompt(self) -> str | None:
@@ -39,41 +83,53 @@ class RolloutDriver:
         return self.environment is not None
 
     def run(self, prompts: list[list[int]], rows: list[dict[str, Any]], params: SamplingParams, n: int,
-            seed: int | None = None) -> tuple[list[list[Rollout]], EpisodeStats]:
-        """``n`` episodes of each of ``prompts`` (``rows[i]``: prompt i's dataset row), grouped per prompt. Collective
-        over the model replica."""
-        return self._episodes(self.backend, self.tokenizer, self.environment, prompts, rows, params, n, seed)
+            seed: int | None = None, *, groups: list[int] | None = None, version: int = 0) -> tuple[list[Sample], EpisodeStats]:
+        """``n`` episodes of each of ``prompts`` (``rows[i]``: prompt i's dataset row; ``groups[i]``: its group id,
+        default i) as samples, prompt i's ``n`` adjacent, generated by policy ``version``. Collective over the model
+        replica."""
+        samples, stats = self._episodes(self.backend, self.tools, prompts, rows, params, n, seed, groups)
+        for sample in samples:
+            sample.stamp(version)
+        return samples, stats
 
-    def _episodes(self, engine: Any, tokenizer: Any, environment: EnvironmentRunner | None, prompts: list[list[int]],
-                  rows: list[dict[str, Any]], params: SamplingParams, n: int,
-                  seed: int | None) -> tuple[list[list[Rollout]], EpisodeStats]:
+    def _episodes(self, engine: Any, tools: EpisodeTools, prompts: list[list[int]], rows: list[dict[str, Any]],
+                  params: SamplingParams, n: int, seed: int | None,
+                  groups: list[int] | None) -> tuple[list[Sample], EpisodeStats]:
         g = self.grpo
-        return run_episodes(engine, tokenizer, environment, prompts, rows, params, n, g.max_turns, g.max_observation_tokens,
-                            seed=seed, max_turn_tokens=g.max_turn_tokens)
+        return run_episodes(engine, tools.tokenizer, tools.environment, prompts, rows, params, n, g.max_turns,
+                            g.max_observation_tokens, seed=seed, max_turn_tokens=g.max_turn_tokens, groups=groups)
 
     # -- asynchronous GRPO: a step's episodes submitted ahead, collected when the trainer gets to them ------------------
     def submit(self, backend: AsyncRolloutBackend, prompts: list[list[int]], rows: list[dict[str, Any]],
-               params: SamplingParams, n: int, seed: int | None = None) -> None:
-        """Queue the episodes of ``prompts`` on ``backend`` and return at once; ``collected`` reads them. Single-turn
-        ones are one generation of the engine; multi-turn ones a job on the engine owner's episode thread
-        (``AsyncEpisodeBackend``), with its own tokenizer and environment (a fast tokenizer is not safe to share across
-        threads while it encodes, and the main thread evaluates meanwhile)."""
-        if self.environment is None:
+               params: SamplingParams, n: int, seed: int | None = None, *, groups: list[int] | None = None) -> None:
+        """Queue the episodes of ``prompts`` on ``backend`` and return at once; ``collect`` returns them, in the order of
+        submission. Single-turn episodes are one generation the engine makes on its own (read as their one turn at
+        ``collect``); multi-turn ones a job on the engine owner's episode thread (``AsyncEpisodeBackend``), with the
+        thread's own tools."""
+        request = _Submitted(prompts, rows, params, n, seed, groups)
+        self._submitted.append(request)
+        if not self.multi_turn:
             backend.submit(prompts, params, n)
             return
         assert isinstance(backend, AsyncEpisodeBackend), "validation refuses asynchronous episodes on this backend"
-        if self._worker is None:
-            self._worker = (copy.deepcopy(self.tokenizer), environment_runner(self.grpo))
-        tokenizer, environment = self._worker
-        job = functools.partial(self._episodes, tokenizer=tokenizer, environment=environment, prompts=prompts, rows=rows,
-                                params=params, n=n, seed=seed)
+        assert self.async_tools is not None, "assembly.py builds the episode thread's tools for asynchronous episodes"
+        job = functools.partial(self._episodes, tools=self.async_tools, prompts=prompts, rows=rows, params=params, n=n,
+                                seed=seed, groups=groups)
         backend.submit_episodes(prompts, job)
 
-    def collected(self, tagged: Any) -> tuple[list[list[Rollout]], EpisodeStats]:
-        """A collected submission (``AsyncRolloutBackend.collect``) as ``run``'s result."""
+    def collect(self, backend: AsyncRolloutBackend) -> tuple[list[Sample], EpisodeStats, TaggedRollouts]:
+        """The oldest submission's samples and stats (waiting for them), and the backend's account of it (the policy
+        version that generated it, the engine's seconds)."""
+        request = self._submitted.popleft()
+        tagged = backend.collect()
         if tagged.episodes is not None:
-            return tagged.rollouts, tagged.episodes
-        return tagged.rollouts, single_generation_stats(tagged.rollouts)
+            samples, stats = tagged.episodes
+        else:
+            samples, stats = self._episodes(_Generated(tagged.rollouts), self.tools, request.prompts, request.rows,
+                                            request.params, request.n, request.seed, request.groups)
+        for sample in samples:
+            sample.stamp(tagged.version)
+        return samples, stats, tagged
 
     def decode_profile(self) -> DecodeProfile:
         return self.backend.decode_profile()

@@ -4,7 +4,7 @@ episode, ``max_turns`` assistant turns were taken, or the completion budget is s
 
 Token-in / token-out: an episode's completion is the policy's sampled ids of every turn exactly as the backend
 returned them (with their logprobs), and between turns the observation's ids (environments/rendering.py), marked 0 in
-``Rollout.loss_mask`` (logprob 0.0 there: never read, the mask excludes them). Nothing is decoded and re-encoded.
+``Sample.loss_mask`` (logprob 0.0 there: never read, the mask excludes them). Nothing is decoded and re-encoded.
 
 ``Episodes`` is the episodes' side of a batch (rollout/base.py ``TurnHandler``): it keeps each episode's ids, mask and
 counts, and answers each ended turn with the next one (its observation and room) or with the episode's end. The
@@ -29,48 +29,30 @@ from typing import Any
 from oumi_megatron.environments.base import EpisodeEnd
 from oumi_megatron.environments.rendering import inline_ids, observation_ids, stop_token_ids
 from oumi_megatron.environments.runner import EnvironmentRunner, Failure
-from oumi_megatron.rollout.base import ANSWERING, Answering, EpisodeRun, Generates, NextTurn, Rollout, RunsEpisodes, TurnEnd
+from oumi_megatron.rollout.base import ANSWERING, Answering, EpisodeRun, Generates, NextTurn, RunsEpisodes, TurnEnd
+from oumi_megatron.rollout.sample import Sample, SampleStatus
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import turn_by_turn
 
 
 @dataclass
 class EpisodeStats:
-    """What a batch of episodes did, for the step's ``env/*`` and ``rollout/*`` metrics (episode ``k`` is sample ``k``
-    of the result, groups flattened)."""
+    """What a batch of episodes did as a whole, for the step's ``env/*`` and ``rollout/*`` metrics (each episode's own
+    turns, tool calls, end and failure are its ``Sample``'s)."""
 
     multi_turn: bool = True
     """An environment took part (False: single-turn samples, one turn each, no ``env/*`` metrics)."""
-    episodes: int = 0
-    turns: list[int] = field(default_factory=list)
-    calls: list[int] = field(default_factory=list)
-    """Per episode, the turns that called a tool."""
     tool_errors: int = 0
     parse_failures: int = 0
     observation_tokens: int = 0
     observations_truncated: int = 0
-    failed: dict[int, str] = field(default_factory=dict)
-    """Episodes whose environment call raised or timed out (out of the loss): episode index -> why."""
-    infos: list[dict[str, Any]] = field(default_factory=list)
-    """Per episode, the ``EpisodeEnd.info`` that ended it (``{}``: ended otherwise), for the rewards."""
     environment_s: float = 0.0
-    sample: list[dict[str, Any]] = field(default_factory=list)
+    transcript: list[dict[str, Any]] = field(default_factory=list)
     """The first episode's turns: ``{"turn": text}`` and ``{"observation": text}`` in order."""
     engine: EpisodeRun = field(default_factory=EpisodeRun)
     """What the batch cost the engine: decode steps, each continued turn's time to first token, concurrency."""
     critical_path_tokens: int = 0
     """The longest episode's completion tokens, observations included: the least decode steps the batch could take."""
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(self.calls)
-
-    def reward_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``rows`` (row i: episode i's; the first ``len(rows)`` episodes) with how each episode ended (``env_info``:
-        its ``EpisodeEnd.info``), for the reward functions; as they are for single-turn samples."""
-        if not self.multi_turn:
-            return rows
-        return [{**row, "env_info": info} for row, info in zip(rows, self.infos)]
 
 
 @dataclass
@@ -97,6 +79,8 @@ class _Episode:
     """The latest turn ended with one of the environment's stop tokens: its answer continues the assistant's message."""
     running: bool = True
     info: dict[str, Any] = field(default_factory=dict)
+    failure: str | None = None
+    """Why its environment failed (it ends there)."""
 
     def take_turn(self, turn: TurnEnd, stops: frozenset[int]) -> None:
         """Appends the policy's turn (``stops``: the environment's stop tokens)."""
@@ -119,12 +103,15 @@ class _Episode:
 class Episodes:
     """The episodes of one batch (``n`` per prompt, episode ``k`` of prompt ``k // n``): a ``TurnHandler``. Collective
     over the model replica (``env`` calls the environment on its first rank): build it, hand it to a backend, then read
-    ``rollouts``. ``env`` None: single-turn samples, every turn ends its episode."""
+    ``samples``. ``env`` None: single-turn samples, every turn ends its episode. ``groups``: each prompt's group id
+    (default: its index)."""
 
     def __init__(self, tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]], rows: list[dict[str, Any]],
                  n: int, budget: int, max_turns: int, max_observation_tokens: int | None = None,
-                 max_turn_tokens: int | None = None, stops: tuple[int, ...] = (), eos_token_id: int | None = None) -> None:
+                 max_turn_tokens: int | None = None, stops: tuple[int, ...] = (), eos_token_id: int | None = None,
+                 groups: list[int] | None = None) -> None:
         self.tokenizer, self.env, self.n = tokenizer, env, n
+        self.groups = list(range(len(prompts))) if groups is None else groups
         self.background = env is not None and env.workers > 0
         self.budget, self.max_turns, self.max_observation_tokens = budget, max_turns, max_observation_tokens
         self.max_turn_tokens, self.stops, self.eos_token_id = max_turn_tokens, frozenset(stops), eos_token_id
@@ -135,9 +122,9 @@ class Episodes:
             e.room, e.room_is_turn_limit = self.room(e)
         if env is not None:
             started = env.start_all([(k, rows[k // n]) for k in range(len(self.episodes))])
-            for k, failure in enumerate(started):
+            for e, failure in zip(self.episodes, started):
                 if failure is not None:
-                    self.stats.failed[k] = failure.reason  # its first turn is taken (the batch's shape), then it ends
+                    e.failure = failure.reason  # its first turn is taken (the batch's shape), then it ends
 
     def room(self, e: _Episode) -> tuple[int, bool]:
         """The next turn's room, and whether ``max_turn_tokens`` set it."""
@@ -153,7 +140,7 @@ class Episodes:
         for end in ends:
             e = self.episodes[end.row]
             e.take_turn(end, self.stops)
-            if end.row in self.stats.failed:  # its environment did not start
+            if e.failure is not None:  # its environment did not start
                 e.running = False
             elif self.env is None or not (e.finished or e.at_turn_limit) or len(e.ids) >= self.budget:
                 e.running = False  # no environment, or cut by the budget: nothing more fits
@@ -196,9 +183,9 @@ class Episodes:
         and the next turn's room."""
         stats = self.stats
         if k == 0:
-            stats.sample.append({"turn": self.tokenizer.decode(e.last_turn, skip_special_tokens=True)})
+            stats.transcript.append({"turn": self.tokenizer.decode(e.last_turn, skip_special_tokens=True)})
         if isinstance(answer, Failure):
-            stats.failed[k], e.running = answer.reason, False
+            e.failure, e.running = answer.reason, False
             return
         if isinstance(answer, EpisodeEnd):
             e.running, e.info = False, dict(answer.info)
@@ -220,7 +207,7 @@ class Episodes:
             e.running, e.finished = False, False
             return
         if k == 0:
-            stats.sample.append({"observation": answer.text})
+            stats.transcript.append({"observation": answer.text})
         e.ids += ids
         e.mask += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
@@ -228,64 +215,60 @@ class Episodes:
         e.room, e.room_is_turn_limit = self.room(e)
         stats.observation_tokens += len(ids)
 
-    def rollouts(self, engine: EpisodeRun) -> tuple[list[list[Rollout]], EpisodeStats]:
-        """The episodes as rollouts grouped per prompt, and their stats (``engine``: what the backend reported)."""
-        stats, n = self.stats, self.n
-        stats.episodes = len(self.episodes)
-        stats.turns = [e.turns for e in self.episodes]
-        stats.calls = [e.calls for e in self.episodes]
-        stats.infos = [e.info for e in self.episodes]
-        stats.multi_turn = self.env is not None
+    def samples(self, engine: EpisodeRun) -> tuple[list[Sample], EpisodeStats]:
+        """The episodes as samples (prompt ``i``'s ``n`` adjacent), and their stats (``engine``: what the backend
+        reported)."""
+        stats = self.stats
+        multi_turn = stats.multi_turn = self.env is not None
         stats.environment_s = self.env.seconds - self.env_seconds_before if self.env is not None else 0.0
         stats.engine = engine
         stats.critical_path_tokens = max((len(e.ids) for e in self.episodes), default=0)
-        multi_turn = self.env is not None
-        out = [Rollout(e.prompt, e.ids, e.finished and not e.stopped and k not in stats.failed,
-                       None if e.logprobs_missing else e.logprobs, loss_mask=e.mask if multi_turn else None)
+        out = [Sample(e.prompt, e.ids, self.groups[k // self.n], _status(e), None if e.logprobs_missing else e.logprobs,
+                      loss_mask=e.mask if multi_turn else None, failure=e.failure, turns=e.turns, tool_calls=e.calls,
+                      env_info=e.info if multi_turn else None)
                for k, e in enumerate(self.episodes)]
-        return [out[i * n:(i + 1) * n] for i in range(len(out) // n)], stats
+        for sample in out:
+            sample.check()
+        return out, stats
+
+
+def _status(e: _Episode) -> SampleStatus:
+    if e.failure is not None:
+        return SampleStatus.FAILED
+    # a turn that stopped at one of the environment's stop tokens ended no message: the episode was cut there
+    return SampleStatus.FINISHED if e.finished and not e.stopped else SampleStatus.TRUNCATED
 
 
 def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]],
                  rows: list[dict[str, Any]], params: SamplingParams, n: int, max_turns: int,
                  max_observation_tokens: int | None = None, seed: int | None = None,
-                 max_turn_tokens: int | None = None) -> tuple[list[list[Rollout]], EpisodeStats]:
-    """``n`` episodes of each of ``prompts`` (dataset ``rows`` alongside), grouped per prompt as ``generate``'s result;
+                 max_turn_tokens: int | None = None, groups: list[int] | None = None) -> tuple[list[Sample], EpisodeStats]:
+    """``n`` episodes of each of ``prompts`` (dataset ``rows`` alongside) as samples, prompt ``i``'s ``n`` adjacent, in
+    ``generate``'s order (``groups``: each prompt's group id, default its index);
     ``params.max_new_tokens`` bounds each episode's whole completion (turns and observations), ``max_turn_tokens``
     each turn (a turn cut there is closed with the end-of-turn token, as context, and answered). Collective over the
     model replica (``env`` calls the environment on its first rank). An episode whose environment call raises or
-    times out ends there, named in ``EpisodeStats.failed`` (the caller drops it from the loss). ``env`` None: one turn
+    times out ends there, a FAILED sample with its reason (the caller drops it from the loss). ``env`` None: one turn
     each, a plain generation."""
     stops = stop_token_ids(tokenizer, env.stop_strings) if env is not None else ()
     if stops:
         params = replace(params, stop_token_ids=stops)
     multi_turn = env is not None
     episodes = Episodes(tokenizer, env, prompts, rows, n, params.max_new_tokens, max_turns if multi_turn else 1,
-                        max_observation_tokens, max_turn_tokens if multi_turn else None, stops, params.eos_token_id)
+                        max_observation_tokens, max_turn_tokens if multi_turn else None, stops, params.eos_token_id, groups)
     first = replace(params, max_new_tokens=episodes.episodes[0].room) if episodes.episodes else params
     if isinstance(backend, RunsEpisodes):
         engine = backend.run_episodes(prompts, first, n, episodes, params.max_new_tokens, episodes.max_turns, seed)
     else:
         engine = turn_by_turn(backend, prompts, first, n, episodes, seed)
-    return episodes.rollouts(engine)
-
-
-def single_generation_stats(grouped: list[list[Rollout]]) -> EpisodeStats:
-    """The stats of single-turn samples an engine generated on its own (asynchronous GRPO's generations)."""
-    lengths = [len(r.completion_ids) for group in grouped for r in group]
-    return EpisodeStats(multi_turn=False, episodes=len(lengths), turns=[1] * len(lengths), calls=[0] * len(lengths),
-                        infos=[{} for _ in lengths], critical_path_tokens=max(lengths, default=0))
+    return episodes.samples(engine)
 
 
 def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
-    """Several batches' stats as one (dynamic sampling's rounds), episodes renumbered in order; their engine costs
-    added (the rounds ran one after another)."""
-    out = EpisodeStats(multi_turn=any(p.multi_turn for p in parts), sample=parts[0].sample if parts else [])
+    """Several batches' stats as one (dynamic sampling's rounds): their counts and engine costs added (the rounds ran
+    one after another), the first batch's transcript."""
+    out = EpisodeStats(multi_turn=any(p.multi_turn for p in parts), transcript=parts[0].transcript if parts else [])
     for part in parts:
-        out.failed.update({out.episodes + k: why for k, why in part.failed.items()})
-        out.episodes += part.episodes
-        for name in ("turns", "calls", "infos"):
-            getattr(out, name).extend(getattr(part, name))
         for name in ("tool_errors", "parse_failures", "observation_tokens", "observations_truncated",
                      "environment_s", "critical_path_tokens"):
             setattr(out, name, getattr(out, name) + getattr(part, name))
@@ -297,11 +280,12 @@ def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
     return out
 
 
-def episode_sums(stats: EpisodeStats) -> list[float]:
-    """This rank's sums behind ``episode_metrics`` (summed over the DP ranks by the caller), in ``SUM_KEYS`` order."""
-    return [float(stats.episodes), float(sum(stats.turns)), float(sum(c > 0 for c in stats.calls)),
-            float(stats.tool_calls), float(stats.tool_errors), float(stats.parse_failures),
-            float(stats.observation_tokens), float(stats.observations_truncated), float(len(stats.failed)),
+def episode_sums(samples: list[Sample], stats: EpisodeStats) -> list[float]:
+    """This rank's sums behind ``episode_metrics`` (summed over the DP ranks by the caller), in ``SUM_KEYS`` order:
+    ``samples``' episodes and ``stats``, their batches'."""
+    return [float(len(samples)), float(sum(s.turns for s in samples)), float(sum(s.tool_calls > 0 for s in samples)),
+            float(sum(s.tool_calls for s in samples)), float(stats.tool_errors), float(stats.parse_failures),
+            float(stats.observation_tokens), float(stats.observations_truncated), float(sum(s.failed for s in samples)),
             stats.engine.concurrency, float(sum(stats.engine.continued_ttft_s)), float(len(stats.engine.continued_ttft_s))]
 
 
@@ -310,9 +294,9 @@ SUM_KEYS = ("episodes", "turns", "episodes_with_calls", "tool_calls", "tool_erro
 MAX_KEYS = ("turns_max", "environment_s", "decode_steps", "critical_path_tokens")
 
 
-def episode_maxima(stats: EpisodeStats) -> list[float]:
+def episode_maxima(samples: list[Sample], stats: EpisodeStats) -> list[float]:
     """This rank's values behind ``episode_metrics`` taken as the largest over the DP ranks, in ``MAX_KEYS`` order."""
-    return [float(max(stats.turns, default=0)), stats.environment_s, float(stats.engine.decode_steps),
+    return [float(max((s.turns for s in samples), default=0)), stats.environment_s, float(stats.engine.decode_steps),
             float(stats.critical_path_tokens)]
 
 
@@ -342,10 +326,10 @@ def episode_metrics(sums: list[float], maxima: list[float], multi_turn: bool) ->
 EVAL_SUMS = 4
 
 
-def eval_sums(stats: EpisodeStats, keep: int) -> list[float]:
-    """Of a batch's first ``keep`` episodes (the scored ones): those that called a tool, and their turns; the batch's
-    decode steps and its longest episode's tokens (``EVAL_SUMS`` values)."""
-    return [float(sum(c > 0 for c in stats.calls[:keep])), float(sum(stats.turns[:keep])),
+def eval_sums(scored: list[Sample], stats: EpisodeStats) -> list[float]:
+    """Of a batch's scored episodes: those that called a tool, and their turns; the batch's decode steps and its
+    longest episode's tokens (``EVAL_SUMS`` values)."""
+    return [float(sum(s.tool_calls > 0 for s in scored)), float(sum(s.turns for s in scored)),
             float(stats.engine.decode_steps), float(stats.critical_path_tokens)]
 
 

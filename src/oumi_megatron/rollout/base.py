@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollout:
+    """One generation of an engine: what a backend's ``generate`` returns per sample, and what the driver's episodes
+    read as a turn (environments/episodes.py). The driver hands on ``Sample``s (rollout/sample.py), not these."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
     finished: bool
@@ -30,10 +34,6 @@ class Rollout:
     logprobs: list[float] | None = None
     """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
     before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
-    loss_mask: list[int] | None = None
-    """Per completion token, 1 where the policy sampled it and 0 where an environment's observation put it (multi-turn
-    episodes: environments/). Only 1s are trained on and counted in the loss, KL, entropy, TIS and mismatch metrics.
-    None: every completion token is the policy's."""
 
 
 @dataclass
@@ -89,11 +89,13 @@ class TaggedRollouts:
     weights that generated them, and the engine's seconds on it."""
 
     rollouts: list[list[Rollout]]
+    """A single generation's, grouped per prompt (``[]`` for an episode job)."""
     version: int
     """For episodes, the oldest version among their turns' (a weight push can land between two turns)."""
     engine_seconds: float
-    episodes: Any = None
-    """A multi-turn episode job's ``EpisodeStats`` (``submit_episodes``); None for a single generation."""
+    episodes: tuple[list[Sample], Any] | None = None
+    """An episode job's result (``submit_episodes``): its samples and their ``EpisodeStats``; None for a single
+    generation."""
 
 
 class PolicyWeights(Protocol):
@@ -271,9 +273,9 @@ class AsyncRolloutBackend(RolloutBackend, Protocol):
         ...
 
 
-EpisodeJob = Callable[[Generates], tuple[list[list[Rollout]], Any]]
+EpisodeJob = Callable[[Generates], tuple[list[Sample], Any]]
 """A batch of multi-turn episodes (environments/episodes.py ``run_episodes`` with its arguments bound) given an engine to
-generate each turn with: ``(rollouts grouped per prompt, EpisodeStats)``."""
+generate each turn with: ``(samples, EpisodeStats)``."""
 
 
 @runtime_checkable

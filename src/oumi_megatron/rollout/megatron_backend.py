@@ -17,8 +17,10 @@ masked. Three paths (``path``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, EpisodeRun, PolicyWeights, Rollout, TurnHandler, WeightSyncStats
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, generated_tokens
 from oumi_megatron.rollout.decoding.episodes import run_episodes as decode_episodes
+from oumi_megatron.rollout.decoding.generation_mode import forward_peers_done, last_token_logits, new_kv_cache
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.sampling import SamplingParams, end_token_tensor, first_end, pick_tokens
 from oumi_megatron.rollout.turns import turn_by_turn
@@ -65,6 +68,7 @@ class MegatronRolloutBackend:
         if self.decoder is not None:
             logger.info("rollout: %s", self.decoder.path)
         self._last_stats: GenerationStats | None = None
+        self._merged = False  # inside ``_rollout_weights``
         self.decoder_seconds = {"decode": 0.0, "prefill": 0.0, "graph_capture": 0.0}
         """Seconds since start, over every call: the decoder's prefill and decode loops (``decode``), and of them the
         prefills and the CUDA-graph captures (the step profile's ``time/<key>_s``: the collector reads their growth)."""
@@ -93,11 +97,11 @@ class MegatronRolloutBackend:
         if params.max_new_tokens == 0 or rows == 0:
             tokens, logprobs = torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0)
         elif self.decoder is not None:
-            with self.engine.rollout_weights():
+            with self._rollout_weights():
                 tokens, logprobs, self.last_stats = self.decoder.generate(prompts, n, params, self.generator)
         else:
             started = time.perf_counter()
-            with self.engine.rollout_weights():
+            with self._rollout_weights():
                 tokens, logprobs = self._generate_per_token([p for p in prompts for _ in range(n)], params)
             self.last_stats = GenerationStats(path=self.path, tokens=generated_tokens(tokens, params), prefill_s=0.0,
                                               decode_steps=tokens.shape[1], decode_s=time.perf_counter() - started)
@@ -111,16 +115,35 @@ class MegatronRolloutBackend:
         next turn as soon as its observation is ready. One-turn episodes are a plain ``generate``; the ``schedule`` and
         ``recompute`` paths take turn by turn (rollout/turns.py)."""
         if self.decoder is None or max_turns <= 1 or params.max_new_tokens == 0 or not prompts:
-            with self.engine.rollout_weights():  # once for every turn's generate
+            with self._rollout_weights():  # once for every turn's generate
                 run = turn_by_turn(self, prompts, params, n, turns, seed)
             run.decode_steps = self.last_stats.decode_steps + 1 if self.last_stats is not None and max_turns <= 1 else 0
             return run
         if seed is not None:
             self.generator.manual_seed(seed)
-        with self.engine.rollout_weights():
+        with self._rollout_weights():
             run, self.last_stats = decode_episodes(self.decoder, prompts, n, params, self.generator, turns, budget,
                                                    max_turns)
         return run
+
+    @contextlib.contextmanager
+    def _rollout_weights(self) -> Iterator[None]:
+        """The weights a rollout decodes from: under LoRA with ``megatron.lora_sync: merged`` the adapters folded into
+        the base for the block (engine/peft.py ``adapters_merged``: one GEMM a projection, the base restored
+        bit-exactly after), otherwise the model as it is. Reentrant (a turn-by-turn rollout nests generations);
+        collective over TP."""
+        engine = self.engine
+        if engine.peft is None or engine.params.lora_sync != "merged" or self._merged:
+            yield
+            return
+        from oumi_megatron.engine.peft import adapters_merged
+
+        self._merged = True
+        try:
+            with adapters_merged(engine.peft, engine.model):
+                yield
+        finally:
+            self._merged = False
 
     def _generate_per_token(self, expanded: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``schedule`` and ``recompute`` paths: tokens [rows, T] and their logprobs, on the host."""
@@ -129,13 +152,13 @@ class MegatronRolloutBackend:
         ends = end_token_tensor(params)
         new_tokens: list[torch.Tensor] = []
         new_logprobs: list[torch.Tensor] = []
-        cache = self.engine.new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.path == "schedule" else None
+        cache = new_kv_cache(len(expanded), ids.shape[1] + params.max_new_tokens) if self.path == "schedule" else None
         for step in range(params.max_new_tokens):
             if cache is not None and step > 0:  # only the newest token, against the cached ones
                 ids_in, positions, mask = ids[:, -1:], (real.long().sum(-1, keepdim=True) - 1).clamp(min=0), (~real)[:, None, None, :]
             else:
                 ids_in, (positions, mask) = ids, positions_and_mask(real)
-            full = self.engine.last_token_logits(ids_in, positions, mask, cache)
+            full = last_token_logits(self.engine, ids_in, positions, mask, cache)
             nxt, logprob = pick_tokens(full, params, self.vocab_size, self.generator)
             nxt, logprob = nxt.cpu(), logprob.cpu()
             nxt = torch.where(finished, torch.full_like(nxt, params.pad_token_id), nxt)
@@ -145,7 +168,7 @@ class MegatronRolloutBackend:
             real = torch.cat([real, ~finished[:, None]], dim=1)
             if ends is not None:
                 finished |= torch.isin(nxt, ends)
-            if self.engine.forward_peers_done(bool(finished.all())):  # under EP, when every expert peer is done too
+            if forward_peers_done(self.engine, bool(finished.all())):  # under EP, when every expert peer is done too
                 break
         return torch.stack(new_tokens, dim=1), torch.stack(new_logprobs, dim=1)
 

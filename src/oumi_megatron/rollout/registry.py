@@ -168,18 +168,19 @@ def as_asynchronous(backend: RolloutBackend, params: MegatronParams) -> AsyncRol
 
 # -- the built-in modes ---------------------------------------------------------------------------------------------
 def _embedded(ctx: RolloutContext) -> RolloutBackend:
+    from oumi_megatron.rollout.decoding.generation_mode import expert_peers
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
 
     backend = MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
                                      cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice,
                                      cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept)
-    if ctx.config.grpo.environment is not None and backend.decoder is None and ctx.engine.expert_peers > 1:
+    if ctx.config.grpo.environment is not None and backend.decoder is None and expert_peers() > 1:
         from oumi_megatron.errors import UserInputError
 
         # the schedule path generates each turn from the whole history, one generate per replica, and a replica whose
         # episodes have ended would leave its expert peers waiting in an all-to-all
         raise UserInputError(f"grpo.environment: multi-turn episodes under expert parallelism (megatron."
-                             f"expert_model_parallel_size = {ctx.engine.expert_peers}) run on the embedded static-cache "
+                             f"expert_model_parallel_size = {expert_peers()}) run on the embedded static-cache "
                              f"decoder, which does not cover this model ({backend.decoder_unsupported}). Set "
                              "megatron.inference_backend: vllm, or megatron.expert_model_parallel_size: 1.")
     return backend

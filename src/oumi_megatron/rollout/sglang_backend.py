@@ -542,8 +542,7 @@ class SeparateSglangBackend(_SglangBackend):
             raise box[0]
         version, seconds, value = box[0]
         if episodes:
-            grouped, stats = value
-            return TaggedRollouts(grouped, version, seconds, stats)
+            return TaggedRollouts([], version, seconds, value)  # the job's samples and stats
         samples = value
         rollouts = [[Rollout(list(p), ids, finished, logprobs) for ids, logprobs, finished in group]
                     for p, group in zip(prompts, samples, strict=True)]

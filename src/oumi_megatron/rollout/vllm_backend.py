@@ -58,6 +58,7 @@ from oumi_megatron.rollout.base import (
     WeightSyncStats,
 )
 from oumi_megatron.rollout.probe import largest_over_ranks, policy_logprobs, probe_sequence
+from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
@@ -618,11 +619,11 @@ class SeparateVllmBackend(_VllmBackend):
             future = self.episode_thread.submit(self._run_episodes, job)
         self.in_flight.append((prompts, future, True))
 
-    def _run_episodes(self, job: EpisodeJob) -> tuple[int, float, list[list[Rollout]], Any]:
+    def _run_episodes(self, job: EpisodeJob) -> tuple[int, float, tuple[list[Sample], Any]]:
         engine = _ReplicaEngine(self._owned_process)
-        grouped, stats = job(engine)
+        episodes = job(engine)
         assert engine.version is not None, "an episode job generates its first turn"
-        return engine.version, engine.seconds, grouped, stats
+        return engine.version, engine.seconds, episodes
 
     def collect(self) -> TaggedRollouts:
         """The oldest submitted generation (or episode job), on every rank of the replica (waits for it). A job that
@@ -639,8 +640,8 @@ class SeparateVllmBackend(_VllmBackend):
         if isinstance(box[0], Exception):
             raise box[0]
         if episodes:
-            version, seconds, grouped, stats = box[0]
-            return TaggedRollouts(grouped, version, seconds, stats)
+            version, seconds, samples_and_stats = box[0]
+            return TaggedRollouts([], version, seconds, samples_and_stats)
         version, seconds, results = box[0]
         return TaggedRollouts(_rollouts(prompts, results), version, seconds)
 

@@ -1,4 +1,5 @@
-"""Rollouts -> the engine's microbatches, right-padded or packed.
+"""Samples (rollout/sample.py) -> the engine's microbatches, right-padded or packed: the engine's input, string-keyed
+tensors (engine/engine.py).
 
 Both layouts give every token the same tensors, aligned with the engine's logprob positions (position
 t scores token t + 1): ``input_ids``, ``completion_mask`` (1 where a completion token the policy sampled is scored;
@@ -24,45 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oumi_megatron.rollout.base import Rollout
+from oumi_megatron.rollout.sample import Sample
 
 
-@dataclass
-class SequenceBatch:
-    """The sequences one data-parallel rank trains on in one optimizer step."""
-
-    token_ids: list[list[int]]
-    """prompt + completion ids of each sequence."""
-    prompt_lengths: list[int]
-    advantages: torch.Tensor
-    """[N] one per sequence."""
-    trainable: torch.Tensor | None = None
-    """[N] bool; False: the sequence is kept but no token is trained on (a skipped reward)."""
-    rollout_logprobs: list[list[float]] | None = None
-    """The rollout engine's logprobs of each sequence's completion tokens (for mismatch metrics / TIS)."""
-    loss_masks: list[list[int] | None] | None = None
-    """Per sequence, ``Rollout.loss_mask``: which completion tokens are the policy's (None: all of them)."""
-
-
-def mini_batches(rollouts: list[Rollout], advantages: torch.Tensor, trainable: torch.Tensor, first: int,
-                 per_mini: int, count: int) -> list[SequenceBatch]:
-    """This rank's sequences of each of ``count`` mini-batches (one optimizer step each): ``per_mini`` of
-    ``rollouts`` (this rank's share of the step's batch) apiece. ``advantages`` and ``trainable`` cover the whole
-    batch, in which this rank's share starts at ``first``."""
-    out = []
-    for m in range(count):
-        part = range(m * per_mini, (m + 1) * per_mini)
-        whole = [first + i for i in part]
-        logprobs = [lp for i in part if (lp := rollouts[i].logprobs) is not None]  # all or none (one backend)
-        out.append(SequenceBatch(
-            token_ids=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in part],
-            prompt_lengths=[len(rollouts[i].prompt_ids) for i in part],
-            advantages=advantages[whole],
-            trainable=trainable[whole],
-            rollout_logprobs=logprobs if len(logprobs) == len(part) else None,
-            loss_masks=[rollouts[i].loss_mask for i in part] if any(rollouts[i].loss_mask for i in part) else None,
-        ))
-    return out
+def mini_batches(samples: list[Sample], per_mini: int, count: int) -> list[list[Sample]]:
+    """``samples`` (this rank's share of the step's batch) as ``count`` mini-batches (one optimizer step each) of
+    ``per_mini``."""
+    return [samples[m * per_mini:(m + 1) * per_mini] for m in range(count)]
 
 
 @dataclass
@@ -87,19 +56,19 @@ class MicrobatchLayout:
         return [tensors[m][r, s : s + n] for m, r, s, n in self.placements]
 
 
-def _fill_row(row: dict[str, torch.Tensor], start: int, ids: list[int], prompt_len: int, advantage: float,
-              trainable: bool, segment: int, rollout_logprobs: list[float] | None, loss_mask: list[int] | None) -> None:
-    n = len(ids)
+def _fill_row(row: dict[str, torch.Tensor], start: int, sample: Sample, segment: int, with_rollout_logprobs: bool) -> None:
+    ids, prompt_len = sample.token_ids, len(sample.prompt_ids)
+    n, loss_mask = len(ids), sample.loss_mask
     row["input_ids"][start : start + n] = torch.tensor(ids, dtype=torch.long)
     # logprob position t scores token t + 1: completion tokens sit at prompt_len .. n - 1
-    if trainable:
+    if sample.trainable:
         if loss_mask is not None and len(loss_mask) != n - prompt_len:
             raise ValueError(f"a loss mask of {len(loss_mask)} tokens for a completion of {n - prompt_len}")
         row["completion_mask"][start + prompt_len - 1 : start + n - 1] = (
             1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32))
-    if rollout_logprobs is not None:
-        row["rollout_logprobs"][start + prompt_len - 1 : start + n - 1] = torch.tensor(rollout_logprobs)
-    row["advantages"][start : start + n] = advantage
+    if with_rollout_logprobs:
+        row["rollout_logprobs"][start + prompt_len - 1 : start + n - 1] = torch.tensor(sample.logprobs)
+    row["advantages"][start : start + n] = sample.advantage
     row["segment_ids"][start : start + n] = segment
     row["position_ids"][start : start + n] = torch.arange(n)
 
@@ -117,34 +86,25 @@ def _empty_rows(rows: int, length: int, pad_id: int, with_rollout_logprobs: bool
     return out
 
 
-def _rollout_logprobs(batch: SequenceBatch, i: int) -> list[float] | None:
-    return None if batch.rollout_logprobs is None else batch.rollout_logprobs[i]
+def _with_rollout_logprobs(samples: list[Sample]) -> bool:
+    """The engine's logprobs go in when every sample has them (one backend: all or none)."""
+    return all(s.logprobs is not None for s in samples)
 
 
-def _loss_mask(batch: SequenceBatch, i: int) -> list[int] | None:
-    return None if batch.loss_masks is None else batch.loss_masks[i]
-
-
-def _trainable(batch: SequenceBatch) -> list[bool]:
-    return [True] * len(batch.token_ids) if batch.trainable is None else batch.trainable.tolist()
-
-
-def padded_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int) -> MicrobatchLayout:
+def padded_layout(samples: list[Sample], micro_batch_size: int, pad_id: int) -> MicrobatchLayout:
     """One sequence per row, right-padded to the longest; ``micro_batch_size`` rows per microbatch."""
-    n = len(batch.token_ids)
+    n = len(samples)
     if n % micro_batch_size:
         raise ValueError(f"{n} sequences do not split into microbatches of {micro_batch_size}")
-    length = max(len(t) for t in batch.token_ids)
-    trainable = _trainable(batch)
-    layout = MicrobatchLayout([], real_tokens=sum(len(t) for t in batch.token_ids))
+    length = max(s.length for s in samples)
+    logprobs = _with_rollout_logprobs(samples)
+    layout = MicrobatchLayout([], real_tokens=sum(s.length for s in samples))
     for first in range(0, n, micro_batch_size):
-        mb = _empty_rows(micro_batch_size, length, pad_id, batch.rollout_logprobs is not None)
+        mb = _empty_rows(micro_batch_size, length, pad_id, logprobs)
         for r in range(micro_batch_size):
-            i = first + r
-            row = {k: v[r] for k, v in mb.items()}
-            _fill_row(row, 0, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i], r,
-                      _rollout_logprobs(batch, i), _loss_mask(batch, i))
-            layout.placements.append((len(layout.microbatches), r, 0, len(batch.token_ids[i])))
+            sample = samples[first + r]
+            _fill_row({k: v[r] for k, v in mb.items()}, 0, sample, r, logprobs)
+            layout.placements.append((len(layout.microbatches), r, 0, sample.length))
         layout.microbatches.append(mb)
     return layout
 
@@ -178,19 +138,19 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]
 
 
-def packed_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int, min_microbatches: int = 0,
+def packed_layout(samples: list[Sample], micro_batch_size: int, pad_id: int, min_microbatches: int = 0,
                   capacity: int | None = None) -> MicrobatchLayout:
     """Sequences packed into rows of ``capacity`` tokens (default: the longest sequence),
     ``micro_batch_size`` rows per microbatch, at least ``min_microbatches`` microbatches (empty ones
     are all padding, so ranks that must run the same number of microbatches can)."""
-    lengths = [len(t) for t in batch.token_ids]
+    lengths = [s.length for s in samples]
     capacity = capacity or max(lengths)
     bins = first_fit_decreasing(lengths, capacity)
     n_micro = max(-(-len(bins) // micro_batch_size), min_microbatches)
-    trainable = _trainable(batch)
+    logprobs = _with_rollout_logprobs(samples)
     layout = MicrobatchLayout([], placements=[(0, 0, 0, 0)] * len(lengths), real_tokens=sum(lengths))
     for m in range(n_micro):
-        mb = _empty_rows(micro_batch_size, capacity, pad_id, batch.rollout_logprobs is not None)
+        mb = _empty_rows(micro_batch_size, capacity, pad_id, logprobs)
         segment = 0
         for r in range(micro_batch_size):
             b = m * micro_batch_size + r
@@ -199,8 +159,7 @@ def packed_layout(batch: SequenceBatch, micro_batch_size: int, pad_id: int, min_
             row = {k: v[r] for k, v in mb.items()}
             start = 0
             for i in bins[b]:
-                _fill_row(row, start, batch.token_ids[i], batch.prompt_lengths[i], float(batch.advantages[i]), trainable[i],
-                          segment, _rollout_logprobs(batch, i), _loss_mask(batch, i))
+                _fill_row(row, start, samples[i], segment, logprobs)
                 layout.placements[i] = (m, r, start, lengths[i])
                 start += lengths[i]
                 segment += 1

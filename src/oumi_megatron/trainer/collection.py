@@ -35,11 +35,11 @@ from oumi_megatron.data import prompt_token_ids
 from oumi_megatron.environments.driver import RolloutDriver
 from oumi_megatron.environments.episodes import EpisodeStats, episode_maxima, episode_metrics, episode_sums, merge_stats
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
-from oumi_megatron.grpo.rewards import RewardResult
-from oumi_megatron.rollout.base import AsyncRolloutBackend, Rollout
+from oumi_megatron.rollout.base import AsyncRolloutBackend
+from oumi_megatron.rollout.sample import Sample, SampleStatus
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, gather_dp, max_dp_values, sum_dp
-from oumi_megatron.trainer.rollout_batch import Scores, StepBatch, choose_groups
+from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, max_dp_values, sum_dp
+from oumi_megatron.trainer.rollout_batch import BatchScores, StepBatch, choose_groups
 from oumi_megatron.trainer.rollout_dump import RolloutDump
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.trainer.step_profile import StepProfile
@@ -72,17 +72,22 @@ class PendingRound:
 
 @dataclass
 class _Round:
-    """One round of generation: its prompts' rows (every rank), this rank's rollouts, the round's scores."""
+    """One round of generation: its prompts' rows (every rank), this rank's samples (scored), the round's scores over
+    every rank."""
 
     rows: list[dict[str, Any]]
-    rollouts: list[Rollout]
-    scores: Scores
+    samples: list[Sample]
+    scores: BatchScores
     truncated: int
     errors: list[str]
     sample: dict[str, Any] | None
     episodes: EpisodeStats
     generation_s: float = 0.0
     decode_ms_per_step: float | None = None
+
+
+def _reward_or_zero(sample: Sample) -> float:
+    return sample.reward if sample.reward is not None else 0.0
 
 
 def share_as_groups(first: int, count: int, group_size: int) -> tuple[list[int], int]:
@@ -135,10 +140,10 @@ class RolloutCollector:
             chosen = self._dynamic_sampling(step, rounds)
         else:
             first = rounds[0]
-            chosen = {"rollouts": first.rollouts, "scores": first.scores, "group_rows": first.rows,
+            chosen = {"samples": first.samples, "scores": first.scores, "group_rows": first.rows,
                       "filler": torch.zeros(len(first.scores), dtype=torch.bool)}
         self._write_dump(step)
-        return StepBatch(**chosen, generated=Scores.cat([r.scores for r in rounds]),
+        return StepBatch(**chosen, generated=BatchScores.cat([r.scores for r in rounds]),
                          prompts_truncated=sum(r.truncated for r in rounds),
                          prompts_used=sum(len(r.rows) for r in rounds), rounds=len(rounds),
                          reward_errors=[e for r in rounds for e in r.errors][:5], sample=rounds[0].sample,
@@ -149,8 +154,9 @@ class RolloutCollector:
     def _episode_metrics(self, rounds: list[_Round]) -> dict[str, float]:
         """The step's ``rollout/*`` and (multi-turn) ``env/*`` episode metrics over every DP rank (collective)."""
         stats = merge_stats([r.episodes for r in rounds])
-        return episode_metrics(sum_dp(episode_sums(stats), self.device), max_dp_values(episode_maxima(stats), self.device),
-                               stats.multi_turn)
+        samples = [s for r in rounds for s in r.samples]
+        return episode_metrics(sum_dp(episode_sums(samples, stats), self.device),
+                               max_dp_values(episode_maxima(samples, stats), self.device), stats.multi_turn)
 
     def _write_dump(self, step: int) -> None:
         if self.dump is not None:
@@ -185,14 +191,14 @@ class RolloutCollector:
         pending = self._prepare_round(step, index)
         before = self.driver.decode_profile()
         started = time.perf_counter()
-        grouped, episodes = self.driver.run(pending.prompts, [pending.rows[p] for p in pending.groups], self.sampling,
-                                            pending.n, pending.seed)
+        samples, episodes = self.driver.run(pending.prompts, [pending.rows[p] for p in pending.groups], self.sampling,
+                                            pending.n, pending.seed, groups=pending.groups, version=step)
         generation_s = time.perf_counter() - started
         self.profile.add("generate", generation_s)
         after = self.driver.decode_profile()
         for key, seconds in after.seconds.items():  # the embedded decoder's loops (step_profile.py)
             self.profile.add(key, seconds - before.seconds.get(key, 0.0))
-        return self._score_round(pending, grouped, episodes, generation_s, after.decode_ms_per_step)
+        return self._score_round(pending, samples, episodes, generation_s, after.decode_ms_per_step)
 
     def _prepare_round(self, step: int, index: int) -> PendingRound:
         """A round's prompts (read from the data order), rendered, and this rank's share of their completions."""
@@ -211,43 +217,53 @@ class RolloutCollector:
         return PendingRound(step, rows, [rendered[p][0] for p in groups], groups, n, truncated,
                             self.rollout_seed(step, dp_rank, index), position, index)
 
-    def _score_round(self, pending: PendingRound, grouped: list[list[Rollout]], episodes: EpisodeStats,
+    def _score_round(self, pending: PendingRound, samples: list[Sample], episodes: EpisodeStats,
                      generation_s: float, decode_ms_per_step: float | None) -> _Round:
-        rows, groups, n = pending.rows, pending.groups, pending.n
-        rollouts = [r for group in grouped for r in group]
+        """The round's samples scored (their rewards and overlong penalty filled), dumped, and the round's scores
+        gathered over DP."""
         with self.profile.phase("detokenize"):  # each distinct prompt once: a group's completions share it
-            completions = self.tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=True)
-            texts = self.tokenizer.batch_decode(pending.prompts, skip_special_tokens=True)
-            prompts = [texts[i] for i, group in enumerate(grouped) for _ in group]
-        # the rewards see how each episode ended (EpisodeEnd.info)
-        sample_rows = episodes.reward_rows([rows[p] for p in groups for _ in range(n)])
+            completions = self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+            texts = dict(zip(pending.groups, self.tokenizer.batch_decode(pending.prompts, skip_special_tokens=True)))
+            prompts = [texts[s.group] for s in samples]
+        for s in samples:
+            s.round = pending.round
         with self.profile.phase("reward"):
-            rewards = self.rewards(prompts, completions, sample_rows)
-        if episodes.failed:
-            self._drop_failed_episodes(pending.step, rewards, episodes, prompts)
+            rewards = self.rewards.score(samples, prompts, completions, pending.rows)
+        self._drop_failed_episodes(pending.step, samples, prompts)
+        self._overlong_penalty(samples)
         if self.dump is not None:
-            self.dump.add(pending.step, pending.round, self.tokenizer, rollouts,
-                          [float(t) if v else None for t, v in zip(rewards.total.tolist(), rewards.valid.tolist())],
-                          episodes.turns)
-        sample = {"prompt": prompts[0], "completion": completions[0], "reward": rewards.total[0].item()} if rollouts else None
-        if sample is not None and episodes.sample:
-            sample["episode"] = episodes.sample
-            self._log_episode(pending.step, prompts[0], episodes.sample, sample["reward"])
+            self.dump.add(pending.step, self.tokenizer, samples)
+        logged = {"prompt": prompts[0], "completion": completions[0], "reward": _reward_or_zero(samples[0])} if samples else None
+        if logged is not None and episodes.transcript:
+            logged["episode"] = episodes.transcript
+            self._log_episode(pending.step, prompts[0], episodes.transcript, logged["reward"])
         with self.profile.phase("score_gather"):
-            scores = self._gather_scores(rewards, rollouts)
-        return _Round(rows, rollouts, scores, pending.truncated, rewards.errors, sample, episodes, generation_s,
+            scores = BatchScores.gather(samples, list(rewards.per_function), self.device)
+        return _Round(pending.rows, samples, scores, pending.truncated, rewards.errors, logged, episodes, generation_s,
                       decode_ms_per_step)
 
-    def _drop_failed_episodes(self, step: int, rewards: RewardResult, episodes: EpisodeStats, prompts: list[str]) -> None:
-        """Episodes whose environment raised or timed out: invalid (out of the loss and the group statistics, as a
+    def _overlong_penalty(self, samples: list[Sample]) -> None:
+        """DAPO's overlong punishment (``grpo.overlong_buffer_length``) on each scored sample."""
+        g = self.grpo
+        scored = [s for s in samples if s.valid]
+        if not g.overlong_buffer_length or not scored:
+            return
+        lengths = torch.tensor([float(len(s.completion_ids)) for s in scored], dtype=torch.float64)
+        penalties = overlong_penalty(lengths, g.max_completion_length, g.overlong_buffer_length, g.overlong_penalty_factor)
+        for s, penalty in zip(scored, penalties.tolist(), strict=True):
+            s.overlong_penalty = penalty
+
+    def _drop_failed_episodes(self, step: int, samples: list[Sample], prompts: list[str]) -> None:
+        """Episodes whose environment raised or timed out: no reward (out of the loss and the group statistics, as a
         skipped reward is), each named in the log with its prompt by the replica's first rank; the run goes on."""
-        bad = torch.tensor([k in episodes.failed for k in range(len(rewards.valid))])
-        rewards.valid &= ~bad
-        rewards.total = torch.where(bad, torch.zeros_like(rewards.total), rewards.total)
-        if self.rewards.is_scorer:
-            for k, why in list(episodes.failed.items())[:5]:
-                logger.warning(f"GRPO step {step + 1}, rank {global_rank()}: the environment failed in episode {k} "
-                               f"(prompt {prompts[k][-120:]!r}): {why}. The episode is left out of the loss.")
+        failed = [(k, s) for k, s in enumerate(samples) if s.status is SampleStatus.FAILED]
+        for _, s in failed:
+            s.reward = None
+        if not self.rewards.is_scorer:
+            return
+        for k, s in failed[:5]:
+            logger.warning(f"GRPO step {step + 1}, rank {global_rank()}: the environment failed in episode {k} "
+                           f"(prompt {prompts[k][-120:]!r}): {s.failure}. The episode is left out of the loss.")
 
     def _log_episode(self, step: int, prompt: str, turns: list[dict[str, Any]], reward: float) -> None:
         """One episode with its turns, in the log at the first step (every step under ``grpo.log_completions``)."""
@@ -263,44 +279,27 @@ class RolloutCollector:
         """Read GRPO step ``step + 1``'s prompts and queue their episodes on ``backend`` (no waiting)."""
         pending = self._prepare_round(step, 0)
         self.driver.submit(backend, pending.prompts, [pending.rows[p] for p in pending.groups], self.sampling, pending.n,
-                           pending.seed)
+                           pending.seed, groups=pending.groups)
         return pending
 
     def finish(self, pending: PendingRound, backend: AsyncRolloutBackend) -> tuple[StepBatch, int, float]:
         """``pending``'s generation (waiting for it), scored: the step's batch, the policy version that generated it,
         and the engine's seconds on it."""
         started = time.perf_counter()
-        tagged = backend.collect()
-        grouped, episodes = self.driver.collected(tagged)
-        r = self._score_round(pending, grouped, episodes, time.perf_counter() - started, None)
+        samples, episodes, tagged = self.driver.collect(backend)
+        r = self._score_round(pending, samples, episodes, time.perf_counter() - started, None)
         self._write_dump(pending.step)
-        batch = StepBatch(rollouts=r.rollouts, scores=r.scores, group_rows=r.rows,
+        batch = StepBatch(samples=r.samples, scores=r.scores, group_rows=r.rows,
                           filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
                           prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
                           reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds,
                           episode_metrics=self._episode_metrics([r]), profile=self.profile.metrics())
         return batch, tagged.version, tagged.engine_seconds
 
-    def _gather_scores(self, rewards: RewardResult, rollouts: list[Rollout]) -> Scores:
-        """The whole round's scores on every rank, with the overlong punishment (``grpo.overlong_buffer_length``)."""
-        g = self.grpo
-        names = list(rewards.per_function)
-        local = torch.stack([rewards.total, rewards.valid.double(), *(rewards.per_function[k] for k in names),
-                             torch.tensor([float(len(r.completion_ids)) for r in rollouts]),
-                             torch.tensor([float(r.finished) for r in rollouts])], dim=1)
-        stats = gather_dp(local, self.device)  # [n, k], the whole round, on every rank
-        total, valid, lengths = stats[:, 0], stats[:, 1] > 0.5, stats[:, -2]
-        penalty = torch.zeros_like(total)
-        if g.overlong_buffer_length:
-            penalty = torch.where(valid, overlong_penalty(lengths, g.max_completion_length, g.overlong_buffer_length,
-                                                          g.overlong_penalty_factor), 0.0)
-        return Scores(total + penalty, valid, {k: stats[:, 2 + j] for j, k in enumerate(names)}, penalty, lengths,
-                      stats[:, -1] > 0.5)
-
     # -- dynamic sampling -------------------------------------------------------------------------------------------
     def _dynamic_sampling(self, step: int, rounds: list[_Round]) -> dict[str, Any]:
         """DAPO: further rounds (appended to ``rounds``) until ``prompts_per_rollout`` groups have reward variance;
-        the chosen groups' rollouts redistributed over DP (this rank's share), their scores, rows and filler mask."""
+        the chosen groups' samples redistributed over DP (this rank's share), their scores, rows and filler mask."""
         g, G, wanted = self.grpo, self.grpo.num_generations, self.prompts_per_rollout
         signals = [groups_with_signal(rounds[0].scores.total, rounds[0].scores.valid, G)]
         while sum(int(s.sum()) for s in signals) < wanted and len(rounds) < g.dynamic_sampling_max_rounds:
@@ -308,31 +307,31 @@ class RolloutCollector:
             signals.append(groups_with_signal(rounds[-1].scores.total, rounds[-1].scores.valid, G))
         kept, filled = choose_groups(signals, wanted)
         chosen = kept + filled
-        mine = self._redistribute([r.rollouts for r in rounds], [(r, i) for r, grp in chosen for i in range(grp * G, (grp + 1) * G)])
+        mine = self._redistribute([r.samples for r in rounds], [(r, i) for r, grp in chosen for i in range(grp * G, (grp + 1) * G)])
         if filled and global_rank() == 0:
             logger.warning(f"GRPO step {step + 1}: dynamic sampling found {len(kept)} of {wanted} groups with "
                            f"reward variance in {len(rounds)} rounds (grpo.dynamic_sampling_max_rounds); "
                            f"{len(filled)} groups without it fill the batch and are not trained on.")
         return {
-            "rollouts": mine,
-            "scores": Scores.cat([rounds[r].scores.take(list(range(grp * G, (grp + 1) * G))) for r, grp in chosen]),
+            "samples": mine,
+            "scores": BatchScores.cat([rounds[r].scores.take(list(range(grp * G, (grp + 1) * G))) for r, grp in chosen]),
             "group_rows": [rounds[r].rows[grp] for r, grp in chosen],
             "filler": torch.tensor([False] * len(kept) + [True] * len(filled)).repeat_interleave(G),
             "groups_dropped": sum(len(s) - int(s.sum()) for s in signals),
             "groups_filled": len(filled),
         }
 
-    def _redistribute(self, local: list[list[Rollout]], chosen: list[tuple[int, int]]) -> list[Rollout]:
+    def _redistribute(self, local: list[list[Sample]], chosen: list[tuple[int, int]]) -> list[Sample]:
         """This rank's share of the filtered batch: ``chosen`` lists (round, sample) in batch order, and DP rank k
         trains on the k-th slice. Sample i of a round lives on DP rank i // (its share of the round), so each rank
         sends every other rank just the samples of that rank's slice it holds, and receives only its own slice (bytes
         per rank O(its share), not the whole batch)."""
         dp, dp_rank = dp_size_and_rank()
         per_rank = len(chosen) // dp
-        outgoing: list[list[tuple[int, Rollout]]] = [[] for _ in range(dp)]
+        outgoing: list[list[tuple[int, Sample]]] = [[] for _ in range(dp)]
         for position, (r, i) in enumerate(chosen):
             owner, at = divmod(i, len(local[r]))
             if owner == dp_rank:
                 outgoing[position // per_rank].append((position, local[r][at]))
         incoming, self.last_collation_bytes = exchange_objects_dp(outgoing, self.device)
-        return [rollout for _, rollout in sorted((pair for part in incoming for pair in part), key=lambda p: p[0])]
+        return [sample for _, sample in sorted((pair for part in incoming for pair in part), key=lambda p: p[0])]

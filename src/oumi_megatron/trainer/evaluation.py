@@ -117,40 +117,39 @@ class Evaluator:
             prompts = [prompt_token_ids(self.tokenizer, r["prompt"], self.max_prompt_length, self.driver.system_prompt)[0]
                        for r in rows]
             keep = max(0, min(len(rows), real - start))
-            grouped, episodes = self.driver.run(prompts, rows, self.sampling, n, seed=None if n == 1 else start)
-            rows = rows[:keep]
-            samples = [row for row in rows for _ in range(n)]  # episode k is prompt k // n's
-            rollouts = [r for group in grouped[:keep] for r in group]
-            completions = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts]
-            texts = [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True) for r in rollouts]
+            generated, episodes = self.driver.run(prompts, rows, self.sampling, n, seed=None if n == 1 else start)
+            samples = [s for s in generated if s.group < keep]  # the copies that filled a short share are not scored
+            completions = [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+            texts = [self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
             # collective (trainer/scoring.py): every rank, every batch, an empty share too; scored on one rank a replica
-            scored = self.rewards(texts, completions, episodes.reward_rows(samples))
-            for k in episodes.failed:  # a failed episode is scored as wrong
-                if k < len(samples):
+            scored = self.rewards.score(samples, texts, completions, rows)
+            for k, sample in enumerate(samples):
+                if sample.failed:  # a failed episode is scored as wrong
                     scored.valid[k], scored.total[k] = True, 0.0
                     for values in scored.per_function.values():
                         values[k] = 0.0
                     completions[k] = ""
-            correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, samples),
+            sample_rows = [rows[s.group] for s in samples]
+            correct = self.rewards.once(partial(_count_correct, self.gsm8k, completions, sample_rows),
                                         "the gsm8k accuracy check") if self.check_format else 0
-            if not rows:
+            if not samples:
                 continue
             valid = scored.valid
-            sums[0] += len(rows)
+            sums[0] += keep
             sums[1] += len(samples)
             sums[2] += float(valid.sum())
             sums[3] += float(scored.total[valid].sum())
             sums[4] += sum(bool(GSM8K_ANSWER.search(c)) for c in completions)
-            sums[5] += sum(len(r.completion_ids) for r in rollouts)
-            sums[6] += sum(not r.finished for r in rollouts)
+            sums[5] += sum(len(s.completion_ids) for s in samples)
+            sums[6] += sum(not s.finished for s in samples)
             sums[7] += correct
             for j, name in enumerate(names):
                 sums[8 + j] += float(scored.per_function[name][valid].sum())
             if self.passed:
-                passed = (scored.per_function[self.passed] * valid).view(len(rows), n).sum(dim=1).tolist()
+                passed = (scored.per_function[self.passed] * valid).view(keep, n).sum(dim=1).tolist()
                 for j, k in enumerate(self.pass_ks):
                     sums[at_k + j] += sum(pass_at_k(n, int(c), k) for c in passed)
-            sums[at_k + len(self.pass_ks):] += torch.tensor(eval_sums(episodes, len(samples)), dtype=torch.float64)
+            sums[at_k + len(self.pass_ks):] += torch.tensor(eval_sums(samples, episodes), dtype=torch.float64)
         if dp > 1:
             total = sums.to(self.device)
             dist.all_reduce(total, group=group)

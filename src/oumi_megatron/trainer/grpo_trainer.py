@@ -36,9 +36,10 @@ from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS
 from oumi_megatron.grpo.rewards import RewardFunctionError
 from oumi_megatron.rollout.base import WeightSyncStats
 from oumi_megatron.rollout.registry import as_asynchronous
+from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.async_rollouts import AsyncRollouts
-from oumi_megatron.trainer.batches import MicrobatchLayout, SequenceBatch, first_fit_decreasing, mini_batches, packed_layout, padded_layout
+from oumi_megatron.trainer.batches import MicrobatchLayout, first_fit_decreasing, mini_batches, packed_layout, padded_layout
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
@@ -172,6 +173,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
     def _train_on(self, batch: StepBatch, timings: dict[str, float], sync: WeightSyncStats | None) -> dict[str, Any]:
         """Advantages, old/ref logprobs, the update and the step's metrics, for a collected batch."""
         t0 = time.perf_counter()
+        # advantages need whole groups: they are computed from the whole batch's scores, then each sample takes its own
         counted = batch.scores.valid & ~batch.filler  # skipped rewards and filler groups are outside every statistic
         advantages = self.advantage_estimator(batch.scores.total, counted, self.grpo)
         trainable = counted & (batch.scores.finished | (not self.grpo.mask_truncated_completions))
@@ -179,7 +181,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.step += 1  # the prompts are used up; nothing to train on, so no optimizer step
             self.last_metrics = skipped_step_metrics(batch, self.grpo, timings, self.engine.schedule)
             return self.last_metrics
-        layouts = self._microbatch_layouts(batch, advantages, trainable)
+        batch.set_advantages(advantages, trainable)
+        layouts = self._microbatch_layouts(batch.samples)
         t1 = time.perf_counter()
         timings["time/batch_build_s"] = t1 - t0
         logprob_stats = self._old_and_reference_logprobs(layouts)
@@ -229,21 +232,20 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             logger.warning(f"GRPO step {self.step + 1} trains on nothing: {why}. No optimizer step.")
         return False
 
-    def _microbatch_layouts(self, batch: StepBatch, advantages: torch.Tensor, trainable: torch.Tensor) -> list[MicrobatchLayout]:
+    def _microbatch_layouts(self, samples: list[Sample]) -> list[MicrobatchLayout]:
         """This rank's share of every mini-batch (one optimizer step each), as microbatches."""
-        dp, dp_rank = dp_size_and_rank()
-        parts = mini_batches(batch.rollouts, advantages, trainable, first=dp_rank * len(batch.rollouts),
-                             per_mini=self.layout.global_batch_size // dp, count=self.grpo.num_mini_batches)
-        return [self._layout(seq) for seq in parts]
+        dp, _ = dp_size_and_rank()
+        parts = mini_batches(samples, per_mini=self.layout.global_batch_size // dp, count=self.grpo.num_mini_batches)
+        return [self._layout(part) for part in parts]
 
-    def _layout(self, batch: SequenceBatch) -> MicrobatchLayout:
+    def _layout(self, samples: list[Sample]) -> MicrobatchLayout:
         mbs, pad = self.layout.micro_batch_size, self.sampling.pad_token_id
         if not self.config.megatron.enable_sequence_packing:
-            return padded_layout(batch, mbs, pad)
+            return padded_layout(samples, mbs, pad)
         # every DP rank runs the same number of microbatches (empty ones are all padding)
-        lengths = [len(t) for t in batch.token_ids]
+        lengths = [s.length for s in samples]
         local = -(-len(first_fit_decreasing(lengths, max(lengths))) // mbs)
-        return packed_layout(batch, mbs, pad, min_microbatches=int(max_dp(local, self.engine.device)))
+        return packed_layout(samples, mbs, pad, min_microbatches=int(max_dp(local, self.engine.device)))
 
     def _first_update_on_policy(self) -> bool:
         """Whether the step's first mini-batch takes its old logprobs from its own training forward: it is seen

@@ -2,14 +2,17 @@
 and their reader (``oumi-megatron rollouts`` shows them: rollout_view.py).
 
 Each data-parallel rank's samples go to ``output_dir/rollouts/step_XXXXXX_rank_XXXXX.jsonl`` (the rank: its DP rank),
-written by its replica's first rank (the other ranks of a replica hold the same samples), one JSON line per sample:
-``prompt_ids``, ``completion_ids``, ``loss_mask`` (null for single-turn samples: every token is the policy's),
-``logprobs`` (the engine's), ``reward`` (the weighted reward functions; null where the reward was skipped or the
-episode failed), ``turns``, ``finished``, ``round`` (dynamic sampling's generation round), ``prompt`` / ``text``:
-the prompt and the completion decoded with their special tokens, so the chat template's turns and the environment's
-observations read as the model saw them, and ``completion_tokens``: each completion token decoded on its own (a
-character split over two tokens shows as U+FFFD in each). A step's file appears whole or not at all (a temporary file,
-renamed).
+written by its replica's first rank (the other ranks of a replica hold the same samples), one JSON line per sample, as
+scored (every round's, before dynamic sampling chooses): the ``Sample``'s fields (rollout/sample.py) but its advantage
+(not known yet): ``prompt_ids``, ``completion_ids``, ``group``, ``status`` (finished / truncated / failed) and
+``failure``, ``logprobs`` (the engine's), ``loss_mask`` (null for single-turn samples: every token is the policy's),
+``versions`` (each completion token's policy version), ``turns``, ``tool_calls``, ``env_info``, ``round`` (dynamic
+sampling's generation round), ``reward`` (the weighted reward functions; null where the reward was skipped or the
+episode failed), ``rewards`` (each function's) and ``overlong_penalty``; then ``finished`` (the status is finished),
+``prompt`` / ``text``: the prompt and the completion decoded with their special tokens, so the chat template's turns
+and the environment's observations read as the model saw them, and ``completion_tokens``: each completion token decoded
+on its own (a character split over two tokens shows as U+FFFD in each). A step's file appears whole or not at all (a
+temporary file, renamed).
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.rollout.base import Rollout
+from oumi_megatron.rollout.sample import Sample
 
 DUMP_NAME = re.compile(r"step_(\d{6,})_rank_(\d{5,})\.jsonl")
 """A dump file's name: its GRPO step and its data-parallel rank."""
+
+
+_NOT_KNOWN_YET = ("advantage", "trainable")
+"""A ``Sample``'s fields the advantage phase fills, after the dump is taken."""
 
 
 class RolloutDump:
@@ -40,20 +47,21 @@ class RolloutDump:
         """Whether GRPO step ``step + 1``'s samples are dumped here."""
         return self.writes and self.every > 0 and (step + 1) % self.every == 0
 
-    def add(self, step: int, round_index: int, tokenizer: Any, rollouts: list[Rollout], rewards: list[float | None],
-            turns: list[int]) -> None:
+    def add(self, step: int, tokenizer: Any, samples: list[Sample]) -> None:
+        """``samples`` (scored) into GRPO step ``step + 1``'s file, if it is dumped."""
         if not self.wanted(step):
             return
-        prompts = tokenizer.batch_decode([r.prompt_ids for r in rollouts], skip_special_tokens=False)
-        texts = tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=False)
-        pieces = tokenizer.batch_decode([[i] for r in rollouts for i in r.completion_ids], skip_special_tokens=False)
+        prompts = tokenizer.batch_decode([s.prompt_ids for s in samples], skip_special_tokens=False)
+        texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=False)
+        pieces = tokenizer.batch_decode([[i] for s in samples for i in s.completion_ids], skip_special_tokens=False)
         start = 0
-        for r, reward, turn, prompt, text in zip(rollouts, rewards, turns, prompts, texts, strict=True):
-            tokens, start = pieces[start:start + len(r.completion_ids)], start + len(r.completion_ids)
-            self.lines.append(json.dumps({
-                "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids, "loss_mask": r.loss_mask,
-                "logprobs": r.logprobs, "reward": reward, "turns": turn, "finished": r.finished, "round": round_index,
-                "prompt": prompt, "text": text, "completion_tokens": tokens}))
+        for sample, prompt, text in zip(samples, prompts, texts, strict=True):
+            tokens, start = pieces[start:start + len(sample.completion_ids)], start + len(sample.completion_ids)
+            line = {f.name: getattr(sample, f.name) for f in fields(Sample) if f.name not in _NOT_KNOWN_YET}
+            line.update(status=sample.status.value, finished=sample.finished, prompt=prompt, text=text,
+                        completion_tokens=tokens)
+            # an environment's info is the user's: a value JSON cannot hold is written as its text
+            self.lines.append(json.dumps(line, default=str))
 
     def write(self, step: int, dp_rank: int) -> Path | None:
         """The step's file (temporary file, then renamed); None where nothing is dumped."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.grpo.rewards import RewardComputer, RewardFunctionError, RewardResult
+from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.utils.ranks import first_failure
 
 T = TypeVar("T")
@@ -69,6 +70,25 @@ class ReplicaScorer:
             self.samples_scored += len(completions)
         return result
 
+    def score(self, samples: list[Sample], prompts: list[str], completions: list[str],
+              rows: list[dict[str, Any]]) -> RewardResult:
+        """``samples`` scored (collective, as a call): ``prompts`` and ``completions`` are their texts, ``rows`` the
+        batch's dataset rows (a sample's is ``rows[sample.group]``; the reward functions also see its ``env_info`` where
+        an environment took part). Fills each sample's ``reward`` (None where skipped) and ``rewards``; returns the
+        result (its ``errors`` name the skipped ones)."""
+        result = self(prompts, completions, [reward_row(rows[s.group], s) for s in samples])
+        columns = {name: values.tolist() for name, values in result.per_function.items()}
+        for k, (sample, total, valid) in enumerate(zip(samples, result.total.tolist(), result.valid.tolist(), strict=True)):
+            sample.reward = total if valid else None
+            sample.rewards = {name: values[k] for name, values in columns.items()}
+        return result
+
     def _empty(self) -> RewardResult:
         return RewardResult(total=torch.zeros(0, dtype=torch.float64), valid=torch.ones(0, dtype=torch.bool),
                             per_function={name: torch.zeros(0, dtype=torch.float64) for name in self.columns})
+
+
+def reward_row(row: dict[str, Any], sample: Sample) -> dict[str, Any]:
+    """What the reward functions see of ``sample``'s dataset ``row``: the row, and how its episode ended (``env_info``)
+    where an environment took part."""
+    return row if sample.env_info is None else {**row, "env_info": sample.env_info}

@@ -29,6 +29,7 @@ generator seeded the same, so all agree.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS
+from oumi_megatron.rollout.decoding.generation_mode import forward_peers_done, generation_mode
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
 from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
 from oumi_megatron.rollout.decoding.static_cache import StaticKVCache
@@ -119,6 +121,8 @@ class StaticCacheDecoder:
         self.engine = engine
         self.stages = PolicyStages(engine)
         self.vocab_size = vocab_size
+        self.peers_done: Callable[[bool], bool] = functools.partial(forward_peers_done, engine)
+        """Whether every expert peer's loop is done too (rollout/decoding/generation_mode.py)."""
         self.graphs, why = resolve_cuda_graphs(cuda_graphs, self.stages)
         self.check_every = check_every
         if graphs_kept < 0:
@@ -130,7 +134,7 @@ class StaticCacheDecoder:
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
         """``n`` completions of each prompt (rows ``i * n .. i * n + n - 1``): tokens [rows, T] (``pad_token_id`` after
         a row's EOS) and their log-probabilities, on the host, with the call's stats."""
-        with self.engine.generation_mode():
+        with generation_mode(self.engine):
             run, keep = self.prepare(prompts, n, params, generator)
             out = self.run(run, run.prefill)
             keep()
@@ -171,13 +175,13 @@ class StaticCacheDecoder:
 
     def run(self, run: _Generation, prefill: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
         """``prefill`` (the prompts, or a continued turn's block), then the decode steps: tokens and logprobs on the
-        host, with the stats (inside ``engine.generation_mode``)."""
+        host, with the stats (inside ``generation_mode``)."""
         params = run.params
         started = time.perf_counter()
         prefill()
         run.synchronize()
         prefill_s = time.perf_counter() - started
-        steps = run.decode(self.graphs, self.check_every, self.engine.forward_peers_done)
+        steps = run.decode(self.graphs, self.check_every, self.peers_done)
         tokens, logprobs = run.tokens[:, :steps].cpu(), run.logprobs[:, :steps].cpu()
         decode_s = time.perf_counter() - started - prefill_s
         path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path

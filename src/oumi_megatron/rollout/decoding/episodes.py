@@ -39,6 +39,7 @@ import torch
 
 from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheDecoder, _Generation
+from oumi_megatron.rollout.decoding.generation_mode import generation_mode
 from oumi_megatron.rollout.decoding.padding import left_pad
 from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
 
@@ -258,13 +259,13 @@ def run_episodes(decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, 
         return EpisodeGeneration.for_episodes(decoder.stages, prompts, n, params, decoder.vocab_size, generator, budget,
                                               max_turns, k, background, width)
 
-    with decoder.engine.generation_mode():
+    with generation_mode(decoder.engine):
         run, keep = decoder.prepared(("episodes", budget, max_turns, k, background), prompts, n, params, generator, make)
         started = time.perf_counter()
         run.prefill()
         run.synchronize()
         prefill_s = time.perf_counter() - started
-        result = run.play(turns, decoder.graphs, decoder.engine.forward_peers_done)
+        result = run.play(turns, decoder.graphs, decoder.peers_done)
         run.synchronize()
         keep()
     path = decoder.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else decoder.path

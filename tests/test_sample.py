@@ -1,0 +1,106 @@
+"""``Sample`` (rollout/sample.py), the one record from the rollout driver to the microbatches: its invariants, the
+driver's samples (synchronous and asynchronous single-turn alike), and a rollout dump of them read back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from oumi_megatron.examples.tiny_models import build_byte_tokenizer
+from oumi_megatron.rollout.base import Rollout, TaggedRollouts
+from oumi_megatron.rollout.sample import Sample, SampleStatus
+from oumi_megatron.rollout.sampling import SamplingParams
+
+EOS = 258
+
+
+def test_a_sample_s_per_token_fields_cover_its_completion_and_its_status_its_failure() -> None:
+    good = Sample([1, 2], [3, 4, 5], 0, logprobs=[-0.1] * 3, loss_mask=[1, 0, 1])
+    good.check()
+    assert good.versions == [] and good.token_ids == [1, 2, 3, 4, 5] and good.length == 5
+    good.stamp(7)
+    assert good.versions == [7, 7, 7]
+    good.check()
+    with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 completion tokens"):
+        Sample([1], [3, 4, 5], 0, loss_mask=[1, 0]).check()
+    with pytest.raises(ValueError, match="versions has 1 entries"):
+        Sample([1], [3, 4], 0, versions=[0]).check()
+    with pytest.raises(ValueError, match="a failed sample with failure None"):
+        Sample([1], [3], 0, SampleStatus.FAILED).check()
+    with pytest.raises(ValueError, match="a finished sample with failure 'boom'"):
+        Sample([1], [3], 0, failure="boom").check()
+
+
+def test_a_sample_s_score_is_its_reward_and_penalty_and_zero_without_a_reward() -> None:
+    scored = Sample([1], [2], 0, reward=0.75, overlong_penalty=-0.25)
+    assert scored.valid and scored.score == 0.5
+    skipped = Sample([1], [2], 0, reward=None, overlong_penalty=0.0)
+    assert not skipped.valid and skipped.score == 0.0
+    assert not Sample([1], [2], 0, SampleStatus.TRUNCATED).finished and Sample([1], [2], 0).finished
+
+
+class _Engine:
+    """Generates a fixed completion per prompt (cut at the sampling's budget), synchronously or as a submission the
+    trainer collects later (rollout/base.py ``AsyncRolloutBackend``): the same tokens either way."""
+
+    def __init__(self) -> None:
+        self.queued: list[list[list[Rollout]]] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        out = []
+        for p in prompts:
+            ids = ([p[0] + 10] * 3 + [EOS])[:params.max_new_tokens]
+            out.append([Rollout(list(p), ids, ids[-1] == EOS, [-0.5] * len(ids)) for _ in range(n)])
+        return out
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        self.queued.append(self.generate(prompts, params, n))
+
+    def collect(self) -> TaggedRollouts:
+        return TaggedRollouts(self.queued.pop(0), version=3, engine_seconds=0.0)
+
+    def decode_profile(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("budget", [10, 2])
+def test_asynchronous_single_turn_samples_are_the_driver_s_episodes(budget: int) -> None:
+    """A single-turn submission collected later goes through the same episodes' bookkeeping as a generation now: the
+    same samples (groups, status, logprobs), stamped with the version the engine reports."""
+    from oumi_megatron.environments.driver import EpisodeTools, RolloutDriver
+
+    grpo = SimpleNamespace(max_turns=1, max_observation_tokens=None, max_turn_tokens=None)
+    engine = _Engine()
+    driver = RolloutDriver(engine, grpo, EpisodeTools(build_byte_tokenizer(), None))  # type: ignore[arg-type]
+    params = SamplingParams(max_new_tokens=budget, eos_token_id=EOS)
+    prompts, rows, groups = [[1, 2], [5]], [{"id": 0}, {"id": 1}], [4, 9]
+    now, now_stats = driver.run(prompts, rows, params, 2, groups=groups, version=2)
+    driver.submit(engine, prompts, rows, params, 2, groups=groups)  # type: ignore[arg-type]
+    later, later_stats, tagged = driver.collect(engine)  # type: ignore[arg-type]
+    assert [s.group for s in now] == [4, 4, 9, 9] and tagged.version == 3
+    assert {s.versions[0] for s in now} == {2} and {s.versions[0] for s in later} == {3}
+    for s in (*now, *later):
+        s.versions = []
+    assert later == now and later_stats == now_stats
+    expected = SampleStatus.FINISHED if budget == 10 else SampleStatus.TRUNCATED
+    assert all(s.status is expected and s.loss_mask is None and s.env_info is None and s.turns == 1 for s in now)
+
+
+def test_a_dump_is_the_samples_as_json_lines(tmp_path: Path) -> None:
+    from oumi_megatron.trainer.rollout_dump import RolloutDump, read_dump
+
+    tok = build_byte_tokenizer()
+    hi = tok("Hi", add_special_tokens=False)["input_ids"]
+    failed = Sample([1], hi, 3, SampleStatus.FAILED, [-0.1, -0.2], [1, 0], versions=[5, 5], failure="timed out",
+                    turns=2, tool_calls=1, env_info={"code": object()}, round=1, rewards={"f": 0.5})
+    dump = RolloutDump(tmp_path, every=1, writes=True)
+    dump.add(0, tok, [failed])
+    (line,) = read_dump(dump.write(0, 0))  # type: ignore[arg-type]
+    assert line["status"] == "failed" and line["failure"] == "timed out" and not line["finished"]
+    assert (line["group"], line["round"], line["versions"], line["turns"], line["tool_calls"]) == (3, 1, [5, 5], 2, 1)
+    assert line["reward"] is None and line["rewards"] == {"f": 0.5} and line["text"] == "Hi"
+    assert line["env_info"]["code"].startswith("<object object")  # what JSON cannot hold, as its text
+    assert "advantage" not in line and "trainable" not in line  # not known when the dump is taken
