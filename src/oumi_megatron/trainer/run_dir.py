@@ -18,11 +18,12 @@ verifies its own files, engine/state/checkpoint_manifest.py):
 from __future__ import annotations
 
 import json
+import os
 import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.engine.state.checkpointing import (
     STATE_FILE,
@@ -36,6 +37,9 @@ from oumi_megatron.errors import UserInputError
 from oumi_megatron.utils.atomic import PRIVATE_DIR_MODE
 from oumi_megatron.utils.disk import space_problem
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
 
 
 class OutputDirInUseError(UserInputError):
@@ -163,3 +167,24 @@ def check_space(config: Any, shape: Any, start: StartPoint) -> None:
     problem = first_failure(problem)
     if problem is not None:
         raise OutputDirSpaceError(f"training.output_dir: {problem}")
+
+
+def check_output_dir(config: Any, found: Findings) -> None:
+    """``training.output_dir`` must be a folder this user can create and write into (checked before any work, not after
+    the conversion)."""
+    output_dir = config.training.output_dir
+    path = Path(output_dir or "").expanduser()
+    if not str(output_dir or "").strip():
+        found.add("training.output_dir", "is empty. Set it to a folder for checkpoints, metrics and the exported model.")
+        return
+    if path.exists() and not path.is_dir():
+        found.add("training.output_dir", f"{path} exists and is not a folder. Choose another output_dir.")
+        return
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        found.add("training.output_dir", f"cannot be created: {existing} is a file. Choose another output_dir.")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        found.add("training.output_dir", f"{existing} is not writable by this user, so {path} cannot be written. "
+                                         "Choose a writable output_dir.")

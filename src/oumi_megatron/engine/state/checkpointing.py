@@ -62,6 +62,8 @@ from oumi_megatron.utils.progress import EVERY_S, Progress
 from oumi_megatron.utils.ranks import first_failure, global_rank
 
 if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.engine import MegatronEngine
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -120,6 +122,13 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if m and child.is_dir() and (child / STATE_FILE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def check_checkpoints(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.checkpoint_config.keep_last_n_checkpoints``: the newest checkpoints a save keeps (0: all)."""
+    keep = config.megatron.checkpoint_config.keep_last_n_checkpoints
+    if not isinstance(keep, int) or keep < 0:
+        found.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
