@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.engine.state.checkpoint_io import META_FILE
 from oumi_megatron.engine.state.checkpointing import (
     STATE_FILE,
     CheckpointError,
@@ -34,7 +35,7 @@ from oumi_megatron.engine.state.checkpointing import (
 )
 from oumi_megatron.engine.state.hf_weights import HF_ADAPTER, HF_MODEL
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.utils.atomic import PRIVATE_DIR_MODE
+from oumi_megatron.utils.atomic import MEGATRON_CHECKPOINT, PRIVATE_DIR_MODE
 from oumi_megatron.utils.disk import space_problem
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
 
@@ -152,7 +153,7 @@ def check_space(config: Any, shape: Any, start: StartPoint) -> None:
         t, keep = config.training, config.megatron.checkpoint_config.keep_last_n_checkpoints
         out = Path(t.output_dir)
         weights = 2.0 * model_params(shape)
-        need = 0.0 if (out / "megatron_checkpoint" / "oumi_megatron.json").is_file() else weights
+        need = 0.0 if (out / MEGATRON_CHECKPOINT / META_FILE).is_file() else weights
         if t.save_final_model and not (out / "hf_model").exists():
             need += weights
         saves = -(-max(t.max_steps - start.step, 0) // t.save_steps) if t.save_steps else 0

@@ -45,9 +45,11 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.engine.state.checkpoint_io import (
+    META_FILE,
     load_model,
     load_strategy,
     model_sharded_state_dict,
+    read_meta,
     save_strategy,
 )
 from oumi_megatron.engine.state.checkpoint_manifest import (
@@ -67,7 +69,6 @@ if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-META_FILE = "oumi_megatron.json"
 logger = logging.getLogger("oumi")
 OPTIMIZER_FORMATS: dict[str, dict[str, Any]] = {
     # Each rank's own buckets of fp32 master weights and Adam moments, as they are (no gather, no copy); loads under
@@ -366,10 +367,10 @@ def _lora_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
 
 
 def read_checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``oumi_megatron.json``; checkpoints of earlier versions have none: their optimizer state is
-    fully reshardable and their dtype unknown."""
-    path = Path(checkpoint) / META_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"optimizer_format": "fully_reshardable"}
+    """The checkpoint's ``META_FILE``; checkpoints of earlier versions have none: their optimizer state is fully
+    reshardable and their dtype unknown."""
+    meta = read_meta(checkpoint)
+    return {"optimizer_format": "fully_reshardable"} if meta is None else meta
 
 
 def resume_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
