@@ -491,7 +491,6 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
     "ray": RolloutMode("vllm ray", _ray, asynchronous=True, asynchronous_episodes=False, check=_ray_fields,
                        warnings=_vllm_warnings, preflight=_ray_preflight, engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
 }))
-
 ROLLOUT_BACKENDS.add("sglang", BackendModes({
     "colocated": RolloutMode("sglang colocated", _sglang(colocated=True), memory=ENGINE_SHARE, check=_sglang_fields(True),
                              engine_gpus=_megatron_tp, gpu_share=_sglang_share),
