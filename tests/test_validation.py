@@ -561,9 +561,9 @@ def test_output_dir_that_cannot_be_written_is_named(make_config, tmp_path: Path,
     r = check(make_config(training={"output_dir": str(a_file / "run")}))
     assert "training.output_dir" in problem_fields(r) and "is a file" in r.format_problems()
     # not writable (faked: the tests may run as root, who can write anywhere)
-    import oumi_megatron.validation as validation
+    import oumi_megatron.trainer.run_dir as run_dir  # where the output_dir rule lives
 
-    monkeypatch.setattr(validation.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(run_dir.os, "access", lambda path, mode: False)
     r = check(make_config(training={"output_dir": str(tmp_path / "new" / "run")}))
     assert "training.output_dir" in problem_fields(r) and "is not writable" in r.format_problems()
 

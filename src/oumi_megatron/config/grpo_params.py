@@ -10,9 +10,14 @@ resolve through Oumi's ``REWARD_FUNCTION`` registry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.config.base import BaseParams
+from oumi_megatron.config.problems import choices
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 ON_REWARD_ERROR = ("raise", "skip")
 OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis")
@@ -266,10 +271,39 @@ class MegatronGrpoParams(BaseParams):
     """A reward function that raises or returns NaN: ``raise`` stops the step, ``skip`` drops and counts the sample."""
 
     @property
-    def effective_epsilon_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-    @property
     def max_sequence_length(self) -> int:
         """Longest sequence the trainer sees: prompt plus completion."""
         return self.max_prompt_length + self.max_completion_length
+
+
+def check_rollout_dump_steps(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.rollout_dump_steps`` (trainer/rollout_dump.py writes the dumps)."""
+    dump = config.grpo.rollout_dump_steps
+    if not isinstance(dump, int) or isinstance(dump, bool) or dump < 0:
+        found.add("grpo.rollout_dump_steps", f"must be an integer >= 0 (0: no dumps; N: every N-th step's samples to "
+                                             f"output_dir/rollouts/), got {dump!r}.")
+
+
+def check_sandbox(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.sandbox``: where model-written code runs, with which limits (``SandboxParams.settings`` hands them to
+    utils/sandbox.py, whose choices these are)."""
+    from oumi_megatron.utils.sandbox import ISOLATIONS, MAX_WORKERS
+
+    s = config.grpo.sandbox
+    if s.isolation not in ISOLATIONS:
+        found.add("grpo.sandbox.isolation", f"unknown value {s.isolation!r}. Use one of {choices(ISOLATIONS)} "
+                                            "(limits_unsafe: resource limits only, the model's code can read this machine's "
+                                            "files and reach the network).")
+    if s.workers is not None and (not isinstance(s.workers, int) or isinstance(s.workers, bool)
+                                  or not 1 <= s.workers <= MAX_WORKERS):
+        found.add("grpo.sandbox.workers", f"must be an integer in [1, {MAX_WORKERS}] or null (max(environment_workers, "
+                                          f"min(4, CPUs))), got {s.workers!r}.")
+    for name in ("timeout_s", "cpu_s"):
+        value = getattr(s, name)
+        if (value is not None or name == "timeout_s") and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                                           or not value > 0):
+            found.add(f"grpo.sandbox.{name}", f"must be > 0 seconds{' or null (= timeout_s)' if name == 'cpu_s' else ''}, "
+                                              f"got {value!r}. Typical: 10.")
+    for name in ("memory_mb", "max_processes", "max_output_bytes", "work_mb"):
+        found.positive(f"grpo.sandbox.{name}", getattr(s, name))

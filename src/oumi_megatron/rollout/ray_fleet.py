@@ -46,6 +46,7 @@ from oumi_megatron.rollout.weight_sync.base import WeightSyncError
 from oumi_megatron.rollout.weight_sync.push import WeightPusher
 from oumi_megatron.rollout.weight_sync.senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
 from oumi_megatron.rollout.weight_sync.stream import RAW_PROBE_REPEATS, WeightSyncGroup
+from oumi_megatron.utils.disk import GIB
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
@@ -153,26 +154,26 @@ def check_engine_fits(params: Any, model_name: str) -> None:
     the largest node's memory."""
     from oumi_megatron.model_shape import ModelShape
 
-    gib, g, cuda = 2**30, params.rollout_gpus_per_engine, torch.cuda.is_available()
+    g, cuda = params.rollout_gpus_per_engine, torch.cuda.is_available()
     # one GPU's share of the weights; on CPU the engine's workers share one node's memory
     weights = ModelShape.resolve(model_name).vllm_weight_bytes(g if cuda else 1)
-    need = weights + (params.vllm_kv_cache_gib or 0.0) * gib
+    need = weights + (params.vllm_kv_cache_gib or 0.0) * GIB
     if cuda:
         total = _gpu_memory_in_cluster()
         have = total * params.vllm_gpu_memory_utilization
-        where = (f"{have / gib:.1f} GiB ({total / gib:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
+        where = (f"{have / GIB:.1f} GiB ({total / GIB:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
                  f"{params.vllm_gpu_memory_utilization})")
         fix = ("Give each engine more GPUs (megatron.rollout_gpus_per_engine: vLLM tensor parallelism), raise "
                "vllm_gpu_memory_utilization (engines of the fleet have their GPUs to themselves: 0.9 is usual), or lower "
                "vllm_kv_cache_gib.")
     else:
         have = _largest_node_memory()
-        where = f"{have / gib:.1f} GiB (the largest Ray node's memory)"
+        where = f"{have / GIB:.1f} GiB (the largest Ray node's memory)"
         fix = "Add a node with more memory to the Ray cluster, or use a smaller model."
     if need > have:
         kv = f" + {params.vllm_kv_cache_gib:g} GiB KV cache (megatron.vllm_kv_cache_gib)" if params.vllm_kv_cache_gib else ""
         share = f"over rollout_gpus_per_engine = {g} GPU(s)" if cuda else "in one node's memory"
-        raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / gib:.1f} GiB for {model_name}'s "
+        raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / GIB:.1f} GiB for {model_name}'s "
                          f"weights (bf16, {share}){kv}, more than it may use: {where} {fix}")
 
 

@@ -10,6 +10,7 @@ import torch
 from oumi_megatron.rollout.base import Rollout
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_engine import EngineSpec
+from oumi_megatron.utils.disk import GIB
 
 
 def vllm_cuda_graphs(choice: str) -> bool:
@@ -30,7 +31,7 @@ def engine_spec(hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed:
         max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
         gpu_memory_utilization=params.vllm_gpu_memory_utilization,
         # CPU engines: a small fixed cache (start-up profiles it); GPU: vllm_kv_cache_gib when set
-        kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
+        kv_cache_bytes=int(params.vllm_kv_cache_gib * GIB) if torch.cuda.is_available() else 64 * 2**20,
         extra={"trust_remote_code": True} if trust_remote_code else {},
         cuda_graphs=vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
         **fields,

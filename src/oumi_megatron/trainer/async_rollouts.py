@@ -19,7 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.config.grpo_params import MAX_STALENESS
 from oumi_megatron.rollout.base import AsyncRolloutBackend, PolicyWeights, WeightSyncStats
+from oumi_megatron.rollout.registry import asynchronous_problem
 from oumi_megatron.trainer.collection import PendingRound, RolloutCollector
 from oumi_megatron.trainer.dp import max_dp, sum_dp
 from oumi_megatron.trainer.step_profile import StepProfile
@@ -27,7 +29,34 @@ from oumi_megatron.trainer.step_profile import StepProfile
 if TYPE_CHECKING:
     import torch
 
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.trainer.rollout_batch import StepBatch
+
+
+def check_staleness(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.max_staleness``: asynchronous GRPO needs a rollout mode whose engines generate while the trainer trains,
+    weights streamed behind those generations, and no extra rounds to wait for."""
+    g, m = config.grpo, config.megatron
+    if not isinstance(g.max_staleness, int) or isinstance(g.max_staleness, bool) or not 0 <= g.max_staleness <= MAX_STALENESS:
+        found.add("grpo.max_staleness", f"must be an integer from 0 (synchronous) to {MAX_STALENESS}, got "
+                                        f"{g.max_staleness!r}. Typical: 1 (one step off policy).")
+        return
+    if g.max_staleness == 0:
+        return
+    problem = asynchronous_problem(m, g.max_staleness)
+    if problem is not None:
+        found.add("grpo.max_staleness", problem)
+    if m.weight_sync_method == "checkpoint":
+        found.add("grpo.max_staleness", "asynchronous GRPO streams each new policy to the engines behind their generations "
+                                        "in flight; megatron.weight_sync_method: checkpoint would rewrite the folder under "
+                                        "them. Use nccl (GPUs) or gloo (CPU).")
+    if not m.enable_weight_sync:
+        found.add("grpo.max_staleness", "asynchronous GRPO bounds how old the engines' weights are, which needs "
+                                        "megatron.enable_weight_sync: true.")
+    if g.dynamic_sampling:
+        found.add("grpo.dynamic_sampling", "is not built for asynchronous GRPO (grpo.max_staleness > 0): its extra rounds "
+                                           "would wait for the engines. Set dynamic_sampling: false, or max_staleness: 0.")
 
 
 class StalenessError(RuntimeError):

@@ -22,6 +22,7 @@ from oumi_megatron.rollout.base import WeightSyncStats
 from oumi_megatron.trainer.batches import MicrobatchLayout
 from oumi_megatron.trainer.dp import max_dp, sum_dp
 from oumi_megatron.trainer.rollout_batch import StepBatch
+from oumi_megatron.utils.disk import GIB
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def performance_metrics(metrics: dict[str, Any], step_s: float, completions_per_
         "perf/peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     if torch.cuda.is_available():
-        out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
 
 

@@ -15,6 +15,7 @@ host memory either costs above the state it saves or fills is one tensor at a ti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,16 @@ import torch
 
 from oumi_megatron.engine.peft import is_adapter
 from oumi_megatron.engine.wrappers import unwrap
+
+META_FILE = "oumi_megatron.json"
+"""Beside a checkpoint's model (a converted one, engine/state/conversion.py, or a training one, checkpointing.py): where
+it came from and how it was saved."""
+
+
+def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """A checkpoint's ``META_FILE``; None where it has none."""
+    path = Path(checkpoint_dir) / META_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module], adapters_only: bool = False) -> dict[str, Any]:
