@@ -217,7 +217,6 @@ def test_weight_sync_is_one_package_below_the_backends() -> None:
     assert heavy == []
 
 
-
 def test_no_rollout_module_takes_another_modules_private_names() -> None:
     """A backend's private helpers stay its own: what two backends share is a public name of a module both import
     (rollout/vllm_common.py, rollout/engine_gpus.py, rollout/weight_sync/). Private names travel only inside one

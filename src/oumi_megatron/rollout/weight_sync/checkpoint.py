@@ -1,12 +1,13 @@
 """Checkpoint files (``weight_sync_method: checkpoint``, vLLM engines of either placement): the trainer writes the
 policy as an HF safetensors folder (atomically, each pipeline stage's ranks their own shards) and the engines reload
-it. Slower than a stream (the disk both ways), but it needs no link between trainer and engine."""
+it. Slower than a stream (the disk both ways), but it needs no link between trainer and engine. ``CheckpointFiles`` is
+the trainer's side, ``reload_in_engine`` the engine's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.rollout.base import WeightSyncStats
 
@@ -26,3 +27,10 @@ class CheckpointFiles:
         size = sum(f.stat().st_size for f in self.folder.glob("*.safetensors")) if self.is_owner else 0
         self.reload(self.folder)
         return WeightSyncStats("checkpoint", 0, size, 0.0)
+
+
+def reload_in_engine(llm: Any, folder: str) -> None:
+    """The engine's side: every worker of ``llm`` (a ``vllm.LLM``) reads the HF safetensors ``folder``; the prefix cache
+    is reset (prompts cached under the old weights would be reused)."""
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_path=folder, is_checkpoint_format=True))
+    llm.reset_prefix_cache()

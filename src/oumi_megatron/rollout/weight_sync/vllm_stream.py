@@ -1,8 +1,10 @@
 """The receiving end of the NCCL / gloo stream in a vLLM engine: the ``oumi_stream`` weight-transfer engine that vLLM's
-weight-transfer API (vllm/distributed/weight_transfer/) runs in each of the engine's workers, and the workers' side of
-the raw-bandwidth probe. It receives stream.py's self-describing packed buckets over a gloo (CPU) or NCCL (GPU) group
-per sender (senders.py), from all of them at once: the trainer needs no name/shape list up front (vLLM's own ``nccl``
-engine wants one per update), and the same code is what scripts/bench_weight_sync.py measures on GPUs.
+weight-transfer API (vllm/distributed/weight_transfer/) runs in each of the engine's workers, the engine's update
+session around it (``join_senders``, ``open_session``, ``finish_session``: called by rollout/vllm_engine.py's host),
+and the workers' side of the raw-bandwidth probe. It receives stream.py's self-describing packed buckets over a gloo
+(CPU) or NCCL (GPU) group per sender (senders.py), from all of them at once: the trainer needs no name/shape list up
+front (vLLM's own ``nccl`` engine wants one per update), and the same code is what scripts/bench_weight_sync.py
+measures on GPUs.
 
 Imported in vLLM's worker processes (vllm_worker_extension.py): torch at import, vLLM inside the functions.
 """
@@ -106,6 +108,26 @@ def register_stream_engine() -> None:
             stream.send(trainer_args["group"], iterator, trainer_args["bucket_bytes"])
 
     WeightTransferEngineFactory.register_engine(STREAM_ENGINE, StreamWeightTransferEngine)
+
+
+def join_senders(llm: Any, init_info: dict[str, Any]) -> None:
+    """The engine joins every sender's group (``StreamInitInfo``'s fields: the senders' addresses, the backend, its
+    first rank and the groups' size)."""
+    llm.init_weight_transfer_engine({"init_info": init_info})
+
+
+def open_session(llm: Any) -> None:
+    """The first half of an update: the engine's session is open, the senders may start (vLLM's layerwise reload
+    begins here where the model needs it, ``StreamWeightTransferEngine.start_weight_update``)."""
+    llm.start_weight_update()
+
+
+def finish_session(llm: Any) -> None:
+    """The second half: receive every sender's buckets (they send meanwhile), close the session, and reset the prefix
+    cache (prompts cached under the old weights would be reused)."""
+    llm.update_weights({"update_info": {}})
+    llm.finish_weight_update()
+    llm.reset_prefix_cache()
 
 
 def receive_raw(llm: Any, nbytes: int, repeats: int) -> None:
