@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 ON_REWARD_ERROR = ("raise", "skip")
-OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis")
+OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis", "icepop")
+# IcePop's band of kept token ratios p_proximal / p_behaviour (Ling team, "Every Step Evolves", 2025: alpha 0.5, beta 5)
+ICEPOP_BAND = (0.5, 5.0)
 MAX_STALENESS = 4
 
 
@@ -171,10 +173,17 @@ class MegatronGrpoParams(BaseParams):
 
     @property
     def importance_cap(self) -> float | None:
-        """The cap of the truncated importance weights, None when no correction applies."""
-        if self.off_policy_correction_choice == "none":
+        """The cap of the truncated importance weights (``tis``, ``seq_mask_tis``), None under the others."""
+        if self.off_policy_correction_choice not in ("tis", "seq_mask_tis"):
             return None
         return self.tis_cap if self.tis_cap is not None else 2.0
+
+    @property
+    def icepop_band(self) -> tuple[float, float]:
+        """IcePop's [lower, upper] band of kept token ratios, the paper's where unset."""
+        lower, upper = ICEPOP_BAND
+        return (lower if self.icepop_lower is None else self.icepop_lower,
+                upper if self.icepop_upper is None else self.icepop_upper)
 
     off_policy_correction: str | None = None
     """How the loss corrects for samples drawn by another policy than the one whose logprobs the trainer recomputes
@@ -182,9 +191,19 @@ class MegatronGrpoParams(BaseParams):
     sampled tokens, from vLLM, against the trainer's. ``tis``: each token's policy-gradient term weighted by
     min(p_proximal / p_behaviour, ``tis_cap``) (truncated importance sampling); ``seq_mask_tis``: the same, and a
     sequence whose geometric-mean ratio exp(mean log(p_proximal / p_behaviour)) is outside [1 / tis_cap, tis_cap]
-    is left out of the loss (metric ``off_policy/masked_sequence_fraction``); ``none``. Unset: ``tis`` when
-    ``tis_cap`` is set, else ``none``. ``tis`` and ``seq_mask_tis`` take ``tis_cap``, 2.0 when unset (verl's
-    default threshold)."""
+    is left out of the loss (metric ``off_policy/masked_token_fraction``); ``icepop``: each token's term weighted by
+    its ratio where the ratio lies inside [``icepop_lower``, ``icepop_upper``], and the token left out of the loss
+    where it does not (IcePop's masked importance sampling; same metric); ``none``. Unset: ``tis`` when ``tis_cap``
+    is set, else ``none``. ``tis`` and ``seq_mask_tis`` take ``tis_cap``, 2.0 when unset (verl's default
+    threshold)."""
+
+    icepop_lower: float | None = None
+    """``off_policy_correction: icepop``: the smallest token ratio p_proximal / p_behaviour kept in the loss, in
+    (0, 1). Unset: 0.5 (the IcePop paper's alpha)."""
+
+    icepop_upper: float | None = None
+    """``off_policy_correction: icepop``: the largest token ratio kept in the loss, > 1. Unset: 5.0 (the paper's
+    beta)."""
 
     max_staleness: int = 0
     """Asynchronous GRPO (``megatron.rollout_placement: separate``): how many GRPO steps older than the trainer's

@@ -267,6 +267,17 @@ def sequence_ratio_mask(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
     return ((log_ratio >= -bound) & (log_ratio <= bound)).to(trainer_logprobs.dtype).detach()
 
 
+def icepop_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lower: float,
+                   upper: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grpo.off_policy_correction: icepop`` (masked importance sampling, Ling team 2025): each token's
+    policy-gradient term is weighted by its ratio p_trainer / p_rollout where the ratio lies in [lower, upper] and
+    by 0 where it does not, so a token the two policies disagree on too much leaves the loss instead of being
+    capped. Returns (weights, kept), both detached; kept is 1 where the token stays."""
+    ratio = torch.exp(trainer_logprobs - rollout_logprobs).detach()
+    kept = ((ratio >= lower) & (ratio <= upper)).to(ratio.dtype)
+    return ratio * kept, kept
+
+
 def truncated_importance_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings
     you off-policy RL training"): the samples came from the rollout engine's distribution, the
@@ -296,6 +307,20 @@ def check_sampling_and_clipping(config: MegatronTrainingConfig, found: Findings)
     if g.off_policy_correction is not None and g.off_policy_correction not in OFF_POLICY_CORRECTIONS:
         found.add("grpo.off_policy_correction", f"unknown value {g.off_policy_correction!r}. Use one of "
                                                 f"{choices(OFF_POLICY_CORRECTIONS)}, or leave it unset.")
+        return
+    correction = g.off_policy_correction_choice
+    if g.tis_cap is not None and correction not in ("tis", "seq_mask_tis"):
+        found.add("grpo.tis_cap", f"is set but off_policy_correction is {correction!r}, which does not read it. "
+                                  "Remove tis_cap, or use off_policy_correction: tis or seq_mask_tis.")
+    for name in ("icepop_lower", "icepop_upper"):
+        if getattr(g, name) is not None and correction != "icepop":
+            found.add(f"grpo.{name}", f"is set but off_policy_correction is {correction!r}: only icepop reads it. "
+                                      f"Remove {name}, or set off_policy_correction: icepop.")
+    lower, upper = g.icepop_band
+    if correction == "icepop" and not (isinstance(lower, (int, float)) and isinstance(upper, (int, float))
+                                       and 0.0 < lower < 1.0 < upper):
+        found.add("grpo.icepop_lower", f"IcePop's band must satisfy 0 < icepop_lower < 1 < icepop_upper, got "
+                                       f"[{lower!r}, {upper!r}]. The paper's: [0.5, 5.0] (leave both unset).")
 
 
 def check_loss_and_updates(config: MegatronTrainingConfig, found: Findings) -> None:

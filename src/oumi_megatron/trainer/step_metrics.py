@@ -110,6 +110,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
             "tis/capped_fraction": last.metrics["tis_capped_tokens"] / tokens} if "tis_weight_sum" in last.metrics else {}),
         **({"off_policy/masked_token_fraction": last.metrics["off_policy_masked_tokens"] / tokens}
            if "off_policy_masked_tokens" in last.metrics else {}),
+        **({"off_policy/mean_weight": last.metrics["off_policy_weight_sum"] / tokens}
+           if "off_policy_weight_sum" in last.metrics else {}),
         "entropy": s["entropy_sum"] / max(s["scored"], 1.0),
         # rollout engine vs trainer logprobs of the same tokens, before the update
         "mismatch/mean_abs_diff": s["mm_abs"] / mm_tokens,

@@ -94,6 +94,23 @@ def save_strategy(fully_parallel: bool, background: bool = False) -> Any:
     return FullyParallelSaveStrategyWrapper(strategy, _dp_group()) if fully_parallel else strategy
 
 
+def own_write_results_queue() -> None:
+    """Before each background save: a results queue of its own for the write that follows.
+
+    Megatron-Core's background writer (``FileSystemWriterAsync``) hands every write one process-wide results queue
+    (``filesystem_async._results_queue``), and each write's finalize step takes whichever result comes first. A training
+    checkpoint has two writes in flight together (the model's and the optimizer's, each in a forked process): when the
+    optimizer's finished first, the model's metadata recorded the optimizer's file offsets, and the checkpoint failed
+    to load ("invalid load key", "Unsupported operand"; 9 of 50 under load in scripts/stress_async_checkpoint.py, none
+    with this). A queue per write keeps each result with its write. A forked manager starts in ~40 ms, no interpreter
+    started; it stops when the write's finalize step drops the queue."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def load_strategy(directory: str | Path, fully_parallel: bool) -> Any:
     """Megatron-Core's default load strategy; with ``fully_parallel``, DP replicas split the reading. Every load
     passes here: torch's readers are made safe first (engine/state/safe_reads.py)."""

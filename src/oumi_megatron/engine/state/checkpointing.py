@@ -49,6 +49,7 @@ from oumi_megatron.engine.state.checkpoint_io import (
     load_model,
     load_strategy,
     model_sharded_state_dict,
+    own_write_results_queue,
     read_meta,
     save_strategy,
 )
@@ -470,14 +471,15 @@ def save_checkpoint(
         _rank_file(tmp, global_rank()).write_text(
             json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
         )
-        requests = [
-            dist_checkpointing.save(
+        requests = []
+        for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
+                        ("optimizer", {"optimizer": optim_sd})):
+            if background:
+                own_write_results_queue()  # the two writes run together: each keeps its own results
+            requests.append(dist_checkpointing.save(
                 sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
                 async_sharded_save=background, async_strategy="mcore",
-            )
-            for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
-                            ("optimizer", {"optimizer": optim_sd}))
-        ]
+            ))
 
         def commit() -> None:
             write_rank_manifest(tmp, global_rank())  # this rank's files, written (every rank at once)
