@@ -13,9 +13,9 @@ optimizer), one process tree runs the paths a run takes, in order, through the l
 - ``export``: the trainer's final HF export (``HFWeightExporter.save``), above the trainer's state;
 - ``export_cli``: ``export_to_hf`` of the checkpoint in a process that holds nothing (``oumi-megatron export``),
   the model's own build included;
-- ``push``: an asynchronous weight push (rollout/weight_push.py ``WeightPusher``, what ``grpo.max_staleness`` > 0 runs
-  for a separate engine or the fleet): every sender's host snapshot of its share (rollout/weight_senders.py) streamed
-  over gloo into a receiver process that runs the engine's receive loop (weight_stream.receive_all; vLLM's load is
+- ``push``: an asynchronous weight push (rollout/weight_sync/push.py ``WeightPusher``, what ``grpo.max_staleness`` > 0 runs
+  for a separate engine or the fleet): every sender's host snapshot of its share (rollout/weight_sync/senders.py) streamed
+  over gloo into a receiver process that runs the engine's receive loop (weight_sync/stream.py receive_all; vLLM's load is
   not run), timed until the receiver has every tensor. ``pp2`` / ``tp2`` have two senders, ``1`` one.
 
 Each path's peak is the rise of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs before
@@ -180,11 +180,11 @@ def worker(args: argparse.Namespace) -> None:
 
 def _receive_pushes(conn: Any, senders: list[tuple[str, int]]) -> None:
     """The engine's side of ``push``, in a process of its own: every sender's group, received at once, until closed."""
-    from oumi_megatron.rollout import weight_stream
+    from oumi_megatron.rollout.weight_sync import stream
 
-    groups = [weight_stream.WeightSyncGroup(host, port, rank=1) for host, port in senders]
+    groups = [stream.WeightSyncGroup(host, port, rank=1) for host, port in senders]
     while conn.recv() == "receive":
-        conn.send(sum(len(bucket) for bucket in weight_stream.receive_all(groups)))
+        conn.send(sum(len(bucket) for bucket in stream.receive_all(groups)))
 
 
 class _Push:
@@ -196,8 +196,8 @@ class _Push:
         import torch.distributed as dist
 
         from oumi_megatron.engine.parallel.distributed import replica_group
-        from oumi_megatron.rollout.weight_push import WeightPusher
-        from oumi_megatron.rollout.weight_senders import open_links, sender_role
+        from oumi_megatron.rollout.weight_sync.push import WeightPusher
+        from oumi_megatron.rollout.weight_sync.senders import open_links, sender_role
 
         self.exporter, self.rank0 = exporter, dist.get_rank() == 0
         self.group, ranks = replica_group()

@@ -4,11 +4,11 @@
 
 The trainer (GPU 0) holds a ~0.8B-parameter Llama-style Megatron-Core model (bf16, the shape of
 scripts/bench_train_step.py). A receiver process on GPU 1 joins a 2-process NCCL group
-(rollout/weight_stream.WeightSyncGroup). Measured in the same run:
+(rollout/weight_sync/stream.py WeightSyncGroup). Measured in the same run:
 - raw: ``broadcast`` of one 1 GiB buffer, GPU 0 -> GPU 1 (median of 5): the ceiling;
 - export: Megatron-Bridge's ``export_hf_weights`` alone (HF names, fused tensors split), no transfer;
-- sync: export + bucketing + streaming (``weight_stream.send``) into the receiver's
-  ``weight_stream.receive``, the code the vLLM engine runs in its weight-transfer engine; for several
+- sync: export + bucketing + streaming (``stream.send``) into the receiver's
+  ``stream.receive``, the code the vLLM engine runs in its weight-transfer engine; for several
   bucket sizes (best reported, all rounds listed).
 What is NOT run here: vLLM itself (the GPU image has none), so the receiver unpacks the buckets into
 tensors but does not call vLLM's ``load_weights``. On CPU that load is measured by tests/test_vllm.py.
@@ -19,7 +19,7 @@ tensors but does not call vLLM's ``load_weights``. On CPU that load is measured 
 ``--slice``: what one sender does per push at the real widths, on one GPU: Llama-3.1-70B and -405B (their
 configs/model_shapes/ configs, random bf16 weights) cut to 1 and 2 layers, built in the trainer's engine. Timed:
 the export alone (``HFWeightExporter``, what a colocated sync feeds the engine; at TP 1 mostly views, the TP
-all-gathers of a real layout are not in it), and an asynchronous push's snapshot (rollout/weight_push.py
+all-gathers of a real layout are not in it), and an asynchronous push's snapshot (rollout/weight_sync/push.py
 ``host_snapshot`` of the stage's export, pinned host memory; the steady state, after the first push pinned the
 memory), each with its peak GPU memory above the trainer's state. The difference between 2 and 1 layers is the per-layer cost; 1 layer minus
 that is the embeddings' and head's. ``slice_report`` extrapolates them to the whole models and to one sender's
@@ -51,16 +51,16 @@ import bench_common
 
 def receiver(port: int, rounds: int, raw_bytes: int, raw_reps: int) -> None:
     torch.cuda.set_device(1)
-    from oumi_megatron.rollout import weight_stream
+    from oumi_megatron.rollout.weight_sync import stream
 
-    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, backend="nccl")
+    group = stream.WeightSyncGroup("127.0.0.1", port, rank=1, backend="nccl")
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda")
     for _ in range(raw_reps + 1):
         group.broadcast(buf)
     torch.cuda.synchronize()
     for _ in range(rounds):
         n = 0
-        for pairs in weight_stream.receive(group):
+        for pairs in stream.receive(group):
             n += len(pairs)
         torch.cuda.synchronize()
         group.broadcast(torch.tensor([n], dtype=torch.int64, device="cuda"), src=1)  # ack: all received
@@ -102,13 +102,13 @@ def main() -> None:
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
-    from oumi_megatron.rollout import weight_stream
+    from oumi_megatron.rollout.weight_sync import stream
 
     cfg = bench_common.hf_config("0.8b", 2048)
     bridge, engine = build_engine_from_hf_config(
         cfg, engine_layout(params := MegatronParams()), params, OptimSettings(), dtype=torch.bfloat16)
 
-    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend="nccl")
+    group = stream.WeightSyncGroup("127.0.0.1", port, rank=0, backend="nccl")
     buf = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda")
     times = []
     for i in range(raw_reps + 1):
@@ -134,7 +134,7 @@ def main() -> None:
         for _ in range(args.rounds):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            stats = weight_stream.send(group, export(), int(bucket_mb * 2**20))
+            stats = stream.send(group, export(), int(bucket_mb * 2**20))
             ack = group.broadcast(torch.zeros(1, dtype=torch.int64, device="cuda"), src=1)
             torch.cuda.synchronize()
             syncs.append((time.perf_counter() - t0, stats, bucket_mb))
@@ -170,7 +170,7 @@ def slice_main(out: str) -> None:
     from oumi_megatron.engine.parallel.distributed import free_port
     from oumi_megatron.engine.parallel.layout import engine_layout
     from oumi_megatron.engine.state.hf_weights import HFWeightExporter
-    from oumi_megatron.rollout.weight_push import host_snapshot
+    from oumi_megatron.rollout.weight_sync.push import host_snapshot
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.cuda.set_device(0)

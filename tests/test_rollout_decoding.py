@@ -96,15 +96,15 @@ def test_a_kept_graph_is_given_back_only_for_its_shape_and_unmoved_storage() -> 
 @pytest.mark.parametrize(("requested", "graphs"), [("auto", True), ("false", False)])
 def test_vllm_engines_follow_rollout_cuda_graphs(requested: str, graphs: bool) -> None:
     """vLLM engines capture their own graphs on GPU unless ``false`` asks for eager steps (``enforce_eager``)."""
-    from oumi_megatron.rollout.vllm_backend import _vllm_cuda_graphs
+    from oumi_megatron.rollout.vllm_common import vllm_cuda_graphs
 
-    assert _vllm_cuda_graphs(requested) is graphs
+    assert vllm_cuda_graphs(requested) is graphs
 
 
 def test_vllm_cuda_graphs_true_without_a_gpu_is_an_error_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    from oumi_megatron.rollout.vllm_backend import _vllm_cuda_graphs
+    from oumi_megatron.rollout.vllm_common import vllm_cuda_graphs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
 
     with pytest.raises(ValueError, match=r"megatron.rollout_cuda_graphs: true.*no CUDA device.*auto"):
-        _vllm_cuda_graphs("true")
+        vllm_cuda_graphs("true")

@@ -531,7 +531,7 @@ def test_70b_layout_matches_the_seed(tiny_model_dir) -> None:  # noqa: ANN001
 
 
 def test_separate_engines_take_the_gpus_after_the_trainers() -> None:
-    from oumi_megatron.rollout.vllm_backend import engine_gpu
+    from oumi_megatron.rollout.engine_gpus import engine_gpu
 
     assert engine_gpu([str(i) for i in range(8)], trainer_gpus=4, engine_index=0) == "4"
     assert engine_gpu([str(i) for i in range(8)], trainer_gpus=4, engine_index=3) == "7"

@@ -97,7 +97,7 @@ def test_sync_from_two_rank_training_equals_the_single_rank_export(converted: Pa
 
 
 def test_every_rank_of_a_tp2_pp2_replica_feeds_its_separate_engine(converted: Path, tiny_model_dir: Path) -> None:
-    """rollout/weight_senders.py: training under TP=2 x PP=2 (4 ranks, one replica), each rank streams its share of its
+    """rollout/weight_sync/senders.py: training under TP=2 x PP=2 (4 ranks, one replica), each rank streams its share of its
     stage's tensors over a gloo group of its own into the one separate engine, which receives the four at once. The
     engine then matches the trainer and the HF export and generates what the single-rank run's engine generates; the
     four senders' bytes add up to the model (up to each tensor's 64-byte alignment in its bucket), and the largest
@@ -303,7 +303,7 @@ def test_a_colocated_engine_sleeps_between_generation_phases(enable_weight_sync:
     """Asleep, a colocated engine drops its weights (the next sync overwrites them), or parks them when weight sync is
     off; without weights it refuses to generate instead of sampling from freed memory; wake/sleep are idempotent."""
     from oumi_megatron.rollout.sampling import SamplingParams
-    from oumi_megatron.rollout.vllm_backend import WeightSyncError
+    from oumi_megatron.rollout.weight_sync.base import WeightSyncError
 
     backend, host = _colocated_backend(enable_weight_sync)
     params = SamplingParams(temperature=1.0, max_new_tokens=1, pad_token_id=0)

@@ -1,4 +1,4 @@
-"""rollout/weight_stream.py: buckets and the wire format, on CPU over a real gloo pair group.
+"""rollout/weight_sync/stream.py: buckets and the wire format, on CPU over a real gloo pair group.
 
 The vLLM tests (tests/test_vllm.py) stream into a real engine; these check the stream itself:
 every tensor arrives bit-exact under its name, small tensors share buckets, a tensor of a bucket's
@@ -13,7 +13,7 @@ import threading
 import torch
 
 from conftest import free_port, run_cli
-from oumi_megatron.rollout import weight_stream
+from oumi_megatron.rollout.weight_sync import stream
 
 
 def _pairs() -> list[tuple[str, torch.Tensor]]:
@@ -29,7 +29,7 @@ def _pairs() -> list[tuple[str, torch.Tensor]]:
 
 def test_buckets_roundtrip_and_big_tensors_are_not_copied() -> None:
     pairs = _pairs()
-    out = list(weight_stream.buckets(pairs, bucket_bytes=4096))
+    out = list(stream.buckets(pairs, bucket_bytes=4096))
     assert [len(b.meta) for b in out] == [2, 1, 2]  # the 8 KiB tensor flushes the pending two and goes alone
     big = out[1]
     assert big.buffer.untyped_storage().data_ptr() == pairs[2][1].untyped_storage().data_ptr()
@@ -40,9 +40,9 @@ def test_buckets_roundtrip_and_big_tensors_are_not_copied() -> None:
 
 
 def test_the_push_snapshot_is_a_host_copy_that_later_updates_do_not_reach() -> None:
-    """rollout/weight_push.py's snapshot: every tensor copied into host memory with its name, dtype and values, sharing
+    """rollout/weight_sync/push.py's snapshot: every tensor copied into host memory with its name, dtype and values, sharing
     no storage with the exporter's tensors (the next optimizer step changes them in place while the push is sent)."""
-    from oumi_megatron.rollout.weight_push import host_snapshot
+    from oumi_megatron.rollout.weight_sync.push import host_snapshot
 
     source = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.ones(4, dtype=torch.float32))]
     snapshot = host_snapshot((n, t) for n, t in source)
@@ -62,16 +62,16 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
 
     def engine_side() -> None:
         try:
-            group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60)
-            for bucket in weight_stream.receive(group):
+            group = stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60)
+            for bucket in stream.receive(group):
                 received.extend(bucket)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
     thread = threading.Thread(target=engine_side)
     thread.start()
-    group = weight_stream.WeightSyncGroup("127.0.0.1", port, rank=0, timeout_s=60)
-    stats = weight_stream.send(group, iter(pairs), bucket_bytes=4096)
+    group = stream.WeightSyncGroup("127.0.0.1", port, rank=0, timeout_s=60)
+    stats = stream.send(group, iter(pairs), bucket_bytes=4096)
     thread.join(timeout=60)
     assert not errors, errors
     assert stats.tensors == len(pairs)
@@ -82,7 +82,7 @@ def test_gloo_stream_delivers_every_tensor_exactly() -> None:
 
 
 def test_senders_split_a_stream_by_bytes_and_an_engine_receives_them_all_at_once() -> None:
-    """rollout/weight_senders.py's layout in one process: three senders (threads) walk the same export in lockstep (a
+    """rollout/weight_sync/senders.py's layout in one process: three senders (threads) walk the same export in lockstep (a
     barrier per tensor, as the TP all-gathers of a collective export hold them), each sending its share
     (``share_of``) over a gloo group of its own; the engine receives the three groups at once (``receive_all``) with
     room for one bucket only. Every tensor arrives exactly once, bit-exact; each sender's bytes are within one
@@ -103,16 +103,16 @@ def test_senders_split_a_stream_by_bytes_and_an_engine_receives_them_all_at_once
 
     def sender(k: int) -> None:
         try:
-            group = weight_stream.WeightSyncGroup("127.0.0.1", ports[k], rank=0, timeout_s=60)
-            stats = weight_stream.send(group, weight_stream.share_of(export(), k, senders), bucket_bytes=2**22)
+            group = stream.WeightSyncGroup("127.0.0.1", ports[k], rank=0, timeout_s=60)
+            stats = stream.send(group, stream.share_of(export(), k, senders), bucket_bytes=2**22)
             sent[k] = stats.bytes
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
     def engine() -> None:
         try:
-            groups = [weight_stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60) for port in ports]
-            for bucket in weight_stream.receive_all(groups, max_buffered=1):
+            groups = [stream.WeightSyncGroup("127.0.0.1", port, rank=1, timeout_s=60) for port in ports]
+            for bucket in stream.receive_all(groups, max_buffered=1):
                 received.extend((n, t.clone()) for n, t in bucket)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
@@ -128,7 +128,7 @@ def test_senders_split_a_stream_by_bytes_and_an_engine_receives_them_all_at_once
     want = dict(pairs)
     assert all(torch.equal(t, want[n]) for n, t in received)
     total, largest = sum(t.numel() * 4 for _, t in pairs), max(t.numel() * 4 for _, t in pairs)
-    shares = [sum(t.numel() * 4 for _, t in weight_stream.share_of(iter(pairs), k, senders)) for k in range(senders)]
+    shares = [sum(t.numel() * 4 for _, t in stream.share_of(iter(pairs), k, senders)) for k in range(senders)]
     assert sum(shares) == total and max(shares) - min(shares) <= largest, shares
     assert all(b >= s for b, s in zip(sent, shares)), (sent, shares)  # on the wire: the share, 64-byte aligned
 

@@ -85,7 +85,7 @@ def main() -> None:
     slept = backend.sleep()
     result["sleep"] = {"seconds": slept.seconds, "weights_dropped": slept.weights_dropped}
     if slept.weights_dropped:
-        from oumi_megatron.rollout.vllm_backend import WeightSyncError
+        from oumi_megatron.rollout.weight_sync.base import WeightSyncError
 
         try:
             backend.generate(PROMPTS, sample, 1)
@@ -119,7 +119,7 @@ def main() -> None:
                                               pad_token_id=256)[0, len(q):].tolist() for q in PROMPTS]
     if args.placement == "separate" and dist.get_world_size() == 1:
         # an engine that died: the next sync must stop training with a clear error, not carry on stale
-        from oumi_megatron.rollout.vllm_backend import WeightSyncError
+        from oumi_megatron.rollout.weight_sync.base import WeightSyncError
 
         backend.process.process.kill()
         backend.process.process.join()

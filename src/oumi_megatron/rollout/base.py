@@ -48,7 +48,7 @@ class WeightSyncStats:
     """Of ``seconds``, the time spent producing the HF tensors (the exporter), where the sync measures it
     (colocated): the rest is the engine loading them."""
     senders: int = 1
-    """How many training ranks sent (rollout/weight_senders.py); ``bytes`` is their total."""
+    """How many training ranks sent (rollout/weight_sync/senders.py); ``bytes`` is their total."""
     sender_bytes: int = 0
     """The largest sender's bytes (0: not counted per sender)."""
     probe_max_diff: float | None = None

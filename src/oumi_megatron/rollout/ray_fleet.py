@@ -9,11 +9,11 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
 - Requests: each replica's first rank hands its prompts to rank 0 (a gather), which spreads each replica's prompts over
   the engines and hands each replica's first rank its rollouts back (a scatter), which passes them on in its replica:
   a rank moves its replica's share, never every replica's.
-- Weights: the first replica's ranks send, each its share of its pipeline stage's tensors (rollout/weight_senders.py),
-  over a process group of its own with every engine worker (rollout/weight_stream.py ``WeightSyncGroup``: a TCP store
+- Weights: the first replica's ranks send, each its share of its pipeline stage's tensors (weight_sync/senders.py),
+  over a process group of its own with every engine worker (weight_sync/stream.py ``WeightSyncGroup``: a TCP store
   on the sender, NCCL on GPUs, gloo on CPU): bucketed broadcasts into each engine's vLLM weight-transfer session
-  (rollout/vllm_engine.py ``oumi_stream``), which receives from every sender at once; every update carries its
-  policy version.
+  (weight_sync/vllm_stream.py ``oumi_stream``), which receives from every sender at once; every update carries its
+  policy version (weight_sync/push.py).
 - Asynchronous GRPO (``grpo.max_staleness``): the same ``submit`` / ``collect`` / ``push_weights`` as a separate
   engine (rollout/vllm_backend.py); a batch's version is the oldest of the engines that generated it.
 - Faults: an engine actor that dies is started again in its placement group, re-synced, and its prompts issued again
@@ -39,12 +39,13 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
-from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, PolicyWeights, Rollout, TaggedRollouts, WeightSyncStats
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.rollout.vllm_backend import _rollouts, _vllm_sampling
-from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
-from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
+from oumi_megatron.rollout.vllm_common import engine_spec, vllm_rollouts, vllm_sampling
+from oumi_megatron.rollout.weight_sync.base import WeightSyncError
+from oumi_megatron.rollout.weight_sync.push import WeightPusher
+from oumi_megatron.rollout.weight_sync.senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
+from oumi_megatron.rollout.weight_sync.stream import RAW_PROBE_REPEATS, WeightSyncGroup
 from oumi_megatron.utils.disk import GIB
 
 if TYPE_CHECKING:
@@ -268,8 +269,7 @@ class RayRolloutBackend:
                  trust_remote_code: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
-        from oumi_megatron.rollout.vllm_backend import _vllm_cuda_graphs
-        from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE, EngineSpec
+        from oumi_megatron.rollout.weight_sync.vllm_stream import STREAM_ENGINE
 
         self.method, self.bucket_bytes = params.weight_sync_method, int(params.weight_sync_bucket_mb * 2**20)
         self.rank, self.dp_rank = dist.get_rank(), ps.get_data_parallel_rank()
@@ -288,7 +288,7 @@ class RayRolloutBackend:
         self.replica_firsts: list[tuple[int, bool]] = every
         """Per global rank: its data-parallel rank, and whether it is its replica's first rank (where results go)."""
         self.role = role if self.dp_rank == 0 else SenderRole(role.ranks, None, role.share, role.shares)
-        self.link: weight_stream.WeightSyncGroup | None = None
+        self.link: WeightSyncGroup | None = None
         """This rank's group with every engine worker, if it sends."""
         self.raw_gbps: float | None = None
         self.in_flight: collections.deque[tuple[list[list[int]], Plan | None]] = collections.deque()
@@ -300,13 +300,7 @@ class RayRolloutBackend:
         """The last push's weights and version (every rank): what restarted engines get. None: the engines still hold
         the weights they started from, the policy's own."""
         if self.rank == 0:
-            self.spec = EngineSpec(
-                model=str(hf_model), dtype=str(dtype).removeprefix("torch."), seed=seed,
-                max_model_len=grpo.max_prompt_length + grpo.max_completion_length,
-                gpu_memory_utilization=params.vllm_gpu_memory_utilization,
-                kv_cache_bytes=int(params.vllm_kv_cache_gib * GIB) if torch.cuda.is_available() else 64 * 2**20,
-                extra={"trust_remote_code": True} if trust_remote_code else {},
-                cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice), transfer_backend=STREAM_ENGINE)
+            self.spec = engine_spec(hf_model, dtype, params, grpo, seed, trust_remote_code, transfer_backend=STREAM_ENGINE)
             connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)
             self.placement_groups = place_groups(params.rollout_engines, params.rollout_gpus_per_engine)
             self.starts = [1] * params.rollout_engines
@@ -349,7 +343,7 @@ class RayRolloutBackend:
         """Rank 0: the engines' side of the raw-bandwidth probe (``weight_sync/fraction_of_raw`` compares with it)."""
         import ray
 
-        received = [a.receive_raw.remote(nbytes, weight_stream.RAW_PROBE_REPEATS) for a in self.actors]
+        received = [a.receive_raw.remote(nbytes, RAW_PROBE_REPEATS) for a in self.actors]
         return lambda: ray.get(received)
 
     # -- requests: every replica's prompts through rank 0 ---------------------------------------------------------------
@@ -370,7 +364,7 @@ class RayRolloutBackend:
             for e in range(len(self.actors)):
                 mine = list(range(e, len(prompts), len(self.actors)))
                 if mine:
-                    part = _Part(e, mine, [prompts[i] for i in mine], _vllm_sampling(sampling, n), Future())
+                    part = _Part(e, mine, [prompts[i] for i in mine], vllm_sampling(sampling, n), Future())
                     self._issue(part)
                     plan[dp].append(part)
         return plan
@@ -503,7 +497,7 @@ class RayRolloutBackend:
         """Every rank gets its replica's rollouts, ``n`` per prompt, grouped per prompt (engines are seeded once)."""
         requests = self._gather_requests(prompts, n)
         plan = self._submit_all(requests, params) if requests is not None else None
-        return _rollouts(prompts, self._results(plan, later=[])[2])
+        return vllm_rollouts(prompts, self._results(plan, later=[])[2])
 
     # -- asynchronous GRPO ---------------------------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
@@ -513,7 +507,7 @@ class RayRolloutBackend:
     def collect(self) -> TaggedRollouts:
         prompts, plan = self.in_flight.popleft()
         version, seconds, results = self._results(plan, later=[p for _, p in self.in_flight])
-        return TaggedRollouts(_rollouts(prompts, results), version, seconds)
+        return TaggedRollouts(vllm_rollouts(prompts, results), version, seconds)
 
     # -- weights -------------------------------------------------------------------------------------------------------
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:

@@ -4,15 +4,16 @@ An engine is ``sglang.Engine`` (SGLang's offline engine): the object lives in a 
 scheduler, which runs in processes of its own (on the engine's GPUs). Two placements (rollout/registry.py):
 - **colocated**: every trainer rank holds an engine on its own GPU (Megatron TP 1, PP 1: one engine per data-parallel
   rank); on GPU it releases its memory while the trainer trains (``release_memory_occupation``) and takes it back
-  before the next generation. The sync hands the engine the rank's HF tensors in memory (``update_weights_from_tensor``).
+  before the next generation. The sync hands the engine the rank's HF tensors in memory (weight_sync/in_process.py
+  ``SglangInProcess``).
 - **separate**: one engine per model replica on a GPU of its own, owned by the replica's first rank; the weights
-  travel over a weight-update group of the owner and the engine (``init_weights_update_group``, then
-  ``update_weights_from_distributed`` in flattened buckets: NCCL on GPU, gloo on CPU). The owner's replica peers get
-  its rollouts by broadcast.
+  travel over a weight-update group of the owner and the engine in flattened buckets (weight_sync/sglang_group.py: NCCL
+  on GPU, gloo on CPU). The owner's replica peers get its rollouts by broadcast.
 Multi-turn episodes run as chains of requests on the engine's continuous batching (rollout/turns.py
 ``request_chains``, ``async_generate`` tasks on the engine's event loop; SGLang's radix cache serves each history).
-After every sync a probe (``weight_sync/probe_max_diff``) compares the engine's logprobs of a fixed token sequence
-with the trainer's: a sync that silently did nothing is the most reported rollout-engine bug across the peers.
+After every sync a probe (``weight_sync/probe_max_diff``, weight_sync/probe.py) compares the engine's logprobs of a
+fixed token sequence with the trainer's: a sync that silently did nothing is the most reported rollout-engine bug across
+the peers.
 
 SGLang's logprobs are those of softmax(logits / T), the trainer's quantity. On the CPU (tests) the engine runs SGLang's
 ``torch_native`` attention and ``pytorch`` sampling with no kernel package, its KV pool sized from the step's rollouts.
@@ -25,12 +26,10 @@ import collections
 import importlib.util
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,7 +37,6 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import (
     DecodeProfile,
     EngineSleep,
@@ -50,12 +48,14 @@ from oumi_megatron.rollout.base import (
     TurnHandler,
     WeightSyncStats,
 )
-from oumi_megatron.rollout.probe import PROBE_TOKENS, largest_over_ranks, policy_logprobs, probe_sequence
+from oumi_megatron.rollout.engine_gpus import engine_gpu_for_owner
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import FinishedRequest, request_chains, turn_by_turn
-from oumi_megatron.rollout.weight_push import WeightSyncError
+from oumi_megatron.rollout.weight_sync.base import WeightSync, synced
+from oumi_megatron.rollout.weight_sync.in_process import SglangInProcess
+from oumi_megatron.rollout.weight_sync.probe import PROBE_TOKENS, decoded_gap, probe_sequence
+from oumi_megatron.rollout.weight_sync.sglang_group import ENGINE_THREAD, SglangUpdateGroup
 from oumi_megatron.utils.launcher_env import without_launcher_env
-from oumi_megatron.utils.net import LOOPBACK, listening_socket
 
 logger = logging.getLogger("oumi")
 
@@ -66,9 +66,6 @@ OWNED_ENGINE_ARGS = frozenset({"model_path", "dtype", "tp_size", "random_seed", 
                                "context_length", "mem_fraction_static", "attention_backend", "base_gpu_id",
                                "enable_memory_saver", "max_total_tokens", "trust_remote_code"})
 """sglang.Engine arguments the backend sets itself (``megatron.sglang_engine_args`` may not)."""
-UPDATE_GROUP = "oumi_megatron_sglang_weights"
-UPDATE_GROUP_TIMEOUT = timedelta(minutes=30)
-"""How long the update group's members wait for each other (SGLang's default for its groups)."""
 FA3_KERNELS = "sgl_kernel.flash_ops"
 """The sglang-kernel module that holds FlashAttention 3, SGLang's attention on Hopper by default (326 of the wheel's
 365 MiB: trimmed or partial installs leave it out)."""
@@ -188,6 +185,8 @@ class _SglangBackend:
         self.last_probe: float | None = None
         self.vocab = vocab_size
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
+        self.weight_sync: WeightSync
+        """How the weights reach the engine (each placement's: rollout/weight_sync/)."""
 
     # -- rollouts -------------------------------------------------------------------------------------
     @property
@@ -235,19 +234,9 @@ class _SglangBackend:
     # -- weights --------------------------------------------------------------------------------------
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """Collective over the training ranks: the policy's weights into every engine, then the probe."""
-        start = time.perf_counter()
-        try:
-            stats = self._load(weights)
-        except WeightSyncError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
-            raise WeightSyncError(f"weight sync (sglang, {self.placement}) failed: {e}") from e
-        stats.seconds = time.perf_counter() - start
+        stats = synced(self.weight_sync, weights, f"sglang, {self.placement}")
         stats.probe_max_diff = self.probe()
         return stats
-
-    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
-        raise NotImplementedError
 
     def probe(self) -> float:
         """Collective over the training ranks: the largest |engine - trainer| logprob of ``PROBE_TOKENS`` tokens the
@@ -264,10 +253,7 @@ class _SglangBackend:
             return ids, logprobs
 
         ids, theirs = self._shared(decoded)
-        sequence = torch.tensor([prompt + ids])
-        ours = self.trainer_engine.compute_logprobs([{"input_ids": sequence}])[0][0].float().cpu()
-        mine = ours[len(prompt) - 1:len(prompt) - 1 + len(ids)]  # position t holds log p(token t + 1)
-        self.last_probe = largest_over_ranks((mine - torch.tensor(theirs)).abs().max().item(), self.trainer_engine.device)
+        self.last_probe = decoded_gap(self.trainer_engine, prompt, ids, theirs)
         return self.last_probe
 
     def engine_metrics(self) -> dict[str, float]:
@@ -325,27 +311,11 @@ class ColocatedSglangBackend(_SglangBackend):
             self.spec.memory_saver = True
         self.awake = True
         self.engine = start_engine(self.spec)
+        self.weight_sync = SglangInProcess(self.engine, self.bucket_bytes)  # the rank's HF tensors, in memory
 
-    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
-        """The rank's HF tensors into its engine in buckets, in memory (Megatron TP 1: a rank holds the whole model)."""
-        self.wake()
-        pairs = weight_stream.TimedPairs(weights())
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size, limit = 0, self.bucket_bytes
-        for name, tensor in pairs:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= limit:
-                self._update(bucket, flush=False)
-                bucket, size = [], 0
-        self._update(bucket, flush=False)
-        self.engine.flush_cache()  # prefixes cached under the old weights must not be reused
-        return WeightSyncStats("in_memory", pairs.tensors, pairs.bytes, 0.0, export_seconds=pairs.seconds)
-
-    def _update(self, bucket: list[tuple[str, torch.Tensor]], flush: bool) -> None:
-        ok, message = self.engine.update_weights_from_tensor(bucket, flush_cache=flush) if bucket else (True, "")
-        if not ok:
-            raise WeightSyncError(f"SGLang refused the weights: {message}")
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
+        self.wake()  # the trainer woke it before the sync; waking is idempotent
+        return super().sync_weights(weights)
 
     def wake(self) -> float:
         if self.awake:
@@ -380,25 +350,21 @@ class SeparateSglangBackend(_SglangBackend):
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, engine: Any,
                  vocab_size: int, rows_per_step: int, trust_remote_code: bool = False) -> None:
-        from oumi_megatron.rollout.vllm_backend import _engine_gpu_for_owner
-
         super().__init__(hf_model, dtype, params, grpo, seed, engine, vocab_size, rows_per_step, trust_remote_code)
         self.owner = self.replica[0]
         self.is_owner = not dist.is_initialized() or dist.get_rank() == self.owner
         self.method = params.weight_sync_method
         if self.method == "nccl" and not torch.cuda.is_available():
             raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
-        gpu = _engine_gpu_for_owner(self.is_owner) if dist.is_initialized() else None
-        self.update_group: Any = None
+        gpu = engine_gpu_for_owner(self.is_owner) if dist.is_initialized() else None
         self.thread: ThreadPoolExecutor | None = None
         """The owner's engine thread."""
-        self.version = 0
-        """The policy version of the weights the engine holds (0: those it started from)."""
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None, bool]] = collections.deque()
         """Asynchronous GRPO: submitted generations (and whether an episode job), oldest first."""
-        self.pushed: Future | None = None
-        self.pushed_probe: float | None = None
-        """The last asynchronous push's probe (its engine's logprobs against the trainer's at the push)."""
+        self.weight_sync: SglangUpdateGroup = SglangUpdateGroup(self.method, self.bucket_bytes, self.is_owner,
+                                                                self.trainer_engine, self.vocab)
+        """The owner's update group with the engine (every rank iterates the export); it knows the engine's policy
+        version."""
         if not self.is_owner:
             return
         from megatron.core import parallel_state as ps
@@ -406,95 +372,20 @@ class SeparateSglangBackend(_SglangBackend):
         self.spec.seed = seed + ps.get_data_parallel_rank()
         if gpu is not None:
             self.spec.base_gpu_id = int(gpu)
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-sglang")
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=ENGINE_THREAD)
         self.engine = self._on_engine(lambda: start_engine(self.spec))
-        self.update_group = self._open_update_group()
+        self.weight_sync.open(self.engine, self.thread)
 
     def _on_engine(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the engine's thread, after every call queued before it."""
         assert self.thread is not None, "only a separate engine's owner drives it"
         return self.thread.submit(fn).result()
 
-    def _open_update_group(self) -> Any:
-        """The owner (rank 0) and the engine's scheduler rank (1) in a process group of their own (SGLang's rendezvous:
-        the engine joins from its ``init_weights_update_group`` while the owner joins here)."""
-        from sglang.srt.utils.common import init_custom_process_group
-
-        assert self.thread is not None
-        # the group's store is ours, listening on the loopback alone (the engine is on this node; SGLang's own
-        # rendezvous would listen on every interface), on a port held from the start (no race for it)
-        listener = listening_socket(LOOPBACK, 0)
-        port = listener.getsockname()[1]
-        backend = "nccl" if self.method == "nccl" else "gloo"
-        joined = self.thread.submit(self.engine.init_weights_update_group, LOOPBACK, port, 1, 2, UPDATE_GROUP, backend)
-        store = dist.TCPStore(LOOPBACK, port, world_size=2, is_master=True, timeout=UPDATE_GROUP_TIMEOUT,
-                              wait_for_workers=True, master_listen_fd=listener.fileno())
-        group = init_custom_process_group(backend=backend, store=dist.PrefixStore(UPDATE_GROUP, store), world_size=2,
-                                          rank=0, group_name=UPDATE_GROUP, timeout=UPDATE_GROUP_TIMEOUT)
-        self._update_store = (store, listener)  # both live as long as the group
-        ok, message = joined.result()
-        if not ok:
-            raise WeightSyncError(f"the SGLang engine did not join the weight-update group: {message}")
-        return group
-
     def _shared(self, fn: Callable[[], Any]) -> Any:
         box: list[Any] = [self._on_engine(fn) if self.is_owner else None]
         if dist.is_initialized() and len(self.replica) > 1:
             dist.broadcast_object_list(box, src=self.owner, group=self.group)
         return box[0]
-
-    # -- weights --------------------------------------------------------------------------------------
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """The owner: one flattened bucket to the engine (its ``update_weights_from_distributed`` on the engine's thread
-        while this thread broadcasts; called from the engine's thread, the broadcast goes on a helper thread)."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        device = torch.device("cuda", torch.cuda.current_device()) if self.method == "nccl" else torch.device("cpu")
-        flat = FlattenedTensorBucket(named_tensors=[(n, t.to(device)) for n, t in bucket]).get_flattened_tensor()
-        names, dtypes = [n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-
-        def receive() -> Any:
-            return self.engine.update_weights_from_distributed(names, dtypes, shapes, UPDATE_GROUP, flush_cache=False,
-                                                               load_format="flattened_bucket")
-
-        on_engine_thread = threading.current_thread().name.startswith("oumi-megatron-sglang")
-        if on_engine_thread:  # an asynchronous push: the engine's call here, the broadcast beside it
-            sender = threading.Thread(target=dist.broadcast, args=(flat, 0, self.update_group), daemon=True)
-            sender.start()
-            ok, message = receive()
-            sender.join()
-        else:
-            assert self.thread is not None
-            answer = self.thread.submit(receive)
-            dist.broadcast(flat, src=0, group=self.update_group)
-            ok, message = answer.result()
-        if not ok:
-            raise WeightSyncError(f"SGLang refused the weights: {message}")
-
-    def _buckets(self, pairs: Any) -> Any:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in pairs:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
-    def _load(self, weights: PolicyWeights) -> WeightSyncStats:
-        """Every rank iterates the whole model (the exporter's gathers are collective); the owner streams it to the
-        engine in flattened buckets, then flushes its prefix cache."""
-        pairs = weight_stream.TimedPairs(weights())
-        for bucket in self._buckets(pairs):
-            if self.is_owner:
-                self._send_bucket(bucket)
-        if self.is_owner:
-            self._on_engine(self.engine.flush_cache)  # prefixes cached under the old weights must not be reused
-        return WeightSyncStats(self.method, pairs.tensors, pairs.bytes if self.is_owner else 0, 0.0,
-                               export_seconds=pairs.seconds)
 
     def wake(self) -> float:
         return 0.0  # the engine keeps its GPU
@@ -522,7 +413,7 @@ class SeparateSglangBackend(_SglangBackend):
 
     def _tagged(self, fn: Callable[[], Any]) -> tuple[int, float, Any]:
         """On the engine's thread: ``fn()`` with the policy version that ran it and its seconds."""
-        version, started = self.version, time.perf_counter()
+        version, started = self.weight_sync.version, time.perf_counter()
         value = fn()
         return version, time.perf_counter() - started, value
 
@@ -549,45 +440,14 @@ class SeparateSglangBackend(_SglangBackend):
         return TaggedRollouts(rollouts, version, seconds)
 
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
-        """Collective over the training ranks: the whole policy (``version``) read now (every rank iterates it; the
-        owner keeps a host copy) and queued for the engine behind the generations in flight; the trainer's logprobs of
-        a fixed sequence go with it for the probe the engine's thread runs after the update."""
-        started = time.perf_counter()
-        pairs = weight_stream.TimedPairs(weights())
-        snapshot = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in pairs] if self.is_owner else []
-        sequence = probe_sequence(self.vocab)
-        reference = policy_logprobs(self.trainer_engine, sequence)
-        stats = WeightSyncStats(self.method, pairs.tensors, pairs.bytes if self.is_owner else 0,
-                                time.perf_counter() - started, export_seconds=pairs.seconds,
-                                probe_max_diff=self.pushed_probe)
-        if self.is_owner:
-            assert self.thread is not None
-            self.pushed = self.thread.submit(self._apply_push, snapshot, version, sequence, reference)
-        return stats
-
-    def _apply_push(self, snapshot: list[tuple[str, torch.Tensor]], version: int, sequence: list[int],
-                    reference: torch.Tensor) -> float:
-        """On the engine's thread: the snapshot into the engine, the cache flushed, the version set, the probe taken;
-        the seconds the update took."""
-        started = time.perf_counter()
-        for bucket in self._buckets(snapshot):
-            self._send_bucket(bucket)
-        self.engine.flush_cache()
-        self.version = version
-        seconds = time.perf_counter() - started
-        out = self.engine.generate(input_ids=[sequence], sampling_params={"temperature": 1.0, "max_new_tokens": 1},
-                                   return_logprob=True, logprob_start_len=0)
-        theirs = torch.tensor([float(lp) for lp, _, _ in out[0]["meta_info"]["input_token_logprobs"][1:]])
-        self.pushed_probe = float((theirs - reference).abs().max())
-        return seconds
+        """Collective over the training ranks: the whole policy (``version``) read now and queued for the engine behind
+        the generations in flight, with the trainer's logprobs of a fixed sequence for the probe the engine's thread
+        runs after the update (weight_sync/sglang_group.py ``SglangUpdateGroup.push``)."""
+        return self.weight_sync.push(weights, version)
 
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its update took (None: none in flight, or not the owner)."""
-        if self.pushed is None:
-            return None
-        seconds = self.pushed.result()
-        self.pushed = None
-        return seconds
+        return self.weight_sync.wait()
 
     def close(self) -> None:
         if self.thread is not None and self.engine is not None:

@@ -4,8 +4,8 @@ A *replica* is the set of training ranks that share a data-parallel rank (TP x C
 train on the same completions, so they must see the same rollouts.
 - ``rollout_placement: separate``: one engine per replica, in its own process (rollout/vllm_engine.py
   ``serve``) started by the replica's first rank (the owner), on a GPU of its own (the node's GPUs
-  after the trainer's: ``engine_gpu``). Weights stream from every rank of the replica at once, each its share of
-  its pipeline stage's tensors over a group of its own with the engine (rollout/weight_senders.py;
+  after the trainer's: rollout/engine_gpus.py). Weights stream from every rank of the replica at once, each its share
+  of its pipeline stage's tensors over a group of its own with the engine (weight_sync/senders.py;
   ``weight_sync_method``: ``nccl`` on GPUs, ``gloo`` on CPU), in buckets of ``weight_sync_bucket_mb``, into vLLM's
   weight-transfer API, without touching the disk. The owner broadcasts the rollouts to its replica.
 - ``rollout_placement: colocated``: the engines live in the trainer's processes and share their GPUs;
@@ -31,8 +31,6 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
-from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import (
     DecodeProfile,
     EngineSleep,
@@ -57,50 +54,22 @@ from oumi_megatron.rollout.base import (
     TurnHandler,
     WeightSyncStats,
 )
-from oumi_megatron.rollout.probe import largest_over_ranks, policy_logprobs, probe_sequence
+from oumi_megatron.rollout.engine_gpus import engine_gpu_for_owner
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import request_chains, turn_by_turn
-from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
-from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
-from oumi_megatron.utils.disk import GIB
+from oumi_megatron.rollout.vllm_common import engine_spec, vllm_rollouts, vllm_sampling
+from oumi_megatron.rollout.weight_sync.adapter import AdapterSync
+from oumi_megatron.rollout.weight_sync.base import WeightPush, WeightSync, WeightSyncError, synced
+from oumi_megatron.rollout.weight_sync.checkpoint import CheckpointFiles
+from oumi_megatron.rollout.weight_sync.in_process import VllmInProcess
+from oumi_megatron.rollout.weight_sync.senders import StreamSync, sender_role
+from oumi_megatron.rollout.weight_sync.stream import RAW_PROBE_REPEATS
 
 if TYPE_CHECKING:
     from oumi_megatron.config.lora import LoraSettings
-    from oumi_megatron.engine.peft import AdapterWeights
 
 logger = logging.getLogger("oumi")
-
-
-def engine_gpu(visible: list[str], trainer_gpus: int, engine_index: int) -> str:
-    """The GPU of the ``engine_index``-th engine process on a node (``separate`` placement): the node's
-    GPUs after the ``trainer_gpus`` that torchrun's ranks use (rank i on GPU i). ``visible``: the
-    node's GPUs as the trainer sees them (CUDA_VISIBLE_DEVICES entries, or "0".."N-1")."""
-    needed = trainer_gpus + engine_index + 1
-    if len(visible) < needed:
-        raise ValueError(
-            f"megatron.rollout_placement: separate puts each vLLM engine on a GPU of its own after the trainer's, "
-            f"but this node has {len(visible)} GPU(s), the trainer uses {trainer_gpus} and engine "
-            f"#{engine_index} would need GPU {needed - 1}. Start fewer trainer processes per node "
-            "(torchrun --nproc-per-node), or use rollout_placement: colocated."
-        )
-    return visible[trainer_gpus + engine_index]
-
-
-def _engine_gpu_for_owner(is_owner: bool) -> str | None:
-    """Collective over the world: this owner's engine GPU, None without CUDA or for non-owners.
-    Owners on one node are numbered in rank order."""
-    if not torch.cuda.is_available():
-        return None
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, (socket.gethostname(), is_owner))
-    me = dist.get_rank()
-    if not is_owner:
-        return None
-    index = sum(1 for host, owner in flags[:me] if owner and host == flags[me][0])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return engine_gpu(gpus, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), index)
 
 
 class _EngineProcess:
@@ -177,29 +146,6 @@ class _EngineProcess:
                 self.process.kill()
 
 
-def _vllm_cuda_graphs(choice: str) -> bool:
-    """``megatron.rollout_cuda_graphs`` for vLLM engines: ``auto`` and ``true`` let vLLM compile and capture its decode
-    steps on GPU (its default; eager on CPU), ``false`` runs them eagerly (``enforce_eager``)."""
-    if choice == "true" and not torch.cuda.is_available():
-        raise ValueError("megatron.rollout_cuda_graphs: true, but there is no CUDA device here for vLLM's CUDA graphs. "
-                         "Set megatron.rollout_cuda_graphs: auto (eager steps without a GPU).")
-    return choice != "false"
-
-
-def _vllm_sampling(params: SamplingParams, n: int) -> dict[str, Any]:
-    """vLLM's SamplingParams arguments for ``n`` samples per prompt (its greedy decoding is temperature 0)."""
-    return dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=list(params.end_ids) or None)
-
-
-def _rollouts(prompts: list[list[int]], results: Any) -> list[list[Rollout]]:
-    """An engine's (ids, logprobs, finish reason) per sample, per prompt, as Rollouts."""
-    return [[Rollout(prompt_ids=list(prompt), completion_ids=list(ids), finished=reason == "stop",
-                     logprobs=list(lps) if lps else None) for ids, lps, reason in samples]
-            for prompt, samples in zip(prompts, results, strict=True)]
-
-
 class _ReplicaEngine:
     """The replica's engine process as what an episode job generates with (rollout/base.py ``Generates``), on the
     owner's episode thread: each turn is a ``generate_tagged`` command, queued in order with the trainer's weight
@@ -213,14 +159,15 @@ class _ReplicaEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
-        version, seconds, results = self.process.call("generate_tagged", prompts, _vllm_sampling(params, n))
+        version, seconds, results = self.process.call("generate_tagged", prompts, vllm_sampling(params, n))
         self.version = version if self.version is None else min(self.version, version)
         self.seconds += seconds
-        return _rollouts(prompts, results)
+        return vllm_rollouts(prompts, results)
 
 
 class _VllmBackend:
-    """What both placements share: the engines' spec, the replica's group, the checkpoint sync and its errors."""
+    """What both placements share: the engines' spec, the replica's group, the weight sync's transport
+    (rollout/weight_sync/) and its errors."""
 
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
                  trust_remote_code: bool = False, adapter_sync: LoraSettings | None = None, trainer_engine: Any = None,
@@ -230,26 +177,18 @@ class _VllmBackend:
         ``adapter_sync``: the policy's LoRA where the engines take its adapter alone at a sync (``megatron.lora_sync:
         adapter``), probed after each against ``trainer_engine`` (the MegatronEngine) with a tokenizer of
         ``vocab_size``. Collective over the training ranks (their replica groups)."""
-        from oumi_megatron.rollout.vllm_engine import EngineSpec
-
         self.method = params.weight_sync_method
         self.bucket_bytes = int(params.weight_sync_bucket_mb * 2**20)
         self.work_dir = Path(work_dir)
         self.group, self.replica = replica_group()
-        self.spec = EngineSpec(
-            model=str(hf_model), dtype=str(dtype).removeprefix("torch."),
-            max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
-            gpu_memory_utilization=params.vllm_gpu_memory_utilization,
-            # CPU engines: a small fixed cache (start-up profiles it); GPU: vllm_kv_cache_gib when set
-            kv_cache_bytes=int(params.vllm_kv_cache_gib * GIB) if torch.cuda.is_available() else 64 * 2**20,
-            extra={"trust_remote_code": True} if trust_remote_code else {},
-            cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
-            lora_rank=adapter_sync.rank if adapter_sync is not None else 0,
-        )
+        self.spec = engine_spec(hf_model, dtype, params, grpo, seed, trust_remote_code,
+                                lora_rank=adapter_sync.rank if adapter_sync is not None else 0)
         self.adapter_sync = adapter_sync
         self.trainer_engine, self.vocab = trainer_engine, vocab_size
         self.is_owner = True
         """Whether this rank talks to an engine (colocated: every rank; separate: the replica's first)."""
+        self.weight_sync: WeightSync
+        """How the weights reach the engines (each placement builds it: ``_adapter_or_checkpoint``, else its own)."""
 
     placement = ""
 
@@ -267,7 +206,7 @@ class _VllmBackend:
         if ops is None:
             return turn_by_turn(self, prompts, params, n, turns, seed)
         add, step = ops
-        return request_chains(add, step, lambda room: _vllm_sampling(replace(params, max_new_tokens=room), 1), prompts,
+        return request_chains(add, step, lambda room: vllm_sampling(replace(params, max_new_tokens=room), 1), prompts,
                               params, n, turns)
 
     def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
@@ -278,53 +217,19 @@ class _VllmBackend:
     # -- weights --------------------------------------------------------------------------------------
     def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
         """Collective over the training ranks: load the policy's ``weights`` into every engine."""
-        start = time.perf_counter()
-        try:
-            if self.adapter_sync is not None:
-                stats = self._sync_adapter(weights)
-            else:
-                stats = self._sync_by_checkpoint(weights) if self.method == "checkpoint" else self._sync_live(weights)
-        except WeightSyncError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure means stale weights: stop with the cause
-            raise WeightSyncError(f"weight sync ({self.method}, {self.placement}) failed: {e}") from e
-        stats.seconds = time.perf_counter() - start
-        return stats
+        return synced(self.weight_sync, weights, f"{self.method}, {self.placement}")
 
-    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
-        raise NotImplementedError
-
-    def _reload(self, folder: Path) -> None:
-        raise NotImplementedError
-
-    def _sync_adapter(self, weights: PolicyWeights) -> WeightSyncStats:
-        """LoRA, ``lora_sync: adapter``: the whole adapter (gathered on every rank: its bytes, not the model's) into
-        every engine, in memory, then the probe (rollout/probe.py) taken by the engine with it."""
-        adapter, probe = self._adapter_and_probe(weights)
-        gap = self._load_adapter(adapter.tensors, adapter.config, probe)
-        stats = WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0, 0.0)
-        stats.probe_max_diff = largest_over_ranks(gap or 0.0, self.trainer_engine.device)
-        return stats
-
-    def _adapter_and_probe(self, weights: PolicyWeights) -> tuple[AdapterWeights, tuple[list[int], list[float]]]:
-        """Collective: the whole adapter, and the probe's sequence with the trainer's logprobs of it (rollout/probe.py)
-        for the engine to compare its own with once the adapter is in."""
-        adapter = weights.adapters()
-        if adapter is None:
-            raise WeightSyncError("megatron.lora_sync: adapter, but the policy carries no LoRA adapter")
-        sequence = probe_sequence(self.vocab)
-        return adapter, (sequence, policy_logprobs(self.trainer_engine, sequence).tolist())
-
-    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
-                      probe: tuple[list[int], list[float]]) -> float | None:
-        raise NotImplementedError
-
-    def _sync_by_checkpoint(self, weights: PolicyWeights) -> WeightSyncStats:
-        folder = self.work_dir / "rollout_weights"
-        weights.save(folder)  # collective, atomic, ends in a barrier
-        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if self.is_owner else 0
-        self._reload(folder)
-        return WeightSyncStats("checkpoint", 0, size, 0.0)
+    def _adapter_or_checkpoint(self, load_adapter: Callable[..., float | None], reload: Callable[[Path], None],
+                               submit_adapter: Callable[..., Future] | None = None) -> WeightSync | None:
+        """The transport when it is not the placement's own: the LoRA adapter alone (``lora_sync: adapter``:
+        ``load_adapter`` into this rank's engine now, ``submit_adapter`` queued behind its generations), or the HF folder
+        the engines ``reload`` (``weight_sync_method: checkpoint``). None: the placement's own."""
+        if self.adapter_sync is not None:
+            return AdapterSync(self.trainer_engine, self.vocab, self.is_owner, load_adapter, submit_adapter,
+                               _EngineProcess.wait_for)
+        if self.method == "checkpoint":
+            return CheckpointFiles(self.work_dir / "rollout_weights", self.is_owner, reload)
+        return None
 
     def engine_metrics(self) -> dict[str, float]:
         return {}
@@ -362,8 +267,9 @@ class ColocatedVllmBackend(_VllmBackend):
         self.weights_current = True  # ... and with the policy's starting weights
         # a sync brings every weight back, unless it brings the adapter alone: then the base stays (vLLM's level 1)
         self.drop_weights_on_sleep = bool(params.enable_weight_sync) and self.adapter_sync is None
-        self.shard_decision: tuple[bool, tuple[int, int]] | None = None  # see _shard_vocab
         self.host = VllmEngineHost(spec)  # every rank holds (a TP shard of) an engine
+        # every rank loads its engine's part: the adapter, the HF folder, or its own TP shards in memory
+        self.weight_sync = self._adapter_or_checkpoint(self._load_adapter, self._reload) or VllmInProcess(self.host)
 
     # -- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -377,7 +283,7 @@ class ColocatedVllmBackend(_VllmBackend):
         Without a request seed vLLM draws the n samples of a request from that engine-wide generator too (it
         derives per-sample seeds, seed + i, only from a request seed), so a run is reproducible for a training
         seed as long as the engine receives the same requests in the same order."""
-        sampling = _vllm_sampling(params, n)
+        sampling = vllm_sampling(params, n)
         # this engine's share of the replica's prompts; all its TP ranks ask for the same ones
         mine = list(range(self.slot, len(prompts), self.engines_per_replica))
         outputs = self._generate([prompts[i] for i in mine], sampling) if mine else []
@@ -387,7 +293,7 @@ class ColocatedVllmBackend(_VllmBackend):
             dist.all_gather_object(parts, by_prompt, group=self.group)
             for part in parts:
                 by_prompt.update(part)
-        return _rollouts(prompts, [by_prompt[i] for i in range(len(prompts))])
+        return vllm_rollouts(prompts, [by_prompt[i] for i in range(len(prompts))])
 
     def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
         if self.engines_per_replica > 1:
@@ -433,49 +339,25 @@ class ColocatedVllmBackend(_VllmBackend):
         return EngineSleep(time.perf_counter() - start, weights_dropped=self.drop_weights_on_sleep)
 
     # -- weights --------------------------------------------------------------------------------------
-    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
-        """Every rank loads its own TP shard of the whole model into its engine (``weights.tp_shards``: no gather over
-        TP, the other stages' shards over PP), tensor by tensor as they come (same process, same GPU: no buckets).
-        Where the model or the engine cannot take shards (``_shard_vocab``), every rank loads the full tensors."""
-        self.wake()  # the trainer woke it before the sync; waking is idempotent
-        vocab = self._shard_vocab(weights)
-        pairs = weight_stream.TimedPairs(weights() if vocab is None else weights.tp_shards(vocab))
-        self.host.load_in_process(pairs, shards=vocab is not None)
+    def sync_weights(self, weights: PolicyWeights) -> WeightSyncStats:
+        """Collective over the training ranks: the engines awake (the trainer woke them before the sync; waking is
+        idempotent), the policy's ``weights`` into every engine; they hold current weights again."""
+        self.wake()
+        stats = super().sync_weights(weights)
         self.weights_current = True
-        return WeightSyncStats("in_memory" if vocab is None else "in_memory_shards", pairs.tensors, pairs.bytes, 0.0,
-                               export_seconds=pairs.seconds)
-
-    def _shard_vocab(self, weights: PolicyWeights) -> tuple[int, int] | None:
-        """Decided at the first sync, the same on every rank: this rank's engine's vocabulary rows when every engine
-        loads TP shards, else None (full tensors), with the reason logged once."""
-        if self.shard_decision is None:
-            why, vocab, engine_rank = self.host.rank_shards()
-            from megatron.core import parallel_state as ps
-
-            if why is None and engine_rank != ps.get_tensor_model_parallel_rank():
-                why = f"the engine's TP rank {engine_rank} is not Megatron's {ps.get_tensor_model_parallel_rank()}"
-            whys: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(whys, why)
-            why = next((w for w in whys if w is not None), None) or weights.tp_shards_unsupported()
-            if why is not None and dist.get_rank() == 0:
-                logger.warning("colocated weight sync: every rank loads the whole model (no TP shards: %s)", why)
-            self.shard_decision = (why is None, vocab)
-        return self.shard_decision[1] if self.shard_decision[0] else None
+        return stats
 
     def _reload(self, folder: Path) -> None:
-        self.wake()
         self.host.reload_from(str(folder))
-        self.weights_current = True
 
     def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                       probe: tuple[list[int], list[float]]) -> float | None:
-        self.wake()
         return self.host.load_adapter(tensors, config, probe=probe)  # every rank: its engine's TP shard takes its part
 
 
 class SeparateVllmBackend(_VllmBackend):
     """``rollout_placement: separate``: one engine process per replica on a GPU of its own, fed by every rank of the
-    replica at once (rollout/weight_senders.py: each its share of its pipeline stage's tensors, over a group of its
+    replica at once (weight_sync/senders.py: each its share of its pipeline stage's tensors, over a group of its
     own); its engines generate while the trainer trains (asynchronous GRPO, ``AsyncRolloutBackend``)."""
 
     placement = "separate"
@@ -483,31 +365,25 @@ class SeparateVllmBackend(_VllmBackend):
     def __init__(self, hf_model: str, dtype: torch.dtype, params: Any, grpo: Any, seed: int, work_dir: Path,
                  trust_remote_code: bool = False, adapter_sync: LoraSettings | None = None, trainer_engine: Any = None,
                  vocab_size: int = 0) -> None:
-        from oumi_megatron.rollout.vllm_engine import STREAM_ENGINE
+        from oumi_megatron.rollout.weight_sync.vllm_stream import STREAM_ENGINE
 
         super().__init__(hf_model, dtype, params, grpo, seed, work_dir, trust_remote_code, adapter_sync, trainer_engine,
                          vocab_size)
         spec = self.spec
         self.process: _EngineProcess | None = None
-        self.link: weight_stream.WeightSyncGroup | None = None
-        """This rank's group with the engine, if it sends."""
+        self.stream: StreamSync | None = None
+        """Every sender's link with the engine (``nccl`` / ``gloo``: opened at start, whichever transport syncs)."""
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None, bool]] = collections.deque()
         """Asynchronous GRPO: submitted generations not collected yet (the owner's futures; whether an episode job),
         oldest first."""
         self.episode_thread: ThreadPoolExecutor | None = None
         """The owner: where episode jobs run, one at a time in submission order (``submit_episodes``)."""
-        self.pusher = WeightPusher(self.method)
-        self.adapter_push: Future | None = None
-        """The owner, ``lora_sync: adapter``: the adapter load queued on the engine (asynchronous GRPO)."""
-        self.pushed_probe: float | None = None
-        self.raw_gbps: float | None = None
-        """The owner: the senders' plain broadcast bandwidth to the engine, summed (measured once, at start)."""
         # one engine process per replica, started by its first rank
         self.owner = self.replica[0]
         self.is_owner = dist.get_rank() == self.owner
         if self.method == "nccl" and not torch.cuda.is_available():
             raise ValueError("megatron.weight_sync_method: nccl needs GPUs (none here). Use gloo on CPU.")
-        spec.cuda_visible_devices = _engine_gpu_for_owner(self.is_owner)
+        spec.cuda_visible_devices = engine_gpu_for_owner(self.is_owner)
         self.role = sender_role(self.group, self.replica)
         assert not self.is_owner or self.role.sends, "the replica's first rank is TP, CP and PP rank 0: a sender"
         if self.is_owner:
@@ -517,11 +393,16 @@ class SeparateVllmBackend(_VllmBackend):
             if self.method != "checkpoint":
                 spec.transfer_backend = STREAM_ENGINE
             self.process = _EngineProcess(spec)
-        if self.method == "checkpoint":
-            return
-        self.link = open_links(self.role, self.group, self.owner, self.method, receivers=1, join_engines=self._join)
-        # the links' plain broadcast bandwidth, what weight_sync/fraction_of_raw compares the weight pushes with
-        self.raw_gbps = probe_raw(self.link, self.group, self.owner, self._receive_raw)
+        if self.method != "checkpoint":
+            self.stream = StreamSync(self.method, self.bucket_bytes, self.group, self.role,
+                                     self._open_session if self.is_owner else None, _EngineProcess.wait_for)
+            self.stream.open(self.owner, 1, self._join, self._receive_raw)
+        transport = self._adapter_or_checkpoint(self._load_adapter, self._reload,
+                                                self._submit_adapter if self.is_owner else None)
+        if transport is None:
+            assert self.stream is not None, "a method other than checkpoint streams"
+            transport = self.stream
+        self.weight_sync = transport
 
     def _join(self, senders: list[tuple[str, int]]) -> Callable[[], None]:
         """The owner: the engine joins every sender's group (``open_links``)."""
@@ -531,8 +412,14 @@ class SeparateVllmBackend(_VllmBackend):
 
     def _receive_raw(self, nbytes: int) -> Callable[[], None]:
         process = self._owned_process
-        (received,) = process.submit("receive_raw", nbytes, weight_stream.RAW_PROBE_REPEATS)
+        (received,) = process.submit("receive_raw", nbytes, RAW_PROBE_REPEATS)
         return lambda: process.wait_for(received, "receive_raw")
+
+    def _open_session(self, version: int | None) -> tuple[Future, Future]:
+        """The owner: the engine's update session queued behind its generations in flight (``version``: the policy
+        version of the weights it receives, None in the synchronous loop): futures of its opening and of its end."""
+        opened, done = self._owned_process.submit("receive_update", version, replies=2)
+        return opened, done
 
     @property
     def _owned_process(self) -> _EngineProcess:
@@ -545,11 +432,11 @@ class SeparateVllmBackend(_VllmBackend):
                  seed: int | None = None) -> list[list[Rollout]]:
         """Every rank of a replica gets the replica's rollouts (the owner generates and broadcasts them); ``n`` per
         prompt, one request per prompt. Seeds as in ``ColocatedVllmBackend.generate``, per DP rank."""
-        sampling = _vllm_sampling(params, n)
+        sampling = vllm_sampling(params, n)
         box: list[Any] = [self._owned_process.call("generate", prompts, sampling) if self.is_owner else None]
         if len(self.replica) > 1:
             dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
-        return _rollouts(prompts, box[0])
+        return vllm_rollouts(prompts, box[0])
 
     def _request_ops(self) -> tuple[Callable[[list[Any]], None], Callable[[], list[Any]]] | None:
         """The owner talks to the engine; every finished batch of requests is broadcast to the replica."""
@@ -573,24 +460,7 @@ class SeparateVllmBackend(_VllmBackend):
     def sleep(self) -> EngineSleep:
         return EngineSleep()
 
-    # -- weights --------------------------------------------------------------------------------------
-    def _sync_live(self, weights: PolicyWeights) -> WeightSyncStats:
-        """Every sender streams its share of its stage's export to the engine process, which receives from all of them
-        meanwhile; the owner opens the engine's session first and waits for it to end."""
-        share = self.role.pairs(weights.stage_tensors())
-        done = None
-        if self.is_owner:
-            opened, done = self._owned_process.submit("receive_update", replies=2)
-            self._owned_process.wait_for(opened, "receive_update (opening the session)")
-        if self.link is not None:
-            sent = weight_stream.send(self.link, share, self.bucket_bytes)
-            tensors, nbytes = sent.tensors, sent.bytes
-        else:
-            tensors, nbytes = sum(1 for _ in share), 0  # takes part in the collective export
-        if done is not None:
-            self._owned_process.wait_for(done, "receive_update")
-        return replica_stats(self.group, WeightSyncStats(self.method, tensors, nbytes, 0.0))
-
+    # -- weights: the engine's side of the transports (rollout/weight_sync/) -----------------------------------------
     def _reload(self, folder: Path) -> None:
         if self.process is not None:
             self.process.call("reload_from", str(folder))
@@ -600,11 +470,16 @@ class SeparateVllmBackend(_VllmBackend):
         """The owner hands the adapter to its engine process (through its pipe: an adapter's bytes, not a model's)."""
         return self.process.call("load_adapter", tensors, config, None, probe) if self.process is not None else None
 
+    def _submit_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int,
+                        probe: tuple[list[int], list[float]]) -> Future:
+        """The owner: the adapter load queued behind the engine's generations in flight (the pipe keeps the order)."""
+        return self._owned_process.submit("load_adapter", tensors, config, version, probe)[0]
+
     # -- asynchronous GRPO: generations in flight while the trainer trains ------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         """Queue a generation on the replica's engine and return at once; ``collect`` returns the results, in the
         order of submission. Every rank of the replica calls it (the owner sends)."""
-        future = self._owned_process.submit("generate_tagged", prompts, _vllm_sampling(params, n))[0] if self.is_owner else None
+        future = self._owned_process.submit("generate_tagged", prompts, vllm_sampling(params, n))[0] if self.is_owner else None
         self.in_flight.append((prompts, future, False))
 
     def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
@@ -644,58 +519,26 @@ class SeparateVllmBackend(_VllmBackend):
             version, seconds, samples_and_stats = box[0]
             return TaggedRollouts([], version, seconds, samples_and_stats)
         version, seconds, results = box[0]
-        return TaggedRollouts(_rollouts(prompts, results), version, seconds)
+        return TaggedRollouts(vllm_rollouts(prompts, results), version, seconds)
 
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
-        """Collective over the training ranks: every sender exports its share of the policy now, as a snapshot it keeps,
-        and the owner queues the update behind the engine's generations in flight; a background thread on each sender
-        streams its snapshot once the engine opens the update session (rollout/weight_push.py), so the trainer does not
-        wait for the generation in flight. The engine tags what it generates afterwards with ``version``."""
-        if self.adapter_sync is not None:
-            return self._push_adapter(weights, version)
-        share = self.role.pairs(weights.stage_tensors())
-        if self.link is None:
-            self.pusher.wait()
-            start = time.perf_counter()
-            n = sum(1 for _ in share)  # take part in the collective export
-            return replica_stats(self.group, WeightSyncStats(self.method, n, 0, time.perf_counter() - start))
-
-        def open_session() -> tuple[list[Future], list[Future]]:
-            if not self.is_owner:
-                return [], []
-            opened, done = self._owned_process.submit("receive_update", version, replies=2)
-            return [opened], [done]
-
-        return replica_stats(self.group, self.pusher.push(share, self.link, self.bucket_bytes, open_session,
-                                                          _EngineProcess.wait_for))
-
-    def _push_adapter(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
-        """``lora_sync: adapter``: the adapter gathered now and queued on the engine behind its generations in flight
-        (the owner's pipe keeps the order), with the probe the engine takes once it is in; the previous push's probe
-        goes in these stats (it is known by now)."""
-        started = time.perf_counter()
-        adapter, probe = self._adapter_and_probe(weights)
-        self.wait_pushed()
-        if self.is_owner:
-            self.adapter_push = self._owned_process.submit("load_adapter", adapter.tensors, adapter.config, version,
-                                                           probe)[0]
-        return WeightSyncStats("in_memory_adapter", len(adapter.tensors), adapter.nbytes if self.is_owner else 0,
-                               time.perf_counter() - started, probe_max_diff=self.pushed_probe)
+        """Collective over the training ranks: the policy (``version``) read now and queued behind the engine's
+        generations in flight (weight_sync/senders.py ``StreamSync.push``, or the adapter alone), so the trainer does
+        not wait for the generation in flight. The engine tags what it generates afterwards with ``version``."""
+        assert isinstance(self.weight_sync, WeightPush), "asynchronous GRPO streams its pushes (not checkpoint files)"
+        return self.weight_sync.push(weights, version)
 
     def wait_pushed(self) -> float | None:
         """Wait for the push in flight; the seconds its transfer took (None: none was in flight)."""
-        if self.adapter_push is not None:
-            started = time.perf_counter()
-            self.pushed_probe = _EngineProcess.wait_for(self.adapter_push, "load_adapter")
-            self.adapter_push = None
-            return time.perf_counter() - started
-        return self.pusher.wait()
+        return self.weight_sync.wait() if isinstance(self.weight_sync, WeightPush) else None
 
     def engine_metrics(self) -> dict[str, float]:
-        return {"weight_sync/raw_gbps": self.raw_gbps} if self.raw_gbps is not None and dist.get_rank() == 0 else {}
+        raw = self.stream.raw_gbps if self.stream is not None else None  # the owner's, measured once at start
+        return {"weight_sync/raw_gbps": raw} if raw is not None and dist.get_rank() == 0 else {}
 
     def close(self) -> None:
-        self.pusher.close()
+        if self.stream is not None:
+            self.stream.close()
         if self.episode_thread is not None:
             self.episode_thread.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:

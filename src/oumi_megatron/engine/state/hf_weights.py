@@ -4,9 +4,9 @@
 ``__call__`` the whole model on every rank (gathered over TP / PP / EP: full tensors), ``stage_tensors`` each pipeline
 stage's own tensors on that stage's ranks (gathered over TP / EP only; nothing crosses stages). ``save`` writes an HF
 folder from ``stage_tensors``, each stage's ranks writing their own shards (engine/state/hf_writer.py). The trainer owns
-one and hands it to the rollout backend's ``sync_weights`` (rollout/base.py), which streams it (vLLM workers over
-NCCL / gloo, in-process buckets) or has it saved (``weight_sync_method: checkpoint``); the final export
-(output_dir/hf_model) goes through ``save`` too.
+one and hands it to the rollout backend's ``sync_weights`` (rollout/base.py), whose transport (rollout/weight_sync/)
+streams it (vLLM workers over NCCL / gloo, in-process buckets) or has it saved (``weight_sync_method: checkpoint``);
+the final export (output_dir/hf_model) goes through ``save`` too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Streaming the policy's weights to rollout engines: HF-named tensors in packed buckets.
-
-Torch only (no vLLM import), so the trainer side stays light.
+"""The NCCL / gloo stream: the policy's weights to engines outside the trainer's processes, HF-named tensors in packed
+buckets, over a process group of their own. Both ends use it: the trainer's senders (senders.py) and the engine's
+receiver (vllm_stream.py, in vLLM's worker processes). Torch only (no vLLM import), so both stay light.
 
 Source: the engine's exporter (engine/state/hf_weights.py ``HFWeightExporter``, handed to the rollout backend's
 ``sync_weights`` by the trainer) yields ``(hf_name, tensor)``: each pipeline stage its own tensors
-(``stage_tensors``), of which each sender takes a share (``share_of``; rollout/weight_senders.py says who sends).
+(``stage_tensors``), of which each sender takes a share (``share_of``; senders.py says who sends).
 Buckets: consecutive tensors packed into one contiguous byte buffer of about ``bucket_bytes`` (fewer, larger
 messages). Wire format, over a group of one sender (rank 0) and the engine's workers (ranks 1..), self-describing so
 the receiver needs nothing up front: ``int64[2] = (len(meta), len(buffer))`` (``(0, 0)`` ends the stream),

@@ -1,11 +1,11 @@
-"""Asynchronous weight pushes (``grpo.max_staleness`` > 0): every sender (rollout/weight_senders.py) exports its share
+"""The push schedule for asynchronous engines (``grpo.max_staleness`` > 0): every sender (senders.py) exports its share
 of the policy at once, keeps a snapshot, and a background thread streams it to the engines once they have opened
 their update sessions, which they do after the generations queued before the update. One push at a time. Used by the
-separate engine process (rollout/vllm_backend.py) and the Ray fleet (rollout/ray_fleet.py).
+separate engine process (senders.py ``StreamSync``) and the Ray fleet (rollout/ray_fleet.py).
 
 The snapshot lives in host memory (pinned where the tensors are on a GPU), copied tensor by tensor as the exporter
 yields them: a GPU copy of the whole model (141 GB at 70B) does not fit beside training. Above training the GPU then
-holds the exporter's tensor in hand and, while sending, the buckets in flight (weight_stream.send: two, on a stream
+holds the exporter's tensor in hand and, while sending, the buckets in flight (stream.send: two, on a stream
 of the sender's own); each sender's host holds its share (~model / (TP x PP)) until the push ends."""
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ from typing import Any
 
 import torch
 
-from oumi_megatron.rollout import weight_stream
 from oumi_megatron.rollout.base import WeightSyncStats
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine did not take the new weights; training stops rather than use stale ones."""
+from oumi_megatron.rollout.weight_sync import stream
+from oumi_megatron.rollout.weight_sync.base import WeightSyncError
 
 
 def host_snapshot(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -49,7 +46,7 @@ class WeightPusher:
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-weight-push")
         self.pushing: Future | None = None
 
-    def push(self, share: Iterable[tuple[str, torch.Tensor]], group: weight_stream.WeightSyncGroup, bucket_bytes: int,
+    def push(self, share: Iterable[tuple[str, torch.Tensor]], group: stream.WeightSyncGroup, bucket_bytes: int,
              open_sessions: Callable[[], tuple[list[Future], list[Future]]], wait: Callable[[Future, str], Any]) -> WeightSyncStats:
         """A sender's part of a push: waits for its previous push, exports its ``share`` now into a host snapshot (the
         next optimizer step changes the parameters the exporter yields views of), asks the engines for their sessions
@@ -58,7 +55,7 @@ class WeightPusher:
         the snapshot from the background thread once every session is open. The stats' seconds are the trainer's."""
         self.wait()
         start = time.perf_counter()
-        pairs = weight_stream.TimedPairs(share)
+        pairs = stream.TimedPairs(share)
         snapshot = host_snapshot(pairs)
         group.synchronize()
         opened, done = open_sessions()
@@ -72,7 +69,7 @@ class WeightPusher:
             for future in opened:
                 wait(future, "receive_update (opening the session)")
             began = time.perf_counter()
-            weight_stream.send(group, snapshot, bucket_bytes)
+            stream.send(group, snapshot, bucket_bytes)
             for future in done:
                 wait(future, "receive_update")
             return time.perf_counter() - began

@@ -3,7 +3,7 @@ worker process before it loads the model, and the import registers the ``oumi_st
 An in-process engine (``uni``) has it registered already; a tensor-parallel engine's workers (``mp``, a Ray fleet
 engine with ``rollout_gpus_per_engine`` > 1) are fresh processes that would not know the name."""
 
-from oumi_megatron.rollout.vllm_engine import register_stream_engine
+from oumi_megatron.rollout.weight_sync.vllm_stream import register_stream_engine
 
 register_stream_engine()
 
