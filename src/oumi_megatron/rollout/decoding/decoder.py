@@ -76,6 +76,9 @@ class GenerationStats:
     """Multi-turn episodes: the forwards that wrote observations into the cache (rollout/decoding/episodes.py)."""
     append_s: float = 0.0
     """Of ``decode_s``: those append forwards' time, but for the ones run before a capture (in ``capture_s``)."""
+    append_tokens: tuple[int, int] = (0, 0)
+    """The observations' tokens (their blocks') the appends fed, and the tokens their buckets computed (padding
+    included)."""
 
     @property
     def decode_ms_per_step(self) -> float:

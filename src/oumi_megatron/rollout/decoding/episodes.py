@@ -198,6 +198,8 @@ class EpisodeGeneration(_Generation):
         self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.append_timer = _SpanTimer(device)
         self.append_forwards = 0
+        self.append_tokens = [0, 0]
+        """The blocks' tokens the appends fed, and the tokens their buckets computed (padding included)."""
 
     @classmethod
     def for_episodes(cls, stages: PolicyStages, prompts: list[list[int]], n: int, params: SamplingParams,
@@ -227,6 +229,7 @@ class EpisodeGeneration(_Generation):
         self.turn_left.fill_(max(self.params.max_new_tokens, 1))
         self.append_timer.reset()
         self.append_forwards = 0
+        self.append_tokens = [0, 0]
 
     # -- the forwards: fixed shapes, no host value -------------------------------------------------------------------
     def decode_step(self, kv_len: int | None) -> None:
@@ -422,6 +425,8 @@ class EpisodeGeneration(_Generation):
         spare = next(r for r in range(rows) if r not in members) if groups > len(resumed) else 0
         a.fill(resumed, spare, self.params.pad_token_id)
         self.append_forwards += 1
+        self.append_tokens[0] += sum(len(block) for _, block, _ in resumed)
+        self.append_tokens[1] += groups * chunk
         if a.graph is not None:
             with self.append_timer.span():
                 a.graph.replay()
@@ -474,7 +479,7 @@ def run_episodes(decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, 
                             decode_s=time.perf_counter() - started - prefill_s - result.answer_s,
                             kv_cache_bytes=run.cache.nbytes, capture_s=run.capture_s,
                             steps_in_capture=run.steps_in_capture, append_forwards=result.append_forwards,
-                            append_s=run.append_timer.seconds())
+                            append_s=run.append_timer.seconds(), append_tokens=tuple(run.append_tokens))
     return result, stats
 
 
