@@ -434,6 +434,8 @@ def _check_static_path(r: dict, reference: dict | None = None) -> None:
     assert all(r["episodes_same_tokens"]) and len(r["episodes_same_tokens"]) == 9, r
     assert r["episodes_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
     assert r["episodes_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    # sampled episodes (other tokens than greedy): their logprobs as the trainer recomputes them too
+    assert r["episodes_sampled_differ"] and r["episodes_sampled_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
     assert "observations appended in one forward" in r["episodes_path"] and "forced tokens" in r["episodes_forced_path"]
     assert len(set(r["episodes_turns"])) == 3 and r["episodes_observation_tokens"] > 0, r  # rows end after 1, 2, 3 turns
     # the batch's decode steps: its longest episode's sampled tokens less one per turn (the prefill or an append samples

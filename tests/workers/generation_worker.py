@@ -238,21 +238,16 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
     others = ("forced", "reference_static", "reference_schedule")
     worst = max(abs(a - b) for ref in others for x, y in zip(native["logprobs"], runs[ref]["logprobs"])
                 for a, b in zip(x, y))
-    # the trainer's logprobs of the same sequences: one microbatch, right-padded (causal: the padding changes nothing)
-    rows = [prompts[k // 2] + ids for k, ids in enumerate(native["ids"])]
-    batch = torch.full((len(rows), max(map(len, rows))), 256, dtype=torch.long)
-    for k, row in enumerate(rows):
-        batch[k, :len(row)] = torch.tensor(row)
-    (recomputed,) = static.engine.compute_logprobs([{"input_ids": batch}])
-    trainer_worst = 0.0
-    for k, (mask, logprobs) in enumerate(zip(native["mask"], native["logprobs"], strict=True)):
-        start = len(prompts[k // 2])
-        at = [start + i - 1 for i, m in enumerate(mask) if m]  # logprobs[t]: of token t + 1
-        assert len(at) == len(logprobs), (k, len(at), len(logprobs))
-        trainer_worst = max([trainer_worst, *(abs(recomputed[k, t].item() - lp) for t, lp in zip(at, logprobs))])
+    # sampled episodes (temperature 0.8): other tokens than greedy, their logprobs as the trainer recomputes them too
+    sampled = Recorder(ScriptedTurns(len(prompts) * 2, budget))
+    static.run_episodes(prompts, replace(greedy, greedy=False, temperature=0.8), 2, sampled, budget, 3, seed=5)
     return {"episodes_same_tokens": [native[key] == runs[r][key] for r in others for key in ("ids", "mask", "turns")],
             "episodes_turns": native["turns"], "episodes_logprob_max_abs_diff": worst,
-            "episodes_trainer_logprob_max_abs_diff": trainer_worst,
+            "episodes_trainer_logprob_max_abs_diff": trainer_gap(static.engine, prompts, native),
+            "episodes_sampled_trainer_logprob_max_abs_diff": trainer_gap(
+                static.engine, prompts, {"ids": sampled.inner.ids, "mask": sampled.inner.mask,
+                                         "logprobs": sampled.logprobs}, temperature=0.8),
+            "episodes_sampled_differ": sampled.inner.ids != native["ids"],
             "episodes_observation_tokens": sum(m.count(0) for m in native["mask"]),
             "episodes_decode_steps": native["decode_steps"], "episodes_append_forwards": native["append_forwards"],
             "episodes_stats_agree": native["stats_append_forwards"] == native["append_forwards"]
@@ -266,6 +261,20 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
             "episodes_path": native["path"], "episodes_forced_path": runs["forced"]["path"],
             "episodes_capture_s": native["capture_s"],
             "episodes_check_every": episode_check_every(static.engine.device)}
+
+
+def trainer_gap(engine, prompts: list[list[int]], run: dict, temperature: float = 1.0) -> float:  # noqa: ANN001
+    """The largest difference between ``run``'s episode logprobs (``n`` = 2 rows per prompt) and the trainer's
+    (``compute_logprobs``) of the same whole sequences at the policy's tokens (one microbatch per row)."""
+    rows = [torch.tensor([prompts[k // 2] + ids]) for k, ids in enumerate(run["ids"])]
+    recomputed = engine.compute_logprobs([{"input_ids": row} for row in rows], temperature=temperature)
+    worst = 0.0
+    for k, (mask, logprobs) in enumerate(zip(run["mask"], run["logprobs"], strict=True)):
+        start = len(prompts[k // 2])
+        at = [start + i - 1 for i, m in enumerate(mask) if m]  # logprobs[t]: of token t + 1
+        assert len(at) == len(logprobs), (k, len(at), len(logprobs))
+        worst = max([worst, *(abs(recomputed[k][0, t].item() - lp) for t, lp in zip(at, logprobs))])
+    return worst
 
 
 class Gated:
