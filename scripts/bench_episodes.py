@@ -3,7 +3,7 @@
     python scripts/bench_episodes.py --shape smollm2-135m --batch 128x192 --turns 3 --out result.json
 
 The same policy tokens either way: ROWS / 8 prompts of 64 random tokens, 8 samples each, NEW tokens per row, no EOS
-(random weights, bf16, temperature 1; ``--dtype float32`` on a CPU). Paths:
+(random weights, bf16, temperature 1; on a CPU ``--dtype float32``, and ``--layers`` for a shallower model). Paths:
 - ``single``: one ``generate`` of NEW tokens (the single-turn reference);
 - ``episodes``: ``run_episodes`` (what the trainer runs under ``grpo.environment``) with a toy environment that
   answers every turn with a 16-character observation, ``--turns`` turns of NEW / turns tokens
@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--cuda-graphs", default="auto", help="megatron.rollout_cuda_graphs (false: eager decode steps)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="float32: a CPU run")
+    p.add_argument("--layers", type=int, default=0, help="the shape's depth overridden (0: the shape's; a CPU run)")
     p.add_argument("--paths", default="single,episodes,episodes_forced,episodes_recompute")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -90,7 +91,7 @@ def main() -> None:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
-    cfg = bench_common.hf_config(args.shape)
+    cfg = bench_common.hf_config(args.shape, layers=args.layers or None)
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
     _, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=10),
@@ -146,14 +147,15 @@ def main() -> None:
                    "last_call_prefill_s": stats.prefill_s if stats else None}
             if isinstance(out, tuple):
                 row["turns_mean"] = sum(s.turns for s in samples) / len(samples)
+            print(f"{name}: {policy} policy tokens in {seconds:.2f} s", flush=True)
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
         results[name] = best  # type: ignore[assignment]
     for r in results.values():
         r["x_single"] = r["tokens_per_s"] / results["single"]["tokens_per_s"]
-    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "batch": args.batch,
-           "turns": args.turns, "cuda_graphs": args.cuda_graphs, "dtype": args.dtype, "observation_tokens": observation,
-           "results": results}
+    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+           "layers": cfg.num_hidden_layers, "batch": args.batch, "turns": args.turns, "cuda_graphs": args.cuda_graphs,
+           "dtype": args.dtype, "observation_tokens": observation, "results": results}
     print(json.dumps(out, indent=1))
     print(f"\n| {args.shape} {args.batch}, {args.turns} turns, graphs {args.cuda_graphs} | policy tok/s | x single | s | turns "
           "| last call: decode steps | decode ms per step | append forwards / ms / tokens fed of computed "
