@@ -140,7 +140,8 @@ def real_max_prompt_length() -> int:
 def rollout_kv_cache_gib(model: str, completions: int, max_len: int) -> float:
     """The KV cache a step's rollouts fill (every completion at full length), with a quarter more for vLLM's blocks."""
     from oumi_megatron.model_shape import ModelShape
-    from oumi_megatron.plan import GIB, kv_cache_bytes_per_token
+    from oumi_megatron.plan import kv_cache_bytes_per_token
+    from oumi_megatron.utils.disk import GIB
 
     shape = ModelShape.from_file(model)
     return 1.25 * completions * max_len * kv_cache_bytes_per_token(shape, shape.num_layers) / GIB

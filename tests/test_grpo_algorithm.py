@@ -205,6 +205,36 @@ def test_seq_mask_tis_leaves_out_sequences_that_drifted_beyond_the_cap(packed: b
     assert torch.all(plain.grad.reshape(2, 2)[0] != 0.0)  # under tis alone it is trained on, capped at 2
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_icepop_weighs_tokens_inside_the_band_by_their_ratio_and_leaves_the_others_out(packed: bool) -> None:
+    """grpo.off_policy_correction: icepop: a token whose ratio p_trainer / p_rollout is inside [lower, upper] has its
+    policy-gradient term weighted by the ratio itself (not capped); one outside the band adds nothing. Ratios: 1,
+    4 (inside [0.5, 5]), 6 (above), 0.4 (below). Packed rows give the same, the band being per token."""
+    grpo = MegatronGrpoParams(epsilon=0.2, epsilon_high=None, beta=0.0, kl_estimator="k3", loss_aggregation="token_mean",
+                              max_completion_length=4, off_policy_correction="icepop")
+    trainer = torch.full((1, 4), -1.0)
+    rollout = trainer - torch.log(torch.tensor([[1.0, 4.0, 6.0, 0.4]]))
+    batch: dict[str, torch.Tensor] = {"completion_mask": torch.ones(1, 4), "old_logprobs": trainer, "advantages": torch.tensor([1.0]),
+                                      "rollout_logprobs": rollout}
+    if packed:
+        batch = {**batch, "advantages": torch.ones(1, 4), "segment_ids": torch.tensor([[0, 0, 1, 1]])}
+    logprobs = trainer.clone().requires_grad_(True)
+    loss, _, metrics = make_grpo_loss_fn(grpo)(logprobs, batch)
+    loss.backward()
+    # the loss sum (the engine divides by the count): d/dlp of -A x ratio (1 at the update) x weight
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -4.0, 0.0, 0.0]]))
+    assert metrics["off_policy_masked_tokens"].item() == 2.0
+    assert metrics["off_policy_weight_sum"].item() == pytest.approx(5.0)
+    narrow = dataclasses.replace(grpo, icepop_lower=0.8, icepop_upper=2.0)  # the bounds are read: token 2 leaves too
+    logprobs.grad = None
+    make_grpo_loss_fn(narrow)(logprobs, batch)[0].backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, 0.0, 0.0, 0.0]]))
+    on_policy = {k: v for k, v in batch.items() if k != "old_logprobs"}  # the first update: old logprobs are this forward's
+    logprobs.grad = None
+    make_grpo_loss_fn(grpo)(logprobs, on_policy)[0].backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -4.0, 0.0, 0.0]]))
+
+
 def test_logprob_mismatch_sums() -> None:
     from oumi_megatron.grpo.algorithm import logprob_mismatch
 

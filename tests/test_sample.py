@@ -104,3 +104,21 @@ def test_a_dump_is_the_samples_as_json_lines(tmp_path: Path) -> None:
     assert line["reward"] is None and line["rewards"] == {"f": 0.5} and line["text"] == "Hi"
     assert line["env_info"]["code"].startswith("<object object")  # what JSON cannot hold, as its text
     assert "advantage" not in line and "trainable" not in line  # not known when the dump is taken
+
+
+def test_staleness_counts_each_policy_token_by_the_version_that_sampled_it() -> None:
+    """Asynchronous GRPO's staleness metrics read each sample's per-token versions: the trainer at step 5; a sample
+    whose first turn came from version 3 and second from version 4 (its observation tokens, version 3's, not counted),
+    one wholly of version 5, one of version 4. Token-weighted mean (2 x 2 + 1 x 1 + 0 x 2 + 1 x 3) / 8, the oldest token 2
+    versions behind, one sample of three spans two versions."""
+    import torch
+
+    from oumi_megatron.trainer.async_rollouts import staleness_metrics
+
+    spanning = Sample([1], [10, 11, 12, 13, 14], 0, loss_mask=[1, 1, 0, 0, 1], versions=[3, 3, 3, 3, 4])
+    fresh = Sample([1], [10, 11], 0, versions=[5, 5])
+    one_behind = Sample([1], [10, 11, 12], 0, versions=[4, 4, 4])
+    m = staleness_metrics([spanning, fresh, one_behind], 5, torch.device("cpu"))
+    assert m["rollout/staleness_mean"] == pytest.approx((2 * 2 + 1 + 0 * 2 + 1 * 3) / 8)
+    assert m["rollout/staleness_max"] == 2.0
+    assert m["rollout/multi_version_fraction"] == pytest.approx(1 / 3)

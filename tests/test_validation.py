@@ -217,7 +217,13 @@ ASYNC = {"inference_backend": "vllm", "rollout_placement": "separate", "weight_s
         ({**ASYNC, "weight_sync_method": "checkpoint"}, {"max_staleness": 1}, "grpo.max_staleness", "Use nccl (GPUs) or gloo"),
         ({**ASYNC, "enable_weight_sync": False}, {"max_staleness": 1}, "grpo.max_staleness", "enable_weight_sync: true"),
         (ASYNC, {"max_staleness": 1, "dynamic_sampling": True}, "grpo.dynamic_sampling", "not built for asynchronous GRPO"),
-        (ASYNC, {"off_policy_correction": "icepop"}, "grpo.off_policy_correction", "'none', 'tis', 'seq_mask_tis'"),
+        (ASYNC, {"off_policy_correction": "popice"}, "grpo.off_policy_correction", "'none', 'tis', 'seq_mask_tis', 'icepop'"),
+        (ASYNC, {"off_policy_correction": "none", "tis_cap": 3.0}, "grpo.tis_cap", "does not read it"),
+        (ASYNC, {"off_policy_correction": "icepop", "tis_cap": 3.0}, "grpo.tis_cap", "does not read it"),
+        (ASYNC, {"off_policy_correction": "tis", "icepop_upper": 4.0}, "grpo.icepop_upper", "only icepop reads it"),
+        (ASYNC, {"icepop_lower": 0.4}, "grpo.icepop_lower", "only icepop reads it"),
+        (ASYNC, {"off_policy_correction": "icepop", "icepop_lower": 1.5}, "grpo.icepop_lower", "0 < icepop_lower < 1 < icepop_upper"),
+        (ASYNC, {"off_policy_correction": "icepop", "icepop_upper": 0.9}, "grpo.icepop_lower", "0 < icepop_lower < 1 < icepop_upper"),
         ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_gpus_per_engine": 0}, {},
          "megatron.rollout_gpus_per_engine", "positive integer"),
         ({"inference_backend": "vllm", "rollout_placement": "ray", "rollout_engines": 0}, {},
@@ -238,7 +244,7 @@ def test_asynchronous_grpo_rules_name_the_field(make_config, megatron, grpo, fie
 def test_asynchronous_grpo_is_accepted_on_separate_engines_and_ray(make_config) -> None:  # noqa: ANN001
     for placement in ("separate", "ray"):
         for staleness in (0, 1, 4):
-            for correction in (None, "none", "tis", "seq_mask_tis"):
+            for correction in (None, "none", "tis", "seq_mask_tis", "icepop"):
                 r = check(make_config(megatron={**ASYNC, "rollout_placement": placement},
                                       grpo={"max_staleness": staleness, "off_policy_correction": correction}), world_size=2)
                 assert r.ok, (placement, staleness, correction, r.format_problems())
@@ -250,7 +256,10 @@ def test_off_policy_correction_resolves_from_tis_cap() -> None:
     assert (MegatronGrpoParams().off_policy_correction_choice, MegatronGrpoParams().importance_cap) == ("none", None)
     assert (MegatronGrpoParams(tis_cap=3.0).off_policy_correction_choice, MegatronGrpoParams(tis_cap=3.0).importance_cap) == ("tis", 3.0)
     assert MegatronGrpoParams(off_policy_correction="seq_mask_tis").importance_cap == 2.0  # verl's default threshold
-    assert MegatronGrpoParams(off_policy_correction="none", tis_cap=3.0).importance_cap is None
+    assert MegatronGrpoParams(off_policy_correction="none", tis_cap=3.0).importance_cap is None  # validation refuses it
+    icepop = MegatronGrpoParams(off_policy_correction="icepop")
+    assert (icepop.importance_cap, icepop.icepop_band) == (None, (0.5, 5.0))  # the IcePop paper's alpha and beta
+    assert MegatronGrpoParams(off_policy_correction="icepop", icepop_lower=0.8, icepop_upper=1.25).icepop_band == (0.8, 1.25)
 
 
 @pytest.mark.parametrize(
@@ -561,9 +570,9 @@ def test_output_dir_that_cannot_be_written_is_named(make_config, tmp_path: Path,
     r = check(make_config(training={"output_dir": str(a_file / "run")}))
     assert "training.output_dir" in problem_fields(r) and "is a file" in r.format_problems()
     # not writable (faked: the tests may run as root, who can write anywhere)
-    import oumi_megatron.validation as validation
+    import oumi_megatron.trainer.run_dir as run_dir  # where the output_dir rule lives
 
-    monkeypatch.setattr(validation.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(run_dir.os, "access", lambda path, mode: False)
     r = check(make_config(training={"output_dir": str(tmp_path / "new" / "run")}))
     assert "training.output_dir" in problem_fields(r) and "is not writable" in r.format_problems()
 

@@ -21,7 +21,12 @@ import threading
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.model_shape import ModelShape
+
 
 INSTALL_HINT = (
     "megatron-bridge is not available. Install it with\n"
@@ -173,18 +178,6 @@ def _import_megatron_bridge() -> types.ModuleType:
     return bridge
 
 
-def megatron_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("megatron-core", "megatron-bridge", "transformers", "torch", "oumi"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
 def check_megatron_bridge_available() -> None:
     """Raises ``ImportError`` with install instructions unless Megatron-Bridge and Megatron-Core import."""
     for module in ("megatron.core", "megatron.bridge"):
@@ -195,3 +188,19 @@ def check_megatron_bridge_available() -> None:
         bridge.AutoBridge  # noqa: B018 - the entry point we use; fails if the install is broken
     except Exception as e:  # noqa: BLE001
         raise ImportError(f"{INSTALL_HINT}\n(import failed: {type(e).__name__}: {e})") from e
+
+
+def check_megatron_bridge(shape: ModelShape | None, found: Findings) -> None:
+    """Megatron-Bridge imports, and converts the model's architecture (where the shape was read)."""
+    try:
+        check_megatron_bridge_available()
+    except ImportError as e:
+        found.add("megatron-bridge", str(e))
+        return
+    if shape is not None and shape.architectures:
+        supported = set(import_megatron_bridge().AutoBridge.list_supported_models())
+        if not any(arch in supported for arch in shape.architectures):
+            examples = sorted(a for a in supported if a.endswith("ForCausalLM"))[:8]
+            found.add("model.model_name", f"{shape.source} is a {', '.join(shape.architectures)} model, which "
+                                          f"Megatron-Bridge cannot convert. Use a supported architecture, e.g. "
+                                          f"{', '.join(examples)} ...")

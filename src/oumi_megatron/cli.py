@@ -110,7 +110,9 @@ def _local_gpu_gib() -> float | None:
     """This machine's first GPU's memory in GiB (None without one)."""
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    from oumi_megatron.utils.disk import GIB
+
+    return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:

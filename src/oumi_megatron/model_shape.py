@@ -12,7 +12,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "model_shapes"
 """Copies of the public config.json of the models the shipped configs name (a source checkout's configs/)."""
@@ -206,3 +210,41 @@ def resolve_shape(model_name: str, revision: str | None = None) -> ResolvedShape
             f"{model_name}'s config.json), or use a local model folder; shapes shipped in configs/model_shapes/: {known}"
         ) from e
     return ResolvedShape(ModelShape.from_file(downloaded))
+
+
+def read_config_shape(config: MegatronTrainingConfig, model_config_path: str | None, found: Findings,
+                      notes: list[str]) -> tuple[ModelShape | None, bool]:
+    """The shape of ``model.model_name`` (``model_config_path``: a copy of its config.json instead) and whether its
+    architecture is one this project cannot train; where it cannot be read, None and the problem in ``found``. A
+    shipped copy read instead of the Hub's is a line in ``notes``."""
+    source = model_config_path or config.model.model_name
+    try:
+        if model_config_path:
+            return ModelShape.from_file(model_config_path), False
+        resolved = resolve_shape(config.model.model_name, config.model.model_revision)
+        if resolved.note:
+            notes.append(f"model.model_name: {resolved.note}")
+        return resolved.shape, False
+    except ModelShapeError as e:
+        field_name = "--model-config" if model_config_path else "model.model_name"
+        if e.unsupported_architecture or not (model_config_path or str(e).startswith("local model path")):
+            found.add(field_name, str(e))  # a Hub name's message names --model-config and the shipped shapes
+        else:
+            found.add(field_name, f"cannot read the model's shape: {e}. Use a local folder with config.json, check the "
+                                  f"name, or pass `--model-config PATH/config.json` with a copy of {source}'s config.")
+        return None, e.unsupported_architecture
+
+
+def check_model_needs(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
+    """What the model needs beyond the layout (engine/parallel/layout.py checks the split): its own code, its context
+    length."""
+    if shape.remote_code and not config.model.trust_remote_code:
+        found.add("model.trust_remote_code", f"{shape.source} needs its own code to load (config.json has an auto_map), "
+                                             "which is not run unless you allow it. If you trust it, set "
+                                             "model.trust_remote_code: true.")
+    seq, limit = config.grpo.max_sequence_length, shape.max_position_embeddings
+    if isinstance(limit, int) and limit > 0 and isinstance(seq, int) and seq > limit:
+        found.add("grpo.max_completion_length",
+                  f"grpo.max_prompt_length + grpo.max_completion_length = {config.grpo.max_prompt_length} + "
+                  f"{config.grpo.max_completion_length} = {seq} exceeds the model's max_position_embeddings ({limit}). "
+                  f"Lower them so that they sum to at most {limit}.")

@@ -46,21 +46,21 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.config.lora import CANONICAL, HF_TO_MEGATRON, LoraSettings, lora_settings
+from oumi_megatron.engine.kernels.chunked_logprobs import auto_chunk_tokens, worth_chunking
 from oumi_megatron.engine.parallel.layout import ParallelLayout, divisors, resolve_layout
 from oumi_megatron.model_shape import ModelShape
 from oumi_megatron.rollout.registry import DECODER_CACHE, ENGINE_SHARE, own_gpu_engine_problem, rollout_mode
 from oumi_megatron.state_plan import StatePlan, estimate_state
+from oumi_megatron.utils.disk import GIB
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.validation import ValidationReport
 
-GIB = 2**30
 CUDA_OVERHEAD_GIB = 4.0
 """What a GPU holds outside PyTorch's allocator: the CUDA context, NCCL communicators, cuBLAS workspaces (measured
 2.8 GiB on one H200, 3.3-4.1 GiB with NCCL on two: docs/benchmarks.md). The caching allocator may reserve more
 than it hands out (5-12 GiB there at the peak); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True narrows that."""
-AUTO_CHUNK_LOGITS = 1 << 27  # as engine/kernels/chunked_logprobs.py: fp32 logits per auto-sized chunk
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits", "rollout", "overhead")
 
 
@@ -272,8 +272,9 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         if stage == pp - 1:
             vocab_shard = shape.vocab_size / layout.tensor_parallel
             chunk: float | None = m.logprob_chunk_tokens
-            if chunk is None:  # auto (CUDA): chunks of ~512 MiB of fp32 logits once a microbatch's would pass that
-                chunk = AUTO_CHUNK_LOGITS / vocab_shard if tokens * vocab_shard > AUTO_CHUNK_LOGITS else 0
+            if chunk is None:  # auto (CUDA): the engine's rule, on a TP rank's rows of the output layer
+                rows = math.ceil(vocab_shard)
+                chunk = auto_chunk_tokens(rows) if worth_chunking(math.ceil(tokens), rows) else 0
             logits = 12 * min(chunk, tokens) * vocab_shard if chunk else 6 * tokens * vocab_shard
             if m.enable_module_queue:  # seed 000's saving: N x layer size - V x H / num_chunks (bf16)
                 output = shape.vocab_size * shape.hidden_size / layout.tensor_parallel

@@ -9,9 +9,24 @@ Validation, data loading and the trainer each import them first (idempotent: Pyt
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 
 def load_plugins(modules: list[str] | None) -> None:
     """Import the modules named in ``grpo.plugins`` (their decorators register their functions)."""
     for module in modules or []:
         importlib.import_module(module)
+
+
+def check_plugins(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.plugins`` import (validation checks them first: they register what the other checks look up)."""
+    for module in config.grpo.plugins or []:
+        try:
+            load_plugins([module])
+        except Exception as e:  # noqa: BLE001 - any failure to import is the user's module to fix
+            found.add("grpo.plugins", f"cannot import {module!r} ({type(e).__name__}: {e}). Name an importable module "
+                                      "(on PYTHONPATH) that registers your functions.")

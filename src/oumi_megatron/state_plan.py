@@ -26,12 +26,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.utils.disk import GIB
+
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.parallel.layout import ParallelLayout
     from oumi_megatron.model_shape import ModelShape
 
-GIB = 2**30
 PROCESS_HOST_GIB = 2.0
 """One rank's process in host memory before any state: Python, torch, Megatron-Core, Megatron-Bridge and Oumi
 imported (1.1 GiB measured on CPU) and CUDA's host-side allocations."""

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from oumi.utils.logging import logger
 
 from oumi_megatron.data import load_eval_sets, load_prompts, steps_for_epochs
+from oumi_megatron.grpo.rewards import reward_argument_problems
 from oumi_megatron.utils.options import option_value
-from oumi_megatron.validation import reward_argument_problems, validate_config
+from oumi_megatron.validation import validate_config
 
 if TYPE_CHECKING:
     from oumi_megatron.config.training_config import MegatronTrainingConfig

@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
         if step + 1 in args.save_at:
             save_checkpoint(engine, Path(args.out) / "checkpoints", step + 1, {"data_position": step + 1},
                             Path(args.ckpt) / "hf", async_writer=writer)
+            if writer is not None:  # the model's and the optimizer's writes in flight, each with its results queue
+                queues = [call.async_request.async_fn_args[2] for call in writer.queue.async_calls]
+                results["async_writes"] = [len(queues), len({id(q) for q in queues})]
     if writer is not None:
         writer.close()
     probe = global_batch(99)[:4]

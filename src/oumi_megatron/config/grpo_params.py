@@ -10,12 +10,19 @@ resolve through Oumi's ``REWARD_FUNCTION`` registry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.config.base import BaseParams
+from oumi_megatron.config.problems import choices
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 ON_REWARD_ERROR = ("raise", "skip")
-OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis")
+OFF_POLICY_CORRECTIONS = ("none", "tis", "seq_mask_tis", "icepop")
+# IcePop's band of kept token ratios p_proximal / p_behaviour (Ling team, "Every Step Evolves", 2025: alpha 0.5, beta 5)
+ICEPOP_BAND = (0.5, 5.0)
 MAX_STALENESS = 4
 
 
@@ -166,10 +173,17 @@ class MegatronGrpoParams(BaseParams):
 
     @property
     def importance_cap(self) -> float | None:
-        """The cap of the truncated importance weights, None when no correction applies."""
-        if self.off_policy_correction_choice == "none":
+        """The cap of the truncated importance weights (``tis``, ``seq_mask_tis``), None under the others."""
+        if self.off_policy_correction_choice not in ("tis", "seq_mask_tis"):
             return None
         return self.tis_cap if self.tis_cap is not None else 2.0
+
+    @property
+    def icepop_band(self) -> tuple[float, float]:
+        """IcePop's [lower, upper] band of kept token ratios, the paper's where unset."""
+        lower, upper = ICEPOP_BAND
+        return (lower if self.icepop_lower is None else self.icepop_lower,
+                upper if self.icepop_upper is None else self.icepop_upper)
 
     off_policy_correction: str | None = None
     """How the loss corrects for samples drawn by another policy than the one whose logprobs the trainer recomputes
@@ -177,9 +191,19 @@ class MegatronGrpoParams(BaseParams):
     sampled tokens, from vLLM, against the trainer's. ``tis``: each token's policy-gradient term weighted by
     min(p_proximal / p_behaviour, ``tis_cap``) (truncated importance sampling); ``seq_mask_tis``: the same, and a
     sequence whose geometric-mean ratio exp(mean log(p_proximal / p_behaviour)) is outside [1 / tis_cap, tis_cap]
-    is left out of the loss (metric ``off_policy/masked_sequence_fraction``); ``none``. Unset: ``tis`` when
-    ``tis_cap`` is set, else ``none``. ``tis`` and ``seq_mask_tis`` take ``tis_cap``, 2.0 when unset (verl's
-    default threshold)."""
+    is left out of the loss (metric ``off_policy/masked_token_fraction``); ``icepop``: each token's term weighted by
+    its ratio where the ratio lies inside [``icepop_lower``, ``icepop_upper``], and the token left out of the loss
+    where it does not (IcePop's masked importance sampling; same metric); ``none``. Unset: ``tis`` when ``tis_cap``
+    is set, else ``none``. ``tis`` and ``seq_mask_tis`` take ``tis_cap``, 2.0 when unset (verl's default
+    threshold)."""
+
+    icepop_lower: float | None = None
+    """``off_policy_correction: icepop``: the smallest token ratio p_proximal / p_behaviour kept in the loss, in
+    (0, 1). Unset: 0.5 (the IcePop paper's alpha)."""
+
+    icepop_upper: float | None = None
+    """``off_policy_correction: icepop``: the largest token ratio kept in the loss, > 1. Unset: 5.0 (the paper's
+    beta)."""
 
     max_staleness: int = 0
     """Asynchronous GRPO (``megatron.rollout_placement: separate``): how many GRPO steps older than the trainer's
@@ -266,10 +290,39 @@ class MegatronGrpoParams(BaseParams):
     """A reward function that raises or returns NaN: ``raise`` stops the step, ``skip`` drops and counts the sample."""
 
     @property
-    def effective_epsilon_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-    @property
     def max_sequence_length(self) -> int:
         """Longest sequence the trainer sees: prompt plus completion."""
         return self.max_prompt_length + self.max_completion_length
+
+
+def check_rollout_dump_steps(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.rollout_dump_steps`` (trainer/rollout_dump.py writes the dumps)."""
+    dump = config.grpo.rollout_dump_steps
+    if not isinstance(dump, int) or isinstance(dump, bool) or dump < 0:
+        found.add("grpo.rollout_dump_steps", f"must be an integer >= 0 (0: no dumps; N: every N-th step's samples to "
+                                             f"output_dir/rollouts/), got {dump!r}.")
+
+
+def check_sandbox(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.sandbox``: where model-written code runs, with which limits (``SandboxParams.settings`` hands them to
+    utils/sandbox.py, whose choices these are)."""
+    from oumi_megatron.utils.sandbox import ISOLATIONS, MAX_WORKERS
+
+    s = config.grpo.sandbox
+    if s.isolation not in ISOLATIONS:
+        found.add("grpo.sandbox.isolation", f"unknown value {s.isolation!r}. Use one of {choices(ISOLATIONS)} "
+                                            "(limits_unsafe: resource limits only, the model's code can read this machine's "
+                                            "files and reach the network).")
+    if s.workers is not None and (not isinstance(s.workers, int) or isinstance(s.workers, bool)
+                                  or not 1 <= s.workers <= MAX_WORKERS):
+        found.add("grpo.sandbox.workers", f"must be an integer in [1, {MAX_WORKERS}] or null (max(environment_workers, "
+                                          f"min(4, CPUs))), got {s.workers!r}.")
+    for name in ("timeout_s", "cpu_s"):
+        value = getattr(s, name)
+        if (value is not None or name == "timeout_s") and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                                           or not value > 0):
+            found.add(f"grpo.sandbox.{name}", f"must be > 0 seconds{' or null (= timeout_s)' if name == 'cpu_s' else ''}, "
+                                              f"got {value!r}. Typical: 10.")
+    for name in ("memory_mb", "max_processes", "max_output_bytes", "work_mb"):
+        found.positive(f"grpo.sandbox.{name}", getattr(s, name))

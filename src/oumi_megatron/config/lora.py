@@ -13,9 +13,12 @@ initializations: PiSSA, LoftQ, ...) are refused where they differ from Oumi's de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.config.problems import Problem
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
 
 FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
 """Megatron's fused projections and the HF projections they hold."""
@@ -27,6 +30,8 @@ CANONICAL = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "
 MEGATRON_TO_HF = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 SAVE_MODES = ("adapter_only", "adapter_and_base_model", "merged")
+LORA_SYNCS = ("adapter", "merged")
+"""``megatron.lora_sync``'s values; which a rollout mode runs, it declares (rollout/registry.py ``lora_syncs``)."""
 NOT_BUILT = {  # Oumi's peft: field -> its default (a value other than it is refused)
     "q_lora": False, "lora_modules_to_save": None, "lora_exclude_modules": None, "lora_target_parameters": None,
     "lora_bias": "none", "lora_init_weights": "default", "lora_task_type": "CAUSAL_LM",
@@ -115,6 +120,18 @@ def _targets(names: Any) -> tuple[tuple[str, ...], bool, Problem | None]:
     if partial:  # one adapter per HF projection
         return tuple(CANONICAL[h] for h in CANONICAL if h in hf), True, None
     return tuple(m for m, members in MEGATRON_TO_HF.items() if set(members) <= hf), False, None
+
+
+def check_lora(config: Any, found: Findings) -> None:
+    """``training.use_peft`` with ``peft:``: its fields, the layouts LoRA does not run under, ``megatron.lora_sync``
+    (what the rollout mode runs of it: rollout/registry.py ``check_lora_sync``)."""
+    _, problems = lora_settings(config)
+    found.problems.extend(problems)
+    found.problems.extend(layout_problems(config))
+    if config.megatron.lora_sync not in LORA_SYNCS:
+        found.add("megatron.lora_sync", f"unknown value {config.megatron.lora_sync!r}. Use merged (rollouts decode the base "
+                                        "with the adapters merged in) or adapter (the base beside the adapter: vLLM engines "
+                                        "take the adapter alone at each sync, the embedded backend runs it in its forward).")
 
 
 def layout_problems(config: Any) -> list[Problem]:

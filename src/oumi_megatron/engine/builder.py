@@ -20,7 +20,16 @@ from oumi_megatron.engine.state.conversion import build_from_checkpoint
 if TYPE_CHECKING:
     from oumi_megatron.config.lora import LoraSettings
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.problems import Findings
     from oumi_megatron.engine.parallel.layout import ParallelLayout
+
+
+def check_ddp(config: Any, found: Findings) -> None:
+    """``megatron.ddp_config``: ``average_in_collective`` cannot apply (``ddp_config_from_params``), so it only warns."""
+    if config.megatron.ddp_config.average_in_collective:
+        found.warn("megatron.ddp_config.average_in_collective: True is not used: GRPO losses are normalized by the global "
+                   "token/sequence count, which Megatron-Core does by summing gradients in the collective and dividing "
+                   "once (averaging as well would divide twice). The gradient is the same average. Remove the setting.")
 
 
 def ddp_config_from_params(params: MegatronParams) -> Any:

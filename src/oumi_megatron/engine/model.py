@@ -18,11 +18,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oumi_megatron.bridge_utils import have_transformer_engine, import_megatron_bridge
+from oumi_megatron.config.megatron_params import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
+from oumi_megatron.config.problems import choices
 from oumi_megatron.engine.kernels.cuda_graphs import check_cuda_graphs
 from oumi_megatron.errors import UserInputError
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
 
 logger = logging.getLogger("oumi")  # Oumi's logger where Oumi is installed
 
@@ -82,6 +87,25 @@ def load_bridge(hf_path: str | Path, trust_remote_code: bool = False, config_onl
     if config_only:
         return AutoBridge.from_hf_config(hf_config)
     return AutoBridge.from_hf_pretrained(str(hf_path), trust_remote_code=trust_remote_code)
+
+
+def check_recompute(config: MegatronTrainingConfig, found: Findings) -> None:
+    """Activation recompute (``megatron.transformer_config.recompute_*``), as ``configure_provider`` hands it on."""
+    t = config.megatron.transformer_config
+    if t.recompute_granularity is not None and t.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        found.add("megatron.transformer_config.recompute_granularity",
+                  f"unknown value {t.recompute_granularity!r}. Use 'full', 'selective' or null (no recompute).")
+    if t.recompute_method is not None and t.recompute_method not in RECOMPUTE_METHODS:
+        found.add("megatron.transformer_config.recompute_method",
+                  f"unknown value {t.recompute_method!r}. Use 'uniform', 'block' or null.")
+    if t.recompute_granularity == "full" and t.recompute_method is None:
+        found.add("megatron.transformer_config.recompute_method",
+                  "full recompute needs a method. Set recompute_method: uniform (or block).")
+    bad_modules = [mod for mod in t.recompute_modules or [] if mod not in RECOMPUTE_MODULES]
+    if bad_modules:
+        found.add("megatron.transformer_config.recompute_modules",
+                  f"unknown module(s) {bad_modules}. Choose from {choices(RECOMPUTE_MODULES)}.")
+    found.positive("megatron.transformer_config.recompute_num_layers", t.recompute_num_layers, allow_none=True)
 
 
 def configure_provider(

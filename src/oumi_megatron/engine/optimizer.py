@@ -12,8 +12,22 @@ from oumi_megatron.utils.options import option_value
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 logger = logging.getLogger("oumi")
+
+
+def check_optimizer(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.optimizer_config``: the offloaded fraction of the optimizer state."""
+    opt = config.megatron.optimizer_config
+    frac = opt.optimizer_offload_fraction
+    if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+        found.add("megatron.optimizer_config.optimizer_offload_fraction",
+                  f"must be in [0, 1], got {frac!r}. Use 1.0 to offload all optimizer state, 0.0 for none.")
+    elif frac > 0 and not opt.optimizer_cpu_offload:
+        found.warn("megatron.optimizer_config.optimizer_offload_fraction > 0 has no effect unless "
+                   "megatron.optimizer_config.optimizer_cpu_offload is True.")
 
 
 @dataclass(frozen=True)

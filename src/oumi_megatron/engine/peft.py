@@ -20,6 +20,17 @@ import torch
 
 if TYPE_CHECKING:
     from oumi_megatron.config.lora import LoraSettings
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+    from oumi_megatron.model_shape import ModelShape
+
+
+def check_lora_on_model(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
+    """LoRA wraps dense layers here; on expert layers it is not built."""
+    if shape.is_moe and getattr(config.training, "use_peft", False):
+        found.add("training.use_peft", f"{shape.source} has mixture-of-experts layers, and LoRA on expert layers is not "
+                                       "built or tested here (docs/lora.md). Use a dense model with LoRA, or full "
+                                       "fine-tuning.")
 
 
 def bridge_peft(settings: LoraSettings) -> Any:
@@ -257,12 +268,8 @@ def _lora_delta(wrapper: Any, weight: torch.Tensor) -> torch.Tensor:
     return delta(wrapper.adapter, weight.shape[0])
 
 
-def adapter_parameters(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of every trainable parameter: the adapters."""
-    return [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
-
-
 @dataclass
+
 class AdapterWeights:
     """The whole LoRA adapter as HF PEFT writes it: ``adapter_model.safetensors``'s tensors (CPU, PEFT's names,
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and ``adapter_config.json``'s dict."""

@@ -14,10 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oumi_megatron.grpo.registry import register_advantage_estimator, register_policy_loss
+from oumi_megatron.config.grpo_params import OFF_POLICY_CORRECTIONS, ON_REWARD_ERROR
+from oumi_megatron.config.problems import choices
+from oumi_megatron.grpo.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, register_advantage_estimator, register_policy_loss
 
 if TYPE_CHECKING:
     from oumi_megatron.config.grpo_params import MegatronGrpoParams
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
@@ -262,9 +267,93 @@ def sequence_ratio_mask(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
     return ((log_ratio >= -bound) & (log_ratio <= bound)).to(trainer_logprobs.dtype).detach()
 
 
+def icepop_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lower: float,
+                   upper: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grpo.off_policy_correction: icepop`` (masked importance sampling, Ling team 2025): each token's
+    policy-gradient term is weighted by its ratio p_trainer / p_rollout where the ratio lies in [lower, upper] and
+    by 0 where it does not, so a token the two policies disagree on too much leaves the loss instead of being
+    capped. Returns (weights, kept), both detached; kept is 1 where the token stays."""
+    ratio = torch.exp(trainer_logprobs - rollout_logprobs).detach()
+    kept = ((ratio >= lower) & (ratio <= upper)).to(ratio.dtype)
+    return ratio * kept, kept
+
+
 def truncated_importance_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings
     you off-policy RL training"): the samples came from the rollout engine's distribution, the
     gradient is taken for the trainer's, so each token's policy-gradient term is weighted by
     ``min(p_trainer / p_rollout, cap)`` (no gradient through the weight)."""
     return torch.exp(trainer_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+# -- the grpo: section's rules (validation.py runs them in its order) -----------------------------------------------
+def check_sampling_and_clipping(config: MegatronTrainingConfig, found: Findings) -> None:
+    """The sampling the logprobs are taken at, the group size, the clip ranges and the off-policy correction."""
+    g = config.grpo
+    if not isinstance(g.temperature, (int, float)) or not 0.0 < g.temperature <= 2.0:
+        found.add("grpo.temperature", f"must be in (0, 2], got {g.temperature!r}. Typical: 0.6-1.0.")
+    if not isinstance(g.num_generations, int) or g.num_generations < 2:
+        found.add("grpo.num_generations", f"must be at least 2, got {g.num_generations!r}: GRPO's advantage compares "
+                                          "completions of the same prompt. Typical: 4-16.")
+    if not 0.0 < g.top_p <= 1.0:
+        found.add("grpo.top_p", f"must be in (0, 1], got {g.top_p!r}. Use 1.0 to disable nucleus sampling.")
+    if not g.epsilon > 0:
+        found.add("grpo.epsilon", f"must be > 0, got {g.epsilon!r}. Typical: 0.2.")
+    if g.epsilon_high is not None and not g.epsilon_high > 0:
+        found.add("grpo.epsilon_high", f"must be > 0 or null (= epsilon), got {g.epsilon_high!r}. DAPO uses 0.28.")
+    if g.tis_cap is not None and not g.tis_cap >= 1.0:
+        found.add("grpo.tis_cap", f"must be >= 1 or null (off), got {g.tis_cap!r}: it caps p_trainer / p_rollout. "
+                                  "Typical: 2.0.")
+    if g.off_policy_correction is not None and g.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        found.add("grpo.off_policy_correction", f"unknown value {g.off_policy_correction!r}. Use one of "
+                                                f"{choices(OFF_POLICY_CORRECTIONS)}, or leave it unset.")
+        return
+    correction = g.off_policy_correction_choice
+    if g.tis_cap is not None and correction not in ("tis", "seq_mask_tis"):
+        found.add("grpo.tis_cap", f"is set but off_policy_correction is {correction!r}, which does not read it. "
+                                  "Remove tis_cap, or use off_policy_correction: tis or seq_mask_tis.")
+    for name in ("icepop_lower", "icepop_upper"):
+        if getattr(g, name) is not None and correction != "icepop":
+            found.add(f"grpo.{name}", f"is set but off_policy_correction is {correction!r}: only icepop reads it. "
+                                      f"Remove {name}, or set off_policy_correction: icepop.")
+    lower, upper = g.icepop_band
+    if correction == "icepop" and not (isinstance(lower, (int, float)) and isinstance(upper, (int, float))
+                                       and 0.0 < lower < 1.0 < upper):
+        found.add("grpo.icepop_lower", f"IcePop's band must satisfy 0 < icepop_lower < 1 < icepop_upper, got "
+                                       f"[{lower!r}, {upper!r}]. The paper's: [0.5, 5.0] (leave both unset).")
+
+
+def check_loss_and_updates(config: MegatronTrainingConfig, found: Findings) -> None:
+    """KL, the loss's aggregation, reward errors, the registered loss and estimator (``grpo.plugins`` are imported),
+    the lengths and updates per batch, and DAPO's dynamic sampling and overlong punishment."""
+    g = config.grpo
+    if g.beta < 0:
+        found.add("grpo.beta", f"must be >= 0, got {g.beta!r}. Use 0 to train without a KL penalty.")
+    if g.kl_estimator not in KL_ESTIMATORS:
+        found.add("grpo.kl_estimator", f"unknown value {g.kl_estimator!r}. Use one of {choices(KL_ESTIMATORS)}.")
+    if g.loss_aggregation not in LOSS_AGGREGATIONS:
+        found.add("grpo.loss_aggregation", f"unknown value {g.loss_aggregation!r}. Use one of "
+                                           f"{choices(LOSS_AGGREGATIONS)}.")
+    if g.on_reward_error not in ON_REWARD_ERROR:
+        found.add("grpo.on_reward_error", f"unknown value {g.on_reward_error!r}. Use 'raise' or 'skip'.")
+    for registry, value in ((POLICY_LOSSES, g.policy_loss), (ADVANTAGE_ESTIMATORS, g.advantage_estimator)):
+        if value not in registry:
+            found.add(registry.field, registry.unknown_message(value))
+    try:
+        scale_rewards_mode(g.scale_rewards)
+    except ValueError as e:
+        found.add("grpo.scale_rewards", str(e))
+    if g.clip_ratio_c is not None and not g.clip_ratio_c > 1.0:
+        found.add("grpo.clip_ratio_c", f"must be > 1 or null (off), got {g.clip_ratio_c!r}: it bounds the loss of "
+                                       "negative-advantage tokens at -A x clip_ratio_c. verl's default: 3.0.")
+    for name in ("max_prompt_length", "max_completion_length", "ppo_epochs", "num_mini_batches"):
+        found.positive(f"grpo.{name}", getattr(g, name))
+    found.positive("grpo.dynamic_sampling_max_rounds", g.dynamic_sampling_max_rounds)
+    buffer, longest = g.overlong_buffer_length, g.max_completion_length
+    if buffer is not None and (not isinstance(buffer, int) or isinstance(buffer, bool) or not 0 < buffer <= longest):
+        found.add("grpo.overlong_buffer_length", f"must be an integer in [1, grpo.max_completion_length = {longest}] or "
+                                                 f"null (off), got {buffer!r}: the last this-many tokens before the limit "
+                                                 f"are penalised. DAPO: a fifth of the limit (here {max(longest // 5, 1)}).")
+    if not isinstance(g.overlong_penalty_factor, (int, float)) or not g.overlong_penalty_factor >= 0:
+        found.add("grpo.overlong_penalty_factor", f"must be >= 0, got {g.overlong_penalty_factor!r}: the most reward the "
+                                                  "overlong punishment takes. DAPO: 1.0.")

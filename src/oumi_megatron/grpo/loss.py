@@ -9,6 +9,7 @@ import torch
 from oumi_megatron.engine.engine import LossFn
 from oumi_megatron.grpo.algorithm import (
     aggregate,
+    icepop_weights,
     kl_divergence,
     logprob_mismatch,
     sequence_ratio_mask,
@@ -28,9 +29,9 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     token t + 1): ``completion_mask`` [b, T], ``old_logprobs`` [b, T], ``advantages`` [b] or [b, T] and, when
     ``grpo.beta > 0``, ``ref_logprobs`` [b, T]; packed rows also carry ``segment_ids`` [b, T]
     (see ``trainer/batches.py``). Under ``grpo.off_policy_correction`` (``tis_cap`` alone: ``tis``),
-    ``rollout_logprobs`` [b, T] (the rollout
-    engine's logprobs of the sampled tokens) turn on truncated importance sampling. Metrics are sums over the microbatch (the trainer
-    divides by ``completion_tokens``).
+    ``rollout_logprobs`` [b, T] (the rollout engine's logprobs of the sampled tokens) weigh each token's
+    policy-gradient term: truncated importance sampling (``tis``, ``seq_mask_tis``) or IcePop's band (``icepop``).
+    Metrics are sums over the microbatch (the trainer divides by ``completion_tokens``).
 
     A microbatch without ``old_logprobs`` is trained on by the policy that generated it (the step's first
     optimizer step): its old logprobs are this forward's, detached (TRL's on-policy shortcut), so the ratio is
@@ -40,7 +41,7 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
     """
 
     policy_loss = POLICY_LOSSES.get(grpo.policy_loss)
-    correction, cap = grpo.off_policy_correction_choice, grpo.importance_cap
+    correction, cap, (lower, upper) = grpo.off_policy_correction_choice, grpo.importance_cap, grpo.icepop_band
 
     def loss_fn(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["completion_mask"].to(logprobs.dtype)
@@ -59,6 +60,10 @@ def make_grpo_loss_fn(grpo: MegatronGrpoParams) -> LossFn:
                 tis = tis * kept
                 tis_metrics["off_policy_masked_tokens"] = ((1.0 - kept) * mask).sum()
             pg_loss = pg_loss * tis
+        elif correction == "icepop" and "rollout_logprobs" in batch:
+            weight, kept = icepop_weights(old_logprobs, batch["rollout_logprobs"], lower, upper)
+            tis_metrics = {"off_policy_weight_sum": (weight * mask).sum(), "off_policy_masked_tokens": ((1.0 - kept) * mask).sum()}
+            pg_loss = pg_loss * weight
         per_token = pg_loss
         kl = torch.zeros_like(logprobs)
         if grpo.beta > 0:

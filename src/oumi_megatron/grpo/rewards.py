@@ -9,14 +9,21 @@ Oumi registers functions in two conventions; both are supported:
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from oumi_megatron.config.problems import Problem
 from oumi_megatron.grpo.reward_metrics import RewardsAndMetrics
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+    from oumi_megatron.data import DatasetHead
 
 
 class RewardFunctionError(RuntimeError):
@@ -192,3 +199,96 @@ class RewardComputer:
             total += weight * per_function[name]
         return RewardResult(total=torch.where(valid, total, torch.zeros_like(total)), per_function=per_function | metrics,
                             valid=valid, errors=errors)
+
+
+def check_reward_functions(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``grpo.reward_functions``: at least one, each registered (``grpo.plugins`` are imported) with a finite weight."""
+    g = config.grpo
+    if not g.reward_functions:
+        found.add("grpo.reward_functions", "is empty, and the training data has no default reward (gsm8k and countdown data "
+                                           "get theirs automatically); GRPO needs a reward. Add at least one registered "
+                                           "reward function, e.g.\n      grpo:\n        reward_functions:\n"
+                                           "          - name: gsm8k")
+    registered: set[str] | None = None
+    for i, rf in enumerate(g.reward_functions):
+        if not rf.name:
+            found.add(f"grpo.reward_functions[{i}].name", "is empty. Set it to a registered reward function name.")
+            continue
+        if not math.isfinite(rf.weight):
+            found.add(f"grpo.reward_functions[{i}].weight", f"must be a finite number, got {rf.weight!r}.")
+        if registered is None:
+            registered = _registered_reward_functions()
+        if rf.name not in registered:
+            found.add(f"grpo.reward_functions[{i}].name",
+                      f"{rf.name!r} is not in Oumi's REWARD_FUNCTION registry. Known: {sorted(registered)}. Register your "
+                      "own with @register('name', RegistryType.REWARD_FUNCTION) in a module named in grpo.plugins (the "
+                      "CPU demo's char_class: oumi_megatron.examples.demo_task).")
+
+
+def _registered_reward_functions() -> set[str]:
+    from oumi.core.registry import RegistryType
+
+    return set(load_reward_registry().get_all(RegistryType.REWARD_FUNCTION))
+
+
+_REWARD_GIVES = frozenset({"completions", "prompts"})
+"""What every TRL-style reward call passes besides the rows' columns (``RewardComputer``)."""
+
+
+def _columns(rows: list[dict], environment: bool) -> set[str]:
+    """The keyword arguments a batch of these rows gives a TRL-style reward (the first row's columns but the prompt;
+    ``env_info`` where episodes run an environment)."""
+    columns = {k for k in rows[0] if k not in ("prompt", "completion")} if rows else set()
+    return columns | ({"env_info"} if environment else set())
+
+
+def reward_argument_problems(config: MegatronTrainingConfig, heads: list[DatasetHead]) -> list[Problem]:
+    """Each reward function's keyword arguments against the rows it will be called with (the first rows of each
+    dataset in ``heads``): a TRL-style function's required parameters are among the columns, ``completions``,
+    ``prompts`` and its ``kwargs``, and without ``**kwargs`` it accepts every column; a verl-style one finds
+    ``reward_model.ground_truth`` in the rows."""
+    problems: list[Problem] = []
+    for i, rf in enumerate(config.grpo.reward_functions):
+        try:
+            fn = _registry_function(rf.name)
+        except KeyError:
+            continue  # reported by check_reward_functions
+        where_rf = f"grpo.reward_functions[{i}]"
+        params = inspect.signature(fn).parameters
+        for head in heads:
+            if not head.rows:
+                continue
+            data = f"{head.where} ({head.name})"
+            if _is_verl_style(fn):
+                if not all(isinstance(r.get("reward_model"), dict) and "ground_truth" in r["reward_model"] for r in head.rows):
+                    problems.append(Problem(where_rf, f"{rf.name!r} is a verl-style reward (solution_str, ground_truth): it "
+                                            f"reads each row's reward_model.ground_truth, which the rows of {data} do not "
+                                            "have. Return {'reward_model': {'ground_truth': ...}} from the dataset's "
+                                            "transform, or use a TRL-style reward (completions, **columns)."))
+                continue
+            columns = _columns(head.rows, config.grpo.environment is not None)
+            given = _REWARD_GIVES | columns | set(rf.kwargs)
+            required = [n for n, p in params.items() if p.default is p.empty
+                        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            missing = [n for n in required if n not in given]
+            if missing:
+                problems.append(Problem(where_rf, f"{rf.name!r} needs the keyword argument(s) {', '.join(map(repr, missing))}, "
+                                        f"which the rows of {data} do not have (their columns after the dataset's "
+                                        f"transform: {', '.join(sorted(columns)) or 'none'} besides 'prompt'; every call also "
+                                        f"gets completions and prompts). Return {' and '.join(map(repr, missing))} from the "
+                                        f"dataset's transform, or set it in {where_rf}.kwargs."))
+            clash = sorted(set(rf.kwargs) & (columns | _REWARD_GIVES))
+            if clash:
+                problems.append(Problem(f"{where_rf}.kwargs", f"sets {', '.join(map(repr, clash))}, which every call already "
+                                        f"passes from the rows of {data}: the call would get it twice. Rename the argument."))
+            positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+            if positional:
+                problems.append(Problem(where_rf, f"{rf.name!r} has positional-only parameter(s) {positional}; rewards are "
+                                        "called with keyword arguments (completions=..., prompts=..., one per column)."))
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                unexpected = sorted(given - set(rf.kwargs) - set(params))
+                if unexpected:
+                    problems.append(Problem(where_rf, f"{rf.name!r} takes no **kwargs, and every call passes "
+                                            f"{', '.join(map(repr, unexpected))} (from the rows of {data}), which it does "
+                                            "not accept. Add **kwargs to its signature."))
+    return problems

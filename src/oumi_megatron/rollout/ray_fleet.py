@@ -45,6 +45,7 @@ from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_backend import _rollouts, _vllm_sampling
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import SenderRole, open_links, probe_raw, replica_stats, sender_role
+from oumi_megatron.utils.disk import GIB
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.vllm_engine import EngineSpec
@@ -152,26 +153,26 @@ def check_engine_fits(params: Any, model_name: str) -> None:
     the largest node's memory."""
     from oumi_megatron.model_shape import ModelShape
 
-    gib, g, cuda = 2**30, params.rollout_gpus_per_engine, torch.cuda.is_available()
+    g, cuda = params.rollout_gpus_per_engine, torch.cuda.is_available()
     # one GPU's share of the weights; on CPU the engine's workers share one node's memory
     weights = ModelShape.resolve(model_name).vllm_weight_bytes(g if cuda else 1)
-    need = weights + (params.vllm_kv_cache_gib or 0.0) * gib
+    need = weights + (params.vllm_kv_cache_gib or 0.0) * GIB
     if cuda:
         total = _gpu_memory_in_cluster()
         have = total * params.vllm_gpu_memory_utilization
-        where = (f"{have / gib:.1f} GiB ({total / gib:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
+        where = (f"{have / GIB:.1f} GiB ({total / GIB:.0f} GiB GPU x megatron.vllm_gpu_memory_utilization "
                  f"{params.vllm_gpu_memory_utilization})")
         fix = ("Give each engine more GPUs (megatron.rollout_gpus_per_engine: vLLM tensor parallelism), raise "
                "vllm_gpu_memory_utilization (engines of the fleet have their GPUs to themselves: 0.9 is usual), or lower "
                "vllm_kv_cache_gib.")
     else:
         have = _largest_node_memory()
-        where = f"{have / gib:.1f} GiB (the largest Ray node's memory)"
+        where = f"{have / GIB:.1f} GiB (the largest Ray node's memory)"
         fix = "Add a node with more memory to the Ray cluster, or use a smaller model."
     if need > have:
         kv = f" + {params.vllm_kv_cache_gib:g} GiB KV cache (megatron.vllm_kv_cache_gib)" if params.vllm_kv_cache_gib else ""
         share = f"over rollout_gpus_per_engine = {g} GPU(s)" if cuda else "in one node's memory"
-        raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / gib:.1f} GiB for {model_name}'s "
+        raise ValueError(f"megatron.rollout_placement: ray: an engine needs {weights / GIB:.1f} GiB for {model_name}'s "
                          f"weights (bf16, {share}){kv}, more than it may use: {where} {fix}")
 
 
@@ -303,7 +304,7 @@ class RayRolloutBackend:
                 model=str(hf_model), dtype=str(dtype).removeprefix("torch."), seed=seed,
                 max_model_len=grpo.max_prompt_length + grpo.max_completion_length,
                 gpu_memory_utilization=params.vllm_gpu_memory_utilization,
-                kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
+                kv_cache_bytes=int(params.vllm_kv_cache_gib * GIB) if torch.cuda.is_available() else 64 * 2**20,
                 extra={"trust_remote_code": True} if trust_remote_code else {},
                 cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice), transfer_backend=STREAM_ENGINE)
             connect(params.ray_address, params.rollout_engines, params.rollout_gpus_per_engine)

@@ -1,9 +1,11 @@
 """Rollout modes: ``megatron.inference_backend`` x ``megatron.rollout_placement``, resolved once into an entry.
 
-A mode carries everything the rest of the program asks of it: its builder, its config checks, where its memory
-lives (the plan), its preflight (before conversion) and whether it can generate while the trainer trains
-(asynchronous GRPO). Validation, the plan, the composition root (assembly.py), the trainer and ``oumi-megatron eval``
-ask the entry; this module is the only one that reads ``rollout_placement``.
+A mode carries everything the rest of the program asks of it: its builder, its config checks and warnings, where its
+memory lives (the plan), its preflight (before conversion) and its capabilities: whether it can generate while the
+trainer trains (asynchronous GRPO), run episodes that way, which ``megatron.lora_sync`` it runs, whether its decoder
+captures CUDA graphs. Validation, the plan, the composition root (assembly.py), the trainer and ``oumi-megatron eval``
+ask the entry; this module is the only one that reads ``rollout_placement`` or ``inference_backend``, and it checks the
+rollout fields every mode shares (``check_rollout``).
 
 | mode | inference_backend / rollout_placement | engines | asynchronous |
 | --- | --- | --- | --- |
@@ -27,17 +29,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.config.megatron_params import ROLLOUT_PLACEMENTS
-from oumi_megatron.config.problems import Problem
+from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS, ROLLOUT_PLACEMENTS, WEIGHT_SYNC_METHODS
+from oumi_megatron.config.problems import Problem, choices
 from oumi_megatron.rollout.base import AsyncRolloutBackend, RolloutBackend
+from oumi_megatron.utils.disk import GIB
 from oumi_megatron.utils.registry import Registry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.problems import Findings
     from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.engine import MegatronEngine
+    from oumi_megatron.model_shape import ModelShape
 
 
 @dataclass
@@ -60,6 +65,14 @@ DECODER_CACHE, ENGINE_SHARE, OWN_GPUS = "decoder cache", "engine share", "own GP
 
 
 def _no_problems(params: MegatronParams) -> list[Problem]:
+    return []
+
+
+def _no_warnings(params: MegatronParams) -> list[str]:
+    return []
+
+
+def _no_adapter_problems(params: MegatronParams, rank: int) -> list[Problem]:
     return []
 
 
@@ -93,14 +106,23 @@ class RolloutMode:
     """An ENGINE_SHARE engine that keeps its memory while the trainer trains (it does not sleep)."""
     check: Callable[[MegatronParams], list[Problem]] = _no_problems
     """The mode's own config rules (validation reports them)."""
+    warnings: Callable[[MegatronParams], list[str]] = _no_warnings
+    """Settings that run under this mode, but perhaps not as meant (validation reports them)."""
     preflight: Callable[[Any], None] = _no_preflight
     """Collective, before the model is converted: what must exist outside the trainer (e.g. a Ray cluster)."""
     engine_gpus: Callable[[MegatronParams], int] | None = None
     """The GPUs one engine splits the whole model over (its tensor parallelism); None: no such engine."""
     gpu_share: Callable[[MegatronParams], EngineShare] | None = None
     """An engine's memory on a GPU it runs on (ENGINE_SHARE and OWN_GPUS engines): what the plan counts."""
-    adapter_sync: bool = False
-    """Under LoRA its engines can keep the base and take the adapter alone at a sync (``megatron.lora_sync: adapter``)."""
+    asynchronous_episodes: bool = True
+    """Under asynchronous GRPO its episodes (``grpo.environment``) run too."""
+    lora_syncs: tuple[str, ...] = ("merged",)
+    """The ``megatron.lora_sync`` values it runs under LoRA: ``merged`` (whole weights), ``adapter`` (the base beside
+    the adapter: its engines take the adapter alone at a sync, or its decoder runs it in its forward)."""
+    adapter_check: Callable[[MegatronParams, int], list[Problem]] = _no_adapter_problems
+    """With ``lora_sync: adapter``: what its engines need to take an adapter of this rank at a sync."""
+    decoder_cuda_graphs: bool = False
+    """Its decoder captures CUDA graphs of the policy's decode steps (``megatron.rollout_cuda_graphs``)."""
 
 
 @dataclass(frozen=True)
@@ -124,15 +146,15 @@ def register_rollout_backend(name: str) -> Callable[[RolloutBuilder], RolloutBui
     return add
 
 
-def resolve_rollout_mode(params: MegatronParams) -> tuple[RolloutMode | None, list[Problem]]:
-    """The mode of ``params`` and the problems of its fields (None where the backend or placement is unknown)."""
+def _lookup(params: MegatronParams) -> tuple[RolloutMode | None, list[Problem]]:
+    """The mode of ``params`` (None where the backend or placement is unknown: the problems say why), unchecked."""
     problems: list[Problem] = []
     backend, placement = params.inference_backend, params.rollout_placement
     if backend not in ROLLOUT_BACKENDS:  # the live registry: plugins are imported already
         problems.append(Problem(ROLLOUT_BACKENDS.field, ROLLOUT_BACKENDS.unknown_message(backend)))
     if placement not in ROLLOUT_PLACEMENTS:
-        choices = ", ".join(f"'{p}'" for p in ROLLOUT_PLACEMENTS)
-        problems.append(Problem("megatron.rollout_placement", f"unknown value {placement!r}. Use one of {choices}."))
+        problems.append(Problem("megatron.rollout_placement",
+                                f"unknown value {placement!r}. Use one of {choices(ROLLOUT_PLACEMENTS)}."))
     if problems:
         return None, problems
     modes = ROLLOUT_BACKENDS.get(backend).modes
@@ -140,7 +162,19 @@ def resolve_rollout_mode(params: MegatronParams) -> tuple[RolloutMode | None, li
     if mode is None:
         return None, [Problem("megatron.rollout_placement", f"{placement!r} is not a placement of the {backend!r} "
                               f"backend. Use one of {sorted(p for p in modes if p)}.")]
-    return mode, mode.check(params)
+    return mode, []
+
+
+def resolve_rollout_mode(params: MegatronParams) -> tuple[RolloutMode | None, list[Problem]]:
+    """The mode of ``params`` and the problems of its fields (None where the backend or placement is unknown)."""
+    mode, problems = _lookup(params)
+    return mode, problems if mode is None else mode.check(params)
+
+
+def selected_mode(params: MegatronParams) -> RolloutMode | None:
+    """The mode of ``params`` for its capabilities, without its checks; None where the backend or placement is unknown
+    (``check_rollout`` reports that)."""
+    return _lookup(params)[0]
 
 
 def rollout_mode(params: MegatronParams) -> RolloutMode:
@@ -166,7 +200,88 @@ def as_asynchronous(backend: RolloutBackend, params: MegatronParams) -> AsyncRol
     return backend
 
 
+# -- the rules of the rollout fields (validation.py runs them in its order) ------------------------------------------
+def check_rollout(config: MegatronTrainingConfig, found: Findings) -> None:
+    """The mode (backend, placement) with its own rules and warnings, then the fields every mode shares: weight sync,
+    the decoder's CUDA graphs, vLLM's memory (checked whatever the backend: Oumi's TRL fields may set them)."""
+    m = config.megatron
+    mode, problems = resolve_rollout_mode(m)
+    found.problems.extend(problems)
+    if mode is not None:
+        found.warnings.extend(mode.warnings(m))
+    if m.weight_sync_method not in WEIGHT_SYNC_METHODS:
+        found.add("megatron.weight_sync_method",
+                  f"unknown value {m.weight_sync_method!r}. Use one of {choices(WEIGHT_SYNC_METHODS)}.")
+    graphs = m.rollout_cuda_graphs_choice
+    if graphs not in ROLLOUT_CUDA_GRAPHS:
+        found.add("megatron.rollout_cuda_graphs",
+                  f"unknown value {m.rollout_cuda_graphs!r}. Use one of {choices(ROLLOUT_CUDA_GRAPHS)}.")
+    elif graphs == "true" and mode is not None and mode.decoder_cuda_graphs and m.pipeline_model_parallel_size > 1:
+        found.add("megatron.rollout_cuda_graphs", "true cannot run with pipeline_model_parallel_size > 1: pipeline "
+                  "stages exchange activations every token, so decode steps run eagerly. Set it to auto.")
+    if not (isinstance(m.rollout_cuda_graphs_kept, int) and m.rollout_cuda_graphs_kept >= 0):
+        found.add("megatron.rollout_cuda_graphs_kept", f"must be an integer >= 0 (0: capture the decode step's graph in "
+                  f"every generation and free its KV cache after it), got {m.rollout_cuda_graphs_kept!r}.")
+    if not m.weight_sync_bucket_mb > 0:
+        found.add("megatron.weight_sync_bucket_mb", f"must be > 0, got {m.weight_sync_bucket_mb!r}. Typical: 256-1024.")
+    if not m.vllm_kv_cache_gib >= 0.0:
+        found.add("megatron.vllm_kv_cache_gib", f"must be >= 0 (0: sized from vllm_gpu_memory_utilization), got "
+                                                f"{m.vllm_kv_cache_gib!r}.")
+    if not 0.0 < m.vllm_gpu_memory_utilization <= 1.0:
+        found.add("megatron.vllm_gpu_memory_utilization",
+                  f"must be in (0, 1], got {m.vllm_gpu_memory_utilization!r}.")
+
+
+def check_lora_sync(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.lora_sync: adapter`` under LoRA: whether the mode runs it, and what its engines need for it."""
+    from oumi_megatron.config.lora import lora_settings
+
+    m = config.megatron
+    lora, _ = lora_settings(config)
+    if lora is None or m.lora_sync != "adapter" or not m.enable_weight_sync:
+        return
+    mode = selected_mode(m)
+    if mode is None:
+        return  # the backend's own problems are reported
+    if "adapter" not in mode.lora_syncs:
+        found.add("megatron.lora_sync", f"adapter is not built for {mode.name} engines (they take whole weights). Set "
+                                        "megatron.lora_sync: merged, or use vLLM engines (colocated or separate).")
+    else:
+        found.problems.extend(mode.adapter_check(m, lora.rank))
+
+
+def asynchronous_problem(params: MegatronParams, staleness: int) -> str | None:
+    """Why ``grpo.max_staleness`` = ``staleness`` cannot run on this mode (its engines do not generate while the
+    trainer trains), or None (also where the mode is unknown: ``check_rollout`` says why)."""
+    mode = selected_mode(params)
+    if mode is None or mode.asynchronous:
+        return None
+    return (f"{staleness} (asynchronous GRPO) needs rollout engines that generate while the trainer trains: set "
+            "megatron.inference_backend: vllm (rollout_placement: separate or ray) or sglang (rollout_placement: "
+            f"separate) (now {params.inference_backend!r} / {params.rollout_placement!r}), or max_staleness: 0.")
+
+
+def check_own_gpu_engines(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
+    """Engines on GPUs of their own (separate, ray) hold the whole model: on a machine with GPUs, against this one's
+    (``oumi-megatron plan --gpu-memory-gib`` checks it for any GPU)."""
+    if not torch.cuda.is_available():
+        return
+    problem = own_gpu_engine_problem(config.megatron, shape, torch.cuda.get_device_properties(0).total_memory / GIB)
+    if problem is not None:
+        found.add("megatron.rollout_placement", problem)
+
+
 # -- the built-in modes ---------------------------------------------------------------------------------------------
+def _embedded_warnings(m: MegatronParams) -> list[str]:
+    """Context parallelism splits training's sequences; the decoder generates whole ones on each CP rank."""
+    cp = m.context_parallel_size
+    if not (isinstance(cp, int) and cp > 1):
+        return []
+    return [f"megatron.context_parallel_size {cp} with the embedded megatron rollout backend: training and logprob passes "
+            "split sequences over CP ranks; generation (KV cache) runs whole sequences on each CP rank, the "
+            f"{cp} ranks of a replica generating the same rollouts. inference_backend: vllm generates on its own engines."]
+
+
 def _embedded(ctx: RolloutContext) -> RolloutBackend:
     from oumi_megatron.rollout.decoding.generation_mode import expert_peers
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
@@ -200,6 +315,27 @@ def _vllm(colocated: bool) -> RolloutBuilder:
                    trainer_engine=ctx.engine, vocab_size=len(ctx.tokenizer))
 
     return build
+
+
+def _vllm_warnings(m: MegatronParams) -> list[str]:
+    if m.enable_weight_sync:
+        return []
+    return ["megatron.enable_weight_sync is False: vLLM keeps generating with the initial weights "
+            "(rollouts use stale weights and GRPO is off-policy)."]
+
+
+def _vllm_adapter(m: MegatronParams, rank: int) -> list[Problem]:
+    """vLLM engines take the adapter alone, in memory, at a sync: up to vLLM's largest LoRA rank."""
+    from oumi_megatron.rollout.vllm_engine import VLLM_LORA_RANKS, vllm_lora_rank
+
+    if m.weight_sync_method == "checkpoint":
+        return [Problem("megatron.lora_sync", "adapter sends the adapter in memory, and weight_sync_method: checkpoint "
+                                              "writes whole models to disk. Set weight_sync_method to nccl (GPUs) or "
+                                              "gloo (CPU), or lora_sync: merged.")]
+    if vllm_lora_rank(rank) is None:
+        return [Problem("peft.lora_r", f"{rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}), which "
+                                       "megatron.lora_sync: adapter needs. Lower it, or set lora_sync: merged.")]
+    return []
 
 
 def _ray(ctx: RolloutContext) -> RolloutBackend:
@@ -262,7 +398,7 @@ def own_gpu_engine_problem(params: MegatronParams, shape: Any, gpu_memory_gib: f
     if mode is None or problems or mode.memory != OWN_GPUS or mode.engine_gpus is None or mode.gpu_share is None:
         return None  # no such engine, or fields validation reports already
     gpus, share = mode.engine_gpus(params), mode.gpu_share(params)
-    weights = shape.vllm_weight_bytes(gpus) / 2**30
+    weights = shape.vllm_weight_bytes(gpus) / GIB
     need, allowed = weights + share.kv_cache_gib, share.fraction * gpu_memory_gib
     if need <= allowed:
         return None
@@ -341,15 +477,20 @@ def _sglang_fields(colocated: bool) -> Callable[[MegatronParams], list[Problem]]
     return check
 
 
-ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode("embedded", _embedded, memory=DECODER_CACHE)}))
+# the embedded decoder runs LoRA's adapters in its forward (lora_sync: adapter) or decodes merged weights
+ROLLOUT_BACKENDS.add("megatron", BackendModes({None: RolloutMode(
+    "embedded", _embedded, memory=DECODER_CACHE, warnings=_embedded_warnings, lora_syncs=("merged", "adapter"),
+    decoder_cuda_graphs=True)}))
 ROLLOUT_BACKENDS.add("vllm", BackendModes({
-    "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE,
+    "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE, warnings=_vllm_warnings,
                              resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share,
-                             adapter_sync=True),
-    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, engine_gpus=_one_gpu,
-                            gpu_share=_vllm_share, adapter_sync=True),
-    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, check=_ray_fields, preflight=_ray_preflight,
-                       engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
+                             lora_syncs=("merged", "adapter"), adapter_check=_vllm_adapter),
+    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, warnings=_vllm_warnings,
+                            engine_gpus=_one_gpu, gpu_share=_vllm_share, lora_syncs=("merged", "adapter"),
+                            adapter_check=_vllm_adapter),
+    # the fleet queues single generations: asynchronous episodes are not built for it
+    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, asynchronous_episodes=False, check=_ray_fields,
+                       warnings=_vllm_warnings, preflight=_ray_preflight, engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
 }))
 ROLLOUT_BACKENDS.add("sglang", BackendModes({
     "colocated": RolloutMode("sglang colocated", _sglang(colocated=True), memory=ENGINE_SHARE, check=_sglang_fields(True),

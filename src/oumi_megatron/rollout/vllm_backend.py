@@ -63,6 +63,7 @@ from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import request_chains, turn_by_turn
 from oumi_megatron.rollout.weight_push import WeightPusher, WeightSyncError
 from oumi_megatron.rollout.weight_senders import open_links, probe_raw, replica_stats, sender_role
+from oumi_megatron.utils.disk import GIB
 
 if TYPE_CHECKING:
     from oumi_megatron.config.lora import LoraSettings
@@ -240,7 +241,7 @@ class _VllmBackend:
             max_model_len=grpo.max_prompt_length + grpo.max_completion_length, seed=seed,
             gpu_memory_utilization=params.vllm_gpu_memory_utilization,
             # CPU engines: a small fixed cache (start-up profiles it); GPU: vllm_kv_cache_gib when set
-            kv_cache_bytes=int(params.vllm_kv_cache_gib * 2**30) if torch.cuda.is_available() else 64 * 2**20,
+            kv_cache_bytes=int(params.vllm_kv_cache_gib * GIB) if torch.cuda.is_available() else 64 * 2**20,
             extra={"trust_remote_code": True} if trust_remote_code else {},
             cuda_graphs=_vllm_cuda_graphs(params.rollout_cuda_graphs_choice),
             lora_rank=adapter_sync.rank if adapter_sync is not None else 0,

@@ -33,7 +33,7 @@ import math
 import re
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from oumi_megatron.environments.episodes import EVAL_SUMS, eval_metrics, eval_su
 from oumi_megatron.rollout.sampling import sampling_for
 from oumi_megatron.trainer.scoring import ReplicaScorer
 from oumi_megatron.utils.options import option_value
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
 
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 PASS_AT_K = (1, 5, 10, 20, 50, 100)
@@ -202,3 +205,27 @@ def eval_schedule(training: Any, max_steps: int, steps_per_epoch: int) -> set[in
         every = training.eval_steps
         every = max(1, int(-(-every * max_steps // 1))) if isinstance(every, float) and every < 1 else max(1, int(every))
     return {0, *range(every, max_steps, every), max_steps}
+
+
+def check_evaluation(config: Any, found: Findings) -> None:
+    """``training.eval_strategy``'s fields, and ``grpo.eval_metric_prefixes`` against the validation datasets."""
+    t = config.training
+    strategy = option_value(t.eval_strategy, "no")
+    if strategy == "steps" and not (isinstance(t.eval_steps, (int, float)) and t.eval_steps > 0):
+        found.add("training.eval_steps", f"must be > 0 with eval_strategy 'steps' (GRPO steps between evaluations, or a "
+                                         f"fraction of max_steps below 1), got {t.eval_steps!r}.")
+    if strategy != "no" and t.per_device_eval_batch_size < 1:
+        found.add("training.per_device_eval_batch_size", f"must be >= 1 (eval prompts per generate call), got "
+                                                         f"{t.per_device_eval_batch_size!r}.")
+    prefixes = list(config.grpo.eval_metric_prefixes)
+    if not prefixes:
+        return
+    datasets = len(config.data.validation.datasets)
+    if len(prefixes) != datasets:
+        found.add("grpo.eval_metric_prefixes", f"has {len(prefixes)} entries and data.validation.datasets has {datasets}: "
+                                               "give one prefix per validation dataset, in order "
+                                               "(e.g. eval for the first, eval_unseen for the second).")
+    for i, prefix in enumerate(prefixes):
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", prefix):
+            found.add(f"grpo.eval_metric_prefixes[{i}]", f"{prefix!r} is not a metric prefix: use letters, digits and _ "
+                                                         "(e.g. eval_unseen), starting with a letter.")

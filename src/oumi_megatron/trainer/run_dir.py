@@ -18,12 +18,14 @@ verifies its own files, engine/state/checkpoint_manifest.py):
 from __future__ import annotations
 
 import json
+import os
 import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.engine.state.checkpoint_io import META_FILE
 from oumi_megatron.engine.state.checkpointing import (
     STATE_FILE,
     CheckpointError,
@@ -33,9 +35,12 @@ from oumi_megatron.engine.state.checkpointing import (
 )
 from oumi_megatron.engine.state.hf_weights import HF_ADAPTER, HF_MODEL
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.utils.atomic import PRIVATE_DIR_MODE
+from oumi_megatron.utils.atomic import MEGATRON_CHECKPOINT, PRIVATE_DIR_MODE
 from oumi_megatron.utils.disk import space_problem
 from oumi_megatron.utils.ranks import first_failure, from_rank0, global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
 
 
 class OutputDirInUseError(UserInputError):
@@ -148,7 +153,7 @@ def check_space(config: Any, shape: Any, start: StartPoint) -> None:
         t, keep = config.training, config.megatron.checkpoint_config.keep_last_n_checkpoints
         out = Path(t.output_dir)
         weights = 2.0 * model_params(shape)
-        need = 0.0 if (out / "megatron_checkpoint" / "oumi_megatron.json").is_file() else weights
+        need = 0.0 if (out / MEGATRON_CHECKPOINT / META_FILE).is_file() else weights
         if t.save_final_model and not (out / "hf_model").exists():
             need += weights
         saves = -(-max(t.max_steps - start.step, 0) // t.save_steps) if t.save_steps else 0
@@ -163,3 +168,24 @@ def check_space(config: Any, shape: Any, start: StartPoint) -> None:
     problem = first_failure(problem)
     if problem is not None:
         raise OutputDirSpaceError(f"training.output_dir: {problem}")
+
+
+def check_output_dir(config: Any, found: Findings) -> None:
+    """``training.output_dir`` must be a folder this user can create and write into (checked before any work, not after
+    the conversion)."""
+    output_dir = config.training.output_dir
+    path = Path(output_dir or "").expanduser()
+    if not str(output_dir or "").strip():
+        found.add("training.output_dir", "is empty. Set it to a folder for checkpoints, metrics and the exported model.")
+        return
+    if path.exists() and not path.is_dir():
+        found.add("training.output_dir", f"{path} exists and is not a folder. Choose another output_dir.")
+        return
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        found.add("training.output_dir", f"cannot be created: {existing} is a file. Choose another output_dir.")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        found.add("training.output_dir", f"{existing} is not writable by this user, so {path} cannot be written. "
+                                         "Choose a writable output_dir.")

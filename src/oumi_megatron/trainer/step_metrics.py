@@ -22,6 +22,7 @@ from oumi_megatron.rollout.base import WeightSyncStats
 from oumi_megatron.trainer.batches import MicrobatchLayout
 from oumi_megatron.trainer.dp import max_dp, sum_dp
 from oumi_megatron.trainer.rollout_batch import StepBatch
+from oumi_megatron.utils.disk import GIB
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
             "tis/capped_fraction": last.metrics["tis_capped_tokens"] / tokens} if "tis_weight_sum" in last.metrics else {}),
         **({"off_policy/masked_token_fraction": last.metrics["off_policy_masked_tokens"] / tokens}
            if "off_policy_masked_tokens" in last.metrics else {}),
+        **({"off_policy/mean_weight": last.metrics["off_policy_weight_sum"] / tokens}
+           if "off_policy_weight_sum" in last.metrics else {}),
         "entropy": s["entropy_sum"] / max(s["scored"], 1.0),
         # rollout engine vs trainer logprobs of the same tokens, before the update
         "mismatch/mean_abs_diff": s["mm_abs"] / mm_tokens,
@@ -155,7 +158,7 @@ def performance_metrics(metrics: dict[str, Any], step_s: float, completions_per_
         "perf/peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     if torch.cuda.is_available():
-        out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["perf/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
 
 

@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oumi_megatron.config.megatron_params import ATTENTION_BACKENDS, PACKED_ATTENTIONS
+from oumi_megatron.config.problems import choices
 from oumi_megatron.engine.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 # torch's own SDPA kernel set, named for every call: vLLM's CUDA platform module turns cuDNN SDPA off process-wide when
 # it is imported (vllm/platforms/cuda.py, 0.26), and Megatron-Bridge imports vLLM through ModelOpt's vLLM plugin
@@ -205,6 +210,17 @@ class SdpaCoreAttention(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         return {}  # no parameters (vanilla softmax only)
+
+
+def check_attention(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.transformer_config``'s core attention and packed rows' attention."""
+    t = config.megatron.transformer_config
+    if t.attention_backend not in ATTENTION_BACKENDS:
+        found.add("megatron.transformer_config.attention_backend",
+                  f"unknown value {t.attention_backend!r}. Choose from {choices(ATTENTION_BACKENDS)}.")
+    if t.packed_attention not in PACKED_ATTENTIONS:
+        found.add("megatron.transformer_config.packed_attention",
+                  f"unknown value {t.packed_attention!r}. Choose from {choices(PACKED_ATTENTIONS)}.")
 
 
 def local_layer_spec_with_attention(provider: Any, backend: str) -> Any:

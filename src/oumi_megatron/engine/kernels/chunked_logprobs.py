@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 AUTO_CHUNK_LOGITS = 1 << 27  # fp32 logits per auto-sized chunk: 512 MiB (4096 tokens at a 32k vocabulary)
 
@@ -44,6 +48,14 @@ def worth_chunking(tokens: int, vocab_shard: int) -> bool:
     path saves little memory and costs its backward recompute (measured on an H200 at 4096 tokens x 32k:
     full logits 84.1k tokens/s, chunked 82.8k, same peak memory)."""
     return tokens * vocab_shard > AUTO_CHUNK_LOGITS
+
+
+def check_logprob_chunks(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.logprob_chunk_tokens``: null (auto, the rule above), 0 (full logits) or tokens per chunk."""
+    chunk = config.megatron.logprob_chunk_tokens
+    if chunk is not None and chunk < 0:
+        found.add("megatron.logprob_chunk_tokens",
+                  f"must be null (auto), 0 (off: full logits) or a positive token count, got {chunk}.")
 
 
 def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -14,21 +14,56 @@ What it needs, and what the engine does for it:
   after capture Megatron-Core would otherwise replay the training graphs for them; KV-cached
   generation runs eagerly anyway;
 - no activation recompute (Megatron-Core skips it while capturing) and PP = 1 (the only layout tested):
-  validation says so.
+  ``check_cuda_graph_fields`` says so.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from oumi_megatron.config.megatron_params import CUDA_GRAPH_IMPLS
+from oumi_megatron.config.problems import choices
 from oumi_megatron.engine.wrappers import unwrap
 
 if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 
 def cuda_graphs_enabled(params: MegatronParams) -> bool:
     return params.transformer_config.cuda_graph_impl == "local"
+
+
+def check_cuda_graph_fields(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.transformer_config.cuda_graph_impl`` and what local graphs need (the module docstring)."""
+    m = config.megatron
+    t = m.transformer_config
+    if t.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
+        found.add("megatron.transformer_config.cuda_graph_impl",
+                  f"unknown value {t.cuda_graph_impl!r}. Choose from {choices(CUDA_GRAPH_IMPLS)}.")
+        return
+    if t.cuda_graph_impl != "local":
+        return
+    longest = config.grpo.max_prompt_length + config.grpo.max_completion_length
+    if not t.cuda_graph_seq_length or t.cuda_graph_seq_length <= 0:
+        found.add("megatron.transformer_config.cuda_graph_seq_length",
+                  f"CUDA graphs have fixed shapes: set it to the longest prompt + completion ({longest}); "
+                  "every microbatch is padded to it.")
+    elif t.cuda_graph_seq_length < longest:
+        found.add("megatron.transformer_config.cuda_graph_seq_length",
+                  f"{t.cuda_graph_seq_length} is shorter than grpo.max_prompt_length + grpo.max_completion_length = "
+                  f"{longest}. Set cuda_graph_seq_length: {longest}.")
+    if m.enable_sequence_packing:
+        found.add("megatron.enable_sequence_packing", "packed rows (block-diagonal masks) are not supported with CUDA "
+                                                      "graphs. Set enable_sequence_packing: False, or cuda_graph_impl: none.")
+    if m.pipeline_model_parallel_size > 1:
+        found.add("megatron.transformer_config.cuda_graph_impl", "local CUDA graphs are tested with "
+                  "pipeline_model_parallel_size 1 only. Set cuda_graph_impl: none for PP > 1.")
+    if t.recompute_granularity is not None:
+        # Megatron-Core refuses full recompute under graphs and skips selective recompute while capturing
+        found.add("megatron.transformer_config.recompute_granularity", "activation recompute does not run inside CUDA "
+                  "graphs. Set recompute_granularity: null, or cuda_graph_impl: none.")
 
 
 def check_cuda_graphs(params: MegatronParams, cuda: bool) -> None:

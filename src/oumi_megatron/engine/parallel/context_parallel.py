@@ -21,10 +21,26 @@ CP needs, in the all-gather form Llama 3 trained with:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
+
+
+def check_context_parallel(config: MegatronTrainingConfig, found: Findings) -> None:
+    """What context parallelism runs on: the SDPA core attention with K/V all-gathered (this module); training and
+    logprob passes split sequences (padded or packed rows), generation runs whole ones (what that means for a rollout
+    mode, the mode says: rollout/registry.py)."""
+    m = config.megatron
+    if isinstance(m.context_parallel_size, int) and m.context_parallel_size > 1 \
+            and m.transformer_config.attention_backend == "local":
+        found.add("megatron.transformer_config.attention_backend",
+                  f"local cannot run context_parallel_size {m.context_parallel_size} (Megatron-Core's DotProductAttention "
+                  "asserts CP = 1). Set attention_backend: auto or sdpa.")
 
 
 def cp_group() -> Any:

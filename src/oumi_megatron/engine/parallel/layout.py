@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from oumi_megatron.config.grpo_params import MegatronGrpoParams
-from oumi_megatron.config.problems import Problem
+from oumi_megatron.config.problems import Findings, Problem
 from oumi_megatron.config.standalone import StandaloneConfig, TrainingSection
 
 if TYPE_CHECKING:
@@ -346,6 +346,11 @@ def _check_module_queue(m: MegatronParams, r: LayoutResolution) -> None:
         "during training steps. Other stages build a plain GPTModel, and forward passes without gradients "
         "(logprobs, rollout generation) run with every weight on the GPU."
     )
+
+
+def check_module_queue_chunks(config: LayoutConfig, found: Findings) -> None:
+    """``megatron.module_queue_num_chunks`` (ModuleQueue's other rules need the layout: ``resolve_layout``)."""
+    found.positive("megatron.module_queue_num_chunks", config.megatron.module_queue_num_chunks)
 
 
 def _check_model_split(m: MegatronParams, shape: ModelShape, r: LayoutResolution) -> None:

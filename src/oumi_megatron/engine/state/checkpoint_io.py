@@ -15,6 +15,7 @@ host memory either costs above the state it saves or fills is one tensor at a ti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,16 @@ import torch
 
 from oumi_megatron.engine.peft import is_adapter
 from oumi_megatron.engine.wrappers import unwrap
+
+META_FILE = "oumi_megatron.json"
+"""Beside a checkpoint's model (a converted one, engine/state/conversion.py, or a training one, checkpointing.py): where
+it came from and how it was saved."""
+
+
+def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """A checkpoint's ``META_FILE``; None where it has none."""
+    path = Path(checkpoint_dir) / META_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module], adapters_only: bool = False) -> dict[str, Any]:
@@ -81,6 +92,23 @@ def save_strategy(fully_parallel: bool, background: bool = False) -> Any:
 
     strategy = get_default_save_sharded_strategy() if background else streaming_save_strategy()
     return FullyParallelSaveStrategyWrapper(strategy, _dp_group()) if fully_parallel else strategy
+
+
+def own_write_results_queue() -> None:
+    """Before each background save: a results queue of its own for the write that follows.
+
+    Megatron-Core's background writer (``FileSystemWriterAsync``) hands every write one process-wide results queue
+    (``filesystem_async._results_queue``), and each write's finalize step takes whichever result comes first. A training
+    checkpoint has two writes in flight together (the model's and the optimizer's, each in a forked process): when the
+    optimizer's finished first, the model's metadata recorded the optimizer's file offsets, and the checkpoint failed
+    to load ("invalid load key", "Unsupported operand"; 9 of 50 under load in scripts/stress_async_checkpoint.py, none
+    with this). A queue per write keeps each result with its write. A forked manager starts in ~40 ms, no interpreter
+    started; it stops when the write's finalize step drops the queue."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def load_strategy(directory: str | Path, fully_parallel: bool) -> Any:

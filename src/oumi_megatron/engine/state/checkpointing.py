@@ -45,9 +45,12 @@ import torch.distributed as dist
 
 from oumi_megatron.engine.optimizer import kernel_choice, restore_kernel_choice, torch_optimizers
 from oumi_megatron.engine.state.checkpoint_io import (
+    META_FILE,
     load_model,
     load_strategy,
     model_sharded_state_dict,
+    own_write_results_queue,
+    read_meta,
     save_strategy,
 )
 from oumi_megatron.engine.state.checkpoint_manifest import (
@@ -62,10 +65,11 @@ from oumi_megatron.utils.progress import EVERY_S, Progress
 from oumi_megatron.utils.ranks import first_failure, global_rank
 
 if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
     from oumi_megatron.engine.engine import MegatronEngine
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-META_FILE = "oumi_megatron.json"
 logger = logging.getLogger("oumi")
 OPTIMIZER_FORMATS: dict[str, dict[str, Any]] = {
     # Each rank's own buckets of fp32 master weights and Adam moments, as they are (no gather, no copy); loads under
@@ -120,6 +124,13 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if m and child.is_dir() and (child / STATE_FILE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def check_checkpoints(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.checkpoint_config.keep_last_n_checkpoints``: the newest checkpoints a save keeps (0: all)."""
+    keep = config.megatron.checkpoint_config.keep_last_n_checkpoints
+    if not isinstance(keep, int) or keep < 0:
+        found.add("megatron.checkpoint_config.keep_last_n_checkpoints", f"must be >= 0 (0 keeps all), got {keep!r}.")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -357,10 +368,10 @@ def _lora_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
 
 
 def read_checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``oumi_megatron.json``; checkpoints of earlier versions have none: their optimizer state is
-    fully reshardable and their dtype unknown."""
-    path = Path(checkpoint) / META_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"optimizer_format": "fully_reshardable"}
+    """The checkpoint's ``META_FILE``; checkpoints of earlier versions have none: their optimizer state is fully
+    reshardable and their dtype unknown."""
+    meta = read_meta(checkpoint)
+    return {"optimizer_format": "fully_reshardable"} if meta is None else meta
 
 
 def resume_problem(saved: dict[str, Any], engine: MegatronEngine) -> str | None:
@@ -460,14 +471,15 @@ def save_checkpoint(
         _rank_file(tmp, global_rank()).write_text(
             json.dumps({"rng": _rng_state(), "scheduler": engine.scheduler.state_dict(), "engine_step": engine.step_count})
         )
-        requests = [
-            dist_checkpointing.save(
+        requests = []
+        for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
+                        ("optimizer", {"optimizer": optim_sd})):
+            if background:
+                own_write_results_queue()  # the two writes run together: each keeps its own results
+            requests.append(dist_checkpointing.save(
                 sd, str(tmp / sub), sharded_strategy=save_strategy(fully_parallel, background=background),
                 async_sharded_save=background, async_strategy="mcore",
-            )
-            for sub, sd in (("model", model_sharded_state_dict(engine.model, adapters_only=engine.peft is not None)),
-                            ("optimizer", {"optimizer": optim_sd}))
-        ]
+            ))
 
         def commit() -> None:
             write_rank_manifest(tmp, global_rank())  # this rank's files, written (every rank at once)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from oumi_megatron.engine.kernels.cuda_graphs import attach_cuda_graphs, cuda_graphs_enabled
 from oumi_megatron.engine.model import build_model_chunks, configure_provider, default_dtype, load_bridge
 from oumi_megatron.engine.parallel.distributed import init_distributed, init_model_parallel
-from oumi_megatron.engine.state.checkpoint_io import load_model, save_model
+from oumi_megatron.engine.state.checkpoint_io import META_FILE, load_model, read_meta, save_model
 from oumi_megatron.errors import UserInputError
 from oumi_megatron.model_shape import download_problem
 from oumi_megatron.utils.atomic import MEGATRON_CHECKPOINT, atomic_directory, partial_path
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.engine.parallel.layout import ParallelLayout
 
-META_FILE = "oumi_megatron.json"
 FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
@@ -89,11 +88,6 @@ def source_fingerprint(hf_path: str | Path, name: str | None = None) -> dict[str
         for p in local.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
     )
     return {"source": name or str(hf_path), "config_sha256": config_sha, "weight_files": [list(w) for w in weights]}
-
-
-def read_meta(checkpoint_dir: str | Path) -> dict[str, Any] | None:
-    path = Path(checkpoint_dir) / META_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _one_rank_default(layout: ParallelLayout | None, params: MegatronParams | None) -> tuple[ParallelLayout, MegatronParams]:

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,10 @@ import torch.distributed as dist
 from oumi_megatron.utils.atomic import HF_MODEL, atomic_directory
 from oumi_megatron.utils.disk import parse_size
 from oumi_megatron.utils.ranks import global_rank
+
+if TYPE_CHECKING:
+    from oumi_megatron.config.problems import Findings
+    from oumi_megatron.config.training_config import MegatronTrainingConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -47,6 +51,17 @@ _DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.bfloat16: ("BF16", 12), torch.int32: ("I32", 13), torch.uint32: ("U32", 14), torch.float32: ("F32", 15),
     torch.float64: ("F64", 17), torch.int64: ("I64", 18), torch.uint64: ("U64", 19),
 }
+
+
+def check_shard_size(config: MegatronTrainingConfig, found: Findings) -> None:
+    """``megatron.hf_max_shard_size``: the largest safetensors file of an export."""
+    size = config.megatron.hf_max_shard_size
+    try:
+        ok = parse_size(size) > 0
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        found.add("megatron.hf_max_shard_size", f"must be a size such as 5GB, 500MB or a number of bytes > 0, got {size!r}.")
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> None:
