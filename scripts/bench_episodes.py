@@ -1,19 +1,23 @@
-"""Multi-turn episodes against single-turn generation on the embedded backend, one GPU, same call (issue 46).
+"""Multi-turn episodes against single-turn generation on the embedded backend, one GPU, same call.
 
     python scripts/bench_episodes.py --shape smollm2-135m --batch 128x192 --turns 3 --out result.json
 
 The same policy tokens either way: ROWS / 8 prompts of 64 random tokens, 8 samples each, NEW tokens per row, no EOS
-(random weights, bf16, temperature 1). Paths:
+(random weights, bf16, temperature 1; on a CPU ``--dtype float32``, and ``--layers`` for a shallower model). Paths:
 - ``single``: one ``generate`` of NEW tokens (the single-turn reference);
 - ``episodes``: ``run_episodes`` (what the trainer runs under ``grpo.environment``) with a toy environment that
   answers every turn with a 16-character observation, ``--turns`` turns of NEW / turns tokens
-  (``grpo.max_turn_tokens``): every row takes its turns at its own pace on the static KV cache, observations fed as
-  forced tokens (rollout/decoding/episodes.py);
+  (``grpo.max_turn_tokens``): every row takes its turns at its own pace on the static KV cache, its observations
+  appended in one forward per look of the host (rollout/decoding/episodes.py);
+- ``episodes_forced``: the same, the observations fed as forced tokens (one decode step per observation token: the
+  path before appends);
 - ``episodes_recompute``: the same episodes turn by turn through ``generate`` over each episode's whole history (what
   a backend without ``run_episodes`` does: every turn prefills the history again, rollout/turns.py).
 
-Reported: policy tokens/s (observation tokens not counted), the ratio to ``single`` (the issue's goal: multi-turn
-within 1.3x of single-turn, i.e. a ratio >= 0.77), decode ms per step of the last call.
+Reported per path: policy tokens/s (observation tokens not counted) and the ratio to ``single`` (the goal: >= 0.9),
+and where the last call's time went: its decode steps and decode ms per step (a replayed step: captures and appends
+excluded), its append forwards with their time and the observation tokens they fed of those their buckets computed,
+capture and prefill seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ import torch
 
 import bench_common
 from bench_rollout import measure
+
+
+def _measure(fn: Any) -> tuple[Any, float, float]:
+    """bench_rollout's ``measure`` on a GPU; on a CPU (result, seconds, 0.0: no device memory to count)."""
+    if torch.cuda.is_available():
+        return measure(fn)
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started, 0.0
 
 
 class _EveryTurnAnswered:
@@ -58,6 +71,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--cuda-graphs", default="auto", help="megatron.rollout_cuda_graphs (false: eager decode steps)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="float32: a CPU run")
+    p.add_argument("--layers", type=int, default=0, help="the shape's depth overridden (0: the shape's; a CPU run)")
+    p.add_argument("--paths", default="single,episodes,episodes_forced,episodes_recompute")
     p.add_argument("--out", default="")
     args = p.parse_args()
     rows, new = (int(x) for x in args.batch.split("x"))
@@ -75,11 +91,11 @@ def main() -> None:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
-    cfg = bench_common.hf_config(args.shape)
+    cfg = bench_common.hf_config(args.shape, layers=args.layers or None)
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
     _, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=10),
-                                            dtype=torch.bfloat16)
+                                            dtype=getattr(torch, args.dtype))
     backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=args.cuda_graphs)
     n = 8
     g = torch.Generator().manual_seed(0)
@@ -97,13 +113,24 @@ def main() -> None:
                             episodic, n, max_turns=args.turns, max_observation_tokens=64, seed=1,
                             max_turn_tokens=per_turn)
 
+    def forced() -> Any:
+        backend.episode_observations = "forced"
+        try:
+            return episodes(backend)
+        finally:
+            backend.episode_observations = "appended"
+
     runs = {"single": lambda: backend.generate(prompts, single, n, seed=1), "episodes": lambda: episodes(backend),
-            "episodes_recompute": lambda: episodes(_HistoryOnly(backend))}
+            "episodes_forced": forced, "episodes_recompute": lambda: episodes(_HistoryOnly(backend))}
+    paths = args.paths.split(",")
+    if "single" not in paths or set(paths) - set(runs):
+        raise SystemExit(f"--paths: 'single' and any of {sorted(runs)}")
     results: dict[str, dict] = {}
-    for name, fn in runs.items():
+    for name in paths:
+        fn = runs[name]
         best = None
         for _ in range(args.repeat):
-            out, seconds, peak = measure(fn)
+            out, seconds, peak = _measure(fn)
             # episodes: (samples, stats); a single generation: rollouts grouped per prompt
             samples = out[0] if isinstance(out, tuple) else [r for g in out for r in g]
             policy = sum(sum(s.loss_mask) if getattr(s, "loss_mask", None) is not None else len(s.completion_ids)
@@ -111,24 +138,34 @@ def main() -> None:
             stats = backend.last_stats
             row = {"policy_tokens": policy, "seconds": seconds, "tokens_per_s": policy / seconds, "peak_gib": peak,
                    "decode_ms_per_step": stats.decode_ms_per_step if stats else None,
+                   "last_call_decode_steps": stats.decode_steps if stats else None,
+                   "last_call_decode_s": stats.decode_s if stats else None,
+                   "last_call_append_forwards": stats.append_forwards if stats else None,
+                   "last_call_append_s": stats.append_s if stats else None,
+                   "last_call_append_tokens": list(stats.append_tokens) if stats else None,
                    "last_call_capture_s": stats.capture_s if stats else None,
                    "last_call_prefill_s": stats.prefill_s if stats else None}
             if isinstance(out, tuple):
                 row["turns_mean"] = sum(s.turns for s in samples) / len(samples)
+            print(f"{name}: {policy} policy tokens in {seconds:.2f} s", flush=True)
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
         results[name] = best  # type: ignore[assignment]
     for r in results.values():
         r["x_single"] = r["tokens_per_s"] / results["single"]["tokens_per_s"]
-    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "batch": args.batch,
-           "turns": args.turns, "cuda_graphs": args.cuda_graphs, "observation_tokens": observation, "results": results}
+    out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+           "layers": cfg.num_hidden_layers, "batch": args.batch, "turns": args.turns, "cuda_graphs": args.cuda_graphs,
+           "dtype": args.dtype, "observation_tokens": observation, "results": results}
     print(json.dumps(out, indent=1))
     print(f"\n| {args.shape} {args.batch}, {args.turns} turns, graphs {args.cuda_graphs} | policy tok/s | x single | s | turns "
-          "| last call: capture s / prefill s / decode ms | peak GiB |")
+          "| last call: decode steps | decode ms per step | append forwards / ms / tokens fed of computed "
+          "| capture s / prefill s | peak GiB |")
     for name, r in results.items():
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['x_single']:.2f} | {r['seconds']:.2f} | {r.get('turns_mean', 1):.1f} | "
-              f"{r['last_call_capture_s'] or 0:.3f} / {r['last_call_prefill_s'] or 0:.3f} / {r['decode_ms_per_step'] or 0:.2f} | "
-              f"{r['peak_gib']:.2f} |")
+              f"{r['last_call_decode_steps'] or 0} | {r['decode_ms_per_step'] or 0:.2f} | "
+              f"{r['last_call_append_forwards'] or 0} / {1e3 * (r['last_call_append_s'] or 0):.1f} / "
+              f"{'{} of {}'.format(*(r['last_call_append_tokens'] or (0, 0)))} | "
+              f"{r['last_call_capture_s'] or 0:.3f} / {r['last_call_prefill_s'] or 0:.3f} | {r['peak_gib']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

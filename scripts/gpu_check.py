@@ -208,7 +208,7 @@ def mode_episodes(c: Check) -> None:
         log = c.out(f"episodes_{tag}.log")
         argv = [*PY, "scripts/bench_episodes.py", "--shape", shape, "--batch", batch, "--turns", turns,
                 *(["--cuda-graphs", graphs[0]] if graphs else []), "--out", c.out(f"episodes_{tag}.json")]
-        bench_table(c, argv, log, shape, 4)
+        bench_table(c, argv, log, shape, 5)
 
 
 def mode_grpo(c: Check) -> None:

@@ -427,20 +427,33 @@ def _check_static_path(r: dict, reference: dict | None = None) -> None:
     assert r["static_stats_tokens"] > 0
     # an environment's stop tokens end rows as EOS does, on both paths, and some rows end at one
     assert r["stop_tokens_cut_static"] and r["stop_tokens_cut_schedule"] and r["stop_tokens_rows"] >= 1
-    # multi-turn without a turn barrier: observations fed as forced tokens while other rows decode give the episodes of
-    # the turn-synchronous reference (each turn a generate of the whole histories), static and schedule paths alike
-    assert r["episodes_same_tokens"] == [True, True] and r["episodes_logprob_max_abs_diff"] <= 1e-4, r
-    assert "without a turn barrier" in r["episodes_path"]
-    assert len(set(r["episodes_turns"])) == 3, r  # rows end after 1, 2 and 3 turns
-    # the batch's decode steps: its longest episode's tokens (the first from the prefill), and where the host looks only
-    # every k steps (k = 4 on a GPU) up to k - 1 steps of waiting for each of its 3 answers and for the last look; on
-    # the CPU (k = 1) no row waits
+    # multi-turn without a turn barrier: observations appended in one forward per look while other rows decode give the
+    # episodes (ids, loss masks, turns) of the same decoder feeding them as forced tokens and of the turn-synchronous
+    # reference (each turn a generate of the whole histories), static and schedule paths alike; the engine's logprobs
+    # agree with those and with the trainer's recomputation of the whole sequences
+    assert all(r["episodes_same_tokens"]) and len(r["episodes_same_tokens"]) == 9, r
+    assert r["episodes_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert r["episodes_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    # sampled episodes (other tokens than greedy): their logprobs as the trainer recomputes them too
+    assert r["episodes_sampled_differ"] and r["episodes_sampled_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert "observations appended in one forward" in r["episodes_path"] and "forced tokens" in r["episodes_forced_path"]
+    assert len(set(r["episodes_turns"])) == 3 and r["episodes_observation_tokens"] > 0, r  # rows end after 1, 2, 3 turns
+    # the batch's decode steps: its longest episode's sampled tokens less one per turn (the prefill or an append samples
+    # each turn's first), and where the host looks only every k steps (k = 4 on a GPU) up to k steps of waiting for each
+    # of its 3 answers and for the last look; on the CPU (k = 1) no row waits but after a turn of one token. Fed as forced
+    # tokens, the observations cost a decode step each: the longest episode's tokens, observations included, less one.
     k = r["episodes_check_every"]
-    assert r["episodes_critical_path"] - 1 <= r["episodes_decode_steps"] <= r["episodes_critical_path"] - 1 + 4 * (k - 1), r
+    assert r["episodes_policy_path"] <= r["episodes_decode_steps"] <= r["episodes_policy_path"] + 3 * k, r
+    assert r["episodes_decode_steps"] < r["episodes_forced_decode_steps"], r
+    assert r["episodes_critical_path"] - 1 <= r["episodes_forced_decode_steps"] <= r["episodes_critical_path"] - 1 + 4 * (k - 1), r
+    # one append forward per look at most, at least one per later turn's look; the forced path appends nothing
+    assert 1 <= r["episodes_append_forwards"] <= r["episodes_decode_steps"] // k + 1, r
+    assert r["episodes_forced_append_forwards"] == 0 and r["episodes_stats_agree"], r
     if reference is not None:
         assert r["static_greedy_tokens"] == reference["static_greedy_tokens"]
         assert r["static_sampled_runs"][0] == reference["static_sampled_runs"][0]
         assert r["episodes_turns"] == reference["episodes_turns"] and r["episodes_decode_steps"] == reference["episodes_decode_steps"]
+        assert r["episodes_append_forwards"] == reference["episodes_append_forwards"]
 
 
 GENERATION_LAYOUTS = {"pp2_vpp2": ["--pp", "2", "--vpp", "2"], "tp2": ["--tp", "2"]}

@@ -329,8 +329,10 @@ def test_oumi_train_runs_episodes_on_two_pipeline_stages_and_drops_failed_ones(t
     assert "could not start" in text and "no answer within grpo.environment_timeout_s = 1 s" in text
     assert any(r["env/turns_max"] >= 2 for r in rows) and all("loss" in r for r in rows)
     assert "a sample episode" in text and all(r["env/observation_tokens_per_episode"] > 0 for r in rows)
-    # the episodes' decode steps against their longest episode (no turn barrier), in every row
-    assert all(r["rollout/critical_path_tokens"] - 1 <= r["rollout/decode_steps"] for r in rows), rows
+    # the episodes' decode steps against their longest episode (no turn barrier; the observations appended in one
+    # forward each look, not decoded), in every row
+    assert all(r["rollout/decode_steps"] <= r["rollout/critical_path_tokens"] - 1 for r in rows), rows
+    assert all(r["rollout/append_forwards"] >= 1 for r in rows if r["env/turns_max"] >= 2), rows
     # grpo.rollout_dump_steps: step 3's episodes token for token, observations masked, failed ones without a reward
     (dump,) = (out / "rollouts").iterdir()
     episodes = [json.loads(line) for line in dump.read_text().splitlines()]

@@ -140,15 +140,15 @@ def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_tra
     assert few.total == pytest.approx(few.training_peak, rel=1e-9)
 
 
-@pytest.mark.parametrize(("turns", "workers", "extra"), [(1, 0, 9), (4, 0, 21), (4, 2, 21 + 24)])
-def test_multi_turn_episodes_cache_a_slot_for_every_step_a_row_may_wait(turns: int, workers: int, extra: int) -> None:
-    """Episodes keep one cache for every turn (rollout/decoding/episodes.py ``episode_slots``): the prompt, the whole
-    completion budget, and 4 slots per turn (and one look more) a row may wait for its answer, plus one: the cache
-    above, 32 slots (8 prompt + 24 completion), becomes 32 + 4 x (turns + 1) + 1; answers from the background
-    (environment_workers) keep the completion budget (24) again for the rows' waits."""
+@pytest.mark.parametrize(("turns", "workers"), [(1, 0), (4, 0), (4, 2)])
+def test_multi_turn_episodes_cache_a_slot_per_completion_token_whatever_the_rows_wait(turns: int, workers: int) -> None:
+    """Episodes keep one cache for every turn (rollout/decoding/episodes.py ``episode_slots``): the prompt, a slot per
+    token of the completion budget (each row at its own slots: a row that waits for its answer, in line or from the
+    background, takes none), and the scratch slot: the cache above, 32 slots (8 prompt + 24 completion), becomes 33
+    whatever the turns and the environment's workers."""
     single = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64)
     plan = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=64, episodes=(24, turns), environment_workers=workers)
-    assert (plan.rollout - single.rollout) * GIB == pytest.approx(1_048_576 * extra / 32, rel=1e-9)
+    assert (plan.rollout - single.rollout) * GIB == pytest.approx(1_048_576 * 1 / 32, rel=1e-9)
 
 
 @pytest.mark.parametrize(("tp", "targets", "adapters"), [

@@ -203,17 +203,16 @@ def kv_cache_bytes_per_token(shape: ModelShape, layers: float, tensor_parallel: 
 def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout, stage: int) -> float:
     """The embedded backend's generation memory on one GPU of ``stage`` (rollout/decoding/): the static KV cache of
     its layers for this rank's completions, and the last stage's fp32 logits-sized sampling buffers. Multi-turn
-    episodes (``grpo.environment``) keep one cache for all turns, with a slot for every step a row may wait for its
-    observation (rollout/decoding/episodes.py ``episode_slots``)."""
-    from oumi_megatron.rollout.decoding.episodes import EPISODE_CHECK_EVERY, episode_slots
+    episodes (``grpo.environment``) keep one cache for all turns: the prompt, a slot per token of the completion
+    budget, and a scratch slot (rollout/decoding/episodes.py ``episode_slots``)."""
+    from oumi_megatron.rollout.decoding.episodes import episode_slots
 
     g = cfg.grpo
     rows = layout.completions_per_rollout / layout.data_parallel
     per_token = kv_cache_bytes_per_token(shape, shape.num_layers / layout.pipeline_parallel, layout.tensor_parallel)
     slots = g.max_sequence_length
     if g.environment is not None:
-        slots = episode_slots(g.max_prompt_length, g.max_completion_length, g.max_turns, EPISODE_CHECK_EVERY,
-                              g.environment_workers > 0)
+        slots = episode_slots(g.max_prompt_length, g.max_completion_length)
     cache = per_token * rows * slots
     sampling = 4 * 4 * rows * shape.vocab_size if stage == layout.pipeline_parallel - 1 else 0.0
     return cache + sampling

@@ -175,7 +175,7 @@ class ScriptedTurns:
     the same greedy episodes come out of any backend that runs them faithfully."""
 
     def __init__(self, rows: int, budget: int) -> None:
-        self.budget, self.ids = budget, [[] for _ in range(rows)]
+        self.budget, self.ids, self.mask = budget, [[] for _ in range(rows)], [[] for _ in range(rows)]
         self.turns = [0] * rows
         self.background = False
 
@@ -186,6 +186,7 @@ class ScriptedTurns:
         for end in ends:
             r = end.row
             self.ids[r] += end.ids
+            self.mask[r] += [1] * len(end.ids)
             self.turns[r] += 1
             block = [100 + r % 7, 101, 102 + self.turns[r]][: 1 + (r + self.turns[r]) % 3]
             left = self.budget - len(self.ids[r]) - len(block)
@@ -193,6 +194,7 @@ class ScriptedTurns:
                 out.append(None)
                 continue
             self.ids[r] += block
+            self.mask[r] += [0] * len(block)
             out.append(NextTurn(block, min(left, 5 + r % 4)))
         return out
 
@@ -202,33 +204,77 @@ class ScriptedTurns:
 
 def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
     """Multi-turn episodes without a turn barrier (rollout/decoding/episodes.py): 8 prompts x 2 rows, up to three
-    turns, observations fed as forced tokens while other rows decode, against the turn-synchronous reference
+    turns, observations appended in one forward per look while other rows decode, against the same decoder feeding
+    them as forced tokens (one decode step per token, the path before appends) and the turn-synchronous reference
     (rollout/turns.py: each turn a ``generate`` of every going row's whole history) on the static path and on the
-    schedule path (greedy): the same episodes, logprobs within 1e-4; the decode steps within the critical path's bound."""
+    schedule path (greedy): the same episodes (ids, masks, turns); logprobs against each other and against the
+    trainer's recomputation of the whole sequences (``compute_logprobs``); the decode steps and append forwards."""
     from oumi_megatron.rollout.decoding.episodes import episode_check_every
     from oumi_megatron.rollout.sampling import SamplingParams
     from oumi_megatron.rollout.turns import turn_by_turn
 
     greedy = SamplingParams(max_new_tokens=6, pad_token_id=256, greedy=True, eos_token_id=eos)
     budget = 30
+
+    def forced(h):  # noqa: ANN001, ANN202
+        static.episode_observations = "forced"
+        try:
+            return static.run_episodes(prompts, greedy, 2, h, budget, 3)
+        finally:
+            static.episode_observations = "appended"
+
     runs = {}
-    for name, go in (("native", lambda h: static.run_episodes(prompts, greedy, 2, h, budget, 3)),
+    for name, go in (("appended", lambda h: static.run_episodes(prompts, greedy, 2, h, budget, 3)), ("forced", forced),
                      ("reference_static", lambda h: turn_by_turn(static, prompts, greedy, 2, h)),
                      ("reference_schedule", lambda h: turn_by_turn(schedule, prompts, greedy, 2, h))):
         handler = Recorder(ScriptedTurns(len(prompts) * 2, budget))
         engine = go(handler)
-        runs[name] = {"ids": handler.inner.ids, "turns": handler.inner.turns, "logprobs": handler.logprobs,
-                      "decode_steps": engine.decode_steps, "path": static.last_stats.path,
-                      "capture_s": static.last_stats.capture_s}
-    native = runs["native"]
-    worst = max(abs(a - b) for ref in ("reference_static", "reference_schedule")
-                for x, y in zip(native["logprobs"], runs[ref]["logprobs"]) for a, b in zip(x, y))
-    return {"episodes_same_tokens": [native["ids"] == runs[r]["ids"] for r in ("reference_static", "reference_schedule")],
+        stats = static.last_stats
+        runs[name] = {"ids": handler.inner.ids, "mask": handler.inner.mask, "turns": handler.inner.turns,
+                      "logprobs": handler.logprobs, "decode_steps": engine.decode_steps,
+                      "append_forwards": engine.append_forwards, "path": stats.path, "capture_s": stats.capture_s,
+                      "stats_append_forwards": stats.append_forwards, "stats_decode_steps": stats.decode_steps}
+    native = runs["appended"]
+    others = ("forced", "reference_static", "reference_schedule")
+    worst = max(abs(a - b) for ref in others for x, y in zip(native["logprobs"], runs[ref]["logprobs"])
+                for a, b in zip(x, y))
+    # sampled episodes (temperature 0.8): other tokens than greedy, their logprobs as the trainer recomputes them too
+    sampled = Recorder(ScriptedTurns(len(prompts) * 2, budget))
+    static.run_episodes(prompts, replace(greedy, greedy=False, temperature=0.8), 2, sampled, budget, 3, seed=5)
+    return {"episodes_same_tokens": [native[key] == runs[r][key] for r in others for key in ("ids", "mask", "turns")],
             "episodes_turns": native["turns"], "episodes_logprob_max_abs_diff": worst,
-            "episodes_decode_steps": native["decode_steps"],
+            "episodes_trainer_logprob_max_abs_diff": trainer_gap(static.engine, prompts, native),
+            "episodes_sampled_trainer_logprob_max_abs_diff": trainer_gap(
+                static.engine, prompts, {"ids": sampled.inner.ids, "mask": sampled.inner.mask,
+                                         "logprobs": sampled.logprobs}, temperature=0.8),
+            "episodes_sampled_differ": sampled.inner.ids != native["ids"],
+            "episodes_observation_tokens": sum(m.count(0) for m in native["mask"]),
+            "episodes_decode_steps": native["decode_steps"], "episodes_append_forwards": native["append_forwards"],
+            "episodes_stats_agree": native["stats_append_forwards"] == native["append_forwards"]
+                                    and native["stats_decode_steps"] == native["decode_steps"],
+            "episodes_forced_decode_steps": runs["forced"]["decode_steps"],
+            "episodes_forced_append_forwards": runs["forced"]["append_forwards"],
             "episodes_critical_path": max(len(ids) for ids in native["ids"]),
-            "episodes_path": native["path"], "episodes_capture_s": native["capture_s"],
+            # the fewest decode steps with appends: a row's sampled tokens less one per turn (the prefill or an append
+            # samples each turn's first)
+            "episodes_policy_path": max(sum(m) - t for m, t in zip(native["mask"], native["turns"], strict=True)),
+            "episodes_path": native["path"], "episodes_forced_path": runs["forced"]["path"],
+            "episodes_capture_s": native["capture_s"],
             "episodes_check_every": episode_check_every(static.engine.device)}
+
+
+def trainer_gap(engine, prompts: list[list[int]], run: dict, temperature: float = 1.0) -> float:  # noqa: ANN001
+    """The largest difference between ``run``'s episode logprobs (``n`` = 2 rows per prompt) and the trainer's
+    (``compute_logprobs``) of the same whole sequences at the policy's tokens (one microbatch per row)."""
+    rows = [torch.tensor([prompts[k // 2] + ids]) for k, ids in enumerate(run["ids"])]
+    recomputed = engine.compute_logprobs([{"input_ids": row} for row in rows], temperature=temperature)
+    worst = 0.0
+    for k, (mask, logprobs) in enumerate(zip(run["mask"], run["logprobs"], strict=True)):
+        start = len(prompts[k // 2])
+        at = [start + i - 1 for i, m in enumerate(mask) if m]  # logprobs[t]: of token t + 1
+        assert len(at) == len(logprobs), (k, len(at), len(logprobs))
+        worst = max([worst, *(abs(recomputed[k][0, t].item() - lp) for t, lp in zip(at, logprobs))])
+    return worst
 
 
 class Gated:
@@ -261,7 +307,7 @@ def background_checks(static, prompts: list[list[int]], eos: int) -> dict:  # no
     first turn only after another episode took its second turn, answered in the background, equal those of an
     environment that answers at once, in line; none failed (in line, the gated call would hold every row until its
     deadline); nor do those of an environment that answers episode 0's first turn after every other episode is over
-    (the cache keeps room for the rows' waits)."""
+    (a row that waits takes no cache slot)."""
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.environments.runner import EnvironmentRunner
     from oumi_megatron.examples.tiny_models import build_byte_tokenizer

@@ -52,7 +52,8 @@ class EpisodeStats:
     engine: EpisodeRun = field(default_factory=EpisodeRun)
     """What the batch cost the engine: decode steps, each continued turn's time to first token, concurrency."""
     critical_path_tokens: int = 0
-    """The longest episode's completion tokens, observations included: the least decode steps the batch could take."""
+    """The longest episode's completion tokens, observations included: the least decode steps a batch whose
+    observations are fed one token a step could take (appended in one forward, they take none)."""
 
 
 @dataclass
@@ -273,6 +274,7 @@ def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
                      "environment_s", "critical_path_tokens"):
             setattr(out, name, getattr(out, name) + getattr(part, name))
         out.engine.decode_steps += part.engine.decode_steps
+        out.engine.append_forwards += part.engine.append_forwards
         out.engine.continued_ttft_s += part.engine.continued_ttft_s
         out.engine.answer_s += part.engine.answer_s
     steps = [p.engine.decode_steps for p in parts]
@@ -291,25 +293,28 @@ def episode_sums(samples: list[Sample], stats: EpisodeStats) -> list[float]:
 
 SUM_KEYS = ("episodes", "turns", "episodes_with_calls", "tool_calls", "tool_errors", "parse_failures",
             "observation_tokens", "observations_truncated", "failed", "concurrency", "ttft_s", "continued_turns")
-MAX_KEYS = ("turns_max", "environment_s", "decode_steps", "critical_path_tokens")
+MAX_KEYS = ("turns_max", "environment_s", "decode_steps", "critical_path_tokens", "append_forwards")
 
 
 def episode_maxima(samples: list[Sample], stats: EpisodeStats) -> list[float]:
     """This rank's values behind ``episode_metrics`` taken as the largest over the DP ranks, in ``MAX_KEYS`` order."""
     return [float(max((s.turns for s in samples), default=0)), stats.environment_s, float(stats.engine.decode_steps),
-            float(stats.critical_path_tokens)]
+            float(stats.critical_path_tokens), float(stats.engine.append_forwards)]
 
 
 def episode_metrics(sums: list[float], maxima: list[float], multi_turn: bool) -> dict[str, float]:
     """The step's metrics from the DP-summed ``episode_sums`` and the DP-largest ``episode_maxima``: ``rollout/*``
     for every batch (``decode_steps``: the batch's, where the engine counts them; ``critical_path_tokens``: its
-    longest sample's tokens, observations included), ``env/*`` for multi-turn episodes."""
+    longest sample's tokens, observations included), ``rollout/append_forwards`` (the forwards that wrote observations
+    into the cache) and ``env/*`` for multi-turn episodes."""
     s, m = dict(zip(SUM_KEYS, sums)), dict(zip(MAX_KEYS, maxima))
     out = {"rollout/critical_path_tokens": m["critical_path_tokens"]}
     if m["decode_steps"]:
         out["rollout/decode_steps"] = m["decode_steps"]
     if not multi_turn:
         return out
+    if m["decode_steps"]:
+        out["rollout/append_forwards"] = m["append_forwards"]
     n = max(s["episodes"], 1.0)
     out.update({
         "env/turns_mean": s["turns"] / n, "env/turns_max": m["turns_max"],

@@ -227,6 +227,9 @@ class EpisodeRun:
 
     decode_steps: int = 0
     """Decode steps the batch took, every turn's (the static-cache decoder); 0 where the engine does not count them."""
+    append_forwards: int = 0
+    """Forwards that wrote observations into the cache, a group of rows' each (the static-cache decoder: at most one per
+    look of its host); 0 where the engine does not run them."""
     continued_ttft_s: list[float] = field(default_factory=list)
     """Each continued turn's time from its observation being ready to its first token."""
     concurrency: float = 0.0

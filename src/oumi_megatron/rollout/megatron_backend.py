@@ -67,6 +67,10 @@ class MegatronRolloutBackend:
         self.path = path
         if self.decoder is not None:
             logger.info("rollout: %s", self.decoder.path)
+        self.episode_observations = "appended"
+        """How the static path's episodes write observations into the cache (decoding/episodes.py ``OBSERVATIONS``): one
+        append forward per look, or ``forced`` (one decode step per token: the reference the tests and the benchmark
+        compare with)."""
         self._last_stats: GenerationStats | None = None
         self._merged = False  # inside ``_rollout_weights``
         self.decoder_seconds = {"decode": 0.0, "prefill": 0.0, "graph_capture": 0.0}
@@ -112,8 +116,9 @@ class MegatronRolloutBackend:
     def run_episodes(self, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler, budget: int,
                      max_turns: int, seed: int | None = None) -> EpisodeRun:
         """Multi-turn episodes without a turn barrier on the static cache (decoding/episodes.py): each row takes its
-        next turn as soon as its observation is ready. One-turn episodes are a plain ``generate``; the ``schedule`` and
-        ``recompute`` paths take turn by turn (rollout/turns.py)."""
+        next turn as soon as its observation is ready, the observation written into the cache in one forward. One-turn
+        episodes are a plain ``generate``; the ``schedule`` and ``recompute`` paths take turn by turn (rollout/turns.py:
+        each later turn's history, observation included, runs in the prompt's one forward)."""
         if self.decoder is None or max_turns <= 1 or params.max_new_tokens == 0 or not prompts:
             with self._rollout_weights():  # once for every turn's generate
                 run = turn_by_turn(self, prompts, params, n, turns, seed)
@@ -123,7 +128,7 @@ class MegatronRolloutBackend:
             self.generator.manual_seed(seed)
         with self._rollout_weights():
             run, self.last_stats = decode_episodes(self.decoder, prompts, n, params, self.generator, turns, budget,
-                                                   max_turns)
+                                                   self.episode_observations)
         return run
 
     @contextlib.contextmanager

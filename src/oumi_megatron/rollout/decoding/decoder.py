@@ -18,8 +18,8 @@ One call (``StaticCacheDecoder.generate``):
    same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
    weights to new storage; a graph reading the old addresses would read freed memory). A batch of multi-turn
-   episodes (episodes.py) is one such generation: every turn of every row replays one graph, and the next batch of
-   the shape replays it again.
+   episodes (episodes.py) is one such generation: every turn of every row replays one decode-step graph, the
+   observations' append forwards one graph per chunk bucket, and the next batch of the shape replays them again.
 
 Positions: rotary angles are those of the cache slot (as Megatron-Core's static inference does), so a
 left-padded row is shifted by a constant, which RoPE (relative) ignores; learned absolute position
@@ -68,13 +68,24 @@ class GenerationStats:
     decode_s: float
     kv_cache_bytes: int = 0
     capture_s: float = 0.0
-    """Of ``decode_s``: the eager step and the capture of the CUDA graph (once per call)."""
+    """Of ``decode_s``: the CUDA graphs' captures, each with the eager run before it (the decode step's: once per call;
+    multi-turn episodes: also each new append bucket's)."""
+    steps_in_capture: int = 0
+    """Of ``decode_steps``: those run eagerly before a capture (their time is in ``capture_s``)."""
+    append_forwards: int = 0
+    """Multi-turn episodes: the forwards that wrote observations into the cache (rollout/decoding/episodes.py)."""
+    append_s: float = 0.0
+    """Of ``decode_s``: those append forwards' time, but for the ones run before a capture (in ``capture_s``)."""
+    append_tokens: tuple[int, int] = (0, 0)
+    """The observations' tokens (their blocks') the appends fed, and the tokens their buckets computed (padding
+    included)."""
 
     @property
     def decode_ms_per_step(self) -> float:
-        """A decode step's time: with CUDA graphs a replay (the eager first step and the capture are ``capture_s``)."""
-        timed = self.decode_steps - (1 if self.capture_s else 0)
-        return 1e3 * (self.decode_s - self.capture_s) / max(timed, 1)
+        """A decode step's time: with CUDA graphs a replay (captures and the eager runs before them excluded), append
+        forwards excluded."""
+        timed = self.decode_steps - self.steps_in_capture
+        return 1e3 * (self.decode_s - self.capture_s - self.append_s) / max(timed, 1)
 
 
 def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str]:
@@ -187,7 +198,7 @@ class StaticCacheDecoder:
         path = self.path.replace("CUDA-graph", "eager (capture failed)") if run.capture_failed else self.path
         stats = GenerationStats(path=path, tokens=generated_tokens(tokens, params), prefill_s=prefill_s,
                                 decode_steps=steps - 1, decode_s=decode_s, kv_cache_bytes=run.cache.nbytes,
-                                capture_s=run.capture_s)
+                                capture_s=run.capture_s, steps_in_capture=run.steps_in_capture)
         return tokens, logprobs, stats
 
 
@@ -236,8 +247,11 @@ class _Generation:
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
         self.capture_s = 0.0
+        self.steps_in_capture = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         """The decode step's graph once captured; a kept generation replays it in later calls (``refill``)."""
+        self.graph_pool: Any = None
+        """The memory pool this generation's graphs share (None: each its own); they never run at the same time."""
         dtype = stages.config.params_dtype
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device) if stages.takes_additive_masks else None
@@ -287,6 +301,7 @@ class _Generation:
         self.current.zero_()
         self.step.zero_()
         self.capture_s = 0.0
+        self.steps_in_capture = 0
 
     # -- the steps ---------------------------------------------------------------------------------------------------
     def prefill(self) -> None:
@@ -345,6 +360,7 @@ class _Generation:
                     self.graph.replay()
                 elif graphs and not self.capture_failed:
                     self.graph = self._capture()  # runs this step eagerly, then captures one for the next ones
+                    self.steps_in_capture += self.graph is not None
                 else:
                     self.decode_step(self.width + step)
                 step += 1
@@ -352,25 +368,27 @@ class _Generation:
                     break
         return step
 
-    def _capture(self) -> torch.cuda.CUDAGraph | None:
-        """One eager step on a side stream (it warms up the kernels of these shapes), then the capture of one step.
-        None if capture fails (logged; the run continues eagerly)."""
+    def _capture(self, step: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph | None:
+        """One eager run of ``step`` (default: the decode step over every slot) on a side stream (it warms up the
+        kernels of these shapes), then the capture of one for replays. None if capture fails (logged; the run continues
+        eagerly)."""
+        run = step if step is not None else functools.partial(self.decode_step, None)
         started = time.perf_counter()
         stream = torch.cuda.Stream(device=self.stages.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.decode_step(None)
+            run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self.generator)
         self.captured_params = self.params
         try:
-            with torch.cuda.graph(graph):
-                self.decode_step(None)
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                run()
         except RuntimeError as e:
-            logger.warning("rollout: a CUDA graph of the decode step could not be captured (%s); decoding eagerly", e)
+            logger.warning("rollout: a CUDA graph of a decode step could not be captured (%s); running it eagerly", e)
             self.capture_failed = True
             return None
         torch.cuda.synchronize(self.stages.device)
-        self.capture_s = time.perf_counter() - started
+        self.capture_s += time.perf_counter() - started
         return graph

@@ -89,9 +89,10 @@ class PolicyStages:
         return None if rotary is None else rotary.get_emb(slots).to(self.device)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor,
-                rotary: torch.Tensor | None) -> torch.Tensor | None:
-        """Logits [rows, vocab] (the model's dtype; the whole vocabulary, every TP rank) at the last of ``ids``' positions on the
-        last pipeline stage; None on the others. ``mask``: True where attention is not allowed."""
+                rotary: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [rows, vocab] (the model's dtype; the whole vocabulary, every TP rank) at the last of ``ids``' positions
+        (``last``: long [rows], each row's own position) on the last pipeline stage; None on the others. ``mask``: True
+        where attention is not allowed."""
         rows, width = ids.shape
         hidden: torch.Tensor | None = None
         for chunk in self.chunks:
@@ -107,7 +108,9 @@ class PolicyStages:
                 # the latter would replay the layer's fixed-shape training graph
                 hidden, _ = torch.nn.Module.__call__(layer, hidden, attention_mask=mask, rotary_pos_emb=rotary)
             if chunk.post_process:
-                return self._logits(chunk, hidden[-1:])
+                if last is None:
+                    return self._logits(chunk, hidden[-1:])
+                return self._logits(chunk, hidden.gather(0, last.view(1, rows, 1).expand(1, rows, hidden.shape[-1])))
             dist.send(hidden.contiguous(), dst=self.next_rank, group=self.pp_group)
         return None
 

@@ -5,13 +5,19 @@ and re-applies RoPE to every cached key each step: every token is a new shape an
 decode step cannot be replayed as a CUDA graph. Here each layer's ``core_attention`` is wrapped, for the
 duration of one generation, by :class:`CachedCoreAttention`: the layer's own projections, q/k norms and RoPE
 run as in training (Megatron-Core's ``SelfAttention`` with no inference context), then the wrapper writes the
-already-rotated key and the value into a preallocated cache at ``cursor.slot`` (a device tensor) and calls the
-layer's real core attention (SDPA or Megatron's local one) over the cache. Nothing in a decode step depends
-on a host value, so the whole step can be captured once and replayed.
+already-rotated key and the value into a preallocated cache at the slots the cursor names (device tensors) and
+calls the layer's real core attention (SDPA or Megatron's local one) over the cache. Nothing in a decode step
+depends on a host value, so the whole step can be captured once and replayed.
+
+Where a forward writes (``CacheCursor``):
+- **one shared slot** (``slot``): single-turn decoding, every row's token at the same column;
+- **a slot per row** (``row_slots``): multi-turn episodes, each row at its own next free slot (episodes.py);
+- **a chunk per row of a group** (``chunk``): an episode's observation appended in one forward: the group's rows
+  each write their chunk's tokens at their own slots, and attend over their own cache rows only.
 
 Layout: [rows, kv heads of this TP rank, slots, head dim] per layer, which the core attention receives as
-[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens`` (a batch of episodes: one per
-decode step of all its turns, episodes.py). The cache lives for one generation (or batch of episodes) and is freed with it,
+[slots, rows, heads, dim] views (no copy); slots are ``prompt width + max_new_tokens`` (a batch of episodes:
+``episode_slots``, episodes.py). The cache lives for one generation (or batch of episodes) and is freed with it,
 unless the decoder keeps it with its CUDA graph (decoder.py, ``rollout_cuda_graphs_kept``).
 """
 
@@ -26,6 +32,19 @@ import torch
 
 
 @dataclass
+class ChunkWrite:
+    """Where an append forward over ``rows`` (G cache rows, [C, G] tokens) writes: token j of group row i at cache row
+    ``rows[i]``, slot ``slots[i, j]``."""
+
+    rows: torch.Tensor
+    """long [G]: the group's cache rows (its attention reads these rows only)."""
+    flat_rows: torch.Tensor
+    """long [G * C]: ``rows`` repeated per token, row-major like ``slots.flatten()``."""
+    flat_slots: torch.Tensor
+    """long [G * C]: ``slots`` [G, C] flattened."""
+
+
+@dataclass
 class CacheCursor:
     """Where the running forward writes and reads the cache; one object shared by every layer."""
 
@@ -37,6 +56,10 @@ class CacheCursor:
     kv_len: int | None = None
     """Decode, eager: attend over the first ``kv_len`` slots. None: over every slot (CUDA graphs: a fixed shape;
     the mask hides the slots not written yet)."""
+    row_slots: torch.Tensor | None = None
+    """long [rows]: each row's own write slot for this decode step (multi-turn episodes); None: ``slot`` for all."""
+    chunk: ChunkWrite | None = None
+    """An append forward's writes: a group of rows, each with a chunk of tokens (None outside one)."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -59,9 +82,19 @@ class CachedCoreAttention(torch.nn.Module):
                 cache[:, :, :width] = new.permute(1, 2, 0, 3).repeat_interleave(c.prefill_repeat, dim=0)
             return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        self.keys.index_copy_(2, c.slot, key.permute(1, 2, 0, 3))
-        self.values.index_copy_(2, c.slot, value.permute(1, 2, 0, 3))
         keys, values = self.keys, self.values
+        if c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
+            for cache, new in ((self.keys, key), (self.values, value)):
+                # [rows, slots, groups, dim] view: (row, slot) pairs index it, each taking a [groups, dim] vector
+                cache.transpose(1, 2).index_put_((c.chunk.flat_rows, c.chunk.flat_slots), new.transpose(0, 1).flatten(0, 1))
+            keys, values = self.keys.index_select(0, c.chunk.rows), self.values.index_select(0, c.chunk.rows)
+        elif c.row_slots is not None:  # [1, rows, groups, dim]: row r at its own slot
+            at = c.row_slots.view(-1, 1, 1, 1).expand(-1, key.shape[2], 1, key.shape[3])
+            self.keys.scatter_(2, at, key.permute(1, 2, 0, 3))
+            self.values.scatter_(2, at, value.permute(1, 2, 0, 3))
+        else:
+            self.keys.index_copy_(2, c.slot, key.permute(1, 2, 0, 3))
+            self.values.index_copy_(2, c.slot, value.permute(1, 2, 0, 3))
         if c.kv_len is not None:
             keys, values = keys[:, :, :c.kv_len], values[:, :, :c.kv_len]
         return self.inner(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), attention_mask,
