@@ -210,6 +210,41 @@ def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
     assert policy.calls[1] == ([3 + len(_call("12*7")) + len(obs)], 400 - len(_call("12*7")) - len(obs), 1)
 
 
+def test_each_turn_keeps_the_version_that_generated_it() -> None:
+    """An engine whose weight pushes land between an episode's turns (an asynchronous engine's episode job) reports a
+    version per generation: each policy token keeps its turn's version, an observation that of the turn it answers,
+    and the staleness metrics see a sample spanning two versions; an engine that reports none leaves the versions to
+    the driver (the batch's)."""
+    import torch
+
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.trainer.async_rollouts import staleness_metrics
+
+    class Pushed(_ScriptedPolicy):  # version 3 for the first turn, 4 after a push
+        def generate(self, prompts, params, n, seed=None):  # noqa: ANN001, ANN201
+            out = super().generate(prompts, params, n, seed)
+            for group in out:
+                for r in group:
+                    r.version = 2 + len(self.calls)
+            return out
+
+    tok = build_byte_tokenizer()
+    answer = tok("The answer is 84.", add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
+    obs, _ = observation_ids(tok, Observation("84"))
+    params = SamplingParams(max_new_tokens=400, eos_token_id=258)
+    (episode,), _ = run_episodes(Pushed([_call("12*7"), answer]), tok, _runner(build_environment("calculator")),
+                                 [[1, 2, 3]], [{}], params, n=1, max_turns=4)
+    assert episode.versions == [3] * (len(_call("12*7")) + len(obs)) + [4] * len(answer)
+    episode.check()
+    m = staleness_metrics([episode], 4, torch.device("cpu"))
+    assert m["rollout/multi_version_fraction"] == 1.0 and m["rollout/staleness_max"] == 1.0
+    assert m["rollout/staleness_mean"] == len(_call("12*7")) / (len(_call("12*7")) + len(answer))  # policy tokens only
+    (plain,), _ = run_episodes(_ScriptedPolicy([_call("12*7"), answer]), tok, _runner(build_environment("calculator")),
+                               [[1, 2, 3]], [{}], params, n=1, max_turns=4)
+    assert plain.versions == []
+
+
 def test_inline_episodes_stop_at_the_equals_sign_and_continue_the_assistant_s_message() -> None:
     """calculator_inline: the turns end at "=" (the sampling's stop tokens), each value joins the assistant's message
     as its plain text ids (no template, no end-of-turn token), masked; the episode ends at the end-of-turn token."""

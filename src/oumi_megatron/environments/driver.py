@@ -89,7 +89,8 @@ class RolloutDriver:
         replica."""
         samples, stats = self._episodes(self.backend, self.tools, prompts, rows, params, n, seed, groups)
         for sample in samples:
-            sample.stamp(version)
+            if not sample.versions:  # the engine told no version per turn: the batch's
+                sample.stamp(version)
         return samples, stats
 
     def _episodes(self, engine: Any, tools: EpisodeTools, prompts: list[list[int]], rows: list[dict[str, Any]],
@@ -128,7 +129,8 @@ class RolloutDriver:
             samples, stats = self._episodes(_Generated(tagged.rollouts), self.tools, request.prompts, request.rows,
                                             request.params, request.n, request.seed, request.groups)
         for sample in samples:
-            sample.stamp(tagged.version)
+            if not sample.versions:  # else each turn's own (an engine a push reached between turns)
+                sample.stamp(tagged.version)
         return samples, stats, tagged
 
     def decode_profile(self) -> DecodeProfile:

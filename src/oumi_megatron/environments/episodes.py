@@ -62,6 +62,9 @@ class _Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    """Per token, the policy version of the turn it belongs to (an observation: the turn it answers); None where the
+    engine reports no version per turn."""
     last_turn: list[int] = field(default_factory=list)
     """The policy's ids of its latest turn (what the environment answers)."""
     appended: list[int] = field(default_factory=list)
@@ -88,6 +91,7 @@ class _Episode:
         ids = self.last_turn = turn.ids
         self.ids += ids
         self.mask += [1] * len(ids)
+        self.versions += [turn.version] * len(ids)
         if turn.logprobs is None:
             self.logprobs_missing = True
         self.logprobs += turn.logprobs if turn.logprobs is not None else [0.0] * len(ids)
@@ -211,6 +215,7 @@ class Episodes:
             stats.transcript.append({"observation": answer.text})
         e.ids += ids
         e.mask += [0] * len(ids)
+        e.versions += [e.versions[-1] if e.versions else None] * len(ids)
         e.logprobs += [0.0] * len(ids)
         e.appended = ids
         e.room, e.room_is_turn_limit = self.room(e)
@@ -226,11 +231,17 @@ class Episodes:
         stats.critical_path_tokens = max((len(e.ids) for e in self.episodes), default=0)
         out = [Sample(e.prompt, e.ids, self.groups[k // self.n], _status(e), None if e.logprobs_missing else e.logprobs,
                       loss_mask=e.mask if multi_turn else None, failure=e.failure, turns=e.turns, tool_calls=e.calls,
-                      env_info=e.info if multi_turn else None)
+                      env_info=e.info if multi_turn else None, versions=_versions(e))
                for k, e in enumerate(self.episodes)]
         for sample in out:
             sample.check()
         return out, stats
+
+
+def _versions(e: _Episode) -> list[int]:
+    """The episode's per-token versions where the engine reported one for every turn, else none (the driver stamps the
+    batch's version)."""
+    return [v for v in e.versions if v is not None] if e.versions and None not in e.versions else []
 
 
 def _status(e: _Episode) -> SampleStatus:

@@ -34,6 +34,9 @@ class Rollout:
     logprobs: list[float] | None = None
     """The engine's log p(token) of each completion token under softmax(logits / T) (full vocabulary;
     before top-p), the quantity the trainer recomputes: their difference is the rollout/trainer mismatch."""
+    version: int | None = None
+    """The policy version of the weights that generated it, where the engine reports one per generation (an engine
+    whose weight pushes land between an episode's turns); None: the version of the whole batch (the driver's)."""
 
 
 @dataclass
@@ -184,6 +187,8 @@ class TurnEnd:
     """None where the engine returned none."""
     ended: bool
     """Its last token ends a turn (EOS or a stop token); False: cut at the turn's room."""
+    version: int | None = None
+    """The policy version that generated the turn, where the engine reports it (``Rollout.version``)."""
 
 
 @dataclass

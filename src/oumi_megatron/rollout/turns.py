@@ -28,7 +28,7 @@ def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingPa
     tokens; later turns' rooms come from ``turns``. Turn t > 0 is drawn with seed ``seed + t``."""
     first = engine.generate(prompts, params, n, seed=seed)
     histories = [list(r.prompt_ids) + list(r.completion_ids) for group in first for r in group]
-    going = _next_turns(turns, [TurnEnd(k, list(r.completion_ids), r.logprobs, r.finished)
+    going = _next_turns(turns, [TurnEnd(k, list(r.completion_ids), r.logprobs, r.finished, r.version)
                                 for k, r in enumerate(r for group in first for r in group)])
     turn = 1
     while going:
@@ -43,7 +43,7 @@ def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingPa
             ids = list(r.completion_ids[:going[k].room])
             histories[k] += ids
             logprobs = None if r.logprobs is None else list(r.logprobs[:len(ids)])
-            ends.append(TurnEnd(k, ids, logprobs, r.finished and len(ids) == len(r.completion_ids)))
+            ends.append(TurnEnd(k, ids, logprobs, r.finished and len(ids) == len(r.completion_ids), r.version))
         going = _next_turns(turns, ends)
         turn += 1
     return EpisodeRun()

@@ -162,7 +162,11 @@ class _ReplicaEngine:
         version, seconds, results = self.process.call("generate_tagged", prompts, vllm_sampling(params, n))
         self.version = version if self.version is None else min(self.version, version)
         self.seconds += seconds
-        return vllm_rollouts(prompts, results)
+        rollouts = vllm_rollouts(prompts, results)
+        for group in rollouts:  # a push may land between two turns: each turn keeps the version that generated it
+            for r in group:
+                r.version = version
+        return rollouts
 
 
 class _VllmBackend:
