@@ -536,13 +536,17 @@ def test_resume_is_exact(converted: Path, workdir: Path, reference: dict) -> Non
     assert resumed["logprobs"] == reference["logprobs"]
 
 
-def test_kill_during_checkpoint_write_keeps_previous(converted: Path, workdir: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_kill_during_checkpoint_write_keeps_previous(converted: Path, workdir: Path, background: bool) -> None:
+    """kill -9 of the whole process group (the background writer's forked process with it) while the second checkpoint
+    is written: the first stays the newest, complete and loadable."""
+    from oumi_megatron.engine.state.checkpoint_manifest import verify_checkpoint
     from oumi_megatron.engine.state.checkpointing import latest_checkpoint, list_checkpoints
 
     for attempt in range(3):
-        out = workdir / f"killed_{attempt}"
+        out = workdir / f"killed_{'background' if background else 'sync'}_{attempt}"
         cmd = [PY, str(WORKERS / "engine_worker.py"), str(converted), str(out), "--steps", "3",
-               "--save-at", "1", "--save-at", "2", "--no-export"]
+               "--save-at", "1", "--save-at", "2", "--no-export", *(["--async-save"] if background else [])]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ}, start_new_session=True)
         partial = out / "checkpoints" / ".step_000002.partial"
@@ -561,6 +565,7 @@ def test_kill_during_checkpoint_write_keeps_previous(converted: Path, workdir: P
     assert partial.exists()  # the interrupted write is left as .partial ...
     assert [s for s, _ in list_checkpoints(root)] == [1]  # ... and never listed
     assert latest_checkpoint(root) == root / "step_000001"
+    assert verify_checkpoint(root / "step_000001") is None
 
 
 def test_atomic_directory_never_exposes_partial_output(tmp_path: Path) -> None:
