@@ -245,6 +245,65 @@ def test_each_turn_keeps_the_version_that_generated_it() -> None:
     assert plain.versions == []
 
 
+class _Pieces:
+    """A deterministic engine whose next token depends only on the history (an EOS once it is ``ends`` long), so one
+    request or several pieces give the same tokens; each call is one version newer (a push between every two)."""
+
+    def __init__(self, ends: int) -> None:
+        self.ends, self.calls = ends, 0
+
+    def generate(self, prompts, params, n, seed=None):  # noqa: ANN001, ANN201
+        from oumi_megatron.rollout.base import Rollout
+
+        self.calls += 1
+        out = []
+        for p in prompts:
+            group = []
+            for _ in range(n):
+                history, ids = list(p), []
+                while len(ids) < params.max_new_tokens:
+                    token = _ScriptedPolicy.EOS if len(history) >= self.ends else 3 + (sum(history) + len(history)) % 90
+                    history.append(token)
+                    ids.append(token)
+                    if token == _ScriptedPolicy.EOS:
+                        break
+                group.append(Rollout(list(p), ids, ids[-1] == _ScriptedPolicy.EOS, [-0.25] * len(ids), version=self.calls))
+            out.append(group)
+        return out
+
+
+@pytest.mark.parametrize("environment", [None, "calculator"])
+def test_partial_rollouts_give_the_same_tokens_in_pieces_each_with_its_version(environment: str | None) -> None:
+    """grpo.partial_rollouts: each turn generated in pieces of PARTIAL_ROLLOUT_CHUNK tokens, each a request continuing
+    the row's tokens, gives the same tokens and logprobs as whole turns (single-turn and episodes), and each token
+    keeps the version of the piece that sampled it (here a push lands between every two pieces)."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK as C
+
+    tok = build_byte_tokenizer()
+    params = SamplingParams(max_new_tokens=3 * C + 5, eos_token_id=_ScriptedPolicy.EOS)
+    prompts = [[1, 2, 3], [7] * (C // 2)]
+
+    def run(chunk: int | None) -> tuple[list, _Pieces]:
+        engine = _Pieces(ends=2 * C + 7)
+        env = _runner(build_environment(environment)) if environment else None
+        samples, _ = run_episodes(engine, tok, env, prompts, [{}, {}], params, n=2, max_turns=3, chunk=chunk)
+        return samples, engine
+
+    whole, one = run(None)
+    pieces, many = run(C)
+    assert [s.completion_ids for s in pieces] == [s.completion_ids for s in whole]
+    assert [s.logprobs for s in pieces] == [s.logprobs for s in whole] and [s.status for s in pieces] == [s.status for s in whole]
+    assert many.calls > one.calls
+    for s in pieces:
+        own = [v for v, m in zip(s.versions, s.loss_mask or [1] * len(s.versions)) if m]
+        assert own == sorted(own) and len(set(own)) >= 2  # versions only grow along a sample, pieces span several
+        # a piece holds at most C policy tokens of one version
+        assert max(own.count(v) for v in set(own)) <= C
+    assert all(len(set(s.versions)) == 1 for s in whole) or environment is not None
+
+
 def test_inline_episodes_stop_at_the_equals_sign_and_continue_the_assistant_s_message() -> None:
     """calculator_inline: the turns end at "=" (the sampling's stop tokens), each value joins the assistant's message
     as its plain text ids (no template, no end-of-turn token), masked; the episode ends at the end-of-turn token."""

@@ -217,6 +217,9 @@ ASYNC = {"inference_backend": "vllm", "rollout_placement": "separate", "weight_s
         ({**ASYNC, "weight_sync_method": "checkpoint"}, {"max_staleness": 1}, "grpo.max_staleness", "Use nccl (GPUs) or gloo"),
         ({**ASYNC, "enable_weight_sync": False}, {"max_staleness": 1}, "grpo.max_staleness", "enable_weight_sync: true"),
         (ASYNC, {"max_staleness": 1, "dynamic_sampling": True}, "grpo.dynamic_sampling", "not built for asynchronous GRPO"),
+        ({}, {"partial_rollouts": True}, "grpo.partial_rollouts", "needs asynchronous GRPO"),
+        ({"inference_backend": "sglang", "rollout_placement": "separate", "weight_sync_method": "gloo"},
+         {"max_staleness": 1, "partial_rollouts": True}, "grpo.partial_rollouts", "not built for sglang separate"),
         (ASYNC, {"off_policy_correction": "popice"}, "grpo.off_policy_correction", "'none', 'tis', 'seq_mask_tis', 'icepop'"),
         (ASYNC, {"off_policy_correction": "none", "tis_cap": 3.0}, "grpo.tis_cap", "does not read it"),
         (ASYNC, {"off_policy_correction": "icepop", "tis_cap": 3.0}, "grpo.tis_cap", "does not read it"),
@@ -248,6 +251,8 @@ def test_asynchronous_grpo_is_accepted_on_separate_engines_and_ray(make_config) 
                 r = check(make_config(megatron={**ASYNC, "rollout_placement": placement},
                                       grpo={"max_staleness": staleness, "off_policy_correction": correction}), world_size=2)
                 assert r.ok, (placement, staleness, correction, r.format_problems())
+    r = check(make_config(megatron=ASYNC, grpo={"max_staleness": 1, "partial_rollouts": True}), world_size=2)
+    assert r.ok, r.format_problems()
 
 
 def test_off_policy_correction_resolves_from_tis_cap() -> None:

@@ -213,6 +213,14 @@ class MegatronGrpoParams(BaseParams):
     that generation, so the trainer does not wait for it. Up to 4 batches ahead. Metrics ``rollout/staleness_*``,
     ``async/*``."""
 
+    partial_rollouts: bool = False
+    """Asynchronous GRPO: a weight push does not wait for the episodes in flight. Each turn is generated in pieces of
+    ``PARTIAL_ROLLOUT_CHUNK`` tokens (rollout/turns.py), each piece one request whose prompt is the episode's tokens so
+    far (the engine's prefix cache serves them; nothing is sampled again or re-tokenized), so a push lands between two
+    pieces and the episode goes on under the new weights; each token keeps the version that sampled it
+    (``rollout/multi_version_fraction``). Needs ``max_staleness`` > 0 on a rollout mode that declares it (vLLM
+    separate)."""
+
     # Multi-turn, tool-using episodes (environments/; docs/grpo.md "Multi-turn episodes and environments").
     environment: str | None = None
     """A registered environment (environments/registry.py: the built-in ``calculator``, or your own from ``plugins``)

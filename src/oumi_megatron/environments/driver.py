@@ -20,6 +20,7 @@ from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, DecodeProfile, Rollout, RolloutBackend, TaggedRollouts
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,12 @@ class RolloutDriver:
         return samples, stats
 
     def _episodes(self, engine: Any, tools: EpisodeTools, prompts: list[list[int]], rows: list[dict[str, Any]],
-                  params: SamplingParams, n: int, seed: int | None,
-                  groups: list[int] | None) -> tuple[list[Sample], EpisodeStats]:
+                  params: SamplingParams, n: int, seed: int | None, groups: list[int] | None,
+                  chunk: int | None = None) -> tuple[list[Sample], EpisodeStats]:
         g = self.grpo
         return run_episodes(engine, tools.tokenizer, tools.environment, prompts, rows, params, n, g.max_turns,
-                            g.max_observation_tokens, seed=seed, max_turn_tokens=g.max_turn_tokens, groups=groups)
+                            g.max_observation_tokens, seed=seed, max_turn_tokens=g.max_turn_tokens, groups=groups,
+                            chunk=chunk)
 
     # -- asynchronous GRPO: a step's episodes submitted ahead, collected when the trainer gets to them ------------------
     def submit(self, backend: AsyncRolloutBackend, prompts: list[list[int]], rows: list[dict[str, Any]],
@@ -109,13 +111,15 @@ class RolloutDriver:
         thread's own tools."""
         request = _Submitted(prompts, rows, params, n, seed, groups)
         self._submitted.append(request)
-        if not self.multi_turn:
+        partial = bool(getattr(self.grpo, "partial_rollouts", False))
+        if not self.multi_turn and not partial:
             backend.submit(prompts, params, n)
             return
+        # episodes, and under partial rollouts single turns too: a job of requests a weight push can land between
         assert isinstance(backend, AsyncEpisodeBackend), "validation refuses asynchronous episodes on this backend"
-        assert self.async_tools is not None, "assembly.py builds the episode thread's tools for asynchronous episodes"
+        assert self.async_tools is not None, "assembly.py builds the episode thread's tools for asynchronous episode jobs"
         job = functools.partial(self._episodes, tools=self.async_tools, prompts=prompts, rows=rows, params=params, n=n,
-                                seed=seed, groups=groups)
+                                seed=seed, groups=groups, chunk=PARTIAL_ROLLOUT_CHUNK if partial else None)
         backend.submit_episodes(prompts, job)
 
     def collect(self, backend: AsyncRolloutBackend) -> tuple[list[Sample], EpisodeStats, TaggedRollouts]:

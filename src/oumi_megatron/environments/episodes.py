@@ -91,7 +91,7 @@ class _Episode:
         ids = self.last_turn = turn.ids
         self.ids += ids
         self.mask += [1] * len(ids)
-        self.versions += [turn.version] * len(ids)
+        self.versions += turn.versions if turn.versions is not None else [None] * len(ids)
         if turn.logprobs is None:
             self.logprobs_missing = True
         self.logprobs += turn.logprobs if turn.logprobs is not None else [0.0] * len(ids)
@@ -254,11 +254,13 @@ def _status(e: _Episode) -> SampleStatus:
 def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]],
                  rows: list[dict[str, Any]], params: SamplingParams, n: int, max_turns: int,
                  max_observation_tokens: int | None = None, seed: int | None = None,
-                 max_turn_tokens: int | None = None, groups: list[int] | None = None) -> tuple[list[Sample], EpisodeStats]:
+                 max_turn_tokens: int | None = None, groups: list[int] | None = None,
+                 chunk: int | None = None) -> tuple[list[Sample], EpisodeStats]:
     """``n`` episodes of each of ``prompts`` (dataset ``rows`` alongside) as samples, prompt ``i``'s ``n`` adjacent, in
     ``generate``'s order (``groups``: each prompt's group id, default its index);
     ``params.max_new_tokens`` bounds each episode's whole completion (turns and observations), ``max_turn_tokens``
-    each turn (a turn cut there is closed with the end-of-turn token, as context, and answered). Collective over the
+    each turn (a turn cut there is closed with the end-of-turn token, as context, and answered). ``chunk``: each turn
+    generated in pieces of at most that many tokens (``grpo.partial_rollouts``, rollout/turns.py). Collective over the
     model replica (``env`` calls the environment on its first rank). An episode whose environment call raises or
     times out ends there, a FAILED sample with its reason (the caller drops it from the loss). ``env`` None: one turn
     each, a plain generation."""
@@ -272,7 +274,7 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | No
     if isinstance(backend, RunsEpisodes):
         engine = backend.run_episodes(prompts, first, n, episodes, params.max_new_tokens, episodes.max_turns, seed)
     else:
-        engine = turn_by_turn(backend, prompts, first, n, episodes, seed)
+        engine = turn_by_turn(backend, prompts, first, n, episodes, seed, chunk)
     return episodes.samples(engine)
 
 

@@ -187,8 +187,9 @@ class TurnEnd:
     """None where the engine returned none."""
     ended: bool
     """Its last token ends a turn (EOS or a stop token); False: cut at the turn's room."""
-    version: int | None = None
-    """The policy version that generated the turn, where the engine reports it (``Rollout.version``)."""
+    versions: list[int | None] | None = None
+    """Per token of ``ids``, the policy version that generated it, where the engine reports one (``Rollout.version``;
+    a turn generated in pieces under ``grpo.partial_rollouts`` may span two); None: not reported."""
 
 
 @dataclass

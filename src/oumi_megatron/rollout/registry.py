@@ -116,6 +116,9 @@ class RolloutMode:
     """An engine's memory on a GPU it runs on (ENGINE_SHARE and OWN_GPUS engines): what the plan counts."""
     asynchronous_episodes: bool = True
     """Under asynchronous GRPO its episodes (``grpo.environment``) run too."""
+    partial_rollouts: bool = False
+    """``grpo.partial_rollouts``: its episode jobs send each turn's pieces as requests of their own, so a weight push
+    lands between two of them."""
     lora_syncs: tuple[str, ...] = ("merged",)
     """The ``megatron.lora_sync`` values it runs under LoRA: ``merged`` (whole weights), ``adapter`` (the base beside
     the adapter: its engines take the adapter alone at a sync, or its decoder runs it in its forward)."""
@@ -259,6 +262,17 @@ def asynchronous_problem(params: MegatronParams, staleness: int) -> str | None:
     return (f"{staleness} (asynchronous GRPO) needs rollout engines that generate while the trainer trains: set "
             "megatron.inference_backend: vllm (rollout_placement: separate or ray) or sglang (rollout_placement: "
             f"separate) (now {params.inference_backend!r} / {params.rollout_placement!r}), or max_staleness: 0.")
+
+
+def partial_rollouts_problem(params: MegatronParams, staleness: int) -> str | None:
+    """Why ``grpo.partial_rollouts`` cannot run here, or None."""
+    if not (isinstance(staleness, int) and staleness > 0):
+        return "needs asynchronous GRPO (grpo.max_staleness > 0): a synchronous step's weights do not change during it."
+    mode = selected_mode(params)
+    if mode is None or mode.partial_rollouts:
+        return None
+    return (f"is not built for {mode.name} engines: their episodes run whole between weight pushes. Use "
+            "megatron.inference_backend: vllm with rollout_placement: separate, or partial_rollouts: false.")
 
 
 def check_own_gpu_engines(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
@@ -485,7 +499,8 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
     "colocated": RolloutMode("vllm colocated", _vllm(colocated=True), memory=ENGINE_SHARE, warnings=_vllm_warnings,
                              resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share,
                              lora_syncs=("merged", "adapter"), adapter_check=_vllm_adapter),
-    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, warnings=_vllm_warnings,
+    "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, partial_rollouts=True,
+                            warnings=_vllm_warnings,
                             engine_gpus=_one_gpu, gpu_share=_vllm_share, lora_syncs=("merged", "adapter"),
                             adapter_check=_vllm_adapter),
     # the fleet queues single generations: asynchronous episodes are not built for it

@@ -21,32 +21,93 @@ from typing import Any
 from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, Generates, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.sampling import SamplingParams
 
+PARTIAL_ROLLOUT_CHUNK = 32
+"""``grpo.partial_rollouts``: the most tokens of a turn one request generates; a weight push waits for at most one such
+piece of each episode in flight (the engine's prefix cache serves the tokens before it)."""
+
 
 def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingParams, n: int, turns: TurnHandler,
-                 seed: int | None = None) -> EpisodeRun:
+                 seed: int | None = None, chunk: int | None = None) -> EpisodeRun:
     """``n`` episodes of each of ``prompts`` (row ``i * n + j``), each first turn up to ``params.max_new_tokens``
-    tokens; later turns' rooms come from ``turns``. Turn t > 0 is drawn with seed ``seed + t``."""
-    first = engine.generate(prompts, params, n, seed=seed)
-    histories = [list(r.prompt_ids) + list(r.completion_ids) for group in first for r in group]
-    going = _next_turns(turns, [TurnEnd(k, list(r.completion_ids), r.logprobs, r.finished, r.version)
-                                for k, r in enumerate(r for group in first for r in group)])
+    tokens; later turns' rooms come from ``turns``. Turn t > 0 is drawn with seed ``seed + t``. ``chunk``: each turn
+    generated in pieces of at most that many tokens (``grpo.partial_rollouts``), each piece a request continuing the
+    row's tokens so far."""
+    rows = [r for group in engine.generate(prompts, _capped(params, chunk), n, seed=seed) for r in group]
+    histories = [list(r.prompt_ids) for r in rows]
+    asked = min(params.max_new_tokens, chunk or params.max_new_tokens)
+    firsts = [_Turn(list(r.completion_ids), r.logprobs, r.finished, r.version, asked) for r in rows]
+    if chunk is not None:
+        _continue_pieces(engine, params, histories, dict(enumerate(firsts)), {k: params.max_new_tokens for k in range(len(rows))}, chunk)
+    for k, t in enumerate(firsts):
+        histories[k] += t.ids
+    going = _next_turns(turns, [t.end(k, len(t.ids)) for k, t in enumerate(firsts)])
     turn = 1
     while going:
-        rows = sorted(going)
-        for k in rows:
+        keys = sorted(going)
+        for k in keys:
             histories[k] += going[k].appended
-        room = max(going[k].room for k in rows)
-        out = engine.generate([histories[k] for k in rows], replace(params, max_new_tokens=room), 1,
-                              seed=None if seed is None else seed + turn)
+        rooms = {k: going[k].room for k in keys}
+        room = max(rooms.values())
+        out = engine.generate([histories[k] for k in keys], replace(_capped(params, chunk), max_new_tokens=min(room, chunk or room)),
+                              1, seed=None if seed is None else seed + turn)
+        pieces = {}
+        for k, (r,) in zip(keys, out, strict=True):
+            ids = list(r.completion_ids[:rooms[k]])
+            pieces[k] = _Turn(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
+                              r.finished and len(ids) == len(r.completion_ids), r.version, min(rooms[k], chunk or rooms[k]))
+        if chunk is not None:
+            _continue_pieces(engine, params, histories, pieces, rooms, chunk)
         ends = []
-        for k, (r,) in zip(rows, out, strict=True):
-            ids = list(r.completion_ids[:going[k].room])
-            histories[k] += ids
-            logprobs = None if r.logprobs is None else list(r.logprobs[:len(ids)])
-            ends.append(TurnEnd(k, ids, logprobs, r.finished and len(ids) == len(r.completion_ids), r.version))
+        for k in keys:
+            histories[k] += pieces[k].ids
+            ends.append(pieces[k].end(k, rooms[k]))
         going = _next_turns(turns, ends)
         turn += 1
     return EpisodeRun()
+
+
+class _Turn:
+    """A turn being generated: its ids, logprobs, whether it ended (EOS or a stop token) and each token's version."""
+
+    def __init__(self, ids: list[int], logprobs: list[float] | None, finished: bool, version: int | None,
+                 asked: int = 0) -> None:
+        self.ids, self.logprobs, self.finished = ids, logprobs, finished
+        self.versions: list[int | None] = [version] * len(ids)
+        self.open = not finished and len(ids) == asked
+        """Its latest piece stopped at the piece's size: under partial rollouts the turn goes on."""
+
+    def add(self, ids: list[int], logprobs: list[float] | None, finished: bool, version: int | None, asked: int) -> None:
+        self.ids += ids
+        self.logprobs = None if self.logprobs is None or logprobs is None else self.logprobs + logprobs
+        self.finished = finished
+        self.versions += [version] * len(ids)
+        self.open = not finished and len(ids) == asked
+
+    def end(self, row: int, room: int) -> TurnEnd:
+        """The turn as ended (``room``: its most tokens; a turn cut there did not end)."""
+        return TurnEnd(row, self.ids, self.logprobs, self.finished, self.versions)
+
+
+def _capped(params: SamplingParams, chunk: int | None) -> SamplingParams:
+    return params if chunk is None else replace(params, max_new_tokens=min(params.max_new_tokens, chunk))
+
+
+def _continue_pieces(engine: Generates, params: SamplingParams, histories: list[list[int]], turns: dict[int, _Turn],
+                     rooms: dict[int, int], chunk: int) -> None:
+    """``grpo.partial_rollouts``: each turn of ``turns`` that neither ended nor filled its room goes on, one piece of at
+    most ``chunk`` tokens a request, from its row's history and the turn so far (token ids, never re-tokenized), until
+    it ends or fills its room. Between two pieces the engine may take a weight push: each piece keeps its version."""
+    while True:
+        going = [k for k, t in turns.items() if t.open and len(t.ids) < rooms[k]]
+        if not going:
+            return
+        asked = {k: min(chunk, rooms[k] - len(turns[k].ids)) for k in going}
+        out = engine.generate([histories[k] + turns[k].ids for k in going],
+                              replace(params, max_new_tokens=max(asked.values())), 1)
+        for k, (r,) in zip(going, out, strict=True):
+            ids = list(r.completion_ids[:asked[k]])
+            turns[k].add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
+                         r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
 
 
 def _next_turns(turns: TurnHandler, ends: list[TurnEnd]) -> dict[int, NextTurn]:

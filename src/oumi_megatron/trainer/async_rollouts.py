@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from oumi_megatron.config.grpo_params import MAX_STALENESS
 from oumi_megatron.rollout.base import AsyncRolloutBackend, PolicyWeights, WeightSyncStats
-from oumi_megatron.rollout.registry import asynchronous_problem
+from oumi_megatron.rollout.registry import asynchronous_problem, partial_rollouts_problem
 from oumi_megatron.trainer.collection import PendingRound, RolloutCollector
 from oumi_megatron.trainer.dp import max_dp, sum_dp
 from oumi_megatron.trainer.step_profile import StepProfile
@@ -43,6 +43,10 @@ def check_staleness(config: MegatronTrainingConfig, found: Findings) -> None:
         found.add("grpo.max_staleness", f"must be an integer from 0 (synchronous) to {MAX_STALENESS}, got "
                                         f"{g.max_staleness!r}. Typical: 1 (one step off policy).")
         return
+    if g.partial_rollouts:
+        partial = partial_rollouts_problem(m, g.max_staleness)
+        if partial is not None:
+            found.add("grpo.partial_rollouts", partial)
     if g.max_staleness == 0:
         return
     problem = asynchronous_problem(m, g.max_staleness)
