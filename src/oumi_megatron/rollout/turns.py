@@ -37,31 +37,21 @@ def turn_by_turn(engine: Generates, prompts: list[list[int]], params: SamplingPa
     asked = min(params.max_new_tokens, chunk or params.max_new_tokens)
     firsts = [_Turn(list(r.completion_ids), r.logprobs, r.finished, r.version, asked) for r in rows]
     if chunk is not None:
-        _continue_pieces(engine, params, histories, dict(enumerate(firsts)), {k: params.max_new_tokens for k in range(len(rows))}, chunk)
+        _pieces(engine, params, histories, dict(enumerate(firsts)), {k: params.max_new_tokens for k in range(len(rows))}, chunk)
     for k, t in enumerate(firsts):
         histories[k] += t.ids
-    going = _next_turns(turns, [t.end(k, len(t.ids)) for k, t in enumerate(firsts)])
+    going = _next_turns(turns, [t.end(k) for k, t in enumerate(firsts)])
     turn = 1
     while going:
         keys = sorted(going)
         for k in keys:
             histories[k] += going[k].appended
         rooms = {k: going[k].room for k in keys}
-        room = max(rooms.values())
-        out = engine.generate([histories[k] for k in keys], replace(_capped(params, chunk), max_new_tokens=min(room, chunk or room)),
-                              1, seed=None if seed is None else seed + turn)
-        pieces = {}
-        for k, (r,) in zip(keys, out, strict=True):
-            ids = list(r.completion_ids[:rooms[k]])
-            pieces[k] = _Turn(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
-                              r.finished and len(ids) == len(r.completion_ids), r.version, min(rooms[k], chunk or rooms[k]))
-        if chunk is not None:
-            _continue_pieces(engine, params, histories, pieces, rooms, chunk)
-        ends = []
+        later = {k: _Turn([], [], False, None) for k in keys}  # open: its first piece is still to come
+        _pieces(engine, params, histories, later, rooms, chunk or max(rooms.values()), None if seed is None else seed + turn)
         for k in keys:
-            histories[k] += pieces[k].ids
-            ends.append(pieces[k].end(k, rooms[k]))
-        going = _next_turns(turns, ends)
+            histories[k] += later[k].ids
+        going = _next_turns(turns, [later[k].end(k) for k in keys])
         turn += 1
     return EpisodeRun()
 
@@ -83,8 +73,7 @@ class _Turn:
         self.versions += [version] * len(ids)
         self.open = not finished and len(ids) == asked
 
-    def end(self, row: int, room: int) -> TurnEnd:
-        """The turn as ended (``room``: its most tokens; a turn cut there did not end)."""
+    def end(self, row: int) -> TurnEnd:
         return TurnEnd(row, self.ids, self.logprobs, self.finished, self.versions)
 
 
@@ -92,18 +81,20 @@ def _capped(params: SamplingParams, chunk: int | None) -> SamplingParams:
     return params if chunk is None else replace(params, max_new_tokens=min(params.max_new_tokens, chunk))
 
 
-def _continue_pieces(engine: Generates, params: SamplingParams, histories: list[list[int]], turns: dict[int, _Turn],
-                     rooms: dict[int, int], chunk: int) -> None:
-    """``grpo.partial_rollouts``: each turn of ``turns`` that neither ended nor filled its room goes on, one piece of at
-    most ``chunk`` tokens a request, from its row's history and the turn so far (token ids, never re-tokenized), until
-    it ends or fills its room. Between two pieces the engine may take a weight push: each piece keeps its version."""
+def _pieces(engine: Generates, params: SamplingParams, histories: list[list[int]], turns: dict[int, _Turn],
+            rooms: dict[int, int], chunk: int, seed: int | None = None) -> None:
+    """Each turn of ``turns`` that neither ended nor filled its room goes on, one piece of at most ``chunk`` tokens a
+    request (the first drawn with ``seed``), from its row's history and the turn so far (token ids, never
+    re-tokenized), until it ends or fills its room. Whole turns: ``chunk`` >= every room, one piece. Under
+    ``grpo.partial_rollouts`` the engine may take a weight push between two pieces: each piece keeps its version."""
     while True:
         going = [k for k, t in turns.items() if t.open and len(t.ids) < rooms[k]]
         if not going:
             return
         asked = {k: min(chunk, rooms[k] - len(turns[k].ids)) for k in going}
         out = engine.generate([histories[k] + turns[k].ids for k in going],
-                              replace(params, max_new_tokens=max(asked.values())), 1)
+                              replace(params, max_new_tokens=max(asked.values())), 1, seed=seed)
+        seed = None
         for k, (r,) in zip(going, out, strict=True):
             ids = list(r.completion_ids[:asked[k]])
             turns[k].add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
