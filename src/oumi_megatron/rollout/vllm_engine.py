@@ -33,12 +33,22 @@ import torch
 from oumi_megatron.rollout.weight_sync import adapter, checkpoint, in_process, vllm_stream
 from oumi_megatron.rollout.weight_sync.probe import largest_gap
 from oumi_megatron.utils.launcher_env import forget_launcher_env
+from oumi_megatron.utils.net import free_port
+
+_OWN_VLLM_PORT = "OUMI_MEGATRON_VLLM_PORT"
+"""The VLLM_PORT this package chose (``_vllm_env``), told apart from one the user set."""
 
 
 def _vllm_env() -> None:
     # In-process engine (no engine-core subprocess): weights and requests stay in this process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's worker rendezvous binds a port it found free with bind(0), i.e. in the ephemeral range, where another
+    # process's outgoing connection (gloo opens many) can take it first: a restarted engine then died with EADDRINUSE
+    # under a busy test run. A port below that range (utils/net.py ``free_port``), fresh for each
+    # engine, as its VLLM_PORT, unless the user set one (an inherited value of ours is replaced, never shared).
+    if "VLLM_PORT" not in os.environ or os.environ.get(_OWN_VLLM_PORT) == os.environ["VLLM_PORT"]:
+        os.environ["VLLM_PORT"] = os.environ[_OWN_VLLM_PORT] = str(free_port())
 
 
 @dataclass

@@ -4,6 +4,7 @@ engine processes of a rollout fleet import it too."""
 
 from __future__ import annotations
 
+import random
 import socket
 from datetime import timedelta
 from typing import Any
@@ -11,6 +12,22 @@ from typing import Any
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous), below Linux's ephemeral range (32768-60999):
+    a port that bind(0) hands out can be taken by another process's outgoing connection (gloo opens many)
+    before the rendezvous binds it (seen in CI: EADDRINUSE); a random port below that range cannot."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-31999 for the rendezvous; set MASTER_PORT")
 
 
 def route_address(host: str, port: int = 9) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -12,26 +11,10 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.cpu_shims import install_cpu_shims
-from oumi_megatron.utils.net import LOOPBACK, route_address
+from oumi_megatron.utils.net import LOOPBACK, free_port, route_address
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.parallel.layout import ParallelLayout
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now (for a rendezvous), below Linux's ephemeral range (32768-60999):
-    a port that bind(0) hands out can be taken by another process's outgoing connection (gloo opens many)
-    before the rendezvous binds it (seen in CI: EADDRINUSE); a random port below that range cannot."""
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port in 20000-31999 for the rendezvous; set MASTER_PORT")
 
 
 def node_address() -> str:

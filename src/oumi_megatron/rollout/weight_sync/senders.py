@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from oumi_megatron.engine.parallel.distributed import free_port, node_address
+from oumi_megatron.engine.parallel.distributed import node_address
 from oumi_megatron.rollout.base import WeightSyncStats
 from oumi_megatron.rollout.weight_sync import stream
 from oumi_megatron.rollout.weight_sync.push import WeightPusher
+from oumi_megatron.utils.net import free_port
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.base import PolicyWeights
