@@ -699,3 +699,67 @@ def test_episodes_answered_in_the_background_equal_those_answered_in_line() -> N
                                      [{}, {}], SamplingParams(max_new_tokens=400, eos_token_id=258), n=2, max_turns=4)
         runs.append(([(r.completion_ids, r.loss_mask) for r in samples], _turns(samples), _tool_calls(samples)))
     assert runs[0] == runs[1] and runs[0][1] == [3, 3, 3, 3] and runs[0][2] == 8
+
+
+class _SlowForSome:
+    """An environment whose answers take ``slow_s`` for rows marked slow (instantly otherwise); each episode takes
+    ``turns`` observations, then ends."""
+
+    def __init__(self, slow_s: float, turns: int = 2) -> None:
+        self.slow_s, self.turns = slow_s, turns
+
+    def start(self, row):  # noqa: ANN001, ANN201
+        return {"slow": row.get("slow", 0.0) * self.slow_s, "left": self.turns}
+
+    def step(self, state, turn_text, turn_ids):  # noqa: ANN001, ANN201
+        import time
+
+        from oumi_megatron.environments.base import EpisodeEnd, Observation
+
+        time.sleep(state["slow"])
+        state["left"] -= 1
+        return Observation("ok") if state["left"] > 0 else EpisodeEnd({"done": True})
+
+
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_stream_of_groups_gives_each_the_same_episodes_and_hands_them_over_as_they_finish(chunk: int | None) -> None:
+    """grpo.streaming_groups: groups join the owner's stream of episodes at any time and every going episode advances
+    in one generate a round; each group's episodes are token for token what a batch of its own gives (a deterministic
+    engine), and a group waiting on a slow tool does not hold back the groups behind it: they come out first."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from oumi_megatron.environments.driver import EpisodeTools, _GroupStream
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.environments.runner import EnvironmentRunner
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    tok = build_byte_tokenizer()
+    params = SamplingParams(max_new_tokens=90, eos_token_id=_ScriptedPolicy.EOS)
+    grpo = SimpleNamespace(max_turns=3, max_observation_tokens=32, max_turn_tokens=None)
+    prompts = {10: [1, 2, 3], 11: [5, 6], 12: [9] * 7, 13: [4, 4]}
+    rows = {10: {"slow": 1.0}, 11: {}, 12: {"slow": 0.4}, 13: {}}
+    stream = _GroupStream(EpisodeTools(tok, EnvironmentRunner(_SlowForSome(1.0), 30.0, workers=4)), grpo, params, 2, chunk)
+    engine = _Pieces(ends=40)
+    threading.Thread(target=stream, args=(engine,), daemon=True).start()
+    stream.inbox.put((10, prompts[10], rows[10]))
+    time.sleep(0.05)  # the slow group is going when the others join
+    stream.inbox.put((11, prompts[11], rows[11]))
+    stream.inbox.put((12, prompts[12], rows[12]))
+    finished = [stream.outbox.get(timeout=60)]
+    stream.inbox.put((13, prompts[13], rows[13]))  # joins after a group left, while 12 runs: new keys, no clash
+    finished += [stream.outbox.get(timeout=60) for _ in range(3)]
+    stream.closed.set()
+    assert [f.error for f in finished] == [None] * 4
+    order = [f.key for f in finished]  # by their tools' time (0, 0.8 and 2 s an episode): the slow hold back no other
+    assert order[0] == 11 and order[-1] == 10 and sorted(order[1:3]) == [12, 13], order
+    for f in finished:
+        alone, _ = run_episodes(_Pieces(ends=40), tok, EnvironmentRunner(_SlowForSome(0.0), 30.0), [prompts[f.key]],
+                                [rows[f.key]], params, n=2, max_turns=3)
+        assert [s.completion_ids for s in f.samples] == [s.completion_ids for s in alone]
+        assert [s.loss_mask for s in f.samples] == [s.loss_mask for s in alone]
+        assert [s.group for s in f.samples] == [f.key, f.key] and all(s.turns == 2 for s in f.samples)
+        assert all(s.versions and s.env_info == {"done": True} for s in f.samples)
+    assert sum(f.stats.observation_tokens for f in finished) == sum(
+        m == 0 for f in finished for s in f.samples for m in s.loss_mask)

@@ -116,3 +116,10 @@ def test_asynchronous_grpo_one_step_off_policy_on_a_separate_engine(tmp_path: Pa
                       "--training.max_steps", "4")
     assert [r["rollout/staleness_max"] for r in episodes] == [0.0] + [1.0] * 3
     assert all(r["env/turns_max"] >= 2 and r["env/failed_episodes"] == 0 for r in episodes)
+    # partial rollouts and streaming groups: the episodes' pieces are queued on the engine's thread one by one, so a
+    # push lands between two, and each step trains on the first groups that finish
+    streamed = _train(tmp_path / "streamed", tiny_model_dir, "tiny_cpu_grpo_guess_number.yaml", *ASYNC,
+                      "--grpo.partial_rollouts", "true", "--grpo.streaming_groups", "true", "--training.max_steps", "3")
+    assert [r["step"] for r in streamed] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1.0 and r["env/failed_episodes"] == 0 for r in streamed), streamed
+    assert streamed[0]["rollout/groups_carried_over"] > 0 and max(r["env/turns_max"] for r in streamed) >= 2

@@ -206,6 +206,40 @@ def test_asynchronous_grpo_runs_whole_episodes_one_step_off_policy(tmp_path: Pat
     assert "a sample episode" in proc.stdout + proc.stderr  # logged from the main thread, at the first step
 
 
+def test_streaming_groups_train_the_first_groups_that_finish_and_resume_each_prompt_once(tmp_path: Path,
+                                                                                         tiny_model_dir: Path) -> None:
+    """grpo.streaming_groups with partial rollouts on a separate engine: the episodes of the groups in flight run in one
+    stream and each step trains on the first 4 groups that finish, whichever step read them; no token is older than
+    grpo.max_staleness. Steps train out of data order, so the checkpoint keeps the oldest untrained position and the
+    trained ones after it: together exactly the prompts of the steps trained. A resumed run logs each step once."""
+    out = tmp_path / "stream"
+    stream = (*ASYNC, "--grpo.streaming_groups", "true", "--grpo.partial_rollouts", "true", "--grpo.environment_workers", "2")
+    config = str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml")
+    _check(run_cli([PY, "-m", "oumi", "train", "-c", config, "--model.model_name", str(tiny_model_dir),
+                    "--training.output_dir", str(out), *stream, "--training.max_steps", "6", "--training.save_steps", "3"]))
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    # the groups of one step ahead are in flight (max_staleness 1, 4 prompts a step), none past the last step
+    assert [r["rollout/groups_carried_over"] for r in rows] == [4.0] * 5 + [0.0], rows
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
+    assert all(r["env/turns_max"] >= 2 and r["env/failed_episodes"] == 0 for r in rows)
+    state = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    # 3 steps of 4 prompts trained: every position below data_position, and those listed after it
+    assert state["data_position"] + len(state.get("skip_positions", [])) == 12, state
+    assert all(p > state["data_position"] for p in state.get("skip_positions", []))
+
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step_000006")
+    _check(run_cli([PY, "-m", "oumi", "train", "-c", config, "--model.model_name", str(tiny_model_dir),
+                    "--training.output_dir", str(out), *stream, "--training.max_steps", "5", "--training.save_steps", "0",
+                    "--training.try_resume_from_last_checkpoint", "true"]))
+    resumed = _rows(out)
+    assert [r["step"] for r in resumed] == list(range(1, 6))
+    assert resumed[3]["rollout/staleness_max"] == 0.0  # the resumed policy pushed before its first groups
+    assert [r["rollout/groups_carried_over"] for r in resumed[3:]] == [4.0, 0.0]  # it reads from where it stands
+
+
 class _SleepingHost:
     """Stands in for VllmEngineHost (whose vLLM sleep mode needs a GPU) to check the backend's phase bookkeeping:
     records the sleep levels asked for and the generate calls made."""

@@ -165,7 +165,7 @@ def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions:
     tools = EpisodeTools(tokenizer, environment_runner(g, scorer.group, scorer.ranks))
     # asynchronous episodes run on the engine owner's thread, with a tokenizer and an environment of their own (the
     # owner alone calls it: no group)
-    jobs = asynchronous and (g.environment or g.partial_rollouts)  # episode jobs on the engine owner's thread
+    jobs = asynchronous and (g.environment or g.partial_rollouts or g.streaming_groups)  # episode jobs or the stream, on the engine owner
     async_tools = EpisodeTools(copy.deepcopy(tokenizer), environment_runner(g)) if jobs else None
     driver = RolloutDriver(backend, g, tools, async_tools)
     evaluators = [] if eval_sets is None else build_evaluators(

@@ -218,8 +218,16 @@ class MegatronGrpoParams(BaseParams):
     ``PARTIAL_ROLLOUT_CHUNK`` tokens (rollout/turns.py), each piece one request whose prompt is the episode's tokens so
     far (the engine's prefix cache serves them; nothing is sampled again or re-tokenized), so a push lands between two
     pieces and the episode goes on under the new weights; each token keeps the version that sampled it
-    (``rollout/multi_version_fraction``). Needs ``max_staleness`` > 0 on a rollout mode that declares it (vLLM
-    separate)."""
+    (``rollout/multi_version_fraction``). Needs ``max_staleness`` > 0 on a rollout mode that declares it (vLLM or
+    SGLang separate)."""
+
+    streaming_groups: bool = False
+    """Asynchronous GRPO: the engine runs every episode group in flight side by side, each turn of each episode taken
+    as soon as its observation is back, and a step trains on the first groups that complete (its share of
+    ``prompts_per_rollout``), whichever step read them; groups still running carry over to the next step. A group
+    whose oldest token would be more than ``max_staleness`` versions old is generated again (counted in
+    ``rollout/groups_regenerated``), never trained on. Needs ``max_staleness`` > 0 on a rollout mode that declares it
+    (vLLM or SGLang separate); with ``partial_rollouts`` turns also go in pieces."""
 
     # Multi-turn, tool-using episodes (environments/; docs/grpo.md "Multi-turn episodes and environments").
     environment: str | None = None

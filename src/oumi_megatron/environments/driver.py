@@ -12,15 +12,32 @@ from __future__ import annotations
 
 import collections
 import functools
-from dataclasses import dataclass
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
-from oumi_megatron.environments.episodes import EpisodeStats, run_episodes
+from oumi_megatron.environments.episodes import Episodes, EpisodeStats, run_episodes
+from oumi_megatron.environments.rendering import stop_token_ids
 from oumi_megatron.environments.runner import EnvironmentRunner
-from oumi_megatron.rollout.base import AsyncEpisodeBackend, AsyncRolloutBackend, DecodeProfile, Rollout, RolloutBackend, TaggedRollouts
+from oumi_megatron.rollout.base import (
+    AsyncEpisodeBackend,
+    AsyncRolloutBackend,
+    DecodeProfile,
+    EpisodeRun,
+    Generates,
+    Rollout,
+    RolloutBackend,
+    StreamingEpisodeBackend,
+    TaggedRollouts,
+)
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK
+from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK, EpisodeStream
+
+logger = logging.getLogger("oumi")
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,82 @@ class _Generated:
         return self.grouped
 
 
+@dataclass
+class FinishedGroup:
+    """A group the stream of episodes finished (``grpo.streaming_groups``): its key, its ``n`` samples (or why the
+    stream failed), and what the stream did since the group before it finished (its stats, the engine's seconds)."""
+
+    key: int
+    samples: list[Sample]
+    stats: EpisodeStats
+    engine_seconds: float
+    error: str | None = None
+
+
+class _GroupStream:
+    """The owner's stream of episodes (``grpo.streaming_groups``), run by the backend on a thread of its own: groups
+    join from ``inbox`` whenever the trainer submits them, every episode going on advances in one ``generate`` per
+    round (rollout/turns.py ``EpisodeStream``), and each group goes to ``outbox`` as soon as its last episode ends."""
+
+    def __init__(self, tools: EpisodeTools, grpo: Any, params: SamplingParams, n: int, chunk: int | None) -> None:
+        self.tools, self.grpo, self.params, self.n, self.chunk = tools, grpo, params, n, chunk
+        self.inbox: queue.Queue[tuple[int, list[int], dict[str, Any]]] = queue.Queue()
+        self.outbox: queue.Queue[FinishedGroup] = queue.Queue()
+        self.closed = threading.Event()
+
+    def __call__(self, engine: Generates) -> None:
+        try:
+            self._run(engine)
+        except Exception as e:  # noqa: BLE001 - the trainer raises it at its next collect
+            logger.exception("the stream of episodes failed")
+            self.outbox.put(FinishedGroup(-1, [], EpisodeStats(), 0.0, f"{type(e).__name__}: {e}"))
+
+    def _run(self, engine: Generates) -> None:
+        g, env, params = self.grpo, self.tools.environment, self.params
+        multi_turn = env is not None
+        stops = stop_token_ids(self.tools.tokenizer, env.stop_strings) if env is not None else ()
+        if stops:
+            params = replace(params, stop_token_ids=stops)
+        episodes = Episodes(self.tools.tokenizer, env, [], [], self.n, params.max_new_tokens,
+                            g.max_turns if multi_turn else 1, g.max_observation_tokens,
+                            g.max_turn_tokens if multi_turn else None, stops, params.eos_token_id)
+        stream = EpisodeStream(engine, params, episodes, self.chunk)
+        members: dict[int, set[int]] = {}  # group key -> its episodes still going
+        rows: dict[int, list[int]] = {}  # group key -> all its episodes, in order
+        group_of: dict[int, int] = {}
+        seconds_before = getattr(engine, "seconds", 0.0)
+        while not self.closed.is_set():
+            joined = self._joining(block=not stream.busy)
+            for key, prompt, row in joined:
+                keys = episodes.add([prompt], [row], [key])
+                members[key], rows[key] = set(keys), keys
+                group_of.update(dict.fromkeys(keys, key))
+                stream.add({k: (prompt, episodes.episodes[k].room) for k in keys})
+            if not stream.busy:
+                continue
+            ended = stream.advance(wait=False)
+            if not ended and not stream.open:
+                time.sleep(0.002)  # every going episode waits for its tool: look for new groups meanwhile
+            for k in ended:
+                key = group_of.pop(k)
+                members[key].discard(k)
+                if not members[key]:
+                    del members[key]
+                    seconds = getattr(engine, "seconds", 0.0)
+                    self.outbox.put(FinishedGroup(key, episodes.take(rows.pop(key)),
+                                                  episodes.take_stats(EpisodeRun()), seconds - seconds_before))
+                    seconds_before = seconds
+
+    def _joining(self, block: bool) -> list[tuple[int, list[int], dict[str, Any]]]:
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            return out
+
+
 class RolloutDriver:
     """Episodes of ``grpo``'s shape (``max_turns``, observation and turn limits) on ``backend``; ``tools``: this rank's
     tokenizer and the runner of ``grpo.environment`` for its replica (None: single-turn); ``async_tools``: those of
@@ -65,6 +158,8 @@ class RolloutDriver:
         self.backend, self.grpo, self.tools, self.async_tools = backend, grpo, tools, async_tools
         self._submitted: collections.deque[_Submitted] = collections.deque()
         """Asynchronous GRPO: the submissions not collected yet, oldest first (a backend collects in order)."""
+        self._stream: _GroupStream | None = None
+        """``grpo.streaming_groups``: the replica owner's stream of episodes (started by the first ``submit_groups``)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -137,8 +232,41 @@ class RolloutDriver:
                 sample.stamp(tagged.version)
         return samples, stats, tagged
 
+    # -- grpo.streaming_groups: groups join one stream of episodes, the trainer takes the first that finish ---------------
+    def submit_groups(self, backend: StreamingEpisodeBackend, prompts: list[list[int]], rows: list[dict[str, Any]],
+                      keys: list[int], params: SamplingParams, n: int) -> None:
+        """Each of ``prompts`` (``rows``: its row, ``keys``: its group's key) as a group of ``n`` episodes joining the
+        replica owner's stream (started at the first call); returns at once. Every rank of a replica calls it."""
+        if self._stream is None:
+            assert self.async_tools is not None, "assembly.py builds the stream's tools for streaming groups"
+            chunk = PARTIAL_ROLLOUT_CHUNK if getattr(self.grpo, "partial_rollouts", False) else None
+            self._stream = _GroupStream(self.async_tools, self.grpo, params, n, chunk)
+            backend.start_stream(self._stream)
+        for key, prompt, row in zip(keys, prompts, rows, strict=True):
+            self._stream.inbox.put((key, prompt, row))
+
+    def finished_groups(self, backend: StreamingEpisodeBackend, count: int) -> list[FinishedGroup]:
+        """The next ``count`` groups the stream finishes, in the order they finished (waits for them); the same on every
+        rank of the replica. Raises where the stream failed."""
+        assert self._stream is not None, "submit_groups starts the stream"
+        outbox = self._stream.outbox
+
+        def take() -> list[FinishedGroup]:
+            out: list[FinishedGroup] = []
+            while len(out) < count and not (out and out[-1].error is not None):  # a failed stream sends nothing more
+                out.append(outbox.get())
+            return out
+
+        got: list[FinishedGroup] = backend.from_owner(take)
+        failed = next((f.error for f in got if f.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"the stream of episodes failed on the replica's engine: {failed}")
+        return got
+
     def decode_profile(self) -> DecodeProfile:
         return self.backend.decode_profile()
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.closed.set()
         self.backend.close()

@@ -116,20 +116,36 @@ class Episodes:
                  max_turn_tokens: int | None = None, stops: tuple[int, ...] = (), eos_token_id: int | None = None,
                  groups: list[int] | None = None) -> None:
         self.tokenizer, self.env, self.n = tokenizer, env, n
-        self.groups = list(range(len(prompts))) if groups is None else groups
         self.background = env is not None and env.workers > 0
         self.budget, self.max_turns, self.max_observation_tokens = budget, max_turns, max_observation_tokens
         self.max_turn_tokens, self.stops, self.eos_token_id = max_turn_tokens, frozenset(stops), eos_token_id
-        self.episodes = [_Episode(prompts[i]) for i in range(len(prompts)) for _ in range(n)]
+        self.episodes: dict[int, _Episode] = {}
+        """Episode key -> its episode (keys 0, 1, ... in the order they were added)."""
+        self.group_of: dict[int, int] = {}
+        """Episode key -> its group id."""
+        self.added = 0
+        """Episodes added so far: the next key (keys are never reused, taken episodes' included)."""
         self.stats = EpisodeStats()
         self.env_seconds_before = env.seconds if env is not None else 0.0  # the runner's clock runs over the whole run
-        for e in self.episodes:
+        self.add(prompts, rows, list(range(len(prompts))) if groups is None else groups)
+
+    def add(self, prompts: list[list[int]], rows: list[dict[str, Any]], groups: list[int]) -> list[int]:
+        """``n`` more episodes of each of ``prompts`` (``rows``, ``groups``: each prompt's row and group id), started in
+        the environment; their keys, prompt ``i``'s ``n`` adjacent. Episodes added to a batch that runs (a stream of
+        groups, rollout/turns.py ``EpisodeStream``) join the ones going on."""
+        first = self.added
+        keys = list(range(first, first + len(prompts) * self.n))
+        self.added += len(keys)
+        for k in keys:
+            e = self.episodes[k] = _Episode(prompts[(k - first) // self.n])
             e.room, e.room_is_turn_limit = self.room(e)
-        if env is not None:
-            started = env.start_all([(k, rows[k // n]) for k in range(len(self.episodes))])
-            for e, failure in zip(self.episodes, started):
+            self.group_of[k] = groups[(k - first) // self.n]
+        if self.env is not None and keys:
+            started = self.env.start_all([(k, rows[(k - first) // self.n]) for k in keys], fresh=first == 0)
+            for k, failure in zip(keys, started, strict=True):
                 if failure is not None:
-                    e.failure = failure.reason  # its first turn is taken (the batch's shape), then it ends
+                    self.episodes[k].failure = failure.reason  # its first turn is taken (the batch's shape), then it ends
+        return keys
 
     def room(self, e: _Episode) -> tuple[int, bool]:
         """The next turn's room, and whether ``max_turn_tokens`` set it."""
@@ -224,18 +240,34 @@ class Episodes:
     def samples(self, engine: EpisodeRun) -> tuple[list[Sample], EpisodeStats]:
         """The episodes as samples (prompt ``i``'s ``n`` adjacent), and their stats (``engine``: what the backend
         reported)."""
-        stats = self.stats
-        multi_turn = stats.multi_turn = self.env is not None
-        stats.environment_s = self.env.seconds - self.env_seconds_before if self.env is not None else 0.0
-        stats.engine = engine
-        stats.critical_path_tokens = max((len(e.ids) for e in self.episodes), default=0)
-        out = [Sample(e.prompt, e.ids, self.groups[k // self.n], _status(e), None if e.logprobs_missing else e.logprobs,
-                      loss_mask=e.mask if multi_turn else None, failure=e.failure, turns=e.turns, tool_calls=e.calls,
-                      env_info=e.info if multi_turn else None, versions=_versions(e))
-               for k, e in enumerate(self.episodes)]
+        return self.take(list(self.episodes)), self.take_stats(engine)
+
+    def take(self, keys: list[int]) -> list[Sample]:
+        """Episodes ``keys`` (ended) as samples, in that order; they leave the batch (and the environment's states)."""
+        multi_turn = self.env is not None
+        out = []
+        for k in keys:
+            e = self.episodes.pop(k)
+            out.append(Sample(e.prompt, e.ids, self.group_of.pop(k), _status(e), None if e.logprobs_missing else e.logprobs,
+                              loss_mask=e.mask if multi_turn else None, failure=e.failure, turns=e.turns,
+                              tool_calls=e.calls, env_info=e.info if multi_turn else None, versions=_versions(e)))
+            self.stats.critical_path_tokens = max(self.stats.critical_path_tokens, len(e.ids))
+        if self.env is not None:
+            self.env.forget(keys)
         for sample in out:
             sample.check()
-        return out, stats
+        return out
+
+    def take_stats(self, engine: EpisodeRun) -> EpisodeStats:
+        """What the episodes did since the last ``take_stats`` (``engine``: what the backend reported of it); the count
+        starts again."""
+        stats, self.stats = self.stats, EpisodeStats()
+        stats.multi_turn = self.env is not None
+        if self.env is not None:
+            stats.environment_s = self.env.seconds - self.env_seconds_before
+            self.env_seconds_before = self.env.seconds
+        stats.engine = engine
+        return stats
 
 
 def _versions(e: _Episode) -> list[int]:

@@ -240,11 +240,13 @@ class EnvironmentRunner:
     def _blocking(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         return self._loop.blocking(fn, *args) if self._loop is not None else partial(fn, *args)
 
-    def start_all(self, rows: list[tuple[int, dict[str, Any]]]) -> list[Failure | None]:
-        """Starts episode ``k`` from ``row`` for each ``(k, row)``; per episode its failure or None."""
+    def start_all(self, rows: list[tuple[int, dict[str, Any]]], fresh: bool = True) -> list[Failure | None]:
+        """Starts episode ``k`` from ``row`` for each ``(k, row)``; per episode its failure or None. ``fresh``: a new
+        batch (the previous batch's states are dropped); False: these episodes join the ones going on."""
         out: list[Failure | None] = []
-        self.states.clear()  # a new batch of episodes
-        self.answering.clear()
+        if fresh:
+            self.states.clear()
+            self.answering.clear()
         if self.calls_here:
             for k, row in rows:
                 ok, value = self._call(self._blocking(self.env.start, row), f"start (row of episode {k})")
@@ -252,6 +254,11 @@ class EnvironmentRunner:
                     self.states[k] = value
                 out.append(None if ok else Failure(value))
         return self._shared(out)
+
+    def forget(self, keys: list[int]) -> None:
+        """Ended episodes' states dropped (a stream of episodes runs as long as the run)."""
+        for k in keys:
+            self.states.pop(k, None)
 
     def step_all(self, turns: list[tuple[int, str, list[int]]]) -> list[Answer]:
         """The answer to each ``(episode k, turn text, turn ids)``, in line."""

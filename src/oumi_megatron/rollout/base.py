@@ -296,3 +296,23 @@ class AsyncEpisodeBackend(AsyncRolloutBackend, Protocol):
     def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
         """Queue ``job`` (episodes of ``prompts``); returns at once. Every rank of a replica calls it."""
         ...
+
+
+StreamJob = Callable[[Generates], None]
+"""The owner's stream of episodes (``grpo.streaming_groups``, environments/driver.py): runs until the run closes it,
+generating with the engine it is given."""
+
+
+@runtime_checkable
+class StreamingEpisodeBackend(AsyncEpisodeBackend, Protocol):
+    """An asynchronous backend whose owner runs one stream of episodes that groups join and leave at any time
+    (``grpo.streaming_groups``): the driver feeds it and reads the groups it finishes, in the order they finish."""
+
+    def start_stream(self, job: StreamJob) -> None:
+        """Start ``job`` on the replica's owner (a thread of its own; the other ranks start nothing). Every rank of a
+        replica calls it, once."""
+        ...
+
+    def from_owner(self, produce: Callable[[], Any]) -> Any:
+        """``produce()``, called on the replica's owner, on every rank of the replica (collective over the replica)."""
+        ...

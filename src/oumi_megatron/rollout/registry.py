@@ -119,6 +119,9 @@ class RolloutMode:
     partial_rollouts: bool = False
     """``grpo.partial_rollouts``: its episode jobs send each turn's pieces as requests of their own, so a weight push
     lands between two of them."""
+    streaming_groups: bool = False
+    """``grpo.streaming_groups``: its owner runs one stream of episodes that groups join and leave at any time
+    (``StreamingEpisodeBackend``)."""
     lora_syncs: tuple[str, ...] = ("merged",)
     """The ``megatron.lora_sync`` values it runs under LoRA: ``merged`` (whole weights), ``adapter`` (the base beside
     the adapter: its engines take the adapter alone at a sync, or its decoder runs it in its forward)."""
@@ -272,7 +275,18 @@ def partial_rollouts_problem(params: MegatronParams, staleness: int) -> str | No
     if mode is None or mode.partial_rollouts:
         return None
     return (f"is not built for {mode.name} engines: their episodes run whole between weight pushes. Use "
-            "megatron.inference_backend: vllm with rollout_placement: separate, or partial_rollouts: false.")
+            "rollout_placement: separate (vllm or sglang), or partial_rollouts: false.")
+
+
+def streaming_groups_problem(params: MegatronParams, staleness: int) -> str | None:
+    """Why ``grpo.streaming_groups`` cannot run here, or None."""
+    if not (isinstance(staleness, int) and staleness > 0):
+        return "needs asynchronous GRPO (grpo.max_staleness > 0): a synchronous step trains on the groups it generated."
+    mode = selected_mode(params)
+    if mode is None or mode.streaming_groups:
+        return None
+    return (f"is not built for {mode.name} engines: their episodes run as one job per step. Use "
+            "rollout_placement: separate (vllm or sglang), or streaming_groups: false.")
 
 
 def check_own_gpu_engines(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
@@ -500,6 +514,7 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
                              resident_while_training=_awake_while_training, engine_gpus=_megatron_tp, gpu_share=_vllm_share,
                              lora_syncs=("merged", "adapter"), adapter_check=_vllm_adapter),
     "separate": RolloutMode("vllm separate", _vllm(colocated=False), asynchronous=True, partial_rollouts=True,
+                            streaming_groups=True,
                             warnings=_vllm_warnings,
                             engine_gpus=_one_gpu, gpu_share=_vllm_share, lora_syncs=("merged", "adapter"),
                             adapter_check=_vllm_adapter),
@@ -510,6 +525,7 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
 ROLLOUT_BACKENDS.add("sglang", BackendModes({
     "colocated": RolloutMode("sglang colocated", _sglang(colocated=True), memory=ENGINE_SHARE, check=_sglang_fields(True),
                              engine_gpus=_megatron_tp, gpu_share=_sglang_share),
-    "separate": RolloutMode("sglang separate", _sglang(colocated=False), asynchronous=True, check=_sglang_fields(False),
+    "separate": RolloutMode("sglang separate", _sglang(colocated=False), asynchronous=True, partial_rollouts=True,
+                            streaming_groups=True, check=_sglang_fields(False),
                             engine_gpus=_one_gpu, gpu_share=_sglang_share),
 }))

@@ -26,6 +26,7 @@ import collections
 import importlib.util
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ from oumi_megatron.rollout.base import (
     EpisodeRun,
     PolicyWeights,
     Rollout,
+    StreamJob,
     TaggedRollouts,
     TurnHandler,
     WeightSyncStats,
@@ -359,6 +361,11 @@ class SeparateSglangBackend(_SglangBackend):
         gpu = engine_gpu_for_owner(self.is_owner) if dist.is_initialized() else None
         self.thread: ThreadPoolExecutor | None = None
         """The owner's engine thread."""
+        self.partial = bool(getattr(grpo, "partial_rollouts", False))
+        """``grpo.partial_rollouts``: episode jobs run on a thread of their own, each generation queued on the engine's
+        thread (a push lands between two pieces), instead of whole on the engine's thread."""
+        self.jobs: ThreadPoolExecutor | None = None
+        """The owner's thread for such jobs (one at a time, in submission order)."""
         self.in_flight: collections.deque[tuple[list[list[int]], Future | None, bool]] = collections.deque()
         """Asynchronous GRPO: submitted generations (and whether an episode job), oldest first."""
         self.weight_sync: SglangUpdateGroup = SglangUpdateGroup(self.method, self.bucket_bytes, self.is_owner,
@@ -406,10 +413,35 @@ class SeparateSglangBackend(_SglangBackend):
         """Queue a batch of episodes (``job`` given this engine, run whole on its thread: the owner's environment
         calls included) and return at once."""
         future = None
-        if self.is_owner:
+        if self.is_owner and self.partial:
+            if self.jobs is None:
+                self.jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-episodes")
+            future = self.jobs.submit(self._run_queued, job)
+        elif self.is_owner:
             assert self.thread is not None
             future = self.thread.submit(self._tagged, lambda: job(_OnEngineThread(self)))
         self.in_flight.append((prompts, future, True))
+
+    def _run_queued(self, job: EpisodeJob) -> tuple[int, float, Any]:
+        """A partial-rollout job: its generations queued on the engine's thread one by one; the oldest version of its
+        turns."""
+        engine = _ViaEngineThread(self)
+        episodes = job(engine)
+        assert engine.version is not None, "an episode job generates its first turn"
+        return engine.version, engine.seconds, episodes
+
+    def start_stream(self, job: StreamJob) -> None:
+        """``grpo.streaming_groups``: the owner runs ``job`` (the driver's stream of episodes) on a daemon thread of its
+        own, each of its generations queued on the engine's thread in order with the weight pushes."""
+        if self.is_owner:
+            threading.Thread(target=job, args=(_ViaEngineThread(self),), daemon=True,
+                             name="oumi-megatron-episode-stream").start()
+
+    def from_owner(self, produce: Callable[[], Any]) -> Any:
+        box = [produce() if self.is_owner else None]
+        if dist.is_initialized() and len(self.replica) > 1:
+            dist.broadcast_object_list(box, src=self.owner, group=self.group)
+        return box[0]
 
     def _tagged(self, fn: Callable[[], Any]) -> tuple[int, float, Any]:
         """On the engine's thread: ``fn()`` with the policy version that ran it and its seconds."""
@@ -455,6 +487,30 @@ class SeparateSglangBackend(_SglangBackend):
             self.engine = None
         if self.thread is not None:
             self.thread.shutdown(wait=False, cancel_futures=True)
+        if self.jobs is not None:
+            self.jobs.shutdown(wait=False, cancel_futures=True)
+
+
+class _ViaEngineThread:
+    """The engine as a job on another thread sees it (partial rollouts, the stream of episodes): each generation is
+    queued on the engine's thread, in order with the weight pushes, so a push lands between two; its rollouts carry
+    the policy version that made them. Keeps the oldest version and the engine's seconds."""
+
+    def __init__(self, backend: SeparateSglangBackend) -> None:
+        self.backend = backend
+        self.version: int | None = None
+        self.seconds = 0.0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        backend = self.backend
+        assert backend.thread is not None, "only a separate engine's owner drives it"
+        version, seconds, samples = backend.thread.submit(
+            backend._tagged, lambda: backend._generate_here(prompts, params, n) if prompts else []).result()
+        self.version = version if self.version is None else min(self.version, version)
+        self.seconds += seconds
+        return [[Rollout(list(p), ids, finished, logprobs, version=version) for ids, logprobs, finished in group]
+                for p, group in zip(prompts, samples, strict=True)]
 
 
 class _OnEngineThread:

@@ -101,6 +101,70 @@ def _pieces(engine: Generates, params: SamplingParams, histories: list[list[int]
                          r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
 
 
+class EpisodeStream:
+    """Episodes that join while others run (``grpo.streaming_groups``): each ``advance`` is one ``generate`` over every
+    row that has a turn to take (a piece of at most ``chunk`` tokens each, or its whole turn), whichever batch it came
+    with, and each row's next turn is taken as soon as its observation is back: no row waits for another's turn or
+    tool. Rows are the handler's episode keys; ``advance`` returns those whose episodes ended."""
+
+    def __init__(self, engine: Generates, params: SamplingParams, turns: TurnHandler, chunk: int | None) -> None:
+        self.engine, self.params, self.turns, self.chunk = engine, params, turns, chunk
+        self.histories: dict[int, list[int]] = {}
+        """Each row's tokens so far, its open turn's excepted."""
+        self.open: dict[int, _Turn] = {}
+        """Rows taking a turn (their pieces so far)."""
+        self.rooms: dict[int, int] = {}
+        self.answering: set[int] = set()
+        """Rows whose environment answers in the background."""
+
+    def add(self, rows: dict[int, tuple[list[int], int]]) -> None:
+        """New rows, each ``(prompt ids, first turn's room)``: their first turns are taken from the next ``advance``."""
+        for k, (prompt, room) in rows.items():
+            self.histories[k], self.rooms[k], self.open[k] = list(prompt), room, _Turn([], [], False, None)
+
+    @property
+    def busy(self) -> bool:
+        """Some row takes a turn or waits for its answer."""
+        return bool(self.open or self.answering)
+
+    def advance(self, wait: bool) -> list[int]:
+        """One round: a piece of every open turn, the turns that ended handed to the handler, the answers that came back
+        taken (with ``wait``, waiting for one when no row has a turn to take). The rows whose episodes ended."""
+        decided: list[tuple[int, NextTurn | None]] = []
+        if self.open:
+            keys = sorted(self.open)
+            asked = {k: min(self.chunk or self.rooms[k], self.rooms[k] - len(self.open[k].ids)) for k in keys}
+            out = self.engine.generate([self.histories[k] + self.open[k].ids for k in keys],
+                                       replace(self.params, max_new_tokens=max(asked.values())), 1)
+            ends = []
+            for k, (r,) in zip(keys, out, strict=True):
+                turn, ids = self.open[k], list(r.completion_ids[:asked[k]])
+                turn.add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
+                         r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
+                if not (turn.open and len(turn.ids) < self.rooms[k]):  # the turn ended, or filled its room
+                    del self.open[k]
+                    self.histories[k] += turn.ids
+                    ends.append(turn.end(k))
+            for end, answer in zip(ends, self.turns.turns_ended(ends), strict=True):
+                if answer is ANSWERING:
+                    self.answering.add(end.row)
+                else:
+                    decided.append((end.row, answer))
+        if self.answering:
+            got = self.turns.answered(wait=wait and not self.open and not decided)
+            self.answering.difference_update(k for k, _ in got)
+            decided += got
+        ended = []
+        for k, answer in decided:
+            if answer is None:
+                ended.append(k)
+                del self.histories[k], self.rooms[k]
+            else:
+                self.histories[k] += answer.appended
+                self.rooms[k], self.open[k] = answer.room, _Turn([], [], False, None)
+        return ended
+
+
 def _next_turns(turns: TurnHandler, ends: list[TurnEnd]) -> dict[int, NextTurn]:
     """The next turn of each episode of ``ends`` that goes on, once every one is answered (the barrier)."""
     answers = dict(zip((e.row for e in ends), turns.turns_ended(ends)))

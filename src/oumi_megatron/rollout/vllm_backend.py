@@ -50,6 +50,7 @@ from oumi_megatron.rollout.base import (
     EpisodeRun,
     PolicyWeights,
     Rollout,
+    StreamJob,
     TaggedRollouts,
     TurnHandler,
     WeightSyncStats,
@@ -504,6 +505,20 @@ class SeparateVllmBackend(_VllmBackend):
         episodes = job(engine)
         assert engine.version is not None, "an episode job generates its first turn"
         return engine.version, engine.seconds, episodes
+
+    def start_stream(self, job: StreamJob) -> None:
+        """``grpo.streaming_groups``: the owner runs ``job`` (the driver's stream of episodes) on a daemon thread of its
+        own for the rest of the run, generating through the engine process's pipe, in order with the weight pushes (a
+        push lands between two of its generations)."""
+        if self.is_owner:
+            threading.Thread(target=job, args=(_ReplicaEngine(self._owned_process),), daemon=True,
+                             name="oumi-megatron-episode-stream").start()
+
+    def from_owner(self, produce: Callable[[], Any]) -> Any:
+        box = [produce() if self.is_owner else None]
+        if len(self.replica) > 1:
+            dist.broadcast_object_list(box, src=self.replica[0], group=self.group)
+        return box[0]
 
     def collect(self) -> TaggedRollouts:
         """The oldest submitted generation (or episode job), on every rank of the replica (waits for it). A job that

@@ -26,16 +26,16 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from oumi_megatron.data import prompt_token_ids
-from oumi_megatron.environments.driver import RolloutDriver
+from oumi_megatron.environments.driver import FinishedGroup, RolloutDriver
 from oumi_megatron.environments.episodes import EpisodeStats, episode_maxima, episode_metrics, episode_sums, merge_stats
 from oumi_megatron.grpo.algorithm import groups_with_signal, overlong_penalty
-from oumi_megatron.rollout.base import AsyncRolloutBackend
+from oumi_megatron.rollout.base import AsyncRolloutBackend, StreamingEpisodeBackend
 from oumi_megatron.rollout.sample import Sample, SampleStatus
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, max_dp_values, sum_dp
@@ -68,6 +68,22 @@ class PendingRound:
     """The data position before its prompts were read: where a resumed run reads them again."""
     round: int = 0
     """Dynamic sampling's generation round (0: the step's first)."""
+    positions: list[int] = field(default_factory=list)
+    """Each row's data position (``grpo.streaming_groups``: its group's key)."""
+    cut: list[bool] = field(default_factory=list)
+    """Each row's prompt was longer than ``grpo.max_prompt_length``."""
+
+
+@dataclass
+class StreamedGroup:
+    """A group in the stream (``grpo.streaming_groups``): its key (its row's data position), prompt ids, row, whether
+    its prompt was cut, and how many times it was generated."""
+
+    key: int
+    prompt: list[int]
+    row: dict[str, Any]
+    cut: bool
+    attempts: int = 1
 
 
 @dataclass
@@ -125,6 +141,9 @@ class RolloutCollector:
         random.Random(seed).shuffle(self.order)
         self.data_position = 0
         """Prompts read so far (checkpointed)."""
+        self.skip_positions: set[int] = set()
+        """Positions ahead of ``data_position`` whose prompts were trained on already (``grpo.streaming_groups`` trains
+        groups out of order; a resumed run passes over them)."""
         self.warned_truncation = False
         self.profile = StepProfile()
         """The phases of this step's collection (trainer/step_profile.py): a new one for each ``collect``, and for each
@@ -163,12 +182,18 @@ class RolloutCollector:
             self.dump.write(step, dp_size_and_rank()[1])
 
     # -- data order -------------------------------------------------------------------------------------------------
-    def _next_rows(self, n: int) -> list[dict[str, Any]]:
-        rows = []
-        for _ in range(n):
-            rows.append(self.dataset[self.order[self.data_position % len(self.order)]])
+    def _next_rows(self, n: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """The next ``n`` rows of the data order and their positions (passing over ``skip_positions``)."""
+        rows: list[dict[str, Any]] = []
+        positions: list[int] = []
+        while len(rows) < n:
+            if self.data_position in self.skip_positions:
+                self.skip_positions.discard(self.data_position)
+            else:
+                rows.append(self.dataset[self.order[self.data_position % len(self.order)]])
+                positions.append(self.data_position)
             self.data_position += 1
-        return rows
+        return rows, positions
 
     def _note_truncation(self, lengths: list[int], cut: int) -> None:
         """Cutting a prompt's start can drop the question; say so (once) instead of training on it silently."""
@@ -207,15 +232,15 @@ class RolloutCollector:
         position = self.data_position
         system = self.driver.system_prompt
         with self.profile.phase("prompts"):
-            rows = self._next_rows(self.prompts_per_rollout)
+            rows, positions = self._next_rows(self.prompts_per_rollout)
             rendered = [prompt_token_ids(self.tokenizer, r["prompt"], g.max_prompt_length, system) for r in rows]
         full_lengths = [n for _, n in rendered]
-        truncated = sum(n > g.max_prompt_length for n in full_lengths)
-        self._note_truncation(full_lengths, truncated)
+        cut = [n > g.max_prompt_length for n in full_lengths]
+        self._note_truncation(full_lengths, sum(cut))
         per_rank = len(rows) * G // dp
         groups, n = share_as_groups(dp_rank * per_rank, per_rank, G)
-        return PendingRound(step, rows, [rendered[p][0] for p in groups], groups, n, truncated,
-                            self.rollout_seed(step, dp_rank, index), position, index)
+        return PendingRound(step, rows, [rendered[p][0] for p in groups], groups, n, sum(cut),
+                            self.rollout_seed(step, dp_rank, index), position, index, positions, cut)
 
     def _score_round(self, pending: PendingRound, samples: list[Sample], episodes: EpisodeStats,
                      generation_s: float, decode_ms_per_step: float | None) -> _Round:
@@ -287,14 +312,49 @@ class RolloutCollector:
         and the engine's seconds on it."""
         started = time.perf_counter()
         samples, episodes, tagged = self.driver.collect(backend)
-        r = self._score_round(pending, samples, episodes, time.perf_counter() - started, None)
-        self._write_dump(pending.step)
-        batch = StepBatch(samples=r.samples, scores=r.scores, group_rows=r.rows,
-                          filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
-                          prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
-                          reward_errors=r.errors[:5], sample=r.sample, generation_s=tagged.engine_seconds,
-                          episode_metrics=self._episode_metrics([r]), profile=self.profile.metrics())
+        batch = self._scored_batch(pending, samples, episodes, time.perf_counter() - started, tagged.engine_seconds)
         return batch, tagged.version, tagged.engine_seconds
+
+    def _scored_batch(self, pending: PendingRound, samples: list[Sample], episodes: EpisodeStats, wait_s: float,
+                      engine_seconds: float) -> StepBatch:
+        """An asynchronous step's batch: ``pending``'s samples scored (``wait_s``: the wait for them), dumped."""
+        r = self._score_round(pending, samples, episodes, wait_s, None)
+        self._write_dump(pending.step)
+        return StepBatch(samples=r.samples, scores=r.scores, group_rows=r.rows,
+                         filler=torch.zeros(len(r.scores), dtype=torch.bool), generated=r.scores,
+                         prompts_truncated=r.truncated, prompts_used=len(r.rows), rounds=1,
+                         reward_errors=r.errors[:5], sample=r.sample, generation_s=engine_seconds,
+                         episode_metrics=self._episode_metrics([r]), profile=self.profile.metrics())
+
+    # -- grpo.streaming_groups: groups submitted to one stream, a step's batch made of the first that finish ------------
+    def submit_groups(self, step: int, backend: StreamingEpisodeBackend) -> list[StreamedGroup]:
+        """Read GRPO step ``step + 1``'s prompts and let this rank's groups join the stream (no waiting); the groups."""
+        pending = self._prepare_round(step, 0)
+        assert pending.n == self.grpo.num_generations, "streaming groups: each DP rank generates whole groups"
+        mine = [StreamedGroup(pending.positions[p], pending.prompts[i], pending.rows[p], pending.cut[p])
+                for i, p in enumerate(pending.groups)]
+        self.resubmit(backend, mine)
+        return mine
+
+    def resubmit(self, backend: StreamingEpisodeBackend, groups: list[StreamedGroup]) -> None:
+        """``groups`` join the stream (again: fresh episodes)."""
+        self.driver.submit_groups(backend, [g.prompt for g in groups], [g.row for g in groups], [g.key for g in groups],
+                                  self.sampling, self.grpo.num_generations)
+
+    def groups_batch(self, step: int, finished: list[tuple[FinishedGroup, StreamedGroup]], wait_s: float) -> StepBatch:
+        """GRPO step ``step + 1``'s batch from the groups the stream finished (each group's samples adjacent, in the
+        order they finished), scored."""
+        samples: list[Sample] = []
+        for j, (done, _) in enumerate(finished):
+            for sample in done.samples:
+                sample.group = j
+            samples += done.samples
+        groups = [g for _, g in finished]
+        pending = PendingRound(step, [g.row for g in groups], [g.prompt for g in groups], list(range(len(groups))),
+                               self.grpo.num_generations, sum(g.cut for g in groups), 0, -1)
+        stats = merge_stats([d.stats for d, _ in finished])
+        stats.critical_path_tokens = max((d.stats.critical_path_tokens for d, _ in finished), default=0)  # side by side
+        return self._scored_batch(pending, samples, stats, wait_s, sum(d.engine_seconds for d, _ in finished))
 
     # -- dynamic sampling -------------------------------------------------------------------------------------------
     def _dynamic_sampling(self, step: int, rounds: list[_Round]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from oumi_megatron.rollout.base import WeightSyncStats
 from oumi_megatron.rollout.registry import as_asynchronous
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
-from oumi_megatron.trainer.async_rollouts import AsyncRollouts
+from oumi_megatron.trainer.async_rollouts import AsyncRollouts, StreamingRollouts
 from oumi_megatron.trainer.batches import MicrobatchLayout, first_fit_decreasing, mini_batches, packed_layout, padded_layout
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
@@ -107,7 +107,8 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         self.step = 0
         self.last_step = config.training.max_steps
         self.weights_synced_at = 0  # the engines start from the same HF weights as the policy
-        self.async_rollouts = None if not g.max_staleness else AsyncRollouts(
+        # the asynchronous loop, decided once: whole steps in flight, or groups streamed (trainer/async_rollouts.py)
+        self.async_rollouts = None if not g.max_staleness else (StreamingRollouts if g.streaming_groups else AsyncRollouts)(
             self.collector, as_asynchronous(self.backend, config.megatron), g.max_staleness, engine.device)
         self.last_metrics: dict[str, Any] = {}
         self.start_metrics: dict[str, float] = {}
@@ -369,6 +370,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if resume is not None:
             state = load_checkpoint(self.engine, resume, verified=verified)
             self.step, self.collector.data_position = state["step"], state["data_position"]
+            self.collector.skip_positions = set(state.get("skip_positions", []))
             self.weights_synced_at = -1  # the rollout engines still hold the initial weights
             if global_rank() == 0:
                 logger.info(f"Resumed from {resume}: continuing at GRPO step {self.step + 1} "
@@ -393,7 +395,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             self.engine,
             self.output_dir / "checkpoints",
             self.step,
-            {"data_position": self.collector.data_position if self.async_rollouts is None else self.async_rollouts.data_position},
+            {"data_position": self.collector.data_position} if self.async_rollouts is None else self.async_rollouts.resume_state(),
             self.hf_artifacts,
             keep_last=self.config.megatron.checkpoint_config.keep_last_n_checkpoints,
             async_writer=self.async_writer,
