@@ -122,3 +122,30 @@ def test_staleness_counts_each_policy_token_by_the_version_that_sampled_it() -> 
     assert m["rollout/staleness_mean"] == pytest.approx((2 * 2 + 1 + 0 * 2 + 1 * 3) / 8)
     assert m["rollout/staleness_max"] == 2.0
     assert m["rollout/multi_version_fraction"] == pytest.approx(1 / 3)
+
+
+def test_streaming_groups_resume_from_the_oldest_untrained_group_and_pass_over_the_trained_ones() -> None:
+    """grpo.streaming_groups trains groups out of data order: the checkpoint keeps the oldest position not trained and
+    the trained ones after it (and those still to pass over from an earlier resume); a resumed collector reads every
+    untrained position once, in order, and none of the trained ones."""
+    import torch
+
+    from oumi_megatron.trainer.async_rollouts import StreamingRollouts
+    from oumi_megatron.trainer.collection import RolloutCollector, StreamedGroup
+
+    collector = RolloutCollector.__new__(RolloutCollector)  # the data-order state alone
+    collector.dataset, collector.order = [{"i": i} for i in range(100)], list(range(100))
+    collector.data_position, collector.skip_positions = 24, {25, 27}  # read up to 23; two to pass over from before
+    stream = StreamingRollouts.__new__(StreamingRollouts)
+    stream.collector, stream.device = collector, torch.device("cpu")
+    stream.groups = {p: StreamedGroup(p, [1], {"i": p}, False) for p in (13, 15, 21)}  # in flight, not trained
+    state = stream.resume_state()
+    assert state == {"data_position": 13, "skip_positions": [14, 16, 17, 18, 19, 20, 22, 23, 25, 27]}
+    assert stream.data_position == 13
+
+    resumed = RolloutCollector.__new__(RolloutCollector)
+    resumed.dataset, resumed.order = collector.dataset, collector.order
+    resumed.data_position, resumed.skip_positions = state["data_position"], set(state["skip_positions"])
+    rows, positions = resumed._next_rows(5)
+    assert positions == [13, 15, 21, 24, 26] and [r["i"] for r in rows] == positions
+    assert resumed._next_rows(2)[1] == [28, 29] and not resumed.skip_positions
