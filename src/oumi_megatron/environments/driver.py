@@ -36,6 +36,7 @@ from oumi_megatron.rollout.base import (
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK, EpisodeStream
+from oumi_megatron.utils.faults import kill_point
 
 logger = logging.getLogger("oumi")
 
@@ -127,6 +128,8 @@ class _GroupStream:
             if not stream.busy:
                 continue
             ended = stream.advance(wait=False)
+            if stream.open:
+                kill_point("episode")  # turns open (the resume stress test)
             if not ended and not stream.open:
                 time.sleep(0.002)  # every going episode waits for its tool: look for new groups meanwhile
             for k in ended:

@@ -26,6 +26,7 @@ from oumi_megatron.rollout.registry import asynchronous_problem, partial_rollout
 from oumi_megatron.trainer.collection import PendingRound, RolloutCollector, StreamedGroup
 from oumi_megatron.trainer.dp import dp_size_and_rank, exchange_objects_dp, max_dp, sum_dp
 from oumi_megatron.trainer.step_profile import StepProfile
+from oumi_megatron.utils.faults import kill_point
 
 logger = logging.getLogger("oumi")
 
@@ -152,6 +153,7 @@ class AsyncRollouts:
             out.update({"weight_sync/transfer_s": transfer_s,
                         "weight_sync/gbps": self.last_push.bytes / max(transfer_s, 1e-9) / 1e9})
         self.last_push = stats = self.backend.push_weights(weights, version)
+        kill_point("push")  # the transfer in flight (the resume stress test)
         out.update({"weight_sync/bytes": stats.bytes, "weight_sync/seconds": stats.seconds,
                     "weight_sync/export_s": stats.export_seconds, "weight_sync/senders": stats.senders,
                     **({"weight_sync/sender_bytes_max": stats.sender_bytes} if stats.sender_bytes else {}),

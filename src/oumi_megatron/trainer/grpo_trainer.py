@@ -56,6 +56,7 @@ from oumi_megatron.trainer.step_metrics import (
     wandb_settings,
 )
 from oumi_megatron.trainer.step_profile import rollout_host_seconds
+from oumi_megatron.utils.faults import kill_point
 from oumi_megatron.utils.ranks import global_rank
 
 if TYPE_CHECKING:
@@ -285,6 +286,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         """``ppo_epochs`` passes over the mini-batches, one optimizer step each (the first with the entropy output
         when it is on policy: the old-logprob pass it skipped would have reported it)."""
         on_policy = self._first_update_on_policy()
+        kill_point("train")  # inside the step, its batch collected (the resume stress test)
         return [self.engine.train_step(layout.microbatches, self.loss_fn, self.grpo.temperature,
                                        with_entropy=on_policy and epoch == 0 and i == 0)
                 for epoch in range(self.grpo.ppo_epochs) for i, layout in enumerate(layouts)]
@@ -342,6 +344,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 progress.update(task, completed=self.step, reward=metrics["reward/mean"])
                 if t.save_steps and self.step % t.save_steps == 0 and self.step < max_steps:
                     self.save_state()
+                kill_point("between_steps")  # the resume stress test
 
     def evaluate(self) -> dict[str, float]:
         """Greedy generation on every eval set with the current policy (collective); ``eval/`` (and each further
@@ -400,6 +403,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
             keep_last=self.config.megatron.checkpoint_config.keep_last_n_checkpoints,
             async_writer=self.async_writer,
         )
+        kill_point("checkpoint")  # a background write in flight (the resume stress test)
 
     def _save_mode(self) -> str | None:
         return self.engine.lora.save_mode if self.engine.lora is not None else None

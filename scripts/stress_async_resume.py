@@ -1,0 +1,108 @@
+"""kill -9 of an asynchronous GRPO run at five points, then a resume: is every prompt trained once, every step logged once?
+
+    .venv/bin/python scripts/stress_async_resume.py [--points push,episode,checkpoint,train,between_steps]
+                                                   [--steps 8] [--save-steps 2] [--kill-pass 3] [--out result.json]
+
+Each point runs the guess_number example (multi-turn episodes on the tiny CPU model) with asynchronous GRPO on a
+separate vLLM engine: ``grpo.max_staleness: 1``, ``partial_rollouts`` and ``streaming_groups`` (steps train groups out of
+data order), background checkpoint writes every ``--save-steps`` steps, and every step's samples dumped
+(``grpo.rollout_dump_steps: 1``). ``OUMI_MEGATRON_KILL_AT=POINT:N`` (utils/faults.py) sends the trainer SIGKILL the N-th
+time it passes the point: during a weight push, mid-episode (the stream with turns open), during a background
+checkpoint write, inside a step's update, or between two steps. The same command then resumes from the newest valid
+checkpoint to ``--steps``. A point passes when the killed run died of SIGKILL, the resumed run ended well, the metrics
+log holds steps 1 .. ``--steps`` once each, and the dumps of those steps (each resumed step's dump replaces the killed
+run's) hold ``--steps`` x 4 distinct prompts, none trained twice (the data's prompts are distinct). Prints a line per
+point and a summary; writes the numbers to ``--out`` (docs/benchmarks.md, "kill -9 of asynchronous GRPO").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+POINTS = ("push", "episode", "checkpoint", "train", "between_steps")
+PASSES = {"push": 3, "episode": 45, "checkpoint": 3, "train": 3, "between_steps": 3}
+"""Which pass of each point is killed: a step or two after the first checkpoint (the stream passes its point ~10-20
+times a step)."""
+PROMPTS_PER_STEP = 4  # configs/tiny_cpu_grpo_guess_number.yaml: 32 episodes a step, 8 per prompt
+
+
+def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml"),
+           "--model.model_name", str(model), "--training.output_dir", str(out), "--training.max_steps", str(steps),
+           "--training.save_steps", str(save_steps), "--training.save_final_model", "false",
+           "--training.try_resume_from_last_checkpoint", "true",
+           "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "separate",
+           "--megatron.weight_sync_method", "gloo", "--megatron.checkpoint_config.use_async_checkpoint", "true",
+           "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis", "--grpo.partial_rollouts", "true",
+           "--grpo.streaming_groups", "true", "--grpo.environment_workers", "2", "--grpo.rollout_dump_steps", "1"]
+    env = {**os.environ, "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("OUMI_MEGATRON_KILL_AT", None)
+    if kill:
+        env["OUMI_MEGATRON_KILL_AT"] = kill
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def _check(out: Path, steps: int) -> dict[str, Any]:
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    prompts: collections.Counter[str] = collections.Counter()
+    for step in range(1, steps + 1):
+        dumped = out / "rollouts" / f"step_{step:06d}_rank_00000.jsonl"
+        if dumped.is_file():
+            prompts.update({json.loads(line)["prompt"] for line in dumped.read_text().splitlines() if line.strip()})
+    twice = sorted(p for p, n in prompts.items() if n > 1)
+    return {"steps_logged": logged, "steps_once": logged == list(range(1, steps + 1)), "prompts": len(prompts),
+            "prompts_twice": len(twice), "prompts_ok": len(prompts) == steps * PROMPTS_PER_STEP and not twice}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default=",".join(POINTS))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=2)
+    p.add_argument("--kill-pass", type=int, default=None, help="kill at every point's N-th pass (default: PASSES)")
+    p.add_argument("--model", default=str(REPO / "output" / "tiny_qwen2"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model), "--arch", "qwen2"],
+                       check=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stress_async_resume_") as tmp:
+        for point in args.points.split(","):
+            out = Path(tmp) / point
+            started = time.perf_counter()
+            killed = _train(out, model, args.steps, args.save_steps, f"{point}:{args.kill_pass or PASSES[point]}")
+            died = killed.returncode == -signal.SIGKILL
+            before = len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0
+            resumed = _train(out, model, args.steps, args.save_steps, None)
+            row = {"point": point, "killed_by_sigkill": died, "steps_logged_before_kill": before,
+                   "resumed_rc": resumed.returncode, **_check(out, args.steps), "seconds": time.perf_counter() - started}
+            row["passed"] = died and resumed.returncode == 0 and row["steps_once"] and row["prompts_ok"]
+            if resumed.returncode != 0:
+                row["error"] = resumed.stderr[-2000:]
+            rows.append(row)
+            print(f"{point}: killed by SIGKILL {died} after {before} logged steps; resumed rc {resumed.returncode}; "
+                  f"steps once {row['steps_once']}; {row['prompts']} prompts, {row['prompts_twice']} twice -> "
+                  f"{'PASS' if row['passed'] else 'FAIL'} ({row['seconds']:.0f} s)", flush=True)
+    summary = {"points": rows, "passed": sum(r["passed"] for r in rows), "of": len(rows), "steps": args.steps,
+               "save_steps": args.save_steps, "kill_pass": args.kill_pass or PASSES}
+    print(f"{summary['passed']} of {summary['of']} points resumed with every prompt trained once")
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    sys.exit(0 if summary["passed"] == summary["of"] else 1)
+
+
+if __name__ == "__main__":
+    main()
