@@ -149,3 +149,21 @@ def test_streaming_groups_resume_from_the_oldest_untrained_group_and_pass_over_t
     rows, positions = resumed._next_rows(5)
     assert positions == [13, 15, 21, 24, 26] and [r["i"] for r in rows] == positions
     assert resumed._next_rows(2)[1] == [28, 29] and not resumed.skip_positions
+
+
+def test_kill_point_sends_sigkill_at_the_named_pass_and_does_nothing_unset() -> None:
+    """utils/faults.py (the resume stress test's kill -9): the N-th pass of the named point kills the process with
+    SIGKILL, no earlier pass and no other point does; without OUMI_MEGATRON_KILL_AT nothing happens."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from oumi_megatron.utils.faults import kill_point\n"
+            "for i in range(1, 5):\n    kill_point('push'); kill_point('train'); print(i, flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OUMI_MEGATRON_KILL_AT"}
+    killed = subprocess.run([sys.executable, "-c", code], env={**env, "OUMI_MEGATRON_KILL_AT": "train:3"},
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and killed.stdout.split() == ["1", "2"]
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.split() == ["1", "2", "3", "4"]
