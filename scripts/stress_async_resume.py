@@ -37,7 +37,8 @@ times a step)."""
 PROMPTS_PER_STEP = 4  # configs/tiny_cpu_grpo_guess_number.yaml: 32 episodes a step, 8 per prompt
 
 
-def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None) -> subprocess.CompletedProcess:
+def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None) -> tuple[int, str]:
+    """The run's exit status and the end of its log (a file: a killed trainer's children must not hold a pipe open)."""
     cmd = [sys.executable, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml"),
            "--model.model_name", str(model), "--training.output_dir", str(out), "--training.max_steps", str(steps),
            "--training.save_steps", str(save_steps), "--training.save_final_model", "false",
@@ -50,7 +51,10 @@ def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None
     env.pop("OUMI_MEGATRON_KILL_AT", None)
     if kill:
         env["OUMI_MEGATRON_KILL_AT"] = kill
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    log = out.parent / f"{out.name}_{'killed' if kill else 'resumed'}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+    return rc, log.read_text()[-3000:]
 
 
 def _check(out: Path, steps: int) -> dict[str, Any]:
@@ -79,21 +83,21 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model), "--arch", "qwen2"],
                        check=True)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="stress_async_resume_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stress_async_resume_") as tmp:  # the runs and their logs
         for point in args.points.split(","):
             out = Path(tmp) / point
             started = time.perf_counter()
-            killed = _train(out, model, args.steps, args.save_steps, f"{point}:{args.kill_pass or PASSES[point]}")
-            died = killed.returncode == -signal.SIGKILL
+            killed_rc, _ = _train(out, model, args.steps, args.save_steps, f"{point}:{args.kill_pass or PASSES[point]}")
+            died = killed_rc == -signal.SIGKILL
             before = len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0
-            resumed = _train(out, model, args.steps, args.save_steps, None)
+            resumed_rc, resumed_log = _train(out, model, args.steps, args.save_steps, None)
             row = {"point": point, "killed_by_sigkill": died, "steps_logged_before_kill": before,
-                   "resumed_rc": resumed.returncode, **_check(out, args.steps), "seconds": time.perf_counter() - started}
-            row["passed"] = died and resumed.returncode == 0 and row["steps_once"] and row["prompts_ok"]
-            if resumed.returncode != 0:
-                row["error"] = resumed.stderr[-2000:]
+                   "resumed_rc": resumed_rc, **_check(out, args.steps), "seconds": time.perf_counter() - started}
+            row["passed"] = died and resumed_rc == 0 and row["steps_once"] and row["prompts_ok"]
+            if resumed_rc != 0:
+                row["error"] = resumed_log[-2000:]
             rows.append(row)
-            print(f"{point}: killed by SIGKILL {died} after {before} logged steps; resumed rc {resumed.returncode}; "
+            print(f"{point}: killed by SIGKILL {died} after {before} logged steps; resumed rc {resumed_rc}; "
                   f"steps once {row['steps_once']}; {row['prompts']} prompts, {row['prompts_twice']} twice -> "
                   f"{'PASS' if row['passed'] else 'FAIL'} ({row['seconds']:.0f} s)", flush=True)
     summary = {"points": rows, "passed": sum(r["passed"] for r in rows), "of": len(rows), "steps": args.steps,

@@ -167,3 +167,47 @@ def test_kill_point_sends_sigkill_at_the_named_pass_and_does_nothing_unset() -> 
     assert killed.returncode == -signal.SIGKILL and killed.stdout.split() == ["1", "2"]
     plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and plain.stdout.split() == ["1", "2", "3", "4"]
+
+
+def test_an_engine_process_ends_with_the_trainer_that_started_it(tmp_path) -> None:  # noqa: ANN001
+    """rollout/vllm_engine.py ``exit_with_parent``: a separate engine's process ends once its trainer is gone (killed
+    with SIGKILL, which closes nothing), so it frees its GPU for the resumed run's engine."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "watching"
+    code = ("import multiprocessing as mp, pathlib, sys, time\n"
+            "def child():\n"
+            "    from oumi_megatron.rollout.vllm_engine import exit_with_parent\n"
+            "    exit_with_parent(poll_s=0.1)\n"
+            f"    pathlib.Path({str(ready)!r}).touch()\n"
+            "    time.sleep(120)\n"
+            "if __name__ == '__main__':\n"
+            "    p = mp.get_context('spawn').Process(target=child, daemon=True); p.start()\n"
+            "    print(p.pid, flush=True); time.sleep(120)\n")
+    script = tmp_path / "trainer.py"
+    script.write_text(code)
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    engine = int(trainer.stdout.readline())
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline:  # the engine imported and watches
+        time.sleep(0.1)
+    assert ready.exists()
+    os.kill(engine, 0)  # alive while the trainer is
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    status = Path(f"/proc/{engine}/status")
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie no one reaps yet (re-parented to a PID 1 that may not reap): ended either way
+            if "State:\tZ" in status.read_text():
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(engine, signal.SIGKILL)
+        raise AssertionError("the engine process outlived its trainer by 30 s")

@@ -142,16 +142,18 @@ def main() -> None:
             greedy(f"synced_{k + 1}")
     result["probe_stale"], result["sync"] = result["probes_stale"][0], result["syncs"][-1]
     greedy("synced")
-    result["episodes"] = greedy_episodes(backend, embedded, tokenizer)
+    result["episodes"] = greedy_episodes(backend, embedded, tokenizer, weights)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     backend.close()
     dist.barrier()
 
 
-def greedy_episodes(backend, embedded, tokenizer) -> dict:  # noqa: ANN001
+def greedy_episodes(backend, embedded, tokenizer, weights) -> dict:  # noqa: ANN001
     """Greedy episodes of the example environment ``guess_number``: SGLang's request chains, SGLang turn by turn (each
-    turn one generate of every going episode's history) and the embedded backend; tokens, masks and turns."""
+    turn one generate of every going episode's history), SGLang in pieces of 4 tokens with the same weights synced
+    again between every two (partial rollouts interrupted by a push that changes nothing) and the embedded backend;
+    tokens, masks and turns."""
     import oumi_megatron.examples.guess_number_environment  # noqa: F401 - registers guess_number
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.environments.registry import build_environment
@@ -162,16 +164,28 @@ def greedy_episodes(backend, embedded, tokenizer) -> dict:  # noqa: ANN001
         def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             return backend.generate(*args, **kwargs)
 
+    class PiecesSynced(GenerateOnly):
+        calls = 0
+
+        def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if self.calls:
+                backend.sync_weights(weights)
+            self.calls += 1
+            return backend.generate(*args, **kwargs)
+
     greedy = SamplingParams(temperature=1.0, greedy=True, max_new_tokens=120, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=256)
     rows = [{"prompt": str(q), "extra_info": {"secret": 50}} for q in PROMPTS]
     out = {}
-    for name, engine in (("sglang", backend), ("sglang_turn_by_turn", GenerateOnly()), ("embedded", embedded)):
+    for name, engine, chunk in (("sglang", backend, None), ("sglang_turn_by_turn", GenerateOnly(), None),
+                                ("sglang_pieces_synced", PiecesSynced(), 4), ("embedded", embedded, None)):
         env = EnvironmentRunner(build_environment("guess_number"), timeout_s=30)
         samples, stats = run_episodes(engine, tokenizer, env, PROMPTS, rows, greedy, 1, max_turns=3,
-                                      max_observation_tokens=16, max_turn_tokens=6)
+                                      max_observation_tokens=16, max_turn_tokens=6, chunk=chunk)
         out[name] = {"tokens": [s.completion_ids for s in samples], "masks": [s.loss_mask for s in samples],
                      "turns": [s.turns for s in samples], "observation_tokens": stats.observation_tokens}
+        if chunk:
+            out["pieces_synced_calls"] = engine.calls
     return out
 
 

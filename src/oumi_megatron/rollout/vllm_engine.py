@@ -22,6 +22,7 @@ cache is reset, or prompts cached under the old weights would be reused (measure
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -294,10 +295,25 @@ class VllmEngineHost:
             self.llm.wake_up()
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process (and so free its GPU) once the trainer that started it is gone: a trainer killed with SIGKILL
+    closes nothing, and an engine blocked in a weight update from it (a collective with a dead peer) would hold its GPU
+    until the collective's timeout, in the way of the resumed run's engine."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="oumi-megatron-parent-watch").start()
+
+
 def serve(conn: Any, spec: EngineSpec) -> None:
     """The engine process (``rollout_placement: separate``): start, then answer commands until ``close``.
     Every reply is ``("ok", value)`` or ``("error", traceback)``."""
     forget_launcher_env()
+    exit_with_parent()
     if spec.cuda_visible_devices is not None:  # before anything touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     try:
