@@ -53,7 +53,7 @@ def _assert_follows_the_policy(r: dict) -> None:
     assert r["sync"]["tensors"] >= 30 and r["sync"]["bytes"] > 0, r["sync"]
     episodes = r["episodes"]
     calls = episodes.pop("pieces_synced_calls")
-    assert calls > 2 * max(episodes["sglang"]["turns"])  # turns went in pieces, a sync between every two
+    assert calls >= 2 * max(episodes["sglang"]["turns"])  # each turn in two pieces or more, a sync between every two
     # ... and a push of unchanged weights between pieces changes no token (partial rollouts, greedy)
     assert episodes["sglang"] == episodes["sglang_turn_by_turn"] == episodes["sglang_pieces_synced"] == episodes["embedded"]
     assert max(episodes["sglang"]["turns"]) >= 2 and episodes["sglang"]["observation_tokens"] > 0
