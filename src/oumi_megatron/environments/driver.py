@@ -101,6 +101,8 @@ class _GroupStream:
         try:
             self._run(engine)
         except Exception as e:  # noqa: BLE001 - the trainer raises it at its next collect
+            if self.closed.is_set():  # the run ended and closed the engine under it
+                return
             logger.exception("the stream of episodes failed")
             self.outbox.put(FinishedGroup(-1, [], EpisodeStats(), 0.0, f"{type(e).__name__}: {e}"))
 

@@ -307,7 +307,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         if self.async_writer is not None:
             self.async_writer.close()
         metrics_log.close()
-        self.backend.close()
+        self.driver.close()  # the stream of episodes (if any), then the engines
         if self.config.training.save_final_model:
             self.save_model(self.config, final=True)
         if global_rank() == 0:
@@ -388,7 +388,7 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                            "Raise training.max_steps to train further.")
         if self.async_writer is not None:
             self.async_writer.close()
-        self.backend.close()
+        self.driver.close()
         exported = all((self.output_dir / f).exists() for f in export_folders(self._save_mode()))
         if self.config.training.save_final_model and not exported:
             self.save_model(self.config, final=True)
