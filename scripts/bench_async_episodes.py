@@ -20,7 +20,9 @@ its start to its metrics, the wait for its batch included), trained tokens (the 
 ``completion_length/mean`` less ``env/observation_tokens_per_episode``, times the episodes) per wall second,
 ``rollout/staleness_max`` (max), ``rollout/staleness_mean``, ``rollout/multi_version_fraction`` and
 ``async/trainer_idle_fraction`` (means), the reward's first-5 and last-5 step means, ``env/turns_mean``, and the time the
-rollout waited for the tools (``env/time_s``); the ratios are against ``sync`` of the same call. The environment logs
+rollout waited for the tools with nothing else to run (``env/time_s``); the ratios are against ``sync`` of the same
+call. Each row also records the CPU seconds other processes took while it ran (/proc/stat less this process tree's:
+on 2 cores a run beside it slows the engine and the trainer) and the load average before and after. The environment logs
 every tool call (DIR/episodes_ROW.calls.jsonl), from which each row's tool calls and slow ones are counted (the same
 calls in every row: the draws depend on the data order only) and two bounds of the batches' tool time are computed:
 with no turn barrier (each batch waits for its slowest episode's calls in sequence) and with one (each turn of a batch
@@ -33,6 +35,7 @@ import argparse
 import collections
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -163,18 +166,37 @@ def summarize(metrics: list[dict[str, Any]], episodes: int) -> dict[str, Any]:
     }
 
 
+def busy_cpu_s() -> float | None:
+    """The CPU seconds every process of the machine has used since boot (/proc/stat), None where it cannot be read."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """The CPU seconds of this process and of its children that ended (each row's run, its engine process included)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_row(args: argparse.Namespace, out: Path, path: str) -> dict[str, Any]:
     cfg = row_config(out, args, path)
     log = out / f"episodes_{path}.calls.jsonl"
     log.unlink(missing_ok=True)
     os.environ["HEAVY_TAIL_CALLS_LOG"] = str(log)
     work = out / f"episodes_{path}"
-    load_before = os.getloadavg()
+    load_before, busy_before, own_before = os.getloadavg(), busy_cpu_s(), own_cpu_s()
     result, _, _ = run_worker(work, cfg, args, ["--no-eval", "--converted", str(out / "episodes_converted")])
+    busy_after, own = busy_cpu_s(), own_cpu_s() - own_before
+    # what other processes took of the machine's cores while the row ran (2 cores: a run beside it slows the engine)
+    others = busy_after - busy_before - own if busy_after is not None and busy_before is not None else None
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"name": path, "card": result["card"], "settings": row_settings(args, path),
             **summarize(metrics, episodes_per_step(args)), **tool_calls(log, episodes_per_step(args)),
-            "run_seconds": result.get("train_seconds"),
+            "run_seconds": result.get("train_seconds"), "own_cpu_s": own, "others_cpu_s": others,
             # the machine's load average (1, 5, 15 min) before and after the row: another process on the cores shows here
             "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
 
@@ -185,8 +207,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     base = next((r for r in rows if r["name"] == "sync"), None)
     lines = [f"| {args.steps} steps of {args.prompts} x {args.generations} episodes | loop s | speed-up | policy tokens/s "
              "| x sync | step s | tool wait s/step | trainer idle | staleness max / mean | multi-version | turns "
-             "| tool calls (slow) | reward first 5 -> last 5 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| tool calls (slow) | reward first 5 -> last 5 | other processes' CPU s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         speed = f"{base['loop_s'] / r['loop_s']:.2f}x" if base else "-"
         tokens = f"{r['policy_tokens_per_s'] / base['policy_tokens_per_s']:.2f}x" if base else "-"
@@ -195,7 +217,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {fmt(r['tool_wait_s'])} | {fmt(r['trainer_idle_fraction'])} "
             f"| {fmt(r['staleness_max'], '.0f')} / {fmt(r['staleness_mean'])} | {fmt(r['multi_version_fraction'])} "
             f"| {fmt(r['turns_mean'])} | {r['tool_calls']} ({r['slow_calls']}) "
-            f"| {fmt(r['reward_first5'], '.3f')} -> {fmt(r['reward_last5'], '.3f')} |")
+            f"| {fmt(r['reward_first5'], '.3f')} -> {fmt(r['reward_last5'], '.3f')} | {fmt(r.get('others_cpu_s'), '.0f')} |")
     bounds = "; ".join(f"{r['name']}: {r['no_barrier_s']:.1f} s / {r['turn_barrier_s']:.1f} s" for r in rows)
     return "\n".join(lines) + (f"\n\nTool time the batches cannot go below, summed over the steps (no turn barrier / a "
                                f"barrier at every turn): {bounds}" if rows else "")
