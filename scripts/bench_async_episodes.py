@@ -19,14 +19,16 @@ Per row, from the run's metrics.jsonl: the training loop's wall seconds (the sum
 its start to its metrics, the wait for its batch included), trained tokens (the policy's, loss mask 1:
 ``completion_length/mean`` less ``env/observation_tokens_per_episode``, times the episodes) per wall second,
 ``rollout/staleness_max`` (max), ``rollout/staleness_mean``, ``rollout/multi_version_fraction`` and
-``async/trainer_idle_fraction`` (means), the reward's first-5 and last-5 step means, ``env/turns_mean``, and the time the
-rollout waited for the tools with nothing else to run (``env/time_s``); the ratios are against ``sync`` of the same
-call. Each row also records the CPU seconds other processes took while it ran (/proc/stat less this process tree's:
-on 2 cores a run beside it slows the engine and the trainer) and the load average before and after. The environment logs
-every tool call (DIR/episodes_ROW.calls.jsonl), from which each row's tool calls and slow ones are counted (the same
-calls in every row: the draws depend on the data order only) and two bounds of the batches' tool time are computed:
-with no turn barrier (each batch waits for its slowest episode's calls in sequence) and with one (each turn of a batch
-waits for its slowest call). Writes DIR/bench_async_episodes.json (rewritten after every row) and prints the table.
+``async/trainer_idle_fraction`` (means), the reward's first-5 and last-5 step means, ``env/turns_mean``, and the time
+the rollout waited for the tools with nothing else to run (``env/time_s``); the ratios are against ``sync`` of the
+same call. Each row also records the CPU seconds other processes took while it ran (/proc/stat less this process
+tree's: on 2 cores a run beside it slows the engine and the trainer) and the load average before and after. The
+environment logs every tool call (DIR/episodes_ROW.calls.jsonl), from which each row's tool calls and slow ones are
+counted (the same calls in every row that starts the same episodes: the draws depend on the data order only) and two
+bounds of the batches' tool time are computed: with no turn barrier (each batch waits for its slowest episode's calls
+in sequence) and with one (each turn of a batch waits for its slowest call); a row whose episode starts are not its
+batches in order (one that starts more episodes than it trains on) gets none. Writes DIR/bench_async_episodes.json
+(rewritten after every row) and prints the table.
 """
 
 from __future__ import annotations
@@ -194,8 +196,11 @@ def run_row(args: argparse.Namespace, out: Path, path: str) -> dict[str, Any]:
     # what other processes took of the machine's cores while the row ran (2 cores: a run beside it slows the engine)
     others = busy_after - busy_before - own if busy_after is not None and busy_before is not None else None
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"name": path, "card": result["card"], "settings": row_settings(args, path),
-            **summarize(metrics, episodes_per_step(args)), **tool_calls(log, episodes_per_step(args)),
+    summary, calls = summarize(metrics, episodes_per_step(args)), tool_calls(log, episodes_per_step(args))
+    if calls["episodes"] != summary["steps"] * episodes_per_step(args):
+        # a row that starts more episodes than it trains (or fewer): its starts are not its batches, in order
+        calls.update(no_barrier_s=None, turn_barrier_s=None)
+    return {"name": path, "card": result["card"], "settings": row_settings(args, path), **summary, **calls,
             "run_seconds": result.get("train_seconds"), "own_cpu_s": own, "others_cpu_s": others,
             # the machine's load average (1, 5, 15 min) before and after the row: another process on the cores shows here
             "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
@@ -218,7 +223,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {fmt(r['staleness_max'], '.0f')} / {fmt(r['staleness_mean'])} | {fmt(r['multi_version_fraction'])} "
             f"| {fmt(r['turns_mean'])} | {r['tool_calls']} ({r['slow_calls']}) "
             f"| {fmt(r['reward_first5'], '.3f')} -> {fmt(r['reward_last5'], '.3f')} | {fmt(r.get('others_cpu_s'), '.0f')} |")
-    bounds = "; ".join(f"{r['name']}: {r['no_barrier_s']:.1f} s / {r['turn_barrier_s']:.1f} s" for r in rows)
+    bounds = "; ".join(f"{r['name']}: {fmt(r['no_barrier_s'], '.1f')} s / {fmt(r['turn_barrier_s'], '.1f')} s" for r in rows)
     return "\n".join(lines) + (f"\n\nTool time the batches cannot go below, summed over the steps (no turn barrier / a "
                                f"barrier at every turn): {bounds}" if rows else "")
 
