@@ -211,3 +211,27 @@ def test_an_engine_process_ends_with_the_trainer_that_started_it(tmp_path) -> No
     else:
         os.kill(engine, signal.SIGKILL)
         raise AssertionError("the engine process outlived its trainer by 30 s")
+
+
+def test_the_mismatch_splits_by_staleness_over_the_tokens_an_older_policy_sampled() -> None:
+    """Asynchronous GRPO's mismatch by staleness: each microbatch's stale_mask marks the completion tokens a policy
+    older than the trainer's sampled (a sample whose turns span two versions has both kinds), logprob_mismatch sums
+    those tokens apart, and the step's metrics give the mean |diff| over stale and over current tokens."""
+    import torch
+
+    from oumi_megatron.grpo.algorithm import logprob_mismatch
+    from oumi_megatron.rollout.sample import Sample
+    from oumi_megatron.trainer.batches import mark_stale, packed_layout
+    from oumi_megatron.trainer.step_metrics import mismatch_by_staleness
+
+    a = Sample([1, 2], [3, 4, 5], 0, logprobs=[-1.0, -1.0, -1.0], versions=[4, 4, 5], trainable=True)
+    b = Sample([1], [6, 7], 1, logprobs=[-2.0, -2.0], versions=[5, 5], trainable=True)
+    layout = packed_layout([a, b], 1, pad_id=0, capacity=8)  # one row holds both
+    mark_stale(layout, [a, b], 5)
+    mb = layout.microbatches[0]
+    assert mb["stale_mask"].sum() == 2 and mb["stale_mask"][0].tolist()[1:3] == [1.0, 1.0]  # a's first two tokens
+    trainer = torch.zeros_like(mb["rollout_logprobs"])  # the trainer's logprobs: 0 everywhere
+    m = logprob_mismatch(mb["rollout_logprobs"], trainer, mb["completion_mask"], mb["stale_mask"])
+    assert (m["tokens"], m["stale_tokens"], m["stale_abs_diff_sum"], m["abs_diff_sum"]) == (5, 2, 2.0, 7.0)
+    out = mismatch_by_staleness({"mm_tokens": 5.0, "mm_abs": 7.0, "mm_stale_tokens": 2.0, "mm_stale_abs": 2.0})
+    assert out == {"mismatch/mean_abs_diff_stale": 1.0, "mismatch/mean_abs_diff_current": 5.0 / 3}

@@ -223,6 +223,9 @@ def test_streaming_groups_train_the_first_groups_that_finish_and_resume_each_pro
     assert [r["rollout/groups_carried_over"] for r in rows] == [4.0] * 5 + [0.0], rows
     assert all(r["rollout/staleness_max"] <= 1.0 for r in rows), rows
     assert all(r["env/turns_max"] >= 2 and r["env/failed_episodes"] == 0 for r in rows)
+    # the mismatch by staleness: the first step's tokens are all the current policy's, later steps hold older ones
+    assert "mismatch/mean_abs_diff_stale" not in rows[0] and rows[0]["mismatch/mean_abs_diff_current"] <= EQUAL
+    assert all(r["mismatch/mean_abs_diff_stale"] > 1e-3 for r in rows[1:] if r["rollout/staleness_max"] > 0)
     state = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     # 3 steps of 4 prompts trained: every position below data_position, and those listed after it
     assert state["data_position"] + len(state.get("skip_positions", [])) == 12, state

@@ -242,19 +242,26 @@ def aggregate(
     return (seq_sum / float(max_len)).sum(), count
 
 
-def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor,
+                     stale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """How far the rollout engine's logprobs of the sampled tokens are from the trainer's, on the same
     tokens (before any update). Sums over masked tokens, so they add up over microbatches and ranks:
     ``abs_diff_sum`` (/ tokens = mean |diff|), ``exp_abs_diff_sum`` (/ tokens = NeMo-RL's
-    token_mult_prob_error, the mean of exp(|diff|)), ``tokens``; and ``abs_diff_max``."""
+    token_mult_prob_error, the mean of exp(|diff|)), ``tokens``; and ``abs_diff_max``. ``stale`` (asynchronous GRPO:
+    1 where an older policy version than the trainer's sampled the token): also ``stale_abs_diff_sum`` and
+    ``stale_tokens``, the same sums over those tokens alone."""
     mask = mask.to(trainer_logprobs.dtype)
     diff = (rollout_logprobs - trainer_logprobs).abs() * mask
-    return {
+    out = {
         "abs_diff_sum": diff.sum(),
         "exp_abs_diff_sum": (diff.exp() * mask).sum(),
         "tokens": mask.sum(),
         "abs_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
     }
+    if stale is not None:
+        stale = stale.to(diff.dtype) * mask
+        out.update({"stale_abs_diff_sum": (diff * stale).sum(), "stale_tokens": stale.sum()})
+    return out
 
 
 def sequence_ratio_mask(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,

@@ -88,7 +88,9 @@ def _old_logprob_pass_metrics(old_logprobs: torch.Tensor, mask: torch.Tensor, ba
     """The entropy and rollout/trainer mismatch sums of a microbatch whose old logprobs are the training forward's."""
     out = {"entropy_sum": (batch["entropy"] * mask).sum()} if "entropy" in batch else {}
     if "rollout_logprobs" in batch:
-        m = logprob_mismatch(batch["rollout_logprobs"], old_logprobs, mask)
+        m = logprob_mismatch(batch["rollout_logprobs"], old_logprobs, mask, batch.get("stale_mask"))
         out.update({"mismatch_abs_sum": m["abs_diff_sum"], "mismatch_exp_abs_sum": m["exp_abs_diff_sum"],
                     "mismatch_tokens": m["tokens"], "mismatch_abs_max": m["abs_diff_max"]})
+        if "stale_tokens" in m:
+            out.update({"mismatch_stale_abs_sum": m["stale_abs_diff_sum"], "mismatch_stale_tokens": m["stale_tokens"]})
     return {k: v.detach() for k, v in out.items()}

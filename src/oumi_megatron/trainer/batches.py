@@ -86,6 +86,18 @@ def _empty_rows(rows: int, length: int, pad_id: int, with_rollout_logprobs: bool
     return out
 
 
+def mark_stale(layout: MicrobatchLayout, samples: list[Sample], version: int) -> None:
+    """Each microbatch's ``stale_mask`` (asynchronous GRPO): 1 at the completion tokens a policy older than ``version``
+    sampled (``Sample.versions``; ``samples``: the layout's, in its placements' order), for the mismatch by staleness."""
+    for mb in layout.microbatches:
+        mb["stale_mask"] = torch.zeros_like(mb["completion_mask"])
+    for sample, (m, r, start, n) in zip(samples, layout.placements, strict=True):
+        if sample.versions:
+            first = start + len(sample.prompt_ids) - 1  # logprob position t scores token t + 1
+            layout.microbatches[m]["stale_mask"][r, first : start + n - 1] = torch.tensor(
+                [float(v < version) for v in sample.versions])
+
+
 def _with_rollout_logprobs(samples: list[Sample]) -> bool:
     """The engine's logprobs go in when every sample has them (one backend: all or none)."""
     return all(s.logprobs is not None for s in samples)

@@ -39,7 +39,14 @@ from oumi_megatron.rollout.registry import as_asynchronous
 from oumi_megatron.rollout.sample import Sample
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.trainer.async_rollouts import AsyncRollouts, StreamingRollouts
-from oumi_megatron.trainer.batches import MicrobatchLayout, first_fit_decreasing, mini_batches, packed_layout, padded_layout
+from oumi_megatron.trainer.batches import (
+    MicrobatchLayout,
+    first_fit_decreasing,
+    mark_stale,
+    mini_batches,
+    packed_layout,
+    padded_layout,
+)
 from oumi_megatron.trainer.collection import RolloutCollector
 from oumi_megatron.trainer.dp import dp_size_and_rank, max_dp
 from oumi_megatron.trainer.evaluation import Evaluator, eval_schedule
@@ -238,7 +245,11 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
         """This rank's share of every mini-batch (one optimizer step each), as microbatches."""
         dp, _ = dp_size_and_rank()
         parts = mini_batches(samples, per_mini=self.layout.global_batch_size // dp, count=self.grpo.num_mini_batches)
-        return [self._layout(part) for part in parts]
+        layouts = [self._layout(part) for part in parts]
+        if self.async_rollouts is not None:  # which tokens an older policy sampled: the mismatch by staleness
+            for part, layout in zip(parts, layouts, strict=True):
+                mark_stale(layout, part, self.step)
+        return layouts
 
     def _layout(self, samples: list[Sample]) -> MicrobatchLayout:
         mbs, pad = self.layout.micro_batch_size, self.sampling.pad_token_id
@@ -276,9 +287,10 @@ class OumiMegatronGrpoTrainer(BaseTrainer):
                 mb["old_logprobs"] = lp
                 out["entropy_sum"] += float((ent * mb["completion_mask"]).sum())
                 if "rollout_logprobs" in mb:
-                    m = logprob_mismatch(mb["rollout_logprobs"], lp, mb["completion_mask"])
-                    for k in ("abs_diff_sum", "exp_abs_diff_sum", "tokens"):
-                        out[k] += float(m[k])
+                    m = logprob_mismatch(mb["rollout_logprobs"], lp, mb["completion_mask"], mb.get("stale_mask"))
+                    for k in ("abs_diff_sum", "exp_abs_diff_sum", "tokens", "stale_abs_diff_sum", "stale_tokens"):
+                        if k in m:
+                            out[k] = out.get(k, 0.0) + float(m[k])
                     out["abs_diff_max"] = max(out["abs_diff_max"], float(m["abs_diff_max"]))
         return out
 

@@ -73,14 +73,28 @@ def skipped_step_metrics(batch: StepBatch, grpo: MegatronGrpoParams, timings: di
 
 def _token_sums(layouts: list[MicrobatchLayout], lp: dict[str, float], device: torch.device) -> dict[str, float]:
     """The batch's token counts, entropy and mismatch sums, over every DP rank."""
-    keys = ("real", "processed", "padded", "entropy_sum", "scored", "mm_abs", "mm_exp", "mm_tokens")
+    keys = ("real", "processed", "padded", "entropy_sum", "scored", "mm_abs", "mm_exp", "mm_tokens", "mm_stale_abs",
+            "mm_stale_tokens")
     sums = sum_dp([
         float(sum(lo.real_tokens for lo in layouts)), float(sum(lo.processed_tokens for lo in layouts)),
         float(sum(lo.padded_tokens for lo in layouts)),
         lp["entropy_sum"], float(sum(float(mb["completion_mask"].sum()) for lo in layouts for mb in lo.microbatches)),
-        lp["abs_diff_sum"], lp["exp_abs_diff_sum"], lp["tokens"],
+        lp["abs_diff_sum"], lp["exp_abs_diff_sum"], lp["tokens"], lp.get("stale_abs_diff_sum", 0.0),
+        lp.get("stale_tokens", 0.0),
     ], device)
     return {**dict(zip(keys, sums)), "mm_max": max_dp(lp["abs_diff_max"], device)}
+
+
+def mismatch_by_staleness(s: dict[str, float]) -> dict[str, float]:
+    """``mismatch/mean_abs_diff_stale`` (tokens an older policy version sampled) and ``..._current`` (the trainer's
+    version), from the step's DP-summed sums; a side with no token is left out."""
+    stale, current = s["mm_stale_tokens"], s["mm_tokens"] - s["mm_stale_tokens"]
+    out = {}
+    if stale > 0:
+        out["mismatch/mean_abs_diff_stale"] = s["mm_stale_abs"] / stale
+    if current > 0:
+        out["mismatch/mean_abs_diff_current"] = (s["mm_abs"] - s["mm_stale_abs"]) / current
+    return out
 
 
 def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Tensor, layouts: list[MicrobatchLayout],
@@ -91,7 +105,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
     # a first update that took its old logprobs from its own forward reports that pass's sums (over DP already)
     first = results[0].metrics
     for key, name in (("entropy_sum", "entropy_sum"), ("mm_abs", "mismatch_abs_sum"), ("mm_exp", "mismatch_exp_abs_sum"),
-                      ("mm_tokens", "mismatch_tokens")):
+                      ("mm_tokens", "mismatch_tokens"), ("mm_stale_abs", "mismatch_stale_abs_sum"),
+                      ("mm_stale_tokens", "mismatch_stale_tokens")):
         s[key] += first.get(name, 0.0)
     s["mm_max"] = max(s["mm_max"], first.get("mismatch_abs_max", 0.0))
     last = results[-1]
@@ -118,6 +133,8 @@ def step_metrics(batch: StepBatch, advantages: torch.Tensor, trainable: torch.Te
         "mismatch/max_abs_diff": s["mm_max"],
         "mismatch/exp_mean_abs_diff": math.exp(s["mm_abs"] / mm_tokens),
         "mismatch/token_mult_prob_error": s["mm_exp"] / mm_tokens,
+        # asynchronous GRPO: the same mismatch over the tokens an older policy sampled, and over the current policy's
+        **(mismatch_by_staleness(s) if "stale_tokens" in lp or "mismatch_stale_tokens" in first else {}),
         "grad_norm": last.grad_norm,
         "lr": last.lr,
         # the schedule that ran, and the weight-gradient GEMMs ZB-H1 deferred and ran (all ranks, all updates)
