@@ -486,6 +486,7 @@ SHIPPED = [
     ("llama8b_grpo_8gpu_async.yaml", 4, None, "llama-3.1-8b-instruct"),
     ("train_405b_grpo.yaml", 256, 8, "llama-3.1-405b-instruct"),
     ("tiny_cpu_code.yaml", 1, None, None),
+    ("tiny_cpu_grpo_agentic_async.yaml", 1, None, None),
     ("qwen2_5_coder_0_5b_code_gpu.yaml", 1, None, "qwen2.5-coder-0.5b-instruct"),
     ("qwen2_5_coder_0_5b_code_python_gpu.yaml", 1, None, "qwen2.5-coder-0.5b-instruct"),
 ]
