@@ -256,6 +256,11 @@ def test_asynchronous_grpo_is_accepted_on_separate_engines_and_ray(make_config) 
                 assert r.ok, (placement, staleness, correction, r.format_problems())
     r = check(make_config(megatron=ASYNC, grpo={"max_staleness": 1, "partial_rollouts": True}), world_size=2)
     assert r.ok, r.format_problems()
+    r = check(make_config(megatron=ASYNC, grpo={"max_staleness": 1, "streaming_groups": True}), world_size=2)
+    assert r.ok, r.format_problems()  # 2 prompts a step over DP 2: a whole group each
+    r = check(make_config(megatron={**ASYNC, "global_batch_size": 12}, grpo={"max_staleness": 1, "streaming_groups": True}),
+              world_size=2)  # 3 prompts a step over DP 2
+    assert "grpo.streaming_groups" in r.fields() and "multiple of the data-parallel size (2)" in r.format_problems()
 
 
 def test_off_policy_correction_resolves_from_tis_cap() -> None:

@@ -326,6 +326,11 @@ def _check_batches(cfg: LayoutConfig, dp: int, r: LayoutResolution) -> tuple[int
               f"completions per GRPO step (megatron.global_batch_size x grpo.num_mini_batches = "
               f"{completions}) must be a multiple of grpo.num_generations ({ng}) so that every prompt's "
               "group is complete. Change either.")
+    elif isinstance(ng, int) and ng >= 1 and cfg.grpo.streaming_groups and (completions // ng) % dp:
+        r.add("grpo.streaming_groups",
+              f"each data-parallel rank streams whole groups, so the prompts of a step ({completions // ng}) must be a "
+              f"multiple of the data-parallel size ({dp}). Change megatron.global_batch_size or grpo.num_generations, "
+              "or streaming_groups: false.")
     return micro, global_batch
 
 
