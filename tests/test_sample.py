@@ -169,9 +169,27 @@ def test_kill_point_sends_sigkill_at_the_named_pass_and_does_nothing_unset() -> 
     assert plain.returncode == 0 and plain.stdout.split() == ["1", "2", "3", "4"]
 
 
-def test_an_engine_process_ends_with_the_trainer_that_started_it(tmp_path) -> None:  # noqa: ANN001
-    """rollout/vllm_engine.py ``exit_with_parent``: a separate engine's process ends once its trainer is gone (killed
-    with SIGKILL, which closes nothing), so it frees its GPU for the resumed run's engine."""
+_ENGINE_LIKE = ("import multiprocessing as mp, pathlib, sys, time\n"
+                "def child(ready):\n"
+                "    from oumi_megatron.utils.parent_watch import exit_with_parent\n"
+                "    exit_with_parent(poll_s=0.1)\n"
+                "    pathlib.Path(ready).touch()\n"
+                "    time.sleep(120)\n"
+                "if __name__ == '__main__':\n"
+                "    p = mp.get_context('spawn').Process(target=child, args=(sys.argv[1],), daemon=True); p.start()\n"
+                "    print(p.pid, flush=True); time.sleep(120)\n")
+_RESULTS_MANAGER = ("import multiprocessing as mp, pathlib, sys, time\n"
+                    "from oumi_megatron.engine.state.checkpoint_io import own_write_results_queue\n"
+                    "own_write_results_queue()\n"
+                    "(manager,) = mp.active_children()\n"
+                    "pathlib.Path(sys.argv[1]).touch(); print(manager.pid, flush=True); time.sleep(120)\n")
+
+
+@pytest.mark.parametrize("child", ["engine", "checkpoint_results_manager"])
+def test_a_helper_process_ends_with_the_trainer_that_started_it(tmp_path, child: str) -> None:  # noqa: ANN001
+    """utils/parent_watch.py: a separate engine's process (spawned) and a background checkpoint write's results manager
+    (forked) end once their trainer is gone (killed with SIGKILL, which closes nothing), so neither holds a GPU or
+    host memory in the way of the resumed run."""
     import os
     import signal
     import subprocess
@@ -179,28 +197,19 @@ def test_an_engine_process_ends_with_the_trainer_that_started_it(tmp_path) -> No
     import time
 
     ready = tmp_path / "watching"
-    code = ("import multiprocessing as mp, pathlib, sys, time\n"
-            "def child():\n"
-            "    from oumi_megatron.rollout.vllm_engine import exit_with_parent\n"
-            "    exit_with_parent(poll_s=0.1)\n"
-            f"    pathlib.Path({str(ready)!r}).touch()\n"
-            "    time.sleep(120)\n"
-            "if __name__ == '__main__':\n"
-            "    p = mp.get_context('spawn').Process(target=child, daemon=True); p.start()\n"
-            "    print(p.pid, flush=True); time.sleep(120)\n")
     script = tmp_path / "trainer.py"
-    script.write_text(code)
-    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    engine = int(trainer.stdout.readline())
+    script.write_text(_ENGINE_LIKE if child == "engine" else _RESULTS_MANAGER)
+    trainer = subprocess.Popen([sys.executable, str(script), str(ready)], stdout=subprocess.PIPE, text=True)
+    helper = int(trainer.stdout.readline())
     deadline = time.monotonic() + 120
-    while not ready.exists() and time.monotonic() < deadline:  # the engine imported and watches
+    while not ready.exists() and time.monotonic() < deadline:  # the helper imported and watches
         time.sleep(0.1)
     assert ready.exists()
-    os.kill(engine, 0)  # alive while the trainer is
+    os.kill(helper, 0)  # alive while the trainer is
     trainer.send_signal(signal.SIGKILL)
     trainer.wait(timeout=30)
     deadline = time.monotonic() + 30
-    status = Path(f"/proc/{engine}/status")
+    status = Path(f"/proc/{helper}/status")
     while time.monotonic() < deadline:
         try:  # gone, or a zombie no one reaps yet (re-parented to a PID 1 that may not reap): ended either way
             if "State:\tZ" in status.read_text():
@@ -209,8 +218,8 @@ def test_an_engine_process_ends_with_the_trainer_that_started_it(tmp_path) -> No
             break
         time.sleep(0.2)
     else:
-        os.kill(engine, signal.SIGKILL)
-        raise AssertionError("the engine process outlived its trainer by 30 s")
+        os.kill(helper, signal.SIGKILL)
+        raise AssertionError(f"the {child} process outlived its trainer by 30 s")
 
 
 def test_the_mismatch_splits_by_staleness_over_the_tokens_an_older_policy_sampled() -> None:

@@ -22,7 +22,6 @@ cache is reset, or prompts cached under the old weights would be reused (measure
 from __future__ import annotations
 
 import os
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -35,6 +34,7 @@ from oumi_megatron.rollout.weight_sync import adapter, checkpoint, in_process, v
 from oumi_megatron.rollout.weight_sync.probe import largest_gap
 from oumi_megatron.utils.launcher_env import forget_launcher_env
 from oumi_megatron.utils.net import free_port
+from oumi_megatron.utils.parent_watch import exit_with_parent
 
 _OWN_VLLM_PORT = "OUMI_MEGATRON_VLLM_PORT"
 """The VLLM_PORT this package chose (``_vllm_env``), told apart from one the user set."""
@@ -295,25 +295,11 @@ class VllmEngineHost:
             self.llm.wake_up()
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this process (and so free its GPU) once the trainer that started it is gone: a trainer killed with SIGKILL
-    closes nothing, and an engine blocked in a weight update from it (a collective with a dead peer) would hold its GPU
-    until the collective's timeout, in the way of the resumed run's engine."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="oumi-megatron-parent-watch").start()
-
-
 def serve(conn: Any, spec: EngineSpec) -> None:
     """The engine process (``rollout_placement: separate``): start, then answer commands until ``close``.
     Every reply is ``("ok", value)`` or ``("error", traceback)``."""
     forget_launcher_env()
-    exit_with_parent()
+    exit_with_parent()  # a trainer killed with SIGKILL must not leave its engine (and GPU) behind
     if spec.cuda_visible_devices is not None:  # before anything touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     try:

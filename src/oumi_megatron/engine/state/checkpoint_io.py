@@ -23,6 +23,7 @@ import torch
 
 from oumi_megatron.engine.peft import is_adapter
 from oumi_megatron.engine.wrappers import unwrap
+from oumi_megatron.utils.parent_watch import exit_with_parent
 
 META_FILE = "oumi_megatron.json"
 """Beside a checkpoint's model (a converted one, engine/state/conversion.py, or a training one, checkpointing.py): where
@@ -103,12 +104,16 @@ def own_write_results_queue() -> None:
     optimizer's finished first, the model's metadata recorded the optimizer's file offsets, and the checkpoint failed
     to load ("invalid load key", "Unsupported operand"; 9 of 50 under load in scripts/stress_async_checkpoint.py, none
     with this). A queue per write keeps each result with its write. A forked manager starts in ~40 ms, no interpreter
-    started; it stops when the write's finalize step drops the queue."""
+    started; it stops when the write's finalize step drops the queue, or when the trainer is gone (killed with
+    SIGKILL, which drops nothing: utils/parent_watch.py)."""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(initializer=exit_with_parent)
+    filesystem_async._results_queue = manager.Queue()
 
 
 def load_strategy(directory: str | Path, fully_parallel: bool) -> Any:
