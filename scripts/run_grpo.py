@@ -11,7 +11,8 @@ machine that has it (scripts/prepare_gpu_real_model.py): the data rows as Oumi's
 transformed them (DIR/train.rows.jsonl, DIR/<eval set prefix>.rows.jsonl) and the source of Oumi's ``gsm8k`` reward
 (DIR/oumi_gsm8k_reward.py, executed here with its two registry imports stubbed). Writes WORK/result.json (rank 0):
 the eval curves (every eval set), the base model's and the exported model's held-out numbers. Every whole-run
-benchmark (bench_grpo.py, bench_async.py, bench_scale.py, bench_scale_laws.py --gpu) runs this script.
+benchmark (bench_grpo.py, bench_async.py, bench_async_episodes.py, bench_scale.py, bench_scale_laws.py --gpu) runs this
+script.
 """
 
 from __future__ import annotations
