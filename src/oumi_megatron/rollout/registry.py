@@ -267,26 +267,31 @@ def asynchronous_problem(params: MegatronParams, staleness: int) -> str | None:
             f"separate) (now {params.inference_backend!r} / {params.rollout_placement!r}), or max_staleness: 0.")
 
 
+def _asynchronous_feature_problem(params: MegatronParams, staleness: int, capability: str, synchronous: str,
+                                  runs_as: str) -> str | None:
+    """Why an asynchronous GRPO feature (``capability``: the grpo field and the mode's flag of the same name) cannot
+    run here, or None: ``synchronous`` why it needs ``max_staleness`` > 0, ``runs_as`` what other modes' episodes do."""
+    if not (isinstance(staleness, int) and staleness > 0):
+        return f"needs asynchronous GRPO (grpo.max_staleness > 0): {synchronous}"
+    mode = selected_mode(params)
+    if mode is None or getattr(mode, capability):
+        return None
+    return (f"is not built for {mode.name} engines: their episodes {runs_as}. Use rollout_placement: separate "
+            f"(vllm or sglang), or {capability}: false.")
+
+
 def partial_rollouts_problem(params: MegatronParams, staleness: int) -> str | None:
     """Why ``grpo.partial_rollouts`` cannot run here, or None."""
-    if not (isinstance(staleness, int) and staleness > 0):
-        return "needs asynchronous GRPO (grpo.max_staleness > 0): a synchronous step's weights do not change during it."
-    mode = selected_mode(params)
-    if mode is None or mode.partial_rollouts:
-        return None
-    return (f"is not built for {mode.name} engines: their episodes run whole between weight pushes. Use "
-            "rollout_placement: separate (vllm or sglang), or partial_rollouts: false.")
+    return _asynchronous_feature_problem(params, staleness, "partial_rollouts",
+                                         "a synchronous step's weights do not change during it.",
+                                         "run whole between weight pushes")
 
 
 def streaming_groups_problem(params: MegatronParams, staleness: int) -> str | None:
     """Why ``grpo.streaming_groups`` cannot run here, or None."""
-    if not (isinstance(staleness, int) and staleness > 0):
-        return "needs asynchronous GRPO (grpo.max_staleness > 0): a synchronous step trains on the groups it generated."
-    mode = selected_mode(params)
-    if mode is None or mode.streaming_groups:
-        return None
-    return (f"is not built for {mode.name} engines: their episodes run as one job per step. Use "
-            "rollout_placement: separate (vllm or sglang), or streaming_groups: false.")
+    return _asynchronous_feature_problem(params, staleness, "streaming_groups",
+                                         "a synchronous step trains on the groups it generated.",
+                                         "run as one job per step")
 
 
 def check_own_gpu_engines(config: MegatronTrainingConfig, shape: ModelShape, found: Findings) -> None:
