@@ -16,11 +16,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from oumi_megatron.environments.episodes import Episodes, EpisodeStats, run_episodes
-from oumi_megatron.environments.rendering import stop_token_ids
+from oumi_megatron.environments.episodes import EpisodeStats, episodes_of, run_episodes
 from oumi_megatron.environments.runner import EnvironmentRunner
 from oumi_megatron.rollout.base import (
     AsyncEpisodeBackend,
@@ -107,14 +106,9 @@ class _GroupStream:
             self.outbox.put(FinishedGroup(-1, [], EpisodeStats(), 0.0, f"{type(e).__name__}: {e}"))
 
     def _run(self, engine: Generates) -> None:
-        g, env, params = self.grpo, self.tools.environment, self.params
-        multi_turn = env is not None
-        stops = stop_token_ids(self.tools.tokenizer, env.stop_strings) if env is not None else ()
-        if stops:
-            params = replace(params, stop_token_ids=stops)
-        episodes = Episodes(self.tools.tokenizer, env, [], [], self.n, params.max_new_tokens,
-                            g.max_turns if multi_turn else 1, g.max_observation_tokens,
-                            g.max_turn_tokens if multi_turn else None, stops, params.eos_token_id)
+        g = self.grpo
+        episodes, params = episodes_of(self.tools.tokenizer, self.tools.environment, [], [], self.params, self.n,
+                                       g.max_turns, g.max_observation_tokens, g.max_turn_tokens)
         stream = EpisodeStream(engine, params, episodes, self.chunk)
         members: dict[int, set[int]] = {}  # group key -> its episodes still going
         rows: dict[int, list[int]] = {}  # group key -> all its episodes, in order
@@ -180,6 +174,11 @@ class RolloutDriver:
         return self.environment.system_prompt if self.environment is not None else None
 
     @property
+    def _chunk(self) -> int | None:
+        """Turns' piece size under ``grpo.partial_rollouts`` (None: whole turns)."""
+        return PARTIAL_ROLLOUT_CHUNK if getattr(self.grpo, "partial_rollouts", False) else None
+
+    @property
     def multi_turn(self) -> bool:
         return self.environment is not None
 
@@ -211,15 +210,14 @@ class RolloutDriver:
         thread's own tools."""
         request = _Submitted(prompts, rows, params, n, seed, groups)
         self._submitted.append(request)
-        partial = bool(getattr(self.grpo, "partial_rollouts", False))
-        if not self.multi_turn and not partial:
+        if not self.multi_turn and self._chunk is None:
             backend.submit(prompts, params, n)
             return
         # episodes, and under partial rollouts single turns too: a job of requests a weight push can land between
         assert isinstance(backend, AsyncEpisodeBackend), "validation refuses asynchronous episodes on this backend"
         assert self.async_tools is not None, "assembly.py builds the episode thread's tools for asynchronous episode jobs"
         job = functools.partial(self._episodes, tools=self.async_tools, prompts=prompts, rows=rows, params=params, n=n,
-                                seed=seed, groups=groups, chunk=PARTIAL_ROLLOUT_CHUNK if partial else None)
+                                seed=seed, groups=groups, chunk=self._chunk)
         backend.submit_episodes(prompts, job)
 
     def collect(self, backend: AsyncRolloutBackend) -> tuple[list[Sample], EpisodeStats, TaggedRollouts]:
@@ -244,8 +242,7 @@ class RolloutDriver:
         replica owner's stream (started at the first call); returns at once. Every rank of a replica calls it."""
         if self._stream is None:
             assert self.async_tools is not None, "assembly.py builds the stream's tools for streaming groups"
-            chunk = PARTIAL_ROLLOUT_CHUNK if getattr(self.grpo, "partial_rollouts", False) else None
-            self._stream = _GroupStream(self.async_tools, self.grpo, params, n, chunk)
+            self._stream = _GroupStream(self.async_tools, self.grpo, params, n, self._chunk)
             backend.start_stream(self._stream)
         for key, prompt, row in zip(keys, prompts, rows, strict=True):
             self._stream.inbox.put((key, prompt, row))

@@ -296,18 +296,28 @@ def run_episodes(backend: Generates, tokenizer: Any, env: EnvironmentRunner | No
     model replica (``env`` calls the environment on its first rank). An episode whose environment call raises or
     times out ends there, a FAILED sample with its reason (the caller drops it from the loss). ``env`` None: one turn
     each, a plain generation."""
-    stops = stop_token_ids(tokenizer, env.stop_strings) if env is not None else ()
-    if stops:
-        params = replace(params, stop_token_ids=stops)
-    multi_turn = env is not None
-    episodes = Episodes(tokenizer, env, prompts, rows, n, params.max_new_tokens, max_turns if multi_turn else 1,
-                        max_observation_tokens, max_turn_tokens if multi_turn else None, stops, params.eos_token_id, groups)
+    episodes, params = episodes_of(tokenizer, env, prompts, rows, params, n, max_turns, max_observation_tokens,
+                                   max_turn_tokens, groups)
     first = replace(params, max_new_tokens=episodes.episodes[0].room) if episodes.episodes else params
     if isinstance(backend, RunsEpisodes):
         engine = backend.run_episodes(prompts, first, n, episodes, params.max_new_tokens, episodes.max_turns, seed)
     else:
         engine = turn_by_turn(backend, prompts, first, n, episodes, seed, chunk)
     return episodes.samples(engine)
+
+
+def episodes_of(tokenizer: Any, env: EnvironmentRunner | None, prompts: list[list[int]], rows: list[dict[str, Any]],
+                params: SamplingParams, n: int, max_turns: int, max_observation_tokens: int | None = None,
+                max_turn_tokens: int | None = None, groups: list[int] | None = None) -> tuple[Episodes, SamplingParams]:
+    """The ``Episodes`` of ``prompts`` (``run_episodes``' arguments; none, for a stream that groups join later) and the
+    sampling their turns take: the environment's stop tokens end turns too; without an environment, one turn each."""
+    stops = stop_token_ids(tokenizer, env.stop_strings) if env is not None else ()
+    if stops:
+        params = replace(params, stop_token_ids=stops)
+    multi_turn = env is not None
+    episodes = Episodes(tokenizer, env, prompts, rows, n, params.max_new_tokens, max_turns if multi_turn else 1,
+                        max_observation_tokens, max_turn_tokens if multi_turn else None, stops, params.eos_token_id, groups)
+    return episodes, params
 
 
 def merge_stats(parts: list[EpisodeStats]) -> EpisodeStats:
