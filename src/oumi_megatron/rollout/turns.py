@@ -73,6 +73,10 @@ class _Turn:
         self.versions += [version] * len(ids)
         self.open = not finished and len(ids) == asked
 
+    def goes_on(self, room: int) -> bool:
+        """Its latest piece stopped at the piece's size and the turn has room left: another piece follows."""
+        return self.open and len(self.ids) < room
+
     def end(self, row: int) -> TurnEnd:
         return TurnEnd(row, self.ids, self.logprobs, self.finished, self.versions)
 
@@ -88,17 +92,25 @@ def _pieces(engine: Generates, params: SamplingParams, histories: list[list[int]
     re-tokenized), until it ends or fills its room. Whole turns: ``chunk`` >= every room, one piece. Under
     ``grpo.partial_rollouts`` the engine may take a weight push between two pieces: each piece keeps its version."""
     while True:
-        going = [k for k, t in turns.items() if t.open and len(t.ids) < rooms[k]]
+        going = [k for k, t in turns.items() if t.goes_on(rooms[k])]
         if not going:
             return
-        asked = {k: min(chunk, rooms[k] - len(turns[k].ids)) for k in going}
-        out = engine.generate([histories[k] + turns[k].ids for k in going],
-                              replace(params, max_new_tokens=max(asked.values())), 1, seed=seed)
+        _piece(engine, params, histories, turns, rooms, going, chunk, seed)
         seed = None
-        for k, (r,) in zip(going, out, strict=True):
-            ids = list(r.completion_ids[:asked[k]])
-            turns[k].add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
-                         r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
+
+
+def _piece(engine: Generates, params: SamplingParams, histories: list[list[int]] | dict[int, list[int]],
+           turns: dict[int, _Turn], rooms: dict[int, int], keys: list[int], chunk: int | None,
+           seed: int | None = None) -> None:
+    """One piece of the turns of ``keys`` in one ``generate``: at most ``chunk`` tokens each (None: the rest of its
+    room), a request from its row's history and the turn so far."""
+    asked = {k: min(chunk or rooms[k], rooms[k] - len(turns[k].ids)) for k in keys}
+    out = engine.generate([histories[k] + turns[k].ids for k in keys],
+                          replace(params, max_new_tokens=max(asked.values())), 1, seed=seed)
+    for k, (r,) in zip(keys, out, strict=True):
+        ids = list(r.completion_ids[:asked[k]])
+        turns[k].add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
+                     r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
 
 
 class EpisodeStream:
@@ -133,15 +145,11 @@ class EpisodeStream:
         decided: list[tuple[int, NextTurn | None]] = []
         if self.open:
             keys = sorted(self.open)
-            asked = {k: min(self.chunk or self.rooms[k], self.rooms[k] - len(self.open[k].ids)) for k in keys}
-            out = self.engine.generate([self.histories[k] + self.open[k].ids for k in keys],
-                                       replace(self.params, max_new_tokens=max(asked.values())), 1)
+            _piece(self.engine, self.params, self.histories, self.open, self.rooms, keys, self.chunk)
             ends = []
-            for k, (r,) in zip(keys, out, strict=True):
-                turn, ids = self.open[k], list(r.completion_ids[:asked[k]])
-                turn.add(ids, None if r.logprobs is None else list(r.logprobs[:len(ids)]),
-                         r.finished and len(ids) == len(r.completion_ids), r.version, asked[k])
-                if not (turn.open and len(turn.ids) < self.rooms[k]):  # the turn ended, or filled its room
+            for k in keys:
+                turn = self.open[k]
+                if not turn.goes_on(self.rooms[k]):  # the turn ended, or filled its room
                     del self.open[k]
                     self.histories[k] += turn.ids
                     ends.append(turn.end(k))
