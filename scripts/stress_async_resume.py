@@ -2,17 +2,20 @@
 
     .venv/bin/python scripts/stress_async_resume.py [--points push,episode,checkpoint,train,between_steps]
                                                    [--steps 8] [--save-steps 2] [--kill-pass 3] [--out result.json]
+                                                   [--placement separate|ray]
 
 Each point runs the guess_number example (multi-turn episodes on the tiny CPU model) with asynchronous GRPO on a
 separate vLLM engine: ``grpo.max_staleness: 1``, ``partial_rollouts`` and ``streaming_groups`` (steps train groups out of
 data order), background checkpoint writes every ``--save-steps`` steps, and every step's samples dumped
 (``grpo.rollout_dump_steps: 1``). ``OUMI_MEGATRON_KILL_AT=POINT:N`` (utils/faults.py) sends the trainer SIGKILL the N-th
-time it passes the point: during a weight push, mid-episode (the stream with turns open), during a background
-checkpoint write, inside a step's update, or between two steps. The same command then resumes from the newest valid
-checkpoint to ``--steps``. A point passes when the killed run died of SIGKILL, the resumed run ended well, the metrics
-log holds steps 1 .. ``--steps`` once each, and the dumps of those steps (each resumed step's dump replaces the killed
-run's) hold ``--steps`` x 4 distinct prompts, none trained twice (the data's prompts are distinct). Prints a line per
-point and a summary; writes the numbers to ``--out`` (docs/benchmarks.md, "kill -9 of asynchronous GRPO").
+time it passes the point: during a weight push, mid-episode (a piece of open turns), during a background checkpoint
+write, inside a step's update, or between two steps. The same command then resumes from the newest valid checkpoint to
+``--steps``. A point passes when the killed run died of SIGKILL, the resumed run ended well, the metrics log holds
+steps 1 .. ``--steps`` once each, the dumps of those steps (each resumed step's dump replaces the killed run's) hold
+``--steps`` x 4 distinct prompts, none trained twice (the data's prompts are distinct), and no Ray process is left.
+``--placement ray``: the same on a fleet of two engines (Ray actors of a local head the trainer starts), whose
+episodes run as one job per step (no ``streaming_groups``). Prints a line per point and a summary; writes the numbers
+to ``--out`` (docs/benchmarks.md, "kill -9 of asynchronous GRPO").
 """
 
 from __future__ import annotations
@@ -34,19 +37,24 @@ POINTS = ("push", "episode", "checkpoint", "train", "between_steps")
 PASSES = {"push": 3, "episode": 45, "checkpoint": 3, "train": 3, "between_steps": 3}
 """Which pass of each point is killed: a step or two after the first checkpoint (the stream passes its point ~10-20
 times a step)."""
+FLEET_EPISODE_PASS = 8
+"""The fleet's episode jobs pass the episode point a few times a step (a piece of every open turn at once)."""
 PROMPTS_PER_STEP = 4  # configs/tiny_cpu_grpo_guess_number.yaml: 32 episodes a step, 8 per prompt
 
 
-def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None) -> tuple[int, str]:
+def _train(out: Path, model: Path, steps: int, save_steps: int, kill: str | None, placement: str) -> tuple[int, str]:
     """The run's exit status and the end of its log (a file: a killed trainer's children must not hold a pipe open)."""
     cmd = [sys.executable, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo_guess_number.yaml"),
            "--model.model_name", str(model), "--training.output_dir", str(out), "--training.max_steps", str(steps),
            "--training.save_steps", str(save_steps), "--training.save_final_model", "false",
            "--training.try_resume_from_last_checkpoint", "true",
-           "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "separate",
+           "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", placement,
            "--megatron.weight_sync_method", "gloo", "--megatron.checkpoint_config.use_async_checkpoint", "true",
            "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis", "--grpo.partial_rollouts", "true",
-           "--grpo.streaming_groups", "true", "--grpo.environment_workers", "2", "--grpo.rollout_dump_steps", "1"]
+           "--grpo.streaming_groups", str(placement == "separate").lower(), "--grpo.environment_workers", "2",
+           "--grpo.rollout_dump_steps", "1"]
+    if placement == "ray":
+        cmd += ["--megatron.rollout_engines", "2"]
     env = {**os.environ, "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("OUMI_MEGATRON_KILL_AT", None)
     if kill:
@@ -69,6 +77,13 @@ def _check(out: Path, steps: int) -> dict[str, Any]:
             "prompts_twice": len(twice), "prompts_ok": len(prompts) == steps * PROMPTS_PER_STEP and not twice}
 
 
+def _ray_processes() -> list[str]:
+    """Ray's processes on this machine (a killed run's head, raylet or engine actors left behind)."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line[:120] for line in out if ("ray::" in line or "gcs_server" in line or "raylet" in line)
+            and "stress_async_resume" not in line]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default=",".join(POINTS))
@@ -77,6 +92,7 @@ def main() -> None:
     p.add_argument("--kill-pass", type=int, default=None, help="kill at every point's N-th pass (default: PASSES)")
     p.add_argument("--model", default=str(REPO / "output" / "tiny_qwen2"))
     p.add_argument("--out", default=None)
+    p.add_argument("--placement", default="separate", choices=("separate", "ray"))
     args = p.parse_args()
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -87,13 +103,19 @@ def main() -> None:
         for point in args.points.split(","):
             out = Path(tmp) / point
             started = time.perf_counter()
-            killed_rc, _ = _train(out, model, args.steps, args.save_steps, f"{point}:{args.kill_pass or PASSES[point]}")
+            passes = args.kill_pass or (FLEET_EPISODE_PASS if (args.placement, point) == ("ray", "episode") else PASSES[point])
+            killed_rc, _ = _train(out, model, args.steps, args.save_steps, f"{point}:{passes}", args.placement)
             died = killed_rc == -signal.SIGKILL
             before = len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0
-            resumed_rc, resumed_log = _train(out, model, args.steps, args.save_steps, None)
+            resumed_rc, resumed_log = _train(out, model, args.steps, args.save_steps, None, args.placement)
+            time.sleep(5)  # a local Ray head's processes end a moment after their driver
+            left = _ray_processes()
             row = {"point": point, "killed_by_sigkill": died, "steps_logged_before_kill": before,
-                   "resumed_rc": resumed_rc, **_check(out, args.steps), "seconds": time.perf_counter() - started}
-            row["passed"] = died and resumed_rc == 0 and row["steps_once"] and row["prompts_ok"]
+                   "resumed_rc": resumed_rc, **_check(out, args.steps), "ray_processes_left": len(left),
+                   "seconds": time.perf_counter() - started}
+            row["passed"] = died and resumed_rc == 0 and row["steps_once"] and row["prompts_ok"] and not left
+            if left:
+                row["left"] = left[:10]
             if resumed_rc != 0:
                 row["error"] = resumed_log[-2000:]
             rows.append(row)
@@ -101,7 +123,7 @@ def main() -> None:
                   f"steps once {row['steps_once']}; {row['prompts']} prompts, {row['prompts_twice']} twice -> "
                   f"{'PASS' if row['passed'] else 'FAIL'} ({row['seconds']:.0f} s)", flush=True)
     summary = {"points": rows, "passed": sum(r["passed"] for r in rows), "of": len(rows), "steps": args.steps,
-               "save_steps": args.save_steps, "kill_pass": args.kill_pass or PASSES}
+               "save_steps": args.save_steps, "kill_pass": args.kill_pass or PASSES, "placement": args.placement}
     print(f"{summary['passed']} of {summary['of']} points resumed with every prompt trained once")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -464,19 +464,23 @@ def test_bad_environment_settings_name_the_field(make_config, overrides: dict, f
 
 
 def test_episodes_are_refused_where_they_do_not_run_yet(make_config) -> None:  # noqa: ANN001
-    """Asynchronous episodes on the Ray fleet: refused with the fix, not run wrongly; asynchronous episodes on a
-    separate engine are accepted (they run: test_vllm.py), and so are episodes on the embedded backend under expert
-    parallelism (they run: test_engine.py's test_episodes_under_expert_parallelism_match_one_rank)."""
+    """Asynchronous episodes on separate engines and on the Ray fleet are accepted (they run: test_vllm.py,
+    test_ray_fleet.py), partial rollouts too; one stream of groups on the fleet is refused with the fix, not run
+    wrongly; episodes on the embedded backend under expert parallelism are accepted (they run: test_engine.py's
+    test_episodes_under_expert_parallelism_match_one_rank)."""
     from oumi_megatron.validation import validate_config
 
-    def problems(**megatron: object) -> str:
-        cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator", "max_staleness": 1},
+    def problems(grpo: dict | None = None, **megatron: object) -> str:
+        cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator", "max_staleness": 1,
+                                **(grpo or {})},
                           megatron={"inference_backend": "vllm", "weight_sync_method": "gloo", **megatron})
         return validate_config(cfg, world_size=2, check_bridge=False).format_problems()
 
-    assert "grpo.environment" not in problems(rollout_placement="separate"), problems(rollout_placement="separate")
-    ray = problems(rollout_placement="ray")
-    assert "grpo.environment" in ray and "not yet for ray" in ray and "rollout_placement: separate" in ray, ray
+    for placement in ("separate", "ray"):
+        found = problems({"partial_rollouts": True}, rollout_placement=placement)
+        assert "grpo.environment" not in found and "grpo.partial_rollouts" not in found, found
+    ray = problems({"streaming_groups": True}, rollout_placement="ray")
+    assert "grpo.streaming_groups" in ray and "not built for vllm ray" in ray and "rollout_placement: separate" in ray, ray
     cfg = make_config(grpo={"reward_functions": [{"name": "gsm8k"}], "environment": "calculator"},
                       megatron={"expert_model_parallel_size": 2})
     ep = validate_config(cfg, world_size=2, check_bridge=False).format_problems()

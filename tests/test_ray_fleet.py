@@ -86,20 +86,30 @@ def _engine_processes(root: int) -> list[tuple[psutil.Process, str]]:
     return out
 
 
-def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("episodes", [False, True], ids=["generations", "episodes"])
+def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(tmp_path: Path, tiny_model_dir: Path,
+                                                                               episodes: bool) -> None:
     """Two engines, max_staleness 1, and two engine processes killed (SIGKILL, as the OOM killer would):
     - the first while it generates step 1's prompts, before any push: it alone is started again, with the weights
       it started from, and its prompts are issued again;
     - the second after step 3, with a push queued behind its generation: the push fails, so every engine is started
       again, gets the policy, and the generations in flight are issued again.
-    That is 3 restarts, the default ``rollout_engine_restarts``; the run ends with every step once."""
+    That is 3 restarts, the default ``rollout_engine_restarts``; the run ends with every step once.
+
+    ``episodes``: the same with multi-turn episodes (guess_number, tools answered on two threads) in 32-token pieces
+    (``grpo.partial_rollouts``), run by rank 0's episode thread: a call cut short by the first kill waits for the
+    replacement and goes again; after the second, the thread or the push finds the dead engine first (a restart of
+    it alone, or of both)."""
     out = tmp_path / "fleet"
-    args = [PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
+    config = "tiny_cpu_grpo_agentic_async.yaml" if episodes else "tiny_cpu_grpo.yaml"
+    args = [PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / config),
             "--model.model_name", str(tiny_model_dir), "--training.output_dir", str(out),
             "--training.max_steps", "6", "--training.save_steps", "0", "--training.save_final_model", "false",
             "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
             "--megatron.rollout_engines", "2", "--megatron.weight_sync_method", "gloo",
             "--grpo.max_staleness", "1", "--grpo.off_policy_correction", "tis"]
+    if episodes:
+        args += ["--grpo.streaming_groups", "false", "--grpo.log_completions", "false"]
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "400"}
     log = tmp_path / "train.log"
     metrics = out / "metrics.jsonl"
@@ -129,13 +139,21 @@ def test_two_engine_fleet_runs_one_step_off_policy_and_replaces_killed_engines(t
     warnings = [line for line in text.splitlines() if "Rollout fleet:" in line]
     assert len(warnings) == 2, warnings
     assert "died" in warnings[0] and "Restarting engine(s) [" in warnings[0] and "(1 restart(s) of 3 allowed)" in warnings[0]
-    assert "a weight push failed" in warnings[1] and "Restarting engine(s) [0, 1] (3 restart(s) of 3 allowed)" in warnings[1]
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # every step once: nothing repeated, nothing lost
-    assert rows[0]["rollout/engine_restarts"] == 1 and rows[-1]["rollout/engine_restarts"] == 3
-    # within the bound throughout; the restarted engine answered step 1's prompts with the starting policy
-    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
-    assert [r["rollout/policy_version"] for r in rows[:3]] == [0.0, 0.0, 1.0]
+    assert rows[0]["rollout/engine_restarts"] == 1
+    if episodes:
+        assert re.search(r"(died .*Restarting engine\(s\) \[\d\] \(2|a weight push failed.*Restarting engine\(s\) "
+                         r"\[0, 1\] \(3) restart\(s\) of 3 allowed", warnings[1]), warnings[1]
+        assert rows[-1]["rollout/engine_restarts"] in (2, 3)
+        # multi-turn episodes, and samples whose pieces two policies generated (a push landed mid-episode)
+        assert max(r["env/turns_max"] for r in rows) >= 2 and max(r["rollout/multi_version_fraction"] for r in rows) > 0
+    else:
+        assert "a weight push failed" in warnings[1] and "Restarting engine(s) [0, 1] (3 restart(s) of 3 allowed)" in warnings[1]
+        assert rows[-1]["rollout/engine_restarts"] == 3
+        # the restarted engine answered step 1's prompts with the starting policy
+        assert [r["rollout/policy_version"] for r in rows[:3]] == [0.0, 0.0, 1.0]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)  # within the bound throughout
     assert all(r["weight_sync/bytes"] > 0 for r in rows) and all(r["weight_sync/gbps"] > 0 for r in rows[1:3])
     # the link's plain broadcast was measured, and each push's transfer is a fraction of it
     assert rows[0]["weight_sync/raw_gbps"] > 0 and 0 < rows[1]["weight_sync/fraction_of_raw"] < 5
@@ -167,3 +185,59 @@ def test_an_engine_with_two_tensor_parallel_workers_takes_every_push_from_both_p
     assert all(r["weight_sync/senders"] == 2 and r["weight_sync/sender_bytes_max"] < r["weight_sync/bytes"] for r in rows[1:])
     # the two workers' shards recombine to the trainer's policy (fp32; TP's reduction order differs: not bit-exact)
     assert max(r["mismatch/max_abs_diff"] for r in rows) < 1e-3, [r["mismatch/max_abs_diff"] for r in rows]
+
+
+STOPPING_ENVIRONMENT = """
+from oumi_megatron.environments.base import EpisodeEnd, Observation
+from oumi_megatron.environments.registry import register_environment
+
+
+@register_environment("stops_on_request")
+class StopsOnRequest:
+    observation_roles = ("user",)
+
+    def start(self, row):
+        return {"stop": "STOP" in str(row["prompt"])}
+
+    def step(self, state, turn_text, turn_ids):
+        return EpisodeEnd(info={}) if state["stop"] else Observation("go on", role="user")
+"""
+
+
+def test_synchronous_episodes_of_two_replicas_run_as_one_job_on_rank_0(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """DP 2 with one engine, synchronous (``max_staleness: 0``), and a greedy evaluation of one prompt per replica
+    before and after each step, in an environment that ends one prompt's episode after its first turn and lets the
+    other's run to ``max_turns``: the replicas' episodes take different numbers of turns, which generation turn by turn
+    over the fleet (a collective of every rank per turn) cannot run. Rank 0 runs both replicas' episodes as one job
+    and hands each its samples: every step and every evaluation logged, the engine's logprobs equal to the trainer's
+    (fp32, every push waited for)."""
+    import yaml
+
+    from conftest import write_yaml
+
+    (tmp_path / "stops_on_request.py").write_text(STOPPING_ENVIRONMENT)
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"prompt": "Write some digits. STOP.", "target": "digits"}) + "\n"
+                     + json.dumps({"prompt": "Only letters, please.", "target": "letters"}) + "\n")
+    cfg = yaml.safe_load((REPO / "configs" / "tiny_cpu_grpo_agentic_async.yaml").read_text())
+    out = tmp_path / "dp2"
+    cfg["model"]["model_name"] = str(tiny_model_dir)
+    cfg["data"]["train"]["datasets"][0]["dataset_path"] = str(REPO / "data" / "char_class_train.jsonl")
+    cfg["data"]["validation"] = {"datasets": [{"dataset_name": "oumi-megatron/char-class", "dataset_path": str(evals)}]}
+    cfg["grpo"]["plugins"] = ["oumi_megatron.examples.demo_task", "stops_on_request"]
+    cfg["grpo"]["environment"] = "stops_on_request"
+    cfg["training"].update(max_steps=2, output_dir=str(out), eval_strategy="steps", eval_steps=1,
+                           per_device_eval_batch_size=1, save_final_model=False)
+    cfg["megatron"].update(rollout_placement="ray", rollout_engines=1, global_batch_size=16)
+    cfg["grpo"].update(max_staleness=0, streaming_groups=False, partial_rollouts=False, off_policy_correction="none",
+                       log_completions=False, num_generations=4)
+    proc = run_cli([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master-port", str(free_port()),
+                    "-m", "oumi", "train", "-c", str(write_yaml(tmp_path / "cfg.yaml", cfg))], timeout=900,
+                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in steps] == [1, 2] and len(evals) == 3, rows
+    assert all(r["env/turns_max"] >= 2 for r in steps)  # the training rows' episodes go on
+    assert all(r["mismatch/max_abs_diff"] < 1e-4 for r in steps), [r["mismatch/max_abs_diff"] for r in steps]

@@ -151,6 +151,7 @@ def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions:
     from oumi_megatron.environments.driver import EpisodeTools, RolloutDriver
     from oumi_megatron.environments.registry import environment_runner
     from oumi_megatron.grpo.rewards import RewardComputer
+    from oumi_megatron.rollout.base import RunsEpisodeJobs
     from oumi_megatron.rollout.registry import RolloutContext, build_rollout_backend
     from oumi_megatron.rollout.sampling import sampling_for
     from oumi_megatron.trainer.evaluation import build_evaluators
@@ -165,7 +166,9 @@ def build_rollout(config: Any, engine: Any, tokenizer: Any, *, reward_functions:
     tools = EpisodeTools(tokenizer, environment_runner(g, scorer.group, scorer.ranks))
     # asynchronous episodes run on the engine owner's thread, with a tokenizer and an environment of their own (the
     # owner alone calls it: no group)
-    jobs = asynchronous and (g.environment or g.partial_rollouts or g.streaming_groups)  # episode jobs or the stream, on the engine owner
+    # episode jobs or the stream, on the engine owner; a fleet's episodes, synchronous ones too, on its rank 0
+    jobs = ((asynchronous and (g.environment or g.partial_rollouts or g.streaming_groups))
+            or (g.environment is not None and isinstance(backend, RunsEpisodeJobs)))
     async_tools = EpisodeTools(copy.deepcopy(tokenizer), environment_runner(g)) if jobs else None
     driver = RolloutDriver(backend, g, tools, async_tools)
     evaluators = [] if eval_sets is None else build_evaluators(

@@ -219,7 +219,7 @@ class MegatronGrpoParams(BaseParams):
     far (the engine's prefix cache serves them; nothing is sampled again or re-tokenized), so a push lands between two
     pieces and the episode goes on under the new weights; each token keeps the version that sampled it
     (``rollout/multi_version_fraction``). Needs ``max_staleness`` > 0 on a rollout mode that declares it (vLLM or
-    SGLang separate)."""
+    SGLang separate, the vLLM Ray fleet)."""
 
     streaming_groups: bool = False
     """Asynchronous GRPO: the engine runs every episode group in flight side by side, each turn of each episode taken

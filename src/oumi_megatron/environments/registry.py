@@ -16,7 +16,6 @@ from oumi_megatron.environments.python import PythonEnvironment, PythonTestsEnvi
 from oumi_megatron.environments.rendering import TemplateCannotRender, check_renders
 from oumi_megatron.environments.runner import EnvironmentRunner, observation_char_cap
 from oumi_megatron.errors import UserInputError
-from oumi_megatron.rollout.registry import selected_mode
 from oumi_megatron.utils.registry import Registry
 
 if TYPE_CHECKING:
@@ -83,11 +82,6 @@ def check_environment_settings(config: MegatronTrainingConfig, found: Findings) 
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         found.add("grpo.environment_workers", f"must be an integer >= 0 (0: each turn answered in line; N: on N threads "
                                               f"in the background), got {workers!r}.")
-    mode = selected_mode(config.megatron)
-    if g.max_staleness and mode is not None and mode.asynchronous and not mode.asynchronous_episodes:
-        found.add("grpo.environment", "asynchronous multi-turn episodes (grpo.max_staleness > 0) are built for "
-                                      "megatron.rollout_placement: separate, not yet for ray (its fleet queues single "
-                                      "generations). Use rollout_placement: separate, or max_staleness: 0.")
 
 
 def check_environment_data(config: MegatronTrainingConfig, heads: list[DatasetHead], found: Findings) -> None:

@@ -282,9 +282,18 @@ class AsyncRolloutBackend(RolloutBackend, Protocol):
         ...
 
 
-EpisodeJob = Callable[[Generates], tuple[list[Sample], Any]]
-"""A batch of multi-turn episodes (environments/episodes.py ``run_episodes`` with its arguments bound) given an engine to
-generate each turn with: ``(samples, EpisodeStats)``."""
+@dataclass(frozen=True)
+class EpisodeJob:
+    """A batch of multi-turn episodes to run with an engine: ``batch``, what the episodes are (plain data: a fleet's
+    rank 0 runs every replica's batch, rollout/ray_fleet.py), and ``run``, how this process runs a batch
+    (environments/driver.py, with the episode thread's own tokenizer and environment). ``job(engine)`` is
+    ``(samples, EpisodeStats)``."""
+
+    batch: Any
+    run: Callable[[Any, Generates], tuple[list[Sample], Any]]
+
+    def __call__(self, engine: Generates) -> tuple[list[Sample], Any]:
+        return self.run(self.batch, engine)
 
 
 @runtime_checkable
@@ -295,6 +304,17 @@ class AsyncEpisodeBackend(AsyncRolloutBackend, Protocol):
 
     def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
         """Queue ``job`` (episodes of ``prompts``); returns at once. Every rank of a replica calls it."""
+        ...
+
+
+@runtime_checkable
+class RunsEpisodeJobs(Protocol):
+    """A backend whose engines one rank drives for every replica (the Ray fleet: rank 0): a replica cannot call them
+    turn by turn on its own pace, so its synchronous episodes run as a job there too."""
+
+    def run_episode_job(self, prompts: list[list[int]], job: EpisodeJob) -> TaggedRollouts:
+        """Every replica's ``job`` (``.episodes``: this replica's samples and stats), waited for. Collective over the
+        training ranks."""
         ...
 
 

@@ -16,6 +16,9 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
   policy version (weight_sync/push.py).
 - Asynchronous GRPO (``grpo.max_staleness``): the same ``submit`` / ``collect`` / ``push_weights`` as a separate
   engine (rollout/vllm_backend.py); a batch's version is the oldest of the engines that generated it.
+- Asynchronous episodes (``grpo.environment``, ``grpo.partial_rollouts``): rank 0 runs every replica's episode jobs on
+  a thread of its own (``_FleetEngine``: each turn, or each piece of a turn, a call to the actors, which take a weight
+  push between two calls) and hands each replica its samples at ``collect``.
 - Faults: an engine actor that dies is started again in its placement group, re-synced, and its prompts issued again
   (``RayRolloutBackend``; ``megatron.rollout_engine_restarts`` bounds how often).
 - ``rollout_gpus_per_engine`` > 1: an engine's vLLM runs tensor-parallel over its GPUs (a worker process each, vLLM's
@@ -25,13 +28,16 @@ rollout nodes, then the trainer with ``ray_address: HEAD:6379`` (README).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +45,15 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.parallel.distributed import replica_group
-from oumi_megatron.rollout.base import DecodeProfile, EngineSleep, PolicyWeights, Rollout, TaggedRollouts, WeightSyncStats
+from oumi_megatron.rollout.base import (
+    DecodeProfile,
+    EngineSleep,
+    EpisodeJob,
+    PolicyWeights,
+    Rollout,
+    TaggedRollouts,
+    WeightSyncStats,
+)
 from oumi_megatron.rollout.sampling import SamplingParams
 from oumi_megatron.rollout.vllm_common import engine_spec, vllm_rollouts, vllm_sampling
 from oumi_megatron.rollout.weight_sync.base import WeightSyncError
@@ -246,6 +260,71 @@ class _Part:
 Plan = dict[int, list[_Part]]
 """Rank 0's view of one generation: each replica's parts, by data-parallel rank."""
 
+ByReplica = dict[int, tuple[int, float, Any]]
+"""Rank 0's results of a submission: per data-parallel rank, (the oldest version, the engines' seconds, the results)."""
+
+
+@dataclass
+class _InFlight:
+    """An asynchronous submission not collected yet: a single generation (``plan``) or episode jobs (``jobs``)."""
+
+    prompts: list[list[int]]
+    plan: Plan | None = None
+    """Rank 0: the generation's parts (what is issued again to a replaced engine)."""
+    jobs: Future | None = None
+    """Rank 0: every replica's episode jobs (their ``ByReplica``)."""
+    episodes: bool = False
+
+
+class _FleetEngine:
+    """The fleet as what rank 0's episode thread generates with (rollout/base.py ``Generates``), called on the actors
+    directly: a call's requests are spread over the engines in contiguous blocks (rows keep their order between turns,
+    so an episode's next turn mostly finds its prefix in the same engine's cache). A call that an engine's death cuts
+    short parks until the trainer's collective recovery has queued the policy on its replacement, then goes again
+    there. Keeps the oldest version of its calls and their engines' seconds."""
+
+    def __init__(self, fleet: RayRolloutBackend) -> None:
+        self.fleet = fleet
+        self.version: int | None = None
+        self.seconds = 0.0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        fleet, sampling = self.fleet, vllm_sampling(params, n)
+        engines = len(fleet.actors)
+        size = -(-len(prompts) // engines)
+        pending = {e: list(range(e * size, min((e + 1) * size, len(prompts)))) for e in range(engines) if e * size < len(prompts)}
+        got: dict[int, tuple[int, Any]] = {}  # prompt position -> (version, its results)
+        took = 0.0
+        while pending:
+            with fleet.swap:  # no replacement is under way: these are live engines, or ones with the policy queued
+                seen = fleet.recoveries
+                calls = {e: fleet.actors[e].generate_tagged.remote([prompts[i] for i in idx], sampling).future()
+                         for e, idx in pending.items()}
+            futures.wait(calls.values())
+            dead = {}
+            for e, future in calls.items():
+                error = future.exception()
+                if error is None:
+                    version, seconds, results = future.result()
+                    took = max(took, seconds)
+                    got.update({i: (version, r) for i, r in zip(pending[e], results, strict=True)})
+                elif _engine_died(error):
+                    dead[e] = _first_line(error)
+                else:
+                    raise WeightSyncError(f"Ray engine {e} failed: {error}")
+            pending = {e: pending[e] for e in dead}
+            if dead:
+                fleet.wait_replaced(seen, set(dead), f"engine(s) {sorted(dead)} died ({next(iter(dead.values()))})")
+        rollouts = vllm_rollouts(prompts, [got[i][1] for i in range(len(prompts))])
+        for i, group in enumerate(rollouts):  # a push may land between two calls: each keeps its engine's version
+            for r in group:
+                r.version = got[i][0]
+        oldest = min(v for v, _ in got.values())
+        self.version = oldest if self.version is None else min(self.version, oldest)
+        self.seconds += took
+        return rollouts
+
 
 class _EnginesLost(Exception):
     """Rank 0, waiting for a generation: engines died (or a push to them failed) and must be restarted."""
@@ -291,7 +370,20 @@ class RayRolloutBackend:
         self.link: WeightSyncGroup | None = None
         """This rank's group with every engine worker, if it sends."""
         self.raw_gbps: float | None = None
-        self.in_flight: collections.deque[tuple[list[list[int]], Plan | None]] = collections.deque()
+        self.in_flight: collections.deque[_InFlight] = collections.deque()
+        """Asynchronous GRPO: what was submitted and not collected yet, oldest first."""
+        self.episode_thread: ThreadPoolExecutor | None = None
+        """Rank 0: where every replica's episode jobs run, one submission at a time, in order (``submit_episodes``)."""
+        self.swap = threading.RLock()
+        """Rank 0: held while engines are replaced, until the replacements have the policy queued; the episode thread
+        issues its calls under it, so none reaches a replacement before its weights."""
+        self.replaced = threading.Condition(self.swap)
+        self.recoveries = 0
+        """Rank 0: how many times engines were replaced (under ``swap``): an episode call parked on a dead engine goes
+        again once this grows."""
+        self.lost: queue.Queue[tuple[int, set[int], str]] = queue.Queue()
+        """Rank 0: engines the episode thread found dead, ``(recoveries when it called, engines, cause)``."""
+        self.closed = False
         self.pusher = WeightPusher(self.method)
         self.push_failed: str | None = None
         """Rank 0: why the last push failed, until the engines are restarted for it."""
@@ -412,17 +504,23 @@ class RayRolloutBackend:
             out[dp] = (min(versions, default=0), max(seconds, default=0.0), [by_index[i] for i in range(len(by_index))])
         return out
 
-    def _results(self, plan: Plan | None, later: list[Plan | None]) -> tuple[int, float, list[Any]]:
-        """Collective: this replica's (version, engine seconds, results) of ``plan``, restarting lost engines (and
-        issuing their parts of ``plan`` and of the ``later`` plans in flight again) until every prompt is answered."""
+    def _results(self, submitted: _InFlight, later: list[_InFlight]) -> tuple[int, float, Any]:
+        """Collective: this replica's (version, engine seconds, results) of ``submitted``, restarting lost engines (and
+        issuing their parts of the generations in flight again; a parked episode call goes again by itself) until
+        every prompt is answered. An episode job that failed raises on every rank."""
         while True:
             outcome: Any = None
             if self.rank == 0:
-                assert plan is not None
                 try:
-                    outcome = ("done", self._await(plan))
+                    if submitted.jobs is not None:
+                        outcome = ("done", self._await_jobs(submitted.jobs))
+                    else:
+                        assert submitted.plan is not None
+                        outcome = ("done", self._await(submitted.plan))
                 except _EnginesLost as lost:
                     outcome = ("lost", (lost.engines, lost.cause))
+                except Exception as e:  # noqa: BLE001 - an episode job's own error: every rank raises it
+                    outcome = ("failed", f"{type(e).__name__}: {e}")
             # every rank learns whether engines were lost (a few bytes); the results travel by need: rank 0 hands each
             # replica's first rank its replica's (scatter), which passes them on in the replica
             box: list[Any] = [(outcome[0], None if outcome[0] == "done" else outcome[1]) if outcome is not None else None]
@@ -430,8 +528,42 @@ class RayRolloutBackend:
             kind, value = box[0]
             if kind == "done":
                 return self._scatter_results(outcome[1] if outcome is not None else None)
+            if kind == "failed":
+                raise RuntimeError(f"asynchronous episodes failed on the Ray fleet: {value}")
             engines, cause = value
-            self._recover(engines, cause, [plan, *later])
+            self._recover(engines, cause, [p.plan for p in (submitted, *later)])
+
+    def _await_jobs(self, jobs: Future, timeout_s: float = 3600.0) -> ByReplica:
+        """Rank 0: every replica's episode jobs of one submission. Raises ``_EnginesLost`` for engines the episode
+        thread found dead, or for all of them when a push failed (its calls wait behind an update that never comes)."""
+        everyone = set(range(len(self.actors)))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while not self.lost.empty():
+                seen, engines, cause = self.lost.get()
+                if seen == self.recoveries:  # not replaced since (a failed push may have replaced every engine)
+                    raise _EnginesLost(engines, cause)
+            pushing = self.pusher.pushing
+            if self.push_failed is None and pushing is not None and pushing.done() and pushing.exception() is not None:
+                self._previous_push()
+            if self.push_failed is not None:
+                raise _EnginesLost(everyone, self.push_failed)
+            try:
+                return jobs.result(timeout=0.1)
+            except futures.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"the Ray fleet's episodes did not finish in {timeout_s:.0f} s") from None
+
+    def wait_replaced(self, seen: int, engines: set[int], cause: str) -> None:
+        """The episode thread: its call to ``engines`` (made when ``recoveries`` was ``seen``) found them dead. Unless
+        they were replaced since, tell the trainer (its next ``collect`` recovers them, collectively), then wait."""
+        with self.swap:
+            if self.recoveries == seen:
+                self.lost.put((seen, engines, cause))
+            while self.recoveries == seen:
+                if self.closed:
+                    raise WeightSyncError("the Ray fleet closed while an episode waited for its engine")
+                self.replaced.wait(timeout=1.0)
 
     def _scatter_results(self, by_replica: dict[int, tuple[int, float, list[Any]]] | None) -> tuple[int, float, list[Any]]:
         """Collective: this replica's results, from rank 0's ``by_replica`` (data-parallel rank -> results): each rank
@@ -449,15 +581,16 @@ class RayRolloutBackend:
     def _recover(self, engines: set[int], cause: str, plans: list[Plan | None]) -> None:
         """Collective: rank 0 restarts ``engines``; every rank exports the policy the engines had, which rank 0 pushes
         to all of them; rank 0 issues the restarted engines' parts of ``plans`` again, oldest first."""
-        if self.rank == 0:
-            engines = self._restart(engines, cause)
-        if self.dp_rank == 0:
-            self._open_weight_groups()
-        if self.weights is not None:
-            self.push_weights(self.weights, self.version)
-            self._raise_if_push_failed()
-        if self.rank == 0:
-            self._reissue(plans, engines)
+        with self.swap if self.rank == 0 else contextlib.nullcontext():
+            if self.rank == 0:
+                engines = self._restart(engines, cause)
+            if self.dp_rank == 0:
+                self._open_weight_groups()
+            if self.weights is not None:
+                self.push_weights(self.weights, self.version)
+                self._raise_if_push_failed()
+            if self.rank == 0:
+                self._reissue(plans, engines)
 
     def _restart(self, engines: set[int], cause: str) -> set[int]:
         """Rank 0: kill and start again ``engines`` (every engine if a push failed), in their placement groups; the
@@ -487,27 +620,68 @@ class RayRolloutBackend:
 
     def _reissue(self, plans: list[Plan | None], engines: set[int]) -> None:
         """Rank 0: the restarted engines' parts of ``plans`` (oldest first) to their replacements: queued behind the
-        push, so generated by the policy the engines had, and answered once."""
+        push, so generated by the policy the engines had, and answered once. An episode call parked on one of them
+        goes again now (``wait_replaced``)."""
         for plan in plans:
             for part in (p for ps in (plan or {}).values() for p in ps):
                 if part.engine in engines:
                     self._issue(part)
+        if engines:
+            with self.swap:
+                self.recoveries += 1
+                self.replaced.notify_all()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, seed: int | None = None) -> list[list[Rollout]]:
         """Every rank gets its replica's rollouts, ``n`` per prompt, grouped per prompt (engines are seeded once)."""
         requests = self._gather_requests(prompts, n)
         plan = self._submit_all(requests, params) if requests is not None else None
-        return vllm_rollouts(prompts, self._results(plan, later=[])[2])
+        return vllm_rollouts(prompts, self._results(_InFlight(prompts, plan), later=list(self.in_flight))[2])
 
     # -- asynchronous GRPO ---------------------------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         requests = self._gather_requests(prompts, n)
-        self.in_flight.append((prompts, self._submit_all(requests, params) if requests is not None else None))
+        self.in_flight.append(_InFlight(prompts, plan=self._submit_all(requests, params) if requests is not None else None))
+
+    def submit_episodes(self, prompts: list[list[int]], job: EpisodeJob) -> None:
+        """Queue a batch of episodes of every replica and return at once: each replica's first rank hands its batch to
+        rank 0 (a gather), whose episode thread runs them all, one replica's after another, with its own ``job.run``
+        (its tokenizer and environment: the environment's calls are made on rank 0). Submissions run in order, so a
+        batch's first call reaches the engines after every push made before its submission. Collective."""
+        self.in_flight.append(self._submit_jobs(prompts, job))
+
+    def run_episode_job(self, prompts: list[list[int]], job: EpisodeJob) -> TaggedRollouts:
+        """Synchronous episodes (and evaluation's), as a job of every replica on rank 0's episode thread (after the
+        submissions in flight), waited for: a replica's turns never wait on another's collectives. Collective."""
+        version, seconds, results = self._results(self._submit_jobs(prompts, job), later=list(self.in_flight))
+        return TaggedRollouts([], version, seconds, results)
+
+    def _submit_jobs(self, prompts: list[list[int]], job: EpisodeJob) -> _InFlight:
+        batches: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object((self.dp_rank, job.batch) if self.rank == self.replica[0] else None, batches, dst=0)
+        jobs = None
+        if batches is not None:
+            if self.episode_thread is None:
+                self.episode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oumi-megatron-fleet-episodes")
+            mine = {b[0]: b[1] for b in batches if b is not None}
+            jobs = self.episode_thread.submit(self._run_jobs, mine, job.run)
+        return _InFlight(prompts, jobs=jobs, episodes=True)
+
+    def _run_jobs(self, batches: dict[int, Any], run: Any) -> ByReplica:
+        """Rank 0's episode thread: each replica's batch with the fleet (``_FleetEngine``)."""
+        out: ByReplica = {}
+        for dp, batch in sorted(batches.items()):
+            engine = _FleetEngine(self)
+            episodes = run(batch, engine)
+            assert engine.version is not None, "an episode job generates its first turn"
+            out[dp] = (engine.version, engine.seconds, episodes)
+        return out
 
     def collect(self) -> TaggedRollouts:
-        prompts, plan = self.in_flight.popleft()
-        version, seconds, results = self._results(plan, later=[p for _, p in self.in_flight])
-        return TaggedRollouts(vllm_rollouts(prompts, results), version, seconds)
+        submitted = self.in_flight.popleft()
+        version, seconds, results = self._results(submitted, later=list(self.in_flight))
+        if submitted.episodes:
+            return TaggedRollouts([], version, seconds, results)
+        return TaggedRollouts(vllm_rollouts(submitted.prompts, results), version, seconds)
 
     # -- weights -------------------------------------------------------------------------------------------------------
     def push_weights(self, weights: PolicyWeights, version: int) -> WeightSyncStats:
@@ -528,6 +702,7 @@ class RayRolloutBackend:
         restarted: set[int] = set()
         if failed is not None:  # a sender's push failed: every engine again, and new groups
             if self.rank == 0:
+                self.swap.acquire()  # until the replacements have this push queued (``_reissue``)
                 self.push_failed = failed
                 restarted = self._restart(set(), "")
             self._open_weight_groups()
@@ -546,7 +721,9 @@ class RayRolloutBackend:
             for _ in share:
                 pass
         if self.rank == 0:
-            self._reissue([p for _, p in self.in_flight], restarted)
+            self._reissue([p.plan for p in self.in_flight], restarted)
+            if restarted:
+                self.swap.release()
         return replica_stats(self.replica_group, stats)
 
     def _previous_push(self) -> float | None:
@@ -589,6 +766,11 @@ class RayRolloutBackend:
         return EngineSleep()
 
     def close(self) -> None:
+        with self.swap:
+            self.closed = True
+            self.replaced.notify_all()
+        if self.episode_thread is not None:
+            self.episode_thread.shutdown(wait=False, cancel_futures=True)
         self.pusher.close()
         if self.rank != 0 or not self.actors:
             return

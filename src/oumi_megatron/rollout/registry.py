@@ -114,8 +114,6 @@ class RolloutMode:
     """The GPUs one engine splits the whole model over (its tensor parallelism); None: no such engine."""
     gpu_share: Callable[[MegatronParams], EngineShare] | None = None
     """An engine's memory on a GPU it runs on (ENGINE_SHARE and OWN_GPUS engines): what the plan counts."""
-    asynchronous_episodes: bool = True
-    """Under asynchronous GRPO its episodes (``grpo.environment``) run too."""
     partial_rollouts: bool = False
     """``grpo.partial_rollouts``: its episode jobs send each turn's pieces as requests of their own, so a weight push
     lands between two of them."""
@@ -523,8 +521,8 @@ ROLLOUT_BACKENDS.add("vllm", BackendModes({
                             warnings=_vllm_warnings,
                             engine_gpus=_one_gpu, gpu_share=_vllm_share, lora_syncs=("merged", "adapter"),
                             adapter_check=_vllm_adapter),
-    # the fleet queues single generations: asynchronous episodes are not built for it
-    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, asynchronous_episodes=False, check=_ray_fields,
+    # the fleet's rank 0 runs every replica's episodes: one stream of groups for them all is not built
+    "ray": RolloutMode("vllm ray", _ray, asynchronous=True, partial_rollouts=True, check=_ray_fields,
                        warnings=_vllm_warnings, preflight=_ray_preflight, engine_gpus=_fleet_gpus, gpu_share=_vllm_share),
 }))
 ROLLOUT_BACKENDS.add("sglang", BackendModes({

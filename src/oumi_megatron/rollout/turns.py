@@ -20,6 +20,7 @@ from typing import Any
 
 from oumi_megatron.rollout.base import ANSWERING, EpisodeRun, Generates, NextTurn, TurnEnd, TurnHandler
 from oumi_megatron.rollout.sampling import SamplingParams
+from oumi_megatron.utils.faults import kill_point
 
 PARTIAL_ROLLOUT_CHUNK = 32
 """``grpo.partial_rollouts``: the most tokens of a turn one request generates; a weight push waits for at most one such
@@ -104,6 +105,7 @@ def _piece(engine: Generates, params: SamplingParams, histories: list[list[int]]
            seed: int | None = None) -> None:
     """One piece of the turns of ``keys`` in one ``generate``: at most ``chunk`` tokens each (None: the rest of its
     room), a request from its row's history and the turn so far."""
+    kill_point("episode")  # turns open (the resume stress test)
     asked = {k: min(chunk or rooms[k], rooms[k] - len(turns[k].ids)) for k in keys}
     out = engine.generate([histories[k] + turns[k].ids for k in keys],
                           replace(params, max_new_tokens=max(asked.values())), 1, seed=seed)

@@ -10,7 +10,7 @@ import os
 import signal
 
 KILL_POINTS = ("push", "episode", "checkpoint", "train", "between_steps")
-"""During a weight push (the transfer in flight); mid-episode (the stream running with turns open); during a
+"""During a weight push (the transfer in flight); mid-episode (a piece of open turns about to be generated); during a
 background checkpoint write; inside a step's update; between two steps."""
 
 _passed: collections.Counter[str] = collections.Counter()
