@@ -290,6 +290,8 @@ class _FleetEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
+        if not prompts:
+            return []
         fleet, sampling = self.fleet, vllm_sampling(params, n)
         engines = len(fleet.actors)
         size = -(-len(prompts) // engines)
