@@ -307,6 +307,30 @@ class AsyncEpisodeBackend(AsyncRolloutBackend, Protocol):
         ...
 
 
+class VersionedCalls:
+    """What an episode job's engine keeps of its calls (each generation tagged with the policy version that made it, a
+    weight push landing between two): the oldest version, and the engine's seconds. ``run`` is the job's result as the
+    backends hand it back: ``(oldest version, seconds, (samples, EpisodeStats))``."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.seconds = 0.0
+
+    def tally(self, version: int, seconds: float) -> None:
+        self.version = version if self.version is None else min(self.version, version)
+        self.seconds += seconds
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[Rollout]]:
+        """Each backend's own: its call, then ``tally`` of the version and seconds the engine reported."""
+        raise NotImplementedError
+
+    def run(self, job: EpisodeJob) -> tuple[int, float, tuple[list[Sample], Any]]:
+        episodes = job(self)
+        assert self.version is not None, "an episode job generates its first turn"
+        return self.version, self.seconds, episodes
+
+
 @runtime_checkable
 class RunsEpisodeJobs(Protocol):
     """A backend whose engines one rank drives for every replica (the Ray fleet: rank 0): a replica cannot call them

@@ -52,6 +52,7 @@ from oumi_megatron.rollout.base import (
     PolicyWeights,
     Rollout,
     TaggedRollouts,
+    VersionedCalls,
     WeightSyncStats,
 )
 from oumi_megatron.rollout.sampling import SamplingParams
@@ -276,17 +277,16 @@ class _InFlight:
     episodes: bool = False
 
 
-class _FleetEngine:
+class _FleetEngine(VersionedCalls):
     """The fleet as what rank 0's episode thread generates with (rollout/base.py ``Generates``), called on the actors
     directly: a call's requests are spread over the engines in contiguous blocks (rows keep their order between turns,
     so an episode's next turn mostly finds its prefix in the same engine's cache). A call that an engine's death cuts
     short parks until the trainer's collective recovery has queued the policy on its replacement, then goes again
-    there. Keeps the oldest version of its calls and their engines' seconds."""
+    there. A call's seconds are its slowest engine's."""
 
     def __init__(self, fleet: RayRolloutBackend) -> None:
+        super().__init__()
         self.fleet = fleet
-        self.version: int | None = None
-        self.seconds = 0.0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
@@ -322,9 +322,7 @@ class _FleetEngine:
         for i, group in enumerate(rollouts):  # a push may land between two calls: each keeps its engine's version
             for r in group:
                 r.version = got[i][0]
-        oldest = min(v for v, _ in got.values())
-        self.version = oldest if self.version is None else min(self.version, oldest)
-        self.seconds += took
+        self.tally(min(v for v, _ in got.values()), took)
         return rollouts
 
 
@@ -670,13 +668,7 @@ class RayRolloutBackend:
 
     def _run_jobs(self, batches: dict[int, Any], run: Any) -> ByReplica:
         """Rank 0's episode thread: each replica's batch with the fleet (``_FleetEngine``)."""
-        out: ByReplica = {}
-        for dp, batch in sorted(batches.items()):
-            engine = _FleetEngine(self)
-            episodes = run(batch, engine)
-            assert engine.version is not None, "an episode job generates its first turn"
-            out[dp] = (engine.version, engine.seconds, episodes)
-        return out
+        return {dp: _FleetEngine(self).run(EpisodeJob(batch, run)) for dp, batch in sorted(batches.items())}
 
     def collect(self) -> TaggedRollouts:
         submitted = self.in_flight.popleft()

@@ -48,6 +48,7 @@ from oumi_megatron.rollout.base import (
     StreamJob,
     TaggedRollouts,
     TurnHandler,
+    VersionedCalls,
     WeightSyncStats,
 )
 from oumi_megatron.rollout.engine_gpus import engine_gpu_for_owner
@@ -425,10 +426,7 @@ class SeparateSglangBackend(_SglangBackend):
     def _run_queued(self, job: EpisodeJob) -> tuple[int, float, Any]:
         """A partial-rollout job: its generations queued on the engine's thread one by one; the oldest version of its
         turns."""
-        engine = _ViaEngineThread(self)
-        episodes = job(engine)
-        assert engine.version is not None, "an episode job generates its first turn"
-        return engine.version, engine.seconds, episodes
+        return _ViaEngineThread(self).run(job)
 
     def start_stream(self, job: StreamJob) -> None:
         """``grpo.streaming_groups``: the owner runs ``job`` (the driver's stream of episodes) on a daemon thread of its
@@ -491,15 +489,14 @@ class SeparateSglangBackend(_SglangBackend):
             self.jobs.shutdown(wait=False, cancel_futures=True)
 
 
-class _ViaEngineThread:
+class _ViaEngineThread(VersionedCalls):
     """The engine as a job on another thread sees it (partial rollouts, the stream of episodes): each generation is
     queued on the engine's thread, in order with the weight pushes, so a push lands between two; its rollouts carry
-    the policy version that made them. Keeps the oldest version and the engine's seconds."""
+    the policy version that made them."""
 
     def __init__(self, backend: SeparateSglangBackend) -> None:
+        super().__init__()
         self.backend = backend
-        self.version: int | None = None
-        self.seconds = 0.0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
@@ -507,8 +504,7 @@ class _ViaEngineThread:
         assert backend.thread is not None, "only a separate engine's owner drives it"
         version, seconds, samples = backend.thread.submit(
             backend._tagged, lambda: backend._generate_here(prompts, params, n) if prompts else []).result()
-        self.version = version if self.version is None else min(self.version, version)
-        self.seconds += seconds
+        self.tally(version, seconds)
         return [[Rollout(list(p), ids, finished, logprobs, version=version) for ids, logprobs, finished in group]
                 for p, group in zip(prompts, samples, strict=True)]
 

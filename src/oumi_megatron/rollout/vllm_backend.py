@@ -53,6 +53,7 @@ from oumi_megatron.rollout.base import (
     StreamJob,
     TaggedRollouts,
     TurnHandler,
+    VersionedCalls,
     WeightSyncStats,
 )
 from oumi_megatron.rollout.engine_gpus import engine_gpu_for_owner
@@ -147,22 +148,19 @@ class _EngineProcess:
                 self.process.kill()
 
 
-class _ReplicaEngine:
+class _ReplicaEngine(VersionedCalls):
     """The replica's engine process as what an episode job generates with (rollout/base.py ``Generates``), on the
     owner's episode thread: each turn is a ``generate_tagged`` command, queued in order with the trainer's weight
-    pushes and evaluation's calls (the process's pipe is shared under a lock). Keeps the oldest policy version of the
-    turns and the engine's seconds."""
+    pushes and evaluation's calls (the process's pipe is shared under a lock)."""
 
     def __init__(self, process: _EngineProcess) -> None:
+        super().__init__()
         self.process = process
-        self.version: int | None = None
-        self.seconds = 0.0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[Rollout]]:
         version, seconds, results = self.process.call("generate_tagged", prompts, vllm_sampling(params, n))
-        self.version = version if self.version is None else min(self.version, version)
-        self.seconds += seconds
+        self.tally(version, seconds)
         rollouts = vllm_rollouts(prompts, results)
         for group in rollouts:  # a push may land between two turns: each turn keeps the version that generated it
             for r in group:
@@ -501,10 +499,7 @@ class SeparateVllmBackend(_VllmBackend):
         self.in_flight.append((prompts, future, True))
 
     def _run_episodes(self, job: EpisodeJob) -> tuple[int, float, tuple[list[Sample], Any]]:
-        engine = _ReplicaEngine(self._owned_process)
-        episodes = job(engine)
-        assert engine.version is not None, "an episode job generates its first turn"
-        return engine.version, engine.seconds, episodes
+        return _ReplicaEngine(self._owned_process).run(job)
 
     def start_stream(self, job: StreamJob) -> None:
         """``grpo.streaming_groups``: the owner runs ``job`` (the driver's stream of episodes) on a daemon thread of its
