@@ -274,7 +274,8 @@ def main() -> None:
     rows, failed = run_rows(",".join(names), (*PATHS, *(name for name, _ in args.extra_rows)),
                             lambda path: run_row(args, out, path), out / "bench_async_episodes.json")
     text = table(rows, args)
-    result = {"rows": rows, "failed": failed, "latency": latency.__dict__, "args": sys.argv[1:], "table": text}
+    argv = ["DIR" if a == args.out else a for a in sys.argv[1:]]  # the command, without this machine's folder
+    result = {"rows": rows, "failed": failed, "latency": latency.__dict__, "args": argv, "table": text}
     (out / "bench_async_episodes.json").write_text(json.dumps(result, indent=1))
     print_report(f"cpu ({os.cpu_count()} cores), `python scripts/bench_async_episodes.py {' '.join(sys.argv[1:])}`",
                  text, failed)
