@@ -251,3 +251,47 @@ def link_cell(r: dict[str, Any]) -> str:
     if not (r.get("sync_gbps") and r.get("fraction_of_raw")):
         return "-"
     return f"{r['sync_gbps']:.1f} ({100 * r['fraction_of_raw']:.2g}% of {r['raw_gbps']:.0f})"
+
+
+# -- kernel profiles ---------------------------------------------------------------------------------------------------
+def kernel_profile(run: Callable[[], Any], per: int | Callable[[], int] = 1, top: int = 20) -> dict[str, Any]:
+    """What ``run()`` (``per`` steps of something; a callable: read after the run) spends per step, kernel by kernel:
+    on a GPU the device kernels (and copies) with their device time, on a CPU the aten ops with their own CPU time.
+    Returns the ``top`` heaviest as rows (name, calls and microseconds per step, share of the total) and the totals:
+    the kernels a step launches and their time, which set against the step's measured time gives the gaps between
+    kernels (launches, host waits)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    per = per() if callable(per) else per
+    stats = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or (cuda and e.device_type != DeviceType.CUDA and e.self_cpu_time_total > 0):
+            continue  # on a GPU only the device's own rows (a kernel's row carries no CPU time)
+        stats.append((e.key, e.count / per, us / per))
+    stats.sort(key=lambda s: -s[2])
+    total_us = sum(s[2] for s in stats)
+    rows = [{"name": name, "calls_per_step": round(calls, 2), "us_per_step": round(us, 1),
+             "share": round(us / total_us, 4) if total_us else 0.0} for name, calls, us in stats[:top]]
+    return {"device": "cuda kernels" if cuda else "cpu ops", "steps": per,
+            "kernels_per_step": round(sum(s[1] for s in stats), 1), "us_per_step": round(total_us, 1), "rows": rows}
+
+
+def kernel_table(profile_: dict[str, Any], step_ms: float | None = None, title: str = "") -> str:
+    """``kernel_profile``'s result as a markdown table; ``step_ms`` (the step's measured time) adds the gap line."""
+    what = "kernel" if profile_["device"] == "cuda kernels" else "aten op (CPU)"
+    lines = [f"{title}{profile_['kernels_per_step']:g} {what}s a step, {profile_['us_per_step'] / 1e3:.3f} ms of their time"
+             + ("" if step_ms is None else f" against {step_ms:.3f} ms measured (gaps: {step_ms - profile_['us_per_step'] / 1e3:.3f} ms)"),
+             "", f"| {what} | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
+    for r in profile_["rows"]:
+        lines.append(f"| {r['name'][:90]} | {r['calls_per_step']:g} | {r['us_per_step']:.1f} | {100 * r['share']:.1f}% |")
+    return "\n".join(lines)

@@ -74,6 +74,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="float32: a CPU run")
     p.add_argument("--layers", type=int, default=0, help="the shape's depth overridden (0: the shape's; a CPU run)")
     p.add_argument("--paths", default="single,episodes,episodes_forced,episodes_recompute")
+    p.add_argument("--profile", action="store_true",
+                   help="one more call of 'single' and 'episodes' under the profiler: kernels per decode step, side by side")
     p.add_argument("--out", default="")
     args = p.parse_args()
     rows, new = (int(x) for x in args.batch.split("x"))
@@ -153,9 +155,15 @@ def main() -> None:
         results[name] = best  # type: ignore[assignment]
     for r in results.values():
         r["x_single"] = r["tokens_per_s"] / results["single"]["tokens_per_s"]
+    profiles = {}
+    if args.profile:  # a call as measured above (kept graphs replayed), its kernels divided by its decode steps
+        for name in [p for p in ("single", "episodes") if p in paths]:
+            profiles[name] = bench_common.kernel_profile(
+                runs[name], per=lambda: backend.last_stats.decode_steps if backend.last_stats else 1, top=25)
     out = {"card": bench_common.card_name(), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
            "layers": cfg.num_hidden_layers, "batch": args.batch, "turns": args.turns, "cuda_graphs": args.cuda_graphs,
-           "dtype": args.dtype, "observation_tokens": observation, "results": results}
+           "dtype": args.dtype, "observation_tokens": observation, "results": results,
+           **({"profiles": profiles} if profiles else {})}
     print(json.dumps(out, indent=1))
     print(f"\n| {args.shape} {args.batch}, {args.turns} turns, graphs {args.cuda_graphs} | policy tok/s | x single | s | turns "
           "| last call: decode steps | decode ms per step | append forwards / ms / tokens fed of computed "
@@ -166,6 +174,10 @@ def main() -> None:
               f"{r['last_call_append_forwards'] or 0} / {1e3 * (r['last_call_append_s'] or 0):.1f} / "
               f"{'{} of {}'.format(*(r['last_call_append_tokens'] or (0, 0)))} | "
               f"{r['last_call_capture_s'] or 0:.3f} / {r['last_call_prefill_s'] or 0:.3f} | {r['peak_gib']:.2f} |")
+    for name, prof in profiles.items():  # the whole call per decode step: its prefill (and appends) included
+        r = results[name]
+        print("\n" + bench_common.kernel_table(prof, 1e3 * r["last_call_decode_s"] / max(r["last_call_decode_steps"], 1),
+                                               f"{name}, per decode step of a whole call (its prefill and appends in): "))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

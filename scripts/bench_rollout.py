@@ -91,29 +91,53 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
         results[name] = best  # type: ignore[assignment]
-    if profile:
-        profile_decode(engine, cfg, prompts, n)
+    profiled = profile_decode(engine, cfg, prompts, n) if profile else None
     parity = greedy_parity(engine, cfg, prompts, n, min(new, 64)) if {"graphs", "schedule"} <= set(paths) else {}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return results, {**parity, "weight_gib": weight_bytes / 2**30, "step_bytes_gib": step_bytes / 2**30}
+    extra = {**parity, "weight_gib": weight_bytes / 2**30, "step_bytes_gib": step_bytes / 2**30}
+    if profiled is not None:
+        extra["decode_profile"] = profiled
+    return results, extra
 
 
-def profile_decode(engine: Any, cfg: Any, prompts: list[list[int]], n: int) -> None:
-    """The GPU kernels of eager decode steps (the ones a graph replays), heaviest first."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_decode(engine: Any, cfg: Any, prompts: list[list[int]], n: int, steps: int = 16) -> dict[str, Any]:
+    """The kernels of one decode step after the prompts' prefill (bench_common.kernel_profile): ``steps`` eager steps, and
+    on a GPU as many replays of the step's CUDA graph with their measured time (every slot attended, as a graph does)."""
+    from oumi_megatron.rollout.decoding.generation_mode import generation_mode
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
-    backend = MegatronRolloutBackend(engine, cfg.vocab_size, path="static", cuda_graphs="false")
-    sampling = SamplingParams(max_new_tokens=9, pad_token_id=0)
-    backend.generate(prompts, sampling, n)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        backend.generate(prompts, sampling, n)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    decoder = MegatronRolloutBackend(engine, cfg.vocab_size, path="static", cuda_graphs="auto", cuda_graphs_kept=0).decoder
+    assert decoder is not None, "the static-cache decoder covers the benchmark's shapes"
+    # room for the eager steps, the capture's eager step and the replays: no step writes past the cache's last slot
+    sampling = SamplingParams(max_new_tokens=2 * steps + 4, pad_token_id=0)
+    generator = torch.Generator(device=engine.device).manual_seed(0)
+    out: dict[str, Any] = {}
+    with generation_mode(engine):
+        run, _ = decoder.prepare(prompts, n, sampling, generator)
+        run.prefill()
+        run.synchronize()
+        with run.cache.attached():
+            def eager() -> None:
+                for _ in range(steps):
+                    run.decode_step(None)
+
+            out["eager"] = bench_common.kernel_profile(eager, per=steps)
+            if torch.cuda.is_available():
+                graph = run._capture()
+                assert graph is not None, "the decode step's CUDA graph could not be captured"
+                def replays(graph: torch.cuda.CUDAGraph = graph) -> None:
+                    for _ in range(steps // 2):
+                        graph.replay()
+
+                started = time.perf_counter()
+                replays()
+                torch.cuda.synchronize()
+                out["graph_step_ms"] = 1e3 * (time.perf_counter() - started) / (steps // 2)
+                out["graph"] = bench_common.kernel_profile(replays, per=steps // 2)
+    return out
 
 
 def greedy_parity(engine: Any, cfg: Any, prompts: list[list[int]], n: int, new: int) -> dict:
@@ -168,7 +192,8 @@ def main() -> None:
     p.add_argument("--paths", default="graphs,static,schedule,hf")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--out", default="")
-    p.add_argument("--profile", action="store_true", help="print the kernels of 8 eager decode steps")
+    p.add_argument("--profile", action="store_true",
+                   help="a decode step's kernels: eager steps, and on a GPU the CUDA graph's replays (tables after the results)")
     args = p.parse_args()
     rows, new = (int(x) for x in args.batch.split("x"))
     if args.shape not in bench_common.ROLLOUT_SHAPES:
@@ -192,6 +217,14 @@ def main() -> None:
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {r.get('prefill_s', float('nan')):.3f} | "
               f"{r['peak_gib']:.2f} | {r.get('hbm_roofline_fraction', float('nan')):.2f} | {r.get('x_schedule', float('nan')):.2f} | "
               f"{r.get('x_hf', float('nan')):.2f} |")
+    profiled = extra.get("decode_profile")
+    if profiled:
+        print(f"\nA decode step's kernels ({args.shape}, {rows} rows, the prompts' {len(prompts[0])} slots + "
+              f"{2 * profiled['eager']['steps'] + 4} new)")
+        for kind in ("eager", "graph"):
+            if kind in profiled:
+                ms = profiled.get("graph_step_ms") if kind == "graph" else None
+                print("\n" + bench_common.kernel_table(profiled[kind], ms, f"{kind}: "))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

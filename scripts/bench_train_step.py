@@ -16,7 +16,8 @@ its table of the result files (docs/benchmarks.md).
 
 ``--set FIELD=VALUE`` sets a ``megatron.transformer_config`` field (e.g. ``apply_rope_fusion=false``)
 or, with a section, another ``megatron:`` field (``optimizer_config.fused_kernels=false``),
-``--logprob-chunk 0`` takes the full-logits path, ``--profile FILE`` writes one step's top CUDA kernels.
+``--logprob-chunk 0`` takes the full-logits path, ``--profile FILE`` writes one step's kernels (a markdown table:
+calls, time, share; their sum against the step's time).
 
 ``--hf-reference`` first times transformers' LlamaForCausalLM on the same shape and batches (SDPA
 attention, bf16 weights, fused AdamW, gradient accumulation over the same microbatches) and reports
@@ -119,17 +120,12 @@ def plan_and_overhead(cfg, params, layout, args) -> dict:  # noqa: ANN001
             "allocator_reserve_gib": round(outside[1].item(), 2)}
 
 
-def profile_step(step, path: str) -> None:  # noqa: ANN001
-    """One step under torch.profiler: the CUDA kernels by total time, to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
+def profile_step(step, path: str, step_ms: float) -> None:  # noqa: ANN001
+    """One more step under the profiler: its kernels by time, against the median step's ``step_ms``, to ``path``
+    (a markdown table, bench_common.kernel_table)."""
+    profiled = bench_common.kernel_profile(step, per=1, top=45)
     with open(path, "w") as f:
-        f.write(table)
+        f.write(bench_common.kernel_table(profiled, step_ms, "one training step: ") + "\n")
 
 
 def _number_or_text(value: str) -> int | float | str:
@@ -173,7 +169,7 @@ def main() -> None:
     p.add_argument("--logprob-chunk", type=int, default=None, help="megatron.logprob_chunk_tokens (0 = full logits)")
     p.add_argument("--compile-layers", action="store_true",
                    help="experiment: torch.compile each transformer layer (measured slower on an H200: more host time per step)")
-    p.add_argument("--profile", default="", help="write the top CUDA kernels of one step to this file")
+    p.add_argument("--profile", default="", help="write one step's kernels to this file (markdown)")
     p.add_argument("--hf-reference", action="store_true", help="also time plain transformers (1 GPU)")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -270,7 +266,7 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     if args.profile:
-        profile_step(lambda: train_step(batches, loss_fn), args.profile)
+        profile_step(lambda: train_step(batches, loss_fn), args.profile, 1e3 * sorted(times)[len(times) // 2])
     phase_ms = None
     # one more (untimed) step with CUDA events around each F, B and W, per stage
     if SCHEDULES.get(layout.pipeline_schedule).defers_weight_gradients:
