@@ -412,6 +412,37 @@ def test_kv_cache_generation_matches_recompute_and_hf(generation: dict) -> None:
 STATIC_LOGPROB_ATOL = 1e-5  # fp32, static-cache decoder vs the schedule path; seen 0.0
 
 
+def test_decode_step_kernels_match_the_paths_they_replace(converted: Path, workdir: Path) -> None:
+    """engine/kernels/token_sampling.py and engine/kernels/decode_attention.py (Triton, here in its CPU interpreter)
+    against the torch sampling path and SDPA, and the static-cache decoder running both (``attention_backend: sdpa``)
+    against Megatron-Core's schedule path, single-turn and in multi-turn episodes (tests/workers/decode_kernels_worker.py)."""
+    out = workdir / "decode_kernels.json"
+    _check(run_cli([PY, str(WORKERS / "decode_kernels_worker.py"), str(converted), str(out)], env={"TRITON_INTERPRET": "1"}))
+    r = json.loads(out.read_text())
+    # sampling: greedy as torch.argmax (padding columns never drawn, the first index on a tie across slices), the
+    # log-probability over every column, a seed's draws repeated, frequencies within 4 standard errors of softmax's
+    assert r["greedy_tokens_equal_torch.float32"] and r["greedy_tokens_equal_torch.bfloat16"], r
+    assert r["greedy_logprob_max_abs_diff_torch.float32"] <= 1e-5 and r["greedy_logprob_max_abs_diff_torch.bfloat16"] <= 1e-5, r
+    assert r["greedy_tie_token"] == 5, r
+    assert r["sampled_in_vocab"] and r["sampled_logprob_max_abs_diff"] <= 1e-5, r
+    assert r["same_seed_same_tokens"] and r["other_seed_other_tokens"], r
+    for got, p in zip(r["frequencies"], r["softmax"], strict=True):
+        assert abs(got - p) <= 4 * (p * (1 - p) / 600) ** 0.5 + 1e-9, r
+    # attention: fp32 to summation order, bf16 to its output's rounding (values of magnitude ~1)
+    for label in ("per_row", "shared"):
+        assert r[f"attention_max_abs_diff_fp32_{label}"] <= 1e-5, r
+        assert r[f"attention_max_abs_diff_bf16_{label}"] <= 2e-2, r
+    # the decoder: both kernels ran, and it generates what the schedule path generates
+    assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
+    assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r
+    assert r["decoder_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert all(r["episodes_same_tokens"]) and len(r["episodes_same_tokens"]) == 9, r
+    assert r["episodes_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert r["episodes_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert r["episodes_sampled_differ"] and r["episodes_sampled_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert len(set(r["episodes_turns"])) == 3 and r["episodes_append_forwards"] >= 1, r
+
+
 def _check_static_path(r: dict, reference: dict | None = None) -> None:
     """The static-cache decoder (rollout/decoding/) against Megatron-Core's schedule path on 64 prompts of mixed
     lengths with an EOS (greedy, fp32): the same tokens, the same logprobs; its groups' shared prefill equal to a

@@ -108,3 +108,15 @@ def test_vllm_cuda_graphs_true_without_a_gpu_is_an_error_naming_the_field(monkey
 
     with pytest.raises(ValueError, match=r"megatron.rollout_cuda_graphs: true.*no CUDA device.*auto"):
         vllm_cuda_graphs("true")
+
+
+def test_append_buckets_are_powers_of_two_and_one_and_a_half_times_them() -> None:
+    """rollout/decoding/episodes.py ``bucket``: an append's group and chunk sizes come from a few shapes (each a CUDA
+    graph), each padding its block by less than a third, and never past the batch's rows."""
+    from oumi_megatron.rollout.decoding.episodes import bucket
+
+    sizes = [bucket(n) for n in range(1, 200)]
+    assert sorted(set(sizes)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert all(n <= s and (s - n) / s < 1 / 3 for n, s in zip(range(1, 200), sizes))  # padding: under a third
+    assert bucket(37) == 48 and bucket(33) == 48 and bucket(49) == 64
+    assert bucket(100, cap=64) == 64 and bucket(5, cap=4) == 4

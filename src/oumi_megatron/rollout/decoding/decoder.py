@@ -244,6 +244,7 @@ class _Generation:
         self.picked_logprob = torch.zeros(rows, dtype=torch.float32, device=device)
         self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
         self.cursor = self.cache.cursor
+        self.cursor.valid = self.valid  # decode steps read it in place (static_cache.py)
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
         self.capture_s = 0.0

@@ -18,8 +18,8 @@ bucket):
   row's valid history and to the block's tokens up to j (prefix-causal inside the chunk), over the group's cache rows
   only (static_cache.py ``chunk``). The logits of each block's last token give the row's next turn's first token, and
   the row is active again at the next decode step: the same tokens and logprobs as feeding the block one token a step.
-- **Chunk buckets.** A look's group of G rows with blocks of up to C tokens runs in the bucket (G rounded up to a power
-  of two, at most the batch's rows; C rounded up to a power of two): a handful of shapes per batch, each captured as a
+- **Chunk buckets.** A look's group of G rows with blocks of up to C tokens runs in the bucket (G and C each rounded up to
+  a power of two or 1.5 times one, G at most the batch's rows: ``bucket``): a handful of shapes per batch, each captured as a
   CUDA graph the first time it occurs and replayed after (one eager run, then the capture, as the decode step; the
   graphs share one memory pool and are kept with the generation). A bucket's padding changes nothing: the tokens past a
   row's block and the padding rows (a row outside the group, with an empty block) write to the scratch slot, never
@@ -96,9 +96,12 @@ def episode_slots(width: int, budget: int) -> int:
 
 
 def bucket(n: int, cap: int | None = None) -> int:
-    """``n`` rounded up to a power of two (at least 1, at most ``cap``): an append's group or chunk size, so that a few
-    shapes occur."""
+    """``n`` rounded up to the next size of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them; at most
+    ``cap``): an append's group or chunk size, so that a few shapes occur, each padded by less than a third (a power of
+    two alone pads up to half: a 37-token block computed as 64)."""
     size = 1 << max(n - 1, 0).bit_length()
+    if size >= 4 and 3 * size // 4 >= n:
+        size = 3 * size // 4
     return size if cap is None else min(size, cap)
 
 

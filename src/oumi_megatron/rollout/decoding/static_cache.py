@@ -6,7 +6,9 @@ decode step cannot be replayed as a CUDA graph. Here each layer's ``core_attenti
 duration of one generation, by :class:`CachedCoreAttention`: the layer's own projections, q/k norms and RoPE
 run as in training (Megatron-Core's ``SelfAttention`` with no inference context), then the wrapper writes the
 already-rotated key and the value into a preallocated cache at the slots the cursor names (device tensors) and
-calls the layer's real core attention (SDPA or Megatron's local one) over the cache. Nothing in a decode step
+calls the layer's real core attention (SDPA or Megatron's local one) over the cache; a decode step on SDPA layers,
+where Triton runs, goes through engine/kernels/decode_attention.py instead, which reads each row's slots up to the
+one it writes (the cursor's ``valid`` marks which it attends to) rather than every slot of the cache. Nothing in a decode step
 depends on a host value, so the whole step can be captured once and replayed.
 
 Where a forward writes (``CacheCursor``):
@@ -29,6 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
+from oumi_megatron.engine.kernels.decode_attention import decode_attention, decode_attention_covers
 
 
 @dataclass
@@ -60,6 +65,10 @@ class CacheCursor:
     """long [rows]: each row's own write slot for this decode step (multi-turn episodes); None: ``slot`` for all."""
     chunk: ChunkWrite | None = None
     """An append forward's writes: a group of rows, each with a chunk of tokens (None outside one)."""
+    valid: torch.Tensor | None = None
+    """bool [rows, slots]: the slots each row attends to (the generation's buffer, kept current in place). Set: decode
+    steps on SDPA layers attend through engine/kernels/decode_attention.py, which reads each row's slots up to the one
+    it writes and no further."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -95,6 +104,10 @@ class CachedCoreAttention(torch.nn.Module):
         else:
             self.keys.index_copy_(2, c.slot, key.permute(1, 2, 0, 3))
             self.values.index_copy_(2, c.slot, value.permute(1, 2, 0, 3))
+        if c.valid is not None and c.chunk is None and isinstance(self.inner, SdpaCoreAttention) \
+                and decode_attention_covers(query, self.keys):
+            last = c.row_slots if c.row_slots is not None else c.slot
+            return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale)
         if c.kv_len is not None:
             keys, values = keys[:, :, :c.kv_len], values[:, :, :c.kv_len]
         return self.inner(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), attention_mask,

@@ -1,0 +1,97 @@
+"""A decode step's attention over the static KV cache, reading only the slots each row has written (Triton).
+
+A decode step is captured once as a CUDA graph, so its shapes are fixed: SDPA there attends over every slot of the
+cache (the prompts' width + every new token, a batch of episodes' observations too) under a mask, and reads every
+slot's keys and values. At 128 rows of the Qwen2.5-1.5B shape that is ~34 MB a layer over 256 slots, 15% of the step
+on an H100, whatever slots the rows have reached (bench_episodes --profile). Here one program per (row, key/value head)
+reads the row's slots up to the one it writes this step (``last``, a device tensor: the graph replays with the
+cursor's current value), skips the slots ``valid`` marks unused (left padding, a finished row's slots), and keeps the
+softmax online in fp32 (flash attention's recurrence); the group's query heads share each block of keys and values
+(GQA without repeating them). Scores and softmax in fp32 as SDPA's fused kernels; the products of bf16 keys and
+values run as TF32, exact for bf16 inputs, and the probabilities enter theirs with TF32's precision (SDPA: bf16's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oumi_megatron.engine.kernels.rope import triton, triton_runs_on
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["heads_per_group", "slots", "last_stride", "head_dim"])
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, scale, heads_per_group, slots,
+                                 last_stride, head_dim, GROUPS: tl.constexpr, QB: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        h = tl.arange(0, QB)
+        d = tl.arange(0, BLOCK_D)
+        heads = GROUPS * heads_per_group
+        h_in = h < heads_per_group
+        d_in = d < head_dim
+        # q: [rows, heads, dim] contiguous; this group's query heads are group * heads_per_group + h
+        q_rows = (row * heads + group * heads_per_group + h) * head_dim
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=h_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+        # caches: [rows, groups, slots, dim] contiguous
+        base = (row * GROUPS + group) * slots * head_dim
+        end = tl.load(last_ptr + row * last_stride) + 1
+        m = tl.full((QB,), float("-inf"), tl.float32)
+        total = tl.zeros((QB,), tl.float32)
+        acc = tl.zeros((QB, BLOCK_D), tl.float32)
+        for start in range(0, end, BLOCK_S):
+            s = start + tl.arange(0, BLOCK_S)
+            s_in = s < end
+            used = tl.load(valid_ptr + row * slots + s, mask=s_in, other=0) != 0
+            at = base + s[:, None] * head_dim + d[None, :]
+            k = tl.load(k_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+            # [QB, BLOCK_S]: fp32 caches in full fp32 products; bf16/fp16 ones as TF32 (tl.dot's default on a GPU), exact
+            # for their values (a bf16's 8 significant bits fit TF32's 11)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(used[None, :], scores, float("-inf"))
+            new_m = tl.maximum(m, tl.max(scores, axis=1))
+            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # no slot of the block used yet: no exp(-inf + inf)
+            alpha = tl.exp(m - safe_m)
+            p = tl.exp(scores - safe_m[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:  # the probabilities to TF32 (SDPA's kernels take them to bf16)
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = new_m
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=h_in[:, None] & d_in[None, :])
+
+
+BLOCK_S = 64
+"""Cache slots a program reads per iteration."""
+
+
+def decode_attention_covers(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` takes this decode step (one query per row, a CUDA device or Triton's
+    interpreter, a head dim the kernel's blocks hold)."""
+    return query.shape[0] == 1 and triton_runs_on(query) and keys.is_contiguous() and keys.shape[-1] <= 256
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                     last: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per row: ``query`` [1, rows, heads, dim] over ``keys``/``values`` [rows, groups, slots, dim]
+    (the static cache), row r attending to its slots s <= ``last[r]`` (``last``: long [rows], or [1] for every row)
+    where ``valid[r, s]``; [1, rows, heads * dim]."""
+    _, rows, heads, dim = query.shape
+    groups, slots = keys.shape[1], keys.shape[2]
+    q = query[0].contiguous()
+    out = torch.empty_like(q)
+    per_group = heads // groups
+    _decode_attention_kernel[(rows, groups)](
+        q, keys, values, valid.view(torch.uint8), last, out, scale, per_group, slots,
+        last.stride(0) if last.numel() > 1 else 0, dim,
+        GROUPS=groups, QB=max(16, triton.next_power_of_2(per_group)), BLOCK_S=BLOCK_S,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=keys.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out.view(1, rows, heads * dim)

@@ -1,0 +1,135 @@
+"""The decode step's Triton kernels against the paths they replace (run as a subprocess, TRITON_INTERPRET=1 on a CPU).
+
+    TRITON_INTERPRET=1 python tests/workers/decode_kernels_worker.py CKPT OUT_JSON
+
+- engine/kernels/token_sampling.py against rollout/sampling.py's torch path: greedy tokens (Megatron's vocab padding
+  holding the largest logits, a tie), log-probabilities over the whole vocabulary at temperatures 1 and 0.7 (several
+  slices a row), a seed's draws repeated, and the frequencies of 600 draws against softmax;
+- engine/kernels/decode_attention.py against SDPA over the same cache and mask (fp32 and bf16; a last slot per row and
+  one for every row; left padding and holes);
+- the static-cache decoder on the tiny Llama with ``attention_backend: sdpa``, so that its decode steps run both
+  kernels: greedy tokens and logprobs against Megatron-Core's schedule path, and multi-turn episodes (observations
+  appended, forced, turn by turn on both paths: tests/workers/generation_worker.py ``episode_checks``).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def sampling_checks() -> dict:
+    from oumi_megatron.engine.kernels.token_sampling import SLICE, sample_tokens
+
+    torch.manual_seed(0)
+    vocab, columns = SLICE + 1900, SLICE + 1920  # two slices a row; the last 20 columns: vocab padding
+    logits = torch.randn(6, columns) * 3
+    logits[:, vocab:] = 40.0  # the padding's logits are the largest: in the log-sum-exp, never drawn
+    logits[0, 5] = logits[0, SLICE + 3] = logits[0, :vocab].max() + 1  # a tie across the slices: the first wins
+    out: dict = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        tokens, logprobs = sample_tokens(x, 1.0, vocab, True, torch.Generator().manual_seed(1))
+        ref = torch.log_softmax(x.float(), -1)
+        out[f"greedy_tokens_equal_{dtype}"] = tokens.tolist() == x[:, :vocab].argmax(-1).tolist()
+        out[f"greedy_logprob_max_abs_diff_{dtype}"] = (logprobs - ref.gather(1, tokens[:, None])[:, 0]).abs().max().item()
+    out["greedy_tie_token"] = int(sample_tokens(logits, 1.0, vocab, True, None)[0][0])
+    first = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(3))
+    again = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(3))
+    other = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(4))
+    ref = torch.log_softmax(logits / 0.7, -1).gather(1, first[0][:, None])[:, 0]
+    out["sampled_in_vocab"] = bool((first[0] < vocab).all())
+    out["sampled_logprob_max_abs_diff"] = (first[1] - ref).abs().max().item()
+    out["same_seed_same_tokens"] = first[0].tolist() == again[0].tolist()
+    out["other_seed_other_tokens"] = first[0].tolist() != other[0].tolist()
+    small = torch.tensor([[1.0, 0.0, -1.0, 30.0]]).repeat(600, 1)  # 3 usable tokens and a padding column
+    tokens, _ = sample_tokens(small, 0.5, 3, False, torch.Generator().manual_seed(5))
+    out["frequencies"] = (torch.bincount(tokens, minlength=4).float() / len(tokens)).tolist()
+    out["softmax"] = torch.softmax(small[0, :3] / 0.5, -1).tolist() + [0.0]
+    return out
+
+
+def attention_checks() -> dict:
+    from oumi_megatron.engine.kernels.attention import sdpa
+    from oumi_megatron.engine.kernels.decode_attention import decode_attention
+
+    torch.manual_seed(0)
+    rows, groups, heads, dim, slots = 5, 2, 6, 80, 150  # 3 query heads a group; a head dim of no power of two
+    out = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        q = torch.randn(1, rows, heads, dim).to(dtype)
+        keys = torch.randn(rows, groups, slots, dim).to(dtype)
+        values = torch.randn(rows, groups, slots, dim).to(dtype)
+        valid = torch.rand(rows, slots) > 0.3
+        valid[:, :7] = False  # left padding
+        for label, last in (("per_row", torch.tensor([70, 149, 9, 64, 100])), ("shared", torch.tensor([120]))):
+            ends = last.expand(rows) if last.numel() == 1 else last
+            allowed = valid & (torch.arange(slots)[None, :] <= ends[:, None])
+            allowed[torch.arange(rows), ends] = True  # the slot a row writes this step is always its own
+            got = decode_attention(q, keys, values, allowed, last, dim ** -0.5)
+            ref = sdpa(q.permute(1, 2, 0, 3).float(), keys.float(), values.float(), attn_mask=allowed[:, None, None, :],
+                       scale=dim ** -0.5, enable_gqa=True)  # [rows, heads, 1, dim]
+            ref = ref.permute(2, 0, 1, 3).reshape(1, rows, heads * dim)
+            out[f"attention_max_abs_diff_{name}_{label}"] = (got.float() - ref).abs().max().item()
+    return out
+
+
+def decoder_checks(ckpt: str) -> dict:
+    from generation_worker import episode_checks
+
+    import oumi_megatron.engine.kernels.token_sampling as token_sampling
+    import oumi_megatron.rollout.decoding.static_cache as static_cache
+    from oumi_megatron.config.megatron_params import MegatronParams
+    from oumi_megatron.engine.builder import build_engine
+    from oumi_megatron.engine.optimizer import OptimSettings
+    from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    calls = {"decode_attention": 0, "sample_tokens": 0}
+
+    def counted(name: str, fn):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    static_cache.decode_attention = counted("decode_attention", static_cache.decode_attention)
+    token_sampling.sample_tokens = counted("sample_tokens", token_sampling.sample_tokens)
+    params = MegatronParams()
+    params.transformer_config.recompute_granularity = None
+    params.transformer_config.attention_backend = "sdpa"
+    _, engine = build_engine(ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
+    vocab = 259
+    rng = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()
+               for _ in range(8)]
+    schedule = MegatronRolloutBackend(engine, vocab, path="schedule")
+    static = MegatronRolloutBackend(engine, vocab, path="static")
+    probe = schedule.generate(prompts, SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True), 1)
+    eos = int(torch.tensor([g[0].completion_ids[2] for g in probe]).mode().values)  # some rows end early
+    greedy = SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True, eos_token_id=eos)
+    ref = [g[0] for g in schedule.generate(prompts, greedy, 1)]
+    before = dict(calls)
+    got = [g[0] for g in static.generate(prompts, greedy, 1)]
+    used = {k: calls[k] - before[k] for k in calls}
+    return {
+        "decoder_greedy_tokens_equal": [r.completion_ids for r in got] == [r.completion_ids for r in ref],
+        "decoder_rows_ended_early": sum(1 for r in got if r.finished and len(r.completion_ids) < 8),
+        "decoder_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)),
+        "decoder_kernel_calls": used,
+        **episode_checks(static, schedule, prompts[:4], eos),
+    }
+
+
+def main() -> None:
+    ckpt, out = sys.argv[1], Path(sys.argv[2])
+    result = {**sampling_checks(), **attention_checks(), **decoder_checks(ckpt)}
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
