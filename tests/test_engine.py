@@ -428,10 +428,11 @@ def test_decode_step_kernels_match_the_paths_they_replace(converted: Path, workd
     assert r["same_seed_same_tokens"] and r["other_seed_other_tokens"], r
     for got, p in zip(r["frequencies"], r["softmax"], strict=True):
         assert abs(got - p) <= 4 * (p * (1 - p) / 600) ** 0.5 + 1e-9, r
-    # attention: fp32 to summation order, bf16 to its output's rounding (values of magnitude ~1)
+    # attention: fp32 to summation order, bf16 to its output's rounding; the cache write exactly
     for label in ("per_row", "shared"):
         assert r[f"attention_max_abs_diff_fp32_{label}"] <= 1e-5, r
-        assert r[f"attention_max_abs_diff_bf16_{label}"] <= 2e-2, r
+        assert r[f"attention_max_abs_diff_bf16_{label}"] <= 4e-2, r  # bf16 outputs: 2^-8 relative, values up to ~4
+        assert r[f"cache_write_equal_fp32_{label}"] and r[f"cache_write_equal_bf16_{label}"], r
     # the decoder: both kernels ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
     assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r

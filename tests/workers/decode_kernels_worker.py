@@ -6,7 +6,7 @@
   holding the largest logits, a tie), log-probabilities over the whole vocabulary at temperatures 1 and 0.7 (several
   slices a row), a seed's draws repeated, and the frequencies of 600 draws against softmax;
 - engine/kernels/decode_attention.py against SDPA over the same cache and mask (fp32 and bf16; a last slot per row and
-  one for every row; left padding and holes);
+  one for every row; left padding and holes), and its cache write against indexed assignment;
 - the static-cache decoder on the tiny Llama with ``attention_backend: sdpa``, so that its decode steps run both
   kernels: greedy tokens and logprobs against Megatron-Core's schedule path, and multi-turn episodes (observations
   appended, forced, turn by turn on both paths: tests/workers/generation_worker.py ``episode_checks``).
@@ -54,7 +54,7 @@ def sampling_checks() -> dict:
 
 def attention_checks() -> dict:
     from oumi_megatron.engine.kernels.attention import sdpa
-    from oumi_megatron.engine.kernels.decode_attention import decode_attention
+    from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
 
     torch.manual_seed(0)
     rows, groups, heads, dim, slots = 5, 2, 6, 80, 150  # 3 query heads a group; a head dim of no power of two
@@ -74,6 +74,15 @@ def attention_checks() -> dict:
                        scale=dim ** -0.5, enable_gqa=True)  # [rows, heads, 1, dim]
             ref = ref.permute(2, 0, 1, 3).reshape(1, rows, heads * dim)
             out[f"attention_max_abs_diff_{name}_{label}"] = (got.float() - ref).abs().max().item()
+            # the step's key and value written at each row's slot, as index_copy_ / scatter_ write them (a strided value:
+            # a view of the layer's fused QKV projection)
+            key = torch.randn(1, rows, groups, dim).to(dtype)
+            value = torch.randn(1, rows, groups, 2 * dim).to(dtype)[..., :dim]
+            k_got, v_got, k_ref, v_ref = (t.clone() for t in (keys, values, keys, values))
+            write_decode_kv(key, value, k_got, v_got, last)
+            k_ref[torch.arange(rows), :, ends] = key[0]
+            v_ref[torch.arange(rows), :, ends] = value[0]
+            out[f"cache_write_equal_{name}_{label}"] = torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
     return out
 
 

@@ -69,8 +69,35 @@ if triton is not None:
                  mask=h_in[:, None] & d_in[None, :])
 
 
+    @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim"])
+    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, slot_stride, k_row, k_group, v_row, v_group,
+                            slots, head_dim, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        inside = d < head_dim
+        slot = tl.load(slot_ptr + row * slot_stride)
+        at = ((row * GROUPS + group) * slots + slot) * head_dim + d
+        k = tl.load(k_ptr + row * k_row + group * k_group + d, mask=inside)
+        v = tl.load(v_ptr + row * v_row + group * v_group + d, mask=inside)
+        tl.store(k_cache_ptr + at, k, mask=inside)
+        tl.store(v_cache_ptr + at, v, mask=inside)
+
+
 BLOCK_S = 64
 """Cache slots a program reads per iteration."""
+
+
+def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    slot: torch.Tensor) -> None:
+    """A decode step's ``key``/``value`` [1, rows, groups, dim] into the caches [rows, groups, slots, dim] at each row's
+    ``slot`` (long [rows], or [1] for every row): one kernel for both, where index_copy_ or scatter_ take one each."""
+    _, rows, groups, dim = key.shape
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    _cache_write_kernel[(rows, groups)](
+        key, value, keys, values, slot, slot.stride(0) if slot.numel() > 1 else 0, key.stride(1), key.stride(2),
+        value.stride(1), value.stride(2), keys.shape[2], dim, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim))
 
 
 def decode_attention_covers(query: torch.Tensor, keys: torch.Tensor) -> bool:

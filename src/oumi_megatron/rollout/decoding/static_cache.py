@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
-from oumi_megatron.engine.kernels.decode_attention import decode_attention, decode_attention_covers
+from oumi_megatron.engine.kernels.decode_attention import decode_attention, decode_attention_covers, write_decode_kv
 
 
 @dataclass
@@ -92,6 +92,11 @@ class CachedCoreAttention(torch.nn.Module):
             return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         keys, values = self.keys, self.values
+        if c.valid is not None and c.chunk is None and isinstance(self.inner, SdpaCoreAttention) \
+                and decode_attention_covers(query, self.keys):  # the decode step's kernels: write, then attend
+            last = c.row_slots if c.row_slots is not None else c.slot
+            write_decode_kv(key, value, self.keys, self.values, last)
+            return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale)
         if c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
             for cache, new in ((self.keys, key), (self.values, value)):
                 # [rows, slots, groups, dim] view: (row, slot) pairs index it, each taking a [groups, dim] vector
@@ -104,10 +109,6 @@ class CachedCoreAttention(torch.nn.Module):
         else:
             self.keys.index_copy_(2, c.slot, key.permute(1, 2, 0, 3))
             self.values.index_copy_(2, c.slot, value.permute(1, 2, 0, 3))
-        if c.valid is not None and c.chunk is None and isinstance(self.inner, SdpaCoreAttention) \
-                and decode_attention_covers(query, self.keys):
-            last = c.row_slots if c.row_slots is not None else c.slot
-            return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale)
         if c.kv_len is not None:
             keys, values = keys[:, :, :c.kv_len], values[:, :, :c.kv_len]
         return self.inner(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), attention_mask,
