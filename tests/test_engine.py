@@ -418,7 +418,12 @@ def test_decode_step_kernels_match_the_paths_they_replace(converted: Path, workd
     against Megatron-Core's schedule path, single-turn and in multi-turn episodes (tests/workers/decode_kernels_worker.py)."""
     out = workdir / "decode_kernels.json"
     _check(run_cli([PY, str(WORKERS / "decode_kernels_worker.py"), str(converted), str(out)], env={"TRITON_INTERPRET": "1"}))
-    r = json.loads(out.read_text())
+    check_decode_kernels(json.loads(out.read_text()), STATIC_LOGPROB_ATOL)
+
+
+def check_decode_kernels(r: dict, decoder_atol: float) -> None:
+    """tests/workers/decode_kernels_worker.py's result (here in the interpreter; tests/test_gpu.py compiled on a GPU).
+    ``decoder_atol``: the fp32 decoder's logprobs against the schedule path's (a GPU's GEMMs sum in other orders)."""
     # sampling: greedy as torch.argmax (padding columns never drawn, the first index on a tie across slices), the
     # log-probability over every column, a seed's draws repeated, frequencies within 4 standard errors of softmax's
     assert r["greedy_tokens_equal_torch.float32"] and r["greedy_tokens_equal_torch.bfloat16"], r
@@ -436,11 +441,11 @@ def test_decode_step_kernels_match_the_paths_they_replace(converted: Path, workd
     # the decoder: both kernels ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
     assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r
-    assert r["decoder_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert r["decoder_logprob_max_abs_diff"] <= decoder_atol, r
     assert all(r["episodes_same_tokens"]) and len(r["episodes_same_tokens"]) == 9, r
-    assert r["episodes_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
-    assert r["episodes_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
-    assert r["episodes_sampled_differ"] and r["episodes_sampled_trainer_logprob_max_abs_diff"] <= STATIC_LOGPROB_ATOL, r
+    assert r["episodes_logprob_max_abs_diff"] <= decoder_atol, r
+    assert r["episodes_trainer_logprob_max_abs_diff"] <= decoder_atol, r
+    assert r["episodes_sampled_differ"] and r["episodes_sampled_trainer_logprob_max_abs_diff"] <= decoder_atol, r
     assert len(set(r["episodes_turns"])) == 3 and r["episodes_append_forwards"] >= 1, r
 
 

@@ -361,6 +361,22 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
     assert "CUDA-graph decode steps" in r["episodes_path"] and r["episodes_capture_s"] > 0, r["episodes_path"]
 
 
+def test_decode_step_kernels_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The decode step's Triton kernels compiled (fused sampling, attention over the slots in use, the cache write)
+    against the paths they replace, and the fp32 static-cache decoder running them (CUDA graphs) against the schedule
+    path: the checks tests/test_engine.py runs in Triton's interpreter, at the GPU decoder tolerance above."""
+    from oumi_megatron.examples.tiny_models import build_tiny_model
+    from test_engine import check_decode_kernels
+
+    work = tmp_path_factory.mktemp("gpu_decode_kernels")
+    src = build_tiny_model(work / "hf", arch="llama")
+    ckpt = work / "mc"
+    _check(run_cli(["python", "-m", "oumi_megatron", "convert", "--hf", str(src), "--out", str(ckpt), "--dtype", "float32"]))
+    out = work / "decode_kernels.json"
+    _check(run_cli([PY, str(WORKERS / "decode_kernels_worker.py"), str(ckpt), str(out)]))
+    check_decode_kernels(json.loads(out.read_text()), decoder_atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "layout", [[], ["--pp", "2", "--packing"], ["--lora"]], ids=["1gpu", "pp2_packed", "lora"]
 )

@@ -1,6 +1,7 @@
-"""The decode step's Triton kernels against the paths they replace (run as a subprocess, TRITON_INTERPRET=1 on a CPU).
+"""The decode step's Triton kernels against the paths they replace (run as a subprocess: TRITON_INTERPRET=1 on a CPU,
+compiled on a GPU where CUDA is available, the engine there too).
 
-    TRITON_INTERPRET=1 python tests/workers/decode_kernels_worker.py CKPT OUT_JSON
+    [TRITON_INTERPRET=1] python tests/workers/decode_kernels_worker.py CKPT OUT_JSON
 
 - engine/kernels/token_sampling.py against rollout/sampling.py's torch path: greedy tokens (Megatron's vocab padding
   holding the largest logits, a tie), log-probabilities over the whole vocabulary at temperatures 1 and 0.7 (several
@@ -19,6 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter runs on CPU tensors
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(DEVICE).manual_seed(seed)
 
 
 def sampling_checks() -> dict:
@@ -29,26 +35,27 @@ def sampling_checks() -> dict:
     logits = torch.randn(6, columns) * 3
     logits[:, vocab:] = 40.0  # the padding's logits are the largest: in the log-sum-exp, never drawn
     logits[0, 5] = logits[0, SLICE + 3] = logits[0, :vocab].max() + 1  # a tie across the slices: the first wins
+    logits = logits.to(DEVICE)
     out: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
-        tokens, logprobs = sample_tokens(x, 1.0, vocab, True, torch.Generator().manual_seed(1))
+        tokens, logprobs = sample_tokens(x, 1.0, vocab, True, generator(1))
         ref = torch.log_softmax(x.float(), -1)
         out[f"greedy_tokens_equal_{dtype}"] = tokens.tolist() == x[:, :vocab].argmax(-1).tolist()
         out[f"greedy_logprob_max_abs_diff_{dtype}"] = (logprobs - ref.gather(1, tokens[:, None])[:, 0]).abs().max().item()
     out["greedy_tie_token"] = int(sample_tokens(logits, 1.0, vocab, True, None)[0][0])
-    first = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(3))
-    again = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(3))
-    other = sample_tokens(logits, 0.7, vocab, False, torch.Generator().manual_seed(4))
+    first = sample_tokens(logits, 0.7, vocab, False, generator(3))
+    again = sample_tokens(logits, 0.7, vocab, False, generator(3))
+    other = sample_tokens(logits, 0.7, vocab, False, generator(4))
     ref = torch.log_softmax(logits / 0.7, -1).gather(1, first[0][:, None])[:, 0]
     out["sampled_in_vocab"] = bool((first[0] < vocab).all())
     out["sampled_logprob_max_abs_diff"] = (first[1] - ref).abs().max().item()
     out["same_seed_same_tokens"] = first[0].tolist() == again[0].tolist()
     out["other_seed_other_tokens"] = first[0].tolist() != other[0].tolist()
-    small = torch.tensor([[1.0, 0.0, -1.0, 30.0]]).repeat(600, 1)  # 3 usable tokens and a padding column
-    tokens, _ = sample_tokens(small, 0.5, 3, False, torch.Generator().manual_seed(5))
+    small = torch.tensor([[1.0, 0.0, -1.0, 30.0]], device=DEVICE).repeat(600, 1)  # 3 usable tokens and a padding column
+    tokens, _ = sample_tokens(small, 0.5, 3, False, generator(5))
     out["frequencies"] = (torch.bincount(tokens, minlength=4).float() / len(tokens)).tolist()
-    out["softmax"] = torch.softmax(small[0, :3] / 0.5, -1).tolist() + [0.0]
+    out["softmax"] = torch.softmax(small[0, :3].cpu() / 0.5, -1).tolist() + [0.0]
     return out
 
 
@@ -60,14 +67,15 @@ def attention_checks() -> dict:
     rows, groups, heads, dim, slots = 5, 2, 6, 80, 150  # 3 query heads a group; a head dim of no power of two
     out = {}
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        q = torch.randn(1, rows, heads, dim).to(dtype)
-        keys = torch.randn(rows, groups, slots, dim).to(dtype)
-        values = torch.randn(rows, groups, slots, dim).to(dtype)
-        valid = torch.rand(rows, slots) > 0.3
+        q = torch.randn(1, rows, heads, dim).to(DEVICE, dtype)
+        keys = torch.randn(rows, groups, slots, dim).to(DEVICE, dtype)
+        values = torch.randn(rows, groups, slots, dim).to(DEVICE, dtype)
+        valid = torch.rand(rows, slots, device=DEVICE) > 0.3
         valid[:, :7] = False  # left padding
-        for label, last in (("per_row", torch.tensor([70, 149, 9, 64, 100])), ("shared", torch.tensor([120]))):
+        for label, last in (("per_row", [70, 149, 9, 64, 100]), ("shared", [120])):
+            last = torch.tensor(last, device=DEVICE)
             ends = last.expand(rows) if last.numel() == 1 else last
-            allowed = valid & (torch.arange(slots)[None, :] <= ends[:, None])
+            allowed = valid & (torch.arange(slots, device=DEVICE)[None, :] <= ends[:, None])
             allowed[torch.arange(rows), ends] = True  # the slot a row writes this step is always its own
             got = decode_attention(q, keys, values, allowed, last, dim ** -0.5)
             ref = sdpa(q.permute(1, 2, 0, 3).float(), keys.float(), values.float(), attn_mask=allowed[:, None, None, :],
@@ -76,8 +84,8 @@ def attention_checks() -> dict:
             out[f"attention_max_abs_diff_{name}_{label}"] = (got.float() - ref).abs().max().item()
             # the step's key and value written at each row's slot, as index_copy_ / scatter_ write them (a strided value:
             # a view of the layer's fused QKV projection)
-            key = torch.randn(1, rows, groups, dim).to(dtype)
-            value = torch.randn(1, rows, groups, 2 * dim).to(dtype)[..., :dim]
+            key = torch.randn(1, rows, groups, dim).to(DEVICE, dtype)
+            value = torch.randn(1, rows, groups, 2 * dim).to(DEVICE, dtype)[..., :dim]
             k_got, v_got, k_ref, v_ref = (t.clone() for t in (keys, values, keys, values))
             write_decode_kv(key, value, k_got, v_got, last)
             k_ref[torch.arange(rows), :, ends] = key[0]
@@ -113,7 +121,7 @@ def decoder_checks(ckpt: str) -> dict:
     params.transformer_config.attention_backend = "sdpa"
     _, engine = build_engine(ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
     vocab = 259
-    rng = torch.Generator().manual_seed(7)
+    rng = generator(7)
     prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()
                for _ in range(8)]
     schedule = MegatronRolloutBackend(engine, vocab, path="schedule")
