@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--cuda-graphs", default="auto", help="megatron.rollout_cuda_graphs (false: eager decode steps)")
+    p.add_argument("--decode-kernels", default="auto", help="megatron.rollout_decode_kernels (false: torch's sampling, SDPA)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="float32: a CPU run")
     p.add_argument("--layers", type=int, default=0, help="the shape's depth overridden (0: the shape's; a CPU run)")
     p.add_argument("--paths", default="single,episodes,episodes_forced,episodes_recompute")
@@ -98,7 +99,8 @@ def main() -> None:
     params.transformer_config.recompute_granularity = None
     _, engine = build_engine_from_hf_config(cfg, engine_layout(params), params, OptimSettings(lr=1e-5, total_steps=10),
                                             dtype=getattr(torch, args.dtype))
-    backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=args.cuda_graphs)
+    backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=args.cuda_graphs,
+                                     decode_kernels=args.decode_kernels)
     n = 8
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, cfg.vocab_size, (rows // n, 64), generator=g).tolist()

@@ -9,6 +9,8 @@ prompts of 64 random tokens, 8 completions each (a GRPO group shares its prompt)
 
 Paths (``--paths``):
 - ``graphs``: the static-cache decoder with CUDA-graph decode steps (rollout/decoding/, the default on CUDA);
+- ``graphs_torch``: ``graphs`` without the decode step's own kernels (``megatron.rollout_decode_kernels: false``:
+  torch's sampling ops, SDPA over every cache slot);
 - ``static``: the same decoder, eager decode steps (``megatron.rollout_cuda_graphs: false``);
 - ``schedule``: the embedded backend before issue 30 (Megatron-Core's forward-only schedule per token);
 - ``hf``: ``transformers`` ``generate`` (plain, SDPA attention) on an HF model of the same shape.
@@ -72,10 +74,12 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
     bw = bandwidth()
     sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
     results: dict[str, dict] = {}
-    backends = {"graphs": ("static", "true"), "static": ("static", "false"), "schedule": ("schedule", "false")}
+    backends = {"graphs": ("static", "true", "auto"), "graphs_torch": ("static", "true", "false"),
+                "static": ("static", "false", "auto"), "schedule": ("schedule", "false", "auto")}
     for name in [p for p in paths if p in backends]:
-        path, graphs = backends[name]
-        backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path=path, cuda_graphs=graphs)
+        path, graphs, kernels = backends[name]
+        backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path=path, cuda_graphs=graphs,
+                                         decode_kernels=kernels)
         backend.generate(prompts[:2], SamplingParams(max_new_tokens=4, pad_token_id=0), n)  # warm-up (kernels, allocator)
         best = None
         for _ in range(repeat):

@@ -440,6 +440,11 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
         assert r[f"cache_write_equal_fp32_{label}"] and r[f"cache_write_equal_bf16_{label}"], r
     # the decoder: both kernels ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
+    assert "decode kernels: sampling + attention (megatron.rollout_decode_kernels: auto)" in r["decoder_path"], r
+    # megatron.rollout_decode_kernels: false: neither kernel runs, the same tokens
+    assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0}, r
+    assert "decode kernels: none (megatron.rollout_decode_kernels: false)" in r["decoder_off_path"], r
+    assert r["decoder_off_greedy_tokens_equal"] and r["decoder_off_logprob_max_abs_diff"] <= decoder_atol, r
     assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r
     assert r["decoder_logprob_max_abs_diff"] <= decoder_atol, r
     assert all(r["episodes_same_tokens"]) and len(r["episodes_same_tokens"]) == 9, r

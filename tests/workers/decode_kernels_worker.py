@@ -133,7 +133,17 @@ def decoder_checks(ckpt: str) -> dict:
     before = dict(calls)
     got = [g[0] for g in static.generate(prompts, greedy, 1)]
     used = {k: calls[k] - before[k] for k in calls}
+    # megatron.rollout_decode_kernels: false, on the same engine: torch's sampling and SDPA, the same tokens
+    off = MegatronRolloutBackend(engine, vocab, path="static", decode_kernels="false")
+    before = dict(calls)
+    off_got = [g[0] for g in off.generate(prompts, greedy, 1)]
     return {
+        "decoder_path": static.decoder.path if static.decoder else None,
+        "decoder_off_path": off.decoder.path if off.decoder else None,
+        "decoder_off_kernel_calls": {k: calls[k] - before[k] for k in calls},
+        "decoder_off_greedy_tokens_equal": [r.completion_ids for r in off_got] == [r.completion_ids for r in ref],
+        "decoder_off_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(off_got, ref)
+                                                for a, b in zip(x.logprobs, y.logprobs)),
         "decoder_greedy_tokens_equal": [r.completion_ids for r in got] == [r.completion_ids for r in ref],
         "decoder_rows_ended_early": sum(1 for r in got if r.finished and len(r.completion_ids) < 8),
         "decoder_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)),

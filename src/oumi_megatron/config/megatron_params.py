@@ -20,6 +20,7 @@ from oumi_megatron.config.base import BaseParams
 WEIGHT_SYNC_METHODS = ("nccl", "gloo", "checkpoint")
 ROLLOUT_PLACEMENTS = ("colocated", "separate", "ray")
 ROLLOUT_CUDA_GRAPHS = ("auto", "true", "false")
+ROLLOUT_DECODE_KERNELS = ("auto", "true", "false")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "local")
@@ -265,6 +266,14 @@ class MegatronParams(BaseParams):
     one pipeline stage, dense layers; otherwise eager steps, and the log says why), ``true`` (an error where they
     cannot), ``false`` (eager steps). vLLM engines capture their own graphs."""
 
+    rollout_decode_kernels: str = "auto"
+    """The embedded backend's own Triton kernels for its decode steps (engine/kernels/token_sampling.py,
+    engine/kernels/decode_attention.py): the sampled token and its log-probability in one read of the logits, and,
+    on layers with ``attention_backend: sdpa``, attention over the cache slots each row has reached with one kernel
+    writing a layer's keys and values. ``auto``: each where it can run (a CUDA device; the log says what runs),
+    ``true`` (an error where either cannot), ``false`` (torch's sampling ops and SDPA over every cache slot: the
+    reference when bisecting a rollout). Top-p below 1 samples through torch either way (a nucleus needs a sort)."""
+
     rollout_cuda_graphs_kept: int = 1
     """With the embedded backend's CUDA graphs: how many shapes (rows, prompt width rounded up to a multiple of 64,
     sampling settings) keep their decode-step graph and KV cache from one ``generate`` call to the next, so a step
@@ -333,6 +342,11 @@ class MegatronParams(BaseParams):
         """``rollout_cuda_graphs`` spelled as in ROLLOUT_CUDA_GRAPHS: YAML reads true/false as booleans, which the
         string field then holds as 'True'/'False'."""
         return str(self.rollout_cuda_graphs).lower()
+
+    @property
+    def rollout_decode_kernels_choice(self) -> str:
+        """``rollout_decode_kernels`` spelled as in ROLLOUT_DECODE_KERNELS (YAML's booleans, as above)."""
+        return str(self.rollout_decode_kernels).lower()
 
     @property
     def parallel_sizes(self) -> tuple[int, int, int, int]:

@@ -45,7 +45,7 @@ class MegatronRolloutBackend:
     """Generate with ``engine.model``; ``vocab_size`` is the tokenizer's (Megatron may pad the vocab)."""
 
     def __init__(self, engine: MegatronEngine, vocab_size: int, seed: int = 0, path: str = "static",
-                 cuda_graphs: str = "auto", cuda_graphs_kept: int = 1) -> None:
+                 cuda_graphs: str = "auto", cuda_graphs_kept: int = 1, decode_kernels: str = "auto") -> None:
         if path not in PATHS:
             raise ValueError(f"MegatronRolloutBackend: path must be one of {PATHS}, got {path!r}")
         self.engine = engine
@@ -56,7 +56,8 @@ class MegatronRolloutBackend:
         self.decoder_unsupported: str | None = None
         """What of the model the static-cache decoder does not cover, when it fell back to the schedule path."""
         if path == "static":
-            decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs, graphs_kept=cuda_graphs_kept)
+            decoder = StaticCacheDecoder(engine, vocab_size, cuda_graphs, graphs_kept=cuda_graphs_kept,
+                                         decode_kernels=decode_kernels)
             self.decoder_unsupported = decoder.stages.unsupported_reason()
             if self.decoder_unsupported is None:
                 self.decoder = decoder

@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS, ROLLOUT_PLACEMENTS, WEIGHT_SYNC_METHODS
+from oumi_megatron.config.megatron_params import (
+    ROLLOUT_CUDA_GRAPHS,
+    ROLLOUT_DECODE_KERNELS,
+    ROLLOUT_PLACEMENTS,
+    WEIGHT_SYNC_METHODS,
+)
 from oumi_megatron.config.problems import Problem, choices
 from oumi_megatron.rollout.base import AsyncRolloutBackend, RolloutBackend
 from oumi_megatron.utils.disk import GIB
@@ -126,7 +131,8 @@ class RolloutMode:
     adapter_check: Callable[[MegatronParams, int], list[Problem]] = _no_adapter_problems
     """With ``lora_sync: adapter``: what its engines need to take an adapter of this rank at a sync."""
     decoder_cuda_graphs: bool = False
-    """Its decoder captures CUDA graphs of the policy's decode steps (``megatron.rollout_cuda_graphs``)."""
+    """Its decoder (the embedded one) captures CUDA graphs of the policy's decode steps (``megatron.rollout_cuda_graphs``)
+    and runs the decode step's kernels (``megatron.rollout_decode_kernels``)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,17 @@ def check_rollout(config: MegatronTrainingConfig, found: Findings) -> None:
     elif graphs == "true" and mode is not None and mode.decoder_cuda_graphs and m.pipeline_model_parallel_size > 1:
         found.add("megatron.rollout_cuda_graphs", "true cannot run with pipeline_model_parallel_size > 1: pipeline "
                   "stages exchange activations every token, so decode steps run eagerly. Set it to auto.")
+    kernels = m.rollout_decode_kernels_choice
+    if kernels not in ROLLOUT_DECODE_KERNELS:
+        found.add("megatron.rollout_decode_kernels",
+                  f"unknown value {m.rollout_decode_kernels!r}. Use one of {choices(ROLLOUT_DECODE_KERNELS)}.")
+    elif kernels == "true" and mode is not None and not mode.decoder_cuda_graphs:
+        found.add("megatron.rollout_decode_kernels", f"true is the embedded decoder's (inference_backend: megatron); "
+                  f"{m.inference_backend}'s engines decode with their own kernels. Set it to auto.")
+    elif kernels == "true" and m.transformer_config.attention_backend == "local":
+        found.add("megatron.rollout_decode_kernels", "true needs the layers on SDPA (the decode attention kernel replaces "
+                  "it); megatron.transformer_config.attention_backend is local. Set attention_backend: sdpa (or auto on "
+                  "a GPU), or rollout_decode_kernels: auto.")
     if not (isinstance(m.rollout_cuda_graphs_kept, int) and m.rollout_cuda_graphs_kept >= 0):
         found.add("megatron.rollout_cuda_graphs_kept", f"must be an integer >= 0 (0: capture the decode step's graph in "
                   f"every generation and free its KV cache after it), got {m.rollout_cuda_graphs_kept!r}.")
@@ -319,7 +336,8 @@ def _embedded(ctx: RolloutContext) -> RolloutBackend:
 
     backend = MegatronRolloutBackend(ctx.engine, vocab_size=len(ctx.tokenizer), seed=ctx.config.training.seed,
                                      cuda_graphs=ctx.config.megatron.rollout_cuda_graphs_choice,
-                                     cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept)
+                                     cuda_graphs_kept=ctx.config.megatron.rollout_cuda_graphs_kept,
+                                     decode_kernels=ctx.config.megatron.rollout_decode_kernels_choice)
     if ctx.config.grpo.environment is not None and backend.decoder is None and expert_peers() > 1:
         from oumi_megatron.errors import UserInputError
 

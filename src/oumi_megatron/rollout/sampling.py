@@ -50,7 +50,7 @@ def first_end(ids: list[int], params: SamplingParams) -> int | None:
 
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V >= vocab_size] (any float dtype; columns past ``vocab_size`` are Megatron's vocab
     padding, never drawn) and its log-probability under softmax(logits / T) over the full vocabulary (before
     top-p: the quantity the trainer recomputes).
@@ -58,11 +58,12 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
     Device-side and shape-static (a CUDA graph can hold it): a draw from ``probs`` is the argmax of
     ``probs / E`` with E ~ Exponential(1) per entry (the exponential race; the same distribution as
     ``torch.multinomial``, without its host-side checks), drawn from ``generator`` on the logits' device, so a
-    seed draws the same on every rank. On a GPU without a nucleus the same draw (as a Gumbel-max) runs in two Triton
-    kernels that read the logits once (engine/kernels/token_sampling.py)."""
-    from oumi_megatron.engine.kernels.token_sampling import fused_sampling_covers, sample_tokens  # triton: on use
+    seed draws the same on every rank. ``fused`` (``megatron.rollout_decode_kernels``, where Triton runs): without a
+    nucleus the same draw (as a Gumbel-max) runs in two Triton kernels that read the logits once
+    (engine/kernels/token_sampling.py)."""
+    if fused and params.top_p >= 1.0:
+        from oumi_megatron.engine.kernels.token_sampling import sample_tokens  # triton: on use
 
-    if fused_sampling_covers(logits, params.top_p):
         return sample_tokens(logits, params.temperature, vocab_size, params.greedy, generator)
     scaled = logits if params.temperature == 1.0 else logits.float() / params.temperature
     logprobs = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)  # bf16 logits: converted inside, no fp32 copy

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from oumi_megatron.engine.kernels.rope import triton, triton_runs_on
+from oumi_megatron.engine.kernels.rope import triton
 
 if triton is not None:
     import triton.language as tl
@@ -86,6 +86,8 @@ if triton is not None:
 
 BLOCK_S = 64
 """Cache slots a program reads per iteration."""
+MAX_HEAD_DIM = 256
+"""The largest head dim whose block of keys and values a program holds."""
 
 
 def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -100,12 +102,6 @@ def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, 
         value.stride(1), value.stride(2), keys.shape[2], dim, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim))
 
 
-def decode_attention_covers(query: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` takes this decode step (one query per row, a CUDA device or Triton's
-    interpreter, a head dim the kernel's blocks hold)."""
-    return query.shape[0] == 1 and triton_runs_on(query) and keys.is_contiguous() and keys.shape[-1] <= 256
-
-
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      last: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one query per row: ``query`` [1, rows, heads, dim] over ``keys``/``values`` [rows, groups, slots, dim]
@@ -113,6 +109,9 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     where ``valid[r, s]``; [1, rows, heads * dim]."""
     _, rows, heads, dim = query.shape
     groups, slots = keys.shape[1], keys.shape[2]
+    if query.shape[0] != 1 or rows != keys.shape[0] or dim > MAX_HEAD_DIM or not keys.is_contiguous() or not values.is_contiguous():
+        raise ValueError(f"decode_attention: one query a row over contiguous caches of head dim <= {MAX_HEAD_DIM}, got "
+                         f"query {tuple(query.shape)}, keys {tuple(keys.shape)}")
     q = query[0].contiguous()
     out = torch.empty_like(q)
     per_group = heads // groups

@@ -122,9 +122,14 @@ def fused_rope_covers(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -
 def triton_runs_on(t: torch.Tensor) -> bool:
     """Whether this module's (and engine/kernels/swiglu.py's) Triton kernels can take ``t``: a CUDA tensor, or any
     tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the CPU tests use)."""
+    return triton_runs_on_device(t.device)
+
+
+def triton_runs_on_device(device: torch.device) -> bool:
+    """:func:`triton_runs_on` for tensors on ``device``."""
     import os
 
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -11,7 +11,7 @@ combines a row's slices and reads the winner's logit back for its log-probabilit
 logits (first index on ties, as ``torch.argmax``).
 
 The uniform draws come from Triton's Philox, keyed by two 31-bit seeds that ``torch.randint`` draws from the caller's
-generator each call: the same generator seed draws the same tokens, on every rank, in eager steps and in a CUDA
+generator each call (greedy: none): the same generator seed draws the same tokens, on every rank, in eager steps and in a CUDA
 graph's replays (torch advances a captured generator's offset at each replay). The numbers differ from the torch
 path's (another random stream, the same distribution).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from oumi_megatron.engine.kernels.rope import triton, triton_runs_on
+from oumi_megatron.engine.kernels.rope import triton
 
 if triton is not None:
     import triton.language as tl
@@ -31,7 +31,8 @@ if triton is not None:
         row = tl.program_id(0)
         part = tl.program_id(1)
         start = part * SLICE
-        seed = tl.load(seed_ptr).to(tl.uint64) * 2147483648 + tl.load(seed_ptr + 1).to(tl.uint64)
+        if not GREEDY:  # greedy reads no seed (the caller draws none)
+            seed = tl.load(seed_ptr).to(tl.uint64) * 2147483648 + tl.load(seed_ptr + 1).to(tl.uint64)
         run_max = tl.full((), float("-inf"), tl.float32)
         run_sum = tl.zeros((), tl.float32)
         best_key = tl.full((), float("-inf"), tl.float32)
@@ -87,23 +88,21 @@ SLICE = 8192
 BLOCK = 1024
 
 
-def fused_sampling_covers(logits: torch.Tensor, top_p: float) -> bool:
-    """Whether :func:`sample_tokens` takes these logits (a nucleus needs a sort over the vocabulary: the torch path)."""
-    return top_p >= 1.0 and logits.dim() == 2 and logits.stride(-1) == 1 and triton_runs_on(logits)
-
-
 def sample_tokens(logits: torch.Tensor, temperature: float, vocab_size: int, greedy: bool,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens long [rows], log-probabilities fp32 [rows]) of ``logits`` [rows, columns >= vocab_size], a row's token drawn
     from softmax(logits / temperature) over its first ``vocab_size`` columns (greedy: their argmax) and its
     log-probability under softmax(logits / temperature) over every column, as rollout/sampling.py's ``pick_tokens``."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     rows, columns = logits.shape
     slices = triton.cdiv(columns, SLICE)
     device = logits.device
-    # two 31-bit halves of Philox's 62-bit key, drawn on the device (a captured graph draws afresh at each replay)
-    seed = torch.randint(0, 2**31 - 1, (2,), device=device, generator=generator, dtype=torch.int64)
     partial = torch.empty(3, rows, slices, dtype=torch.float32, device=device)
     index = torch.empty(rows, slices, dtype=torch.int64, device=device)
+    # two 31-bit halves of Philox's 62-bit key, drawn on the device (a captured graph draws afresh at each replay);
+    # greedy draws none, as the torch path (the generator's stream is where it was)
+    seed = index if greedy else torch.randint(0, 2**31 - 1, (2,), device=device, generator=generator, dtype=torch.int64)
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     inv_temperature = 1.0 / temperature

@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS
+from oumi_megatron.config.megatron_params import ROLLOUT_CUDA_GRAPHS, ROLLOUT_DECODE_KERNELS
+from oumi_megatron.engine.kernels.decode_attention import MAX_HEAD_DIM
+from oumi_megatron.engine.kernels.rope import triton_runs_on_device
 from oumi_megatron.rollout.decoding.generation_mode import forward_peers_done, generation_mode
 from oumi_megatron.rollout.decoding.padding import left_pad, positions_and_mask
-from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
+from oumi_megatron.rollout.decoding.policy_stages import DecodeKernels, PolicyStages
 from oumi_megatron.rollout.decoding.static_cache import StaticKVCache
 from oumi_megatron.rollout.sampling import SamplingParams, end_token_tensor, pick_tokens
 
@@ -105,6 +107,30 @@ def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str
     return False, f"auto: {blocker}"
 
 
+def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernels:
+    """Which of the decode step's Triton kernels run, for ``megatron.rollout_decode_kernels`` (decided once per decoder)."""
+    if requested not in ROLLOUT_DECODE_KERNELS:
+        raise ValueError(f"megatron.rollout_decode_kernels must be one of {ROLLOUT_DECODE_KERNELS}, got {requested!r}")
+    if requested == "false":
+        return DecodeKernels(False, False, "megatron.rollout_decode_kernels: false")
+    unsupported = stages.unsupported_reason()
+    blocker = ("no CUDA device for Triton" if not triton_runs_on_device(stages.device) else
+               f"the static-cache decoder does not cover {unsupported}" if unsupported else None)
+    if blocker is not None:
+        if requested == "true":
+            raise ValueError(f"megatron.rollout_decode_kernels: true, but the kernels cannot run here: {blocker}. Set "
+                             "megatron.rollout_decode_kernels: auto (torch's sampling and SDPA where the kernels cannot run).")
+        return DecodeKernels(False, False, f"auto: {blocker}")
+    head_dim = max(a.hidden_size_per_attention_head for a in stages.attentions)
+    blocker = ("layers not on attention_backend: sdpa" if not stages.takes_additive_masks else
+               f"head dim {head_dim} > {MAX_HEAD_DIM}" if head_dim > MAX_HEAD_DIM else None)
+    if blocker is not None and requested == "true":
+        raise ValueError(f"megatron.rollout_decode_kernels: true, but the decode attention kernel cannot run: {blocker}. "
+                         "Set megatron.rollout_decode_kernels: auto (the sampling kernel alone).")
+    return DecodeKernels(True, blocker is None, f"megatron.rollout_decode_kernels: {requested}"
+                         + (f", sampling only ({blocker})" if blocker else ""))
+
+
 class KeptGenerations:
     """Up to ``limit`` generations' device state (graph, buffers, KV cache) by shape, least recently used dropped first;
     an entry is valid only while the storage it was captured on (``fingerprint``) has not moved."""
@@ -128,9 +154,10 @@ class StaticCacheDecoder:
     """Generation through ``PolicyStages`` and a static KV cache (the embedded backend's default path)."""
 
     def __init__(self, engine: MegatronEngine, vocab_size: int, cuda_graphs: str = "auto", check_every: int = 16,
-                 graphs_kept: int = 1) -> None:
+                 graphs_kept: int = 1, decode_kernels: str = "auto") -> None:
         self.engine = engine
         self.stages = PolicyStages(engine)
+        self.stages.kernels = resolve_decode_kernels(decode_kernels, self.stages)
         self.vocab_size = vocab_size
         self.peers_done: Callable[[bool], bool] = functools.partial(forward_peers_done, engine)
         """Whether every expert peer's loop is done too (rollout/decoding/generation_mode.py)."""
@@ -139,7 +166,8 @@ class StaticCacheDecoder:
         if graphs_kept < 0:
             raise ValueError(f"megatron.rollout_cuda_graphs_kept must be >= 0, got {graphs_kept}")
         self.kept = KeptGenerations(graphs_kept if self.graphs else 0)
-        self.path = "static KV cache, " + ("CUDA-graph decode steps" if self.graphs else "eager decode steps") + f" ({why})"
+        self.path = ("static KV cache, " + ("CUDA-graph decode steps" if self.graphs else "eager decode steps")
+                     + f" ({why}); {self.stages.kernels.describe()}")
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
@@ -244,7 +272,8 @@ class _Generation:
         self.picked_logprob = torch.zeros(rows, dtype=torch.float32, device=device)
         self.cache = StaticKVCache(stages.attentions, rows, slots, stages.config.params_dtype, device)
         self.cursor = self.cache.cursor
-        self.cursor.valid = self.valid  # decode steps read it in place (static_cache.py)
+        if stages.kernels.attention:  # decode steps attend through the kernel, which reads it in place (static_cache.py)
+            self.cursor.valid = self.valid
         self.rotary = stages.rotary_table(slots)
         self.capture_failed = False
         self.capture_s = 0.0
@@ -327,8 +356,11 @@ class _Generation:
         self.cursor.slot += 1
         self._record(logits)
 
-    def _mask(self, valid: torch.Tensor) -> torch.Tensor:
-        """[rows, 1, 1, slots]: boolean (True = may not attend), or for SDPA the additive bias, built once per step."""
+    def _mask(self, valid: torch.Tensor) -> torch.Tensor | None:
+        """[rows, 1, 1, slots]: boolean (True = may not attend), or for SDPA the additive bias, built once per step;
+        None where the decode attention kernel takes the step (it reads ``valid`` itself)."""
+        if self.stages.kernels.attention:
+            return None
         if self.neg_inf is None:
             return ~valid[:, None, None, :]
         return torch.where(valid[:, None, None, :], self.zero, self.neg_inf)
@@ -336,7 +368,8 @@ class _Generation:
     def _record(self, logits: torch.Tensor | None) -> None:
         """The next token of every row (pad after its EOS), from the last stage's logits, into the buffers."""
         if logits is not None:
-            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator)
+            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
+                                           fused=self.stages.kernels.sampling)
             self.picked.copy_(tokens)
             self.picked_logprob.copy_(logprobs)
         self.stages.share_from_last_stage(self.picked, self.picked_logprob)

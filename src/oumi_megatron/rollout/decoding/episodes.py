@@ -260,7 +260,8 @@ class EpisodeGeneration(_Generation):
     def _record(self, logits: torch.Tensor | None) -> None:
         """Each row's sample, kept where the row samples (not inside a forced block); rows whose turn ended stop."""
         if logits is not None:
-            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator)
+            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
+                                           fused=self.stages.kernels.sampling)
             self.picked.copy_(tokens)
             self.picked_logprob.copy_(logprobs)
         self.stages.share_from_last_stage(self.picked, self.picked_logprob)
@@ -309,7 +310,8 @@ class EpisodeGeneration(_Generation):
             self.cursor.chunk = None
         self.valid.index_put_((a.rows[:, None].expand(groups, chunk), write), real)  # the blocks are history now
         if logits is not None:
-            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator)
+            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
+                                           fused=self.stages.kernels.sampling)
             a.picked.copy_(tokens)
             a.picked_logprob.copy_(logprobs)
         self.stages.share_from_last_stage(a.picked, a.picked_logprob)

@@ -11,6 +11,7 @@ ring for virtual stages) by point-to-point messages; the last stage returns the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,8 +50,26 @@ def unsupported_reason(model: Any) -> str | None:  # a GPTModel chunk
     return None
 
 
+@dataclass(frozen=True)
+class DecodeKernels:
+    """Which of the decode step's Triton kernels run (``megatron.rollout_decode_kernels``; decoder.py decides)."""
+
+    sampling: bool
+    """engine/kernels/token_sampling.py picks the tokens (top-p below 1: torch's ops still)."""
+    attention: bool
+    """engine/kernels/decode_attention.py writes each layer's keys and values and attends (static_cache.py)."""
+    why: str
+
+    def describe(self) -> str:
+        kernels = [name for name, on in (("sampling", self.sampling), ("attention", self.attention)) if on]
+        return f"decode kernels: {' + '.join(kernels) or 'none'} ({self.why})"
+
+
 class PolicyStages:
     """This rank's chunks of the policy, run front to back for generation."""
+
+    kernels = DecodeKernels(False, False, "not resolved")
+    """The decode step's own kernels; the decoder resolves them once (decoder.py ``resolve_decode_kernels``)."""
 
     def __init__(self, engine: MegatronEngine) -> None:
         from megatron.core import parallel_state as ps
@@ -88,11 +107,11 @@ class PolicyStages:
         rotary = getattr(self.chunks[0], "rotary_pos_emb", None)
         return None if rotary is None else rotary.get_emb(slots).to(self.device)
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor,
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
                 rotary: torch.Tensor | None, last: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [rows, vocab] (the model's dtype; the whole vocabulary, every TP rank) at the last of ``ids``' positions
         (``last``: long [rows], each row's own position) on the last pipeline stage; None on the others. ``mask``: True
-        where attention is not allowed."""
+        where attention is not allowed (None: a decode step on the decode attention kernel, which reads the validity)."""
         rows, width = ids.shape
         hidden: torch.Tensor | None = None
         for chunk in self.chunks:

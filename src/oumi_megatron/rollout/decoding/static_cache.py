@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
-from oumi_megatron.engine.kernels.decode_attention import decode_attention, decode_attention_covers, write_decode_kv
+from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
 
 
 @dataclass
@@ -66,9 +66,10 @@ class CacheCursor:
     chunk: ChunkWrite | None = None
     """An append forward's writes: a group of rows, each with a chunk of tokens (None outside one)."""
     valid: torch.Tensor | None = None
-    """bool [rows, slots]: the slots each row attends to (the generation's buffer, kept current in place). Set: decode
-    steps on SDPA layers attend through engine/kernels/decode_attention.py, which reads each row's slots up to the one
-    it writes and no further."""
+    """bool [rows, slots]: the slots each row attends to (the generation's buffer, kept current in place). Set where
+    the decoder resolved the decode attention kernel on (``megatron.rollout_decode_kernels``): decode steps attend
+    through engine/kernels/decode_attention.py, which reads each row's slots up to the one it writes and no further,
+    and their layers get no mask."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -92,8 +93,8 @@ class CachedCoreAttention(torch.nn.Module):
             return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         keys, values = self.keys, self.values
-        if c.valid is not None and c.chunk is None and isinstance(self.inner, SdpaCoreAttention) \
-                and decode_attention_covers(query, self.keys):  # the decode step's kernels: write, then attend
+        if c.valid is not None and c.chunk is None:  # a decode step on the decode kernels: write, then attend
+            assert isinstance(self.inner, SdpaCoreAttention)  # the decoder resolves the kernel over SDPA layers only
             last = c.row_slots if c.row_slots is not None else c.slot
             write_decode_kv(key, value, self.keys, self.values, last)
             return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale)
