@@ -62,6 +62,7 @@ def sampling_checks() -> dict:
 def attention_checks() -> dict:
     from oumi_megatron.engine.kernels.attention import sdpa
     from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
+    from oumi_megatron.engine.kernels.rope import fused_rope
 
     torch.manual_seed(0)
     rows, groups, heads, dim, slots = 5, 2, 6, 80, 150  # 3 query heads a group; a head dim of no power of two
@@ -91,6 +92,19 @@ def attention_checks() -> dict:
             k_ref[torch.arange(rows), :, ends] = key[0]
             v_ref[torch.arange(rows), :, ends] = value[0]
             out[f"cache_write_equal_{name}_{label}"] = torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+            # the step's RoPE inside both kernels against engine/kernels/rope.py's rotation before them (64 of the 80
+            # dims rotated; one angle row for every row, or a row each as in episodes)
+            freqs = torch.rand(1, rows if label == "per_row" else 1, 1, 64, device=DEVICE) * 6
+            q_view = torch.randn(1, rows, heads, 2 * dim).to(DEVICE, dtype)[..., :dim]  # strided, as the QKV split's
+            expected = decode_attention(fused_rope(q_view, freqs.expand(1, rows, 1, 64)), k_got, v_got, allowed, last,
+                                        dim ** -0.5)
+            got = decode_attention(q_view, k_got, v_got, allowed, last, dim ** -0.5, freqs)
+            out[f"rope_attention_max_abs_diff_{name}_{label}"] = (got.float() - expected.float()).abs().max().item()
+            k_rope, v_rope = keys.clone(), values.clone()
+            write_decode_kv(key, value, k_rope, v_rope, last, freqs)
+            k_ref = keys.clone()
+            k_ref[torch.arange(rows), :, ends] = fused_rope(key, freqs.expand(1, rows, 1, 64))[0]
+            out[f"rope_cache_write_max_abs_diff_{name}_{label}"] = (k_rope.float() - k_ref.float()).abs().max().item()
     return out
 
 
@@ -119,6 +133,7 @@ def decoder_checks(ckpt: str) -> dict:
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
     params.transformer_config.attention_backend = "sdpa"
+    params.transformer_config.apply_rope_fusion = True  # the layers rotate as the decode kernels do: RoPE moves into them
     _, engine = build_engine(ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
     vocab = 259
     rng = generator(7)

@@ -20,10 +20,19 @@ from oumi_megatron.engine.kernels.rope import triton
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["heads_per_group", "slots", "last_stride", "head_dim"])
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, scale, heads_per_group, slots,
-                                 last_stride, head_dim, GROUPS: tl.constexpr, QB: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    @triton.jit
+    def _rotated(x, partner, f, first, rotated):
+        """``x`` rotated as engine/kernels/rope.py rotates it: x * cos(f) -/+ partner * sin(f) on the rotated dims
+        (``first``: the first half's, where rotate_half negates the partner), x itself past them."""
+        c = tl.cos(f)
+        s = tl.sin(f)
+        return tl.where(rotated, tl.where(first, x * c - partner * s, x * c + partner * s), x)
+
+    @triton.jit(do_not_specialize=["heads_per_group", "slots", "last_stride", "head_dim", "q_row", "q_head", "f_row"])
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, f_ptr, scale, heads_per_group,
+                                 slots, last_stride, head_dim, q_row, q_head, f_row, GROUPS: tl.constexpr,
+                                 QB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                                 HALF: tl.constexpr):
         row = tl.program_id(0)
         group = tl.program_id(1)
         h = tl.arange(0, QB)
@@ -31,9 +40,18 @@ if triton is not None:
         heads = GROUPS * heads_per_group
         h_in = h < heads_per_group
         d_in = d < head_dim
-        # q: [rows, heads, dim] contiguous; this group's query heads are group * heads_per_group + h
-        q_rows = (row * heads + group * heads_per_group + h) * head_dim
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=h_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+        # this group's query heads are group * heads_per_group + h (q strided: a view of the layer's QKV projection)
+        q_at = row * q_row + (group * heads_per_group + h) * q_head
+        q_mask = h_in[:, None] & d_in[None, :]
+        q = tl.load(q_ptr + q_at[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        if HALF > 0:  # the step's RoPE here, rounded to the query's dtype as the layer's rotation would store it
+            rotated = d < 2 * HALF
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            q_p = tl.load(q_ptr + q_at[:, None] + partner[None, :], mask=q_mask & rotated[None, :], other=0.0)
+            f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
+            q = _rotated(q, q_p.to(tl.float32), f[None, :], (d < HALF)[None, :], rotated[None, :])
+            q = q.to(q_ptr.dtype.element_ty).to(tl.float32)
+        out_rows = (row * heads + group * heads_per_group + h) * head_dim
         # caches: [rows, groups, slots, dim] contiguous
         base = (row * GROUPS + group) * slots * head_dim
         end = tl.load(last_ptr + row * last_stride) + 1
@@ -65,22 +83,28 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m = new_m
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=h_in[:, None] & d_in[None, :])
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-    @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim"])
-    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, slot_stride, k_row, k_group, v_row, v_group,
-                            slots, head_dim, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
+    @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim", "f_row"])
+    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, slot_stride, k_row, k_group, v_row,
+                            v_group, slots, head_dim, f_row, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            HALF: tl.constexpr):
         row = tl.program_id(0)
         group = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         inside = d < head_dim
         slot = tl.load(slot_ptr + row * slot_stride)
         at = ((row * GROUPS + group) * slots + slot) * head_dim + d
-        k = tl.load(k_ptr + row * k_row + group * k_group + d, mask=inside)
+        k_at = k_ptr + row * k_row + group * k_group
+        k = tl.load(k_at + d, mask=inside)
+        if HALF > 0:  # the step's RoPE on the key, in fp32 as engine/kernels/rope.py, stored in the cache's dtype
+            rotated = d < 2 * HALF
+            partner = tl.load(k_at + tl.where(d < HALF, d + HALF, d - HALF), mask=rotated, other=0.0).to(tl.float32)
+            f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
+            k = _rotated(k.to(tl.float32), partner, f, d < HALF, rotated)
         v = tl.load(v_ptr + row * v_row + group * v_group + d, mask=inside)
-        tl.store(k_cache_ptr + at, k, mask=inside)
+        tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
         tl.store(v_cache_ptr + at, v, mask=inside)
 
 
@@ -90,34 +114,53 @@ MAX_HEAD_DIM = 256
 """The largest head dim whose block of keys and values a program holds."""
 
 
+def _freqs(freqs: torch.Tensor | None, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(the rotary angles [rows or 1, rot] fp32, their row stride (0: shared), rot // 2), or a placeholder and 0: no
+    rotation. ``freqs``: [1, 1 or rows, 1, rot], as Megatron-Core's layers take them for one decode step."""
+    if freqs is None:
+        return like, 0, 0
+    rot = freqs.shape[-1]
+    if freqs.shape[0] != 1 or freqs.shape[1] not in (1, rows) or rot % 2 or rot > dim:
+        raise ValueError(f"decode kernels: rotary angles [1, 1 or {rows}, 1, rot <= {dim}, even], got {tuple(freqs.shape)}")
+    f = freqs.reshape(freqs.shape[1], rot).float()
+    if f.stride(-1) != 1:
+        f = f.contiguous()
+    return f, f.stride(0) if f.shape[0] > 1 else 0, rot // 2
+
+
 def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    slot: torch.Tensor) -> None:
+                    slot: torch.Tensor, freqs: torch.Tensor | None = None) -> None:
     """A decode step's ``key``/``value`` [1, rows, groups, dim] into the caches [rows, groups, slots, dim] at each row's
-    ``slot`` (long [rows], or [1] for every row): one kernel for both, where index_copy_ or scatter_ take one each."""
+    ``slot`` (long [rows], or [1] for every row): one kernel for both, where index_copy_ or scatter_ take one each.
+    ``freqs`` (the step's rotary angles, see ``_freqs``): the key rotated on its way in, as the layer would."""
     _, rows, groups, dim = key.shape
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
+    f, f_row, half = _freqs(freqs, rows, dim, key)
     _cache_write_kernel[(rows, groups)](
-        key, value, keys, values, slot, slot.stride(0) if slot.numel() > 1 else 0, key.stride(1), key.stride(2),
-        value.stride(1), value.stride(2), keys.shape[2], dim, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim))
+        key, value, keys, values, slot, f, slot.stride(0) if slot.numel() > 1 else 0, key.stride(1), key.stride(2),
+        value.stride(1), value.stride(2), keys.shape[2], dim, f_row, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim),
+        HALF=half)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     last: torch.Tensor, scale: float) -> torch.Tensor:
+                     last: torch.Tensor, scale: float, freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per row: ``query`` [1, rows, heads, dim] over ``keys``/``values`` [rows, groups, slots, dim]
     (the static cache), row r attending to its slots s <= ``last[r]`` (``last``: long [rows], or [1] for every row)
-    where ``valid[r, s]``; [1, rows, heads * dim]."""
+    where ``valid[r, s]``; [1, rows, heads * dim]. ``freqs``: the query rotated first, as the layer would."""
     _, rows, heads, dim = query.shape
     groups, slots = keys.shape[1], keys.shape[2]
     if query.shape[0] != 1 or rows != keys.shape[0] or dim > MAX_HEAD_DIM or not keys.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"decode_attention: one query a row over contiguous caches of head dim <= {MAX_HEAD_DIM}, got "
                          f"query {tuple(query.shape)}, keys {tuple(keys.shape)}")
-    q = query[0].contiguous()
-    out = torch.empty_like(q)
+    q = query[0] if query.stride(-1) == 1 else query[0].contiguous()
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
+    f, f_row, half = _freqs(freqs, rows, dim, q)
     per_group = heads // groups
     _decode_attention_kernel[(rows, groups)](
-        q, keys, values, valid.view(torch.uint8), last, out, scale, per_group, slots,
-        last.stride(0) if last.numel() > 1 else 0, dim,
+        q, keys, values, valid.view(torch.uint8), last, out, f, scale, per_group, slots,
+        last.stride(0) if last.numel() > 1 else 0, dim, q.stride(0), q.stride(1), f_row,
         GROUPS=groups, QB=max(16, triton.next_power_of_2(per_group)), BLOCK_S=BLOCK_S,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=keys.dtype == torch.float32, num_warps=4, num_stages=2)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=keys.dtype == torch.float32, HALF=half, num_warps=4,
+        num_stages=2)
     return out.view(1, rows, heads * dim)

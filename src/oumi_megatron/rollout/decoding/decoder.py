@@ -127,8 +127,12 @@ def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernel
     if blocker is not None and requested == "true":
         raise ValueError(f"megatron.rollout_decode_kernels: true, but the decode attention kernel cannot run: {blocker}. "
                          "Set megatron.rollout_decode_kernels: auto (the sampling kernel alone).")
-    return DecodeKernels(True, blocker is None, f"megatron.rollout_decode_kernels: {requested}"
-                         + (f", sampling only ({blocker})" if blocker else ""))
+    why = f"megatron.rollout_decode_kernels: {requested}" + (f", sampling only ({blocker})" if blocker else "")
+    # RoPE inside the attention kernels only where it is the same arithmetic as the layers' own (else they rotate)
+    rope_blocker = stages.rope_in_decode_kernels_reason() if blocker is None else blocker
+    if blocker is None and rope_blocker is not None:
+        why += f", RoPE in the layers ({rope_blocker})"
+    return DecodeKernels(True, blocker is None, why, rope=rope_blocker is None)
 
 
 class KeptGenerations:
@@ -352,9 +356,17 @@ class _Generation:
         positions = valid.sum(dim=-1, keepdim=True) - 1 if self.stages.learned_positions else None
         rotary = None if self.rotary is None else self.rotary.index_select(0, self.cursor.slot)
         self.cursor.kv_len = kv_len
-        logits = self.stages.forward(self.current, positions, self._mask(valid), rotary)
+        logits = self.stages.forward(self.current, positions, self._mask(valid), self._layer_rotary(rotary))
         self.cursor.slot += 1
         self._record(logits)
+
+    def _layer_rotary(self, rotary: torch.Tensor | None) -> torch.Tensor | None:
+        """A decode step's rotary angles for the layers; None where the decode kernels rotate (they read them from the
+        cursor)."""
+        if not self.stages.kernels.rope:
+            return rotary
+        self.cursor.rotary = rotary
+        return None
 
     def _mask(self, valid: torch.Tensor) -> torch.Tensor | None:
         """[rows, 1, 1, slots]: boolean (True = may not attend), or for SDPA the additive bias, built once per step;

@@ -251,7 +251,7 @@ class EpisodeGeneration(_Generation):
         rotary = None if self.rotary is None else self.rotary.index_select(0, write).transpose(0, 1)
         self.cursor.kv_len, self.cursor.row_slots = kv_len, write
         try:
-            logits = self.stages.forward(fed, positions, self._mask(valid), rotary)
+            logits = self.stages.forward(fed, positions, self._mask(valid), self._layer_rotary(rotary))
         finally:
             self.cursor.row_slots = None
         self.pos += self.active.long()

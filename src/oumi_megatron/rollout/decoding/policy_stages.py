@@ -59,9 +59,13 @@ class DecodeKernels:
     attention: bool
     """engine/kernels/decode_attention.py writes each layer's keys and values and attends (static_cache.py)."""
     why: str
+    rope: bool = False
+    """With ``attention``: the step's RoPE inside those two kernels (the layers get no rotary angles), where the layers
+    would rotate with engine/kernels/rope.py's arithmetic (``apply_rope_fusion``)."""
 
     def describe(self) -> str:
-        kernels = [name for name, on in (("sampling", self.sampling), ("attention", self.attention)) if on]
+        kernels = [name for name, on in (("sampling", self.sampling), ("attention", self.attention),
+                                         ("rope", self.rope)) if on]
         return f"decode kernels: {' + '.join(kernels) or 'none'} ({self.why})"
 
 
@@ -94,6 +98,24 @@ class PolicyStages:
         from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
 
         return all(isinstance(a.core_attention, SdpaCoreAttention) for a in self.attentions)
+
+    def rope_in_decode_kernels_reason(self) -> str | None:
+        """Why the decode kernels cannot rotate the query and key themselves (None: they can, with the arithmetic of
+        engine/kernels/rope.py, which every layer here rotates with)."""
+        from megatron.core.models.common.embeddings import rope_utils
+
+        from oumi_megatron.engine.kernels.rope import fused_rope
+
+        c = self.config
+        if getattr(self.chunks[0], "rotary_pos_emb", None) is None:
+            return "no rotary embedding"
+        if not c.apply_rope_fusion or rope_utils.fused_apply_rotary_pos_emb is not fused_rope:
+            return "apply_rope_fusion off"
+        if c.rotary_interleaved or getattr(c, "fused_single_qkv_rope", False) or getattr(c, "mrope_section", None):
+            return "interleaved, fused-QKV or multimodal rotary"
+        if any(getattr(a, "_yarn_concentration_factor", 1.0) != 1.0 for a in self.attentions):
+            return "YaRN's attention scaling"
+        return None
 
     def unsupported_reason(self) -> str | None:
         return next((r for r in (unsupported_reason(c) for c in self.chunks) if r), None)

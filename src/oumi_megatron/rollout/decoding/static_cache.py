@@ -70,6 +70,9 @@ class CacheCursor:
     the decoder resolved the decode attention kernel on (``megatron.rollout_decode_kernels``): decode steps attend
     through engine/kernels/decode_attention.py, which reads each row's slots up to the one it writes and no further,
     and their layers get no mask."""
+    rotary: torch.Tensor | None = None
+    """[1, 1 or rows, 1, rot] fp32: the decode step's rotary angles where the decode kernels rotate the query and key
+    themselves (the layers then get none); None: the layers rotated them."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -96,8 +99,8 @@ class CachedCoreAttention(torch.nn.Module):
         if c.valid is not None and c.chunk is None:  # a decode step on the decode kernels: write, then attend
             assert isinstance(self.inner, SdpaCoreAttention)  # the decoder resolves the kernel over SDPA layers only
             last = c.row_slots if c.row_slots is not None else c.slot
-            write_decode_kv(key, value, self.keys, self.values, last)
-            return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale)
+            write_decode_kv(key, value, self.keys, self.values, last, c.rotary)
+            return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale, c.rotary)
         if c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
             for cache, new in ((self.keys, key), (self.values, value)):
                 # [rows, slots, groups, dim] view: (row, slot) pairs index it, each taking a [groups, dim] vector
