@@ -136,7 +136,7 @@ def decoder_checks(ckpt: str) -> dict:
     params.transformer_config.apply_rope_fusion = True  # the layers rotate as the decode kernels do: RoPE moves into them
     _, engine = build_engine(ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
     vocab = 259
-    rng = generator(7)
+    rng = torch.Generator().manual_seed(7)  # the prompts: on the host
     prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()
                for _ in range(8)]
     schedule = MegatronRolloutBackend(engine, vocab, path="schedule")

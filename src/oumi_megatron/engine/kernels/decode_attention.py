@@ -7,8 +7,10 @@ on an H100, whatever slots the rows have reached (bench_episodes --profile). Her
 reads the row's slots up to the one it writes this step (``last``, a device tensor: the graph replays with the
 cursor's current value), skips the slots ``valid`` marks unused (left padding, a finished row's slots), and keeps the
 softmax online in fp32 (flash attention's recurrence); the group's query heads share each block of keys and values
-(GQA without repeating them). Scores and softmax in fp32 as SDPA's fused kernels; the products of bf16 keys and
-values run as TF32, exact for bf16 inputs, and the probabilities enter theirs with TF32's precision (SDPA: bf16's).
+(GQA without repeating them). A long cache is split over programs (``SPLIT_SLOTS`` each) and their partial softmaxes
+combined by a second kernel (flash decoding). Scores and softmax in fp32 as SDPA's fused kernels: bf16 queries and
+keys multiply exactly into fp32 sums, and the probabilities meet the values in the values' dtype, as SDPA's flash
+kernels do (fp32 caches: IEEE fp32 throughout).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ if triton is not None:
         return tl.where(rotated, tl.where(first, x * c - partner * s, x * c + partner * s), x)
 
     @triton.jit(do_not_specialize=["heads_per_group", "slots", "last_stride", "head_dim", "q_row", "q_head", "f_row"])
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, f_ptr, scale, heads_per_group,
-                                 slots, last_stride, head_dim, q_row, q_head, f_row, GROUPS: tl.constexpr,
-                                 QB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, f_ptr, scale,
+                                 heads_per_group, slots, last_stride, head_dim, q_row, q_head, f_row,
+                                 GROUPS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, QB: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, NARROW: tl.constexpr,
                                  HALF: tl.constexpr):
         row = tl.program_id(0)
         group = tl.program_id(1)
+        split = tl.program_id(2)
         h = tl.arange(0, QB)
         d = tl.arange(0, BLOCK_D)
         heads = GROUPS * heads_per_group
@@ -43,30 +47,31 @@ if triton is not None:
         # this group's query heads are group * heads_per_group + h (q strided: a view of the layer's QKV projection)
         q_at = row * q_row + (group * heads_per_group + h) * q_head
         q_mask = h_in[:, None] & d_in[None, :]
-        q = tl.load(q_ptr + q_at[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + q_at[:, None] + d[None, :], mask=q_mask, other=0.0)
         if HALF > 0:  # the step's RoPE here, rounded to the query's dtype as the layer's rotation would store it
             rotated = d < 2 * HALF
             partner = tl.where(d < HALF, d + HALF, d - HALF)
             q_p = tl.load(q_ptr + q_at[:, None] + partner[None, :], mask=q_mask & rotated[None, :], other=0.0)
             f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
-            q = _rotated(q, q_p.to(tl.float32), f[None, :], (d < HALF)[None, :], rotated[None, :])
-            q = q.to(q_ptr.dtype.element_ty).to(tl.float32)
-        out_rows = (row * heads + group * heads_per_group + h) * head_dim
-        # caches: [rows, groups, slots, dim] contiguous
+            q = _rotated(q.to(tl.float32), q_p.to(tl.float32), f[None, :], (d < HALF)[None, :], rotated[None, :])
+            q = q.to(q_ptr.dtype.element_ty)
+        q = q.to(k_ptr.dtype.element_ty) if NARROW else q.to(tl.float32)
+        # caches: [rows, groups, slots, dim] contiguous; this program: the slots [split * CHUNK, +CHUNK) up to the last
         base = (row * GROUPS + group) * slots * head_dim
-        end = tl.load(last_ptr + row * last_stride) + 1
+        end = tl.minimum(tl.load(last_ptr + row * last_stride) + 1, split * CHUNK + CHUNK)
         m = tl.full((QB,), float("-inf"), tl.float32)
         total = tl.zeros((QB,), tl.float32)
         acc = tl.zeros((QB, BLOCK_D), tl.float32)
-        for start in range(0, end, BLOCK_S):
+        for start in range(split * CHUNK, end, BLOCK_S):
             s = start + tl.arange(0, BLOCK_S)
             s_in = s < end
             used = tl.load(valid_ptr + row * slots + s, mask=s_in, other=0) != 0
             at = base + s[:, None] * head_dim + d[None, :]
-            k = tl.load(k_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
-            # [QB, BLOCK_S]: fp32 caches in full fp32 products; bf16/fp16 ones as TF32 (tl.dot's default on a GPU), exact
-            # for their values (a bf16's 8 significant bits fit TF32's 11)
+            k = tl.load(k_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0)
+            v = tl.load(v_ptr + at, mask=s_in[:, None] & d_in[None, :], other=0.0)
+            if not NARROW:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            # [QB, BLOCK_S]: products in fp32 (exact for bf16/fp16 operands; fp32 caches in IEEE fp32)
             if IEEE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -77,14 +82,41 @@ if triton is not None:
             alpha = tl.exp(m - safe_m)
             p = tl.exp(scores - safe_m[:, None])
             total = total * alpha + tl.sum(p, axis=1)
-            if IEEE:
+            if NARROW:  # the probabilities in the values' dtype, as SDPA's flash kernels take them
+                acc = acc * alpha[:, None] + tl.dot(p.to(v_ptr.dtype.element_ty), v)
+            elif IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:  # the probabilities to TF32 (SDPA's kernels take them to bf16)
+            else:
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m = new_m
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        out_rows = row * heads + group * heads_per_group + h
+        if SPLITS == 1:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptr + out_rows[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:  # this split's running max, sum and unnormalized output, for _combine_splits_kernel
+            part = out_rows * SPLITS + split
+            tl.store(m_ptr + part, m, mask=h_in)
+            tl.store(l_ptr + part, total, mask=h_in)
+            tl.store(acc_ptr + part[:, None] * head_dim + d[None, :], acc, mask=q_mask)
 
+    @triton.jit(do_not_specialize=["head_dim"])
+    def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, head_dim, SPLITS: tl.constexpr,
+                               SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (row, query head): the splits' partial softmaxes rescaled to their common max and summed
+        i = tl.program_id(0)
+        sp = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, BLOCK_D)
+        sp_in = sp < SPLITS
+        d_in = d < head_dim
+        m = tl.load(m_ptr + i * SPLITS + sp, mask=sp_in, other=float("-inf"))
+        total = tl.load(l_ptr + i * SPLITS + sp, mask=sp_in, other=0.0)
+        top = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)))
+        norm = tl.sum(total * w, axis=0)
+        acc = tl.load(acc_ptr + (i * SPLITS + sp)[:, None] * head_dim + d[None, :], mask=sp_in[:, None] & d_in[None, :],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.where(norm > 0, norm, 1.0)
+        tl.store(out_ptr + i * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_in)
 
     @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim", "f_row"])
     def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, slot_stride, k_row, k_group, v_row,
@@ -110,8 +142,21 @@ if triton is not None:
 
 BLOCK_S = 64
 """Cache slots a program reads per iteration."""
+SPLIT_SLOTS = 128
+"""Cache slots per program: a cache of more slots is split over programs (flash decoding), whose partial softmaxes
+a second kernel combines; at 128 rows and 2 key/value heads one program per (row, head) alone leaves an H100's SMs
+waiting on memory."""
 MAX_HEAD_DIM = 256
 """The largest head dim whose block of keys and values a program holds."""
+
+
+def _interpreting() -> bool:
+    """Under Triton's CPU interpreter, whose tl.dot of bf16 operands is wrong (triton 3.6: a 16 x 16 product off by
+    ~1e10), the products run in fp32 instead (the same values: bf16 products are exact in fp32); the GPU test runs the
+    bf16 dots."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _freqs(freqs: torch.Tensor | None, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -157,10 +202,18 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
     f, f_row, half = _freqs(freqs, rows, dim, q)
     per_group = heads // groups
-    _decode_attention_kernel[(rows, groups)](
-        q, keys, values, valid.view(torch.uint8), last, out, f, scale, per_group, slots,
+    splits = triton.cdiv(slots, SPLIT_SLOTS)
+    block_d = max(16, triton.next_power_of_2(dim))
+    # the splits' partials (fp32): running max and sum per (row, head, split), and the unnormalized outputs
+    acc = torch.empty(rows * heads * splits, dim, dtype=torch.float32, device=query.device) if splits > 1 else out
+    stats = torch.empty(2, rows * heads * splits, dtype=torch.float32, device=query.device) if splits > 1 else out
+    _decode_attention_kernel[(rows, groups, splits)](
+        q, keys, values, valid.view(torch.uint8), last, out, acc, stats[0], stats[1], f, scale, per_group, slots,
         last.stride(0) if last.numel() > 1 else 0, dim, q.stride(0), q.stride(1), f_row,
-        GROUPS=groups, QB=max(16, triton.next_power_of_2(per_group)), BLOCK_S=BLOCK_S,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=keys.dtype == torch.float32, HALF=half, num_warps=4,
-        num_stages=2)
+        GROUPS=groups, SPLITS=splits, CHUNK=SPLIT_SLOTS, QB=max(16, triton.next_power_of_2(per_group)),
+        BLOCK_S=BLOCK_S, BLOCK_D=block_d, IEEE=keys.dtype == torch.float32,
+        NARROW=keys.dtype != torch.float32 and not _interpreting(), HALF=half, num_warps=4, num_stages=2)
+    if splits > 1:
+        _combine_splits_kernel[(rows * heads,)](acc, stats[0], stats[1], out, dim, SPLITS=splits,
+                                                SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
     return out.view(1, rows, heads * dim)
