@@ -18,7 +18,8 @@ Paths (``--paths``):
 For each: generated tokens/s (wall time of the call, capture included), decode ms per step, prefill s, peak
 memory above the model, and the fraction of the HBM roofline: (weights + the KV cache a step must read) /
 bandwidth over the measured decode step. Greedy parity (bf16): the static paths' greedy tokens against the
-schedule path's on the same prompts, the first position where a row differs and the logprob gap there.
+schedule path's on the same prompts, the first position where a row differs and the logprob gap there. With both
+``graphs`` and ``graphs_torch``: each one's sampled logprobs against the trainer's recomputation (``trainer_gaps``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
         results[name] = best  # type: ignore[assignment]
     profiled = profile_decode(engine, cfg, prompts, n) if profile else None
     parity = greedy_parity(engine, cfg, prompts, n, min(new, 64)) if {"graphs", "schedule"} <= set(paths) else {}
+    if {"graphs", "graphs_torch"} <= set(paths):
+        parity.update(trainer_gaps(engine, cfg, prompts, min(new, 64)))
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -162,6 +165,28 @@ def greedy_parity(engine: Any, cfg: Any, prompts: list[list[int]], n: int, new: 
     return {"parity_rows": len(ref), "parity_rows_identical": len(ref) - len(first), "parity_new_tokens": new,
             "parity_first_difference": min(first) if first else None,
             "parity_logprob_gap_at_difference": max(gaps) if gaps else None}
+
+
+def trainer_gaps(engine: Any, cfg: Any, prompts: list[list[int]], new: int, graphs: str = "true") -> dict:
+    """Each path's sampled logprobs against the trainer's recomputation of the same sequences (``compute_logprobs``: the
+    gap GRPO's mismatch metrics see), the decode kernels on and off: in bf16 with random weights greedy tokens flip on
+    any rounding change, so this is the check of the kernels' numbers at scale (one completion per prompt)."""
+    from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
+    out = {}
+    for name, kernels in (("graphs", "auto"), ("graphs_torch", "false")):
+        backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=graphs,
+                                         decode_kernels=kernels)
+        done = [g[0] for g in backend.generate(prompts, sampling, 1, seed=3)]
+        rows = [{"input_ids": torch.tensor([p + r.completion_ids])} for p, r in zip(prompts, done, strict=True)]
+        recomputed = engine.compute_logprobs(rows)
+        # logprobs[i] is token i's: the trainer's at position len(prompt) + i - 1 (its next-token target)
+        gaps = [abs(recomputed[k][0, len(p) + i - 1].item() - lp)
+                for k, (p, r) in enumerate(zip(prompts, done, strict=True)) for i, lp in enumerate(r.logprobs or [])]
+        out[f"trainer_logprob_gap_{name}"] = {"max": max(gaps), "mean": sum(gaps) / len(gaps), "tokens": len(gaps)}
+    return out
 
 
 def hf_generate(cfg: Any, prompts: list[list[int]], n: int, new: int, repeat: int) -> dict:
