@@ -9,6 +9,8 @@ prompts of 64 random tokens, 8 completions each (a GRPO group shares its prompt)
 
 Paths (``--paths``):
 - ``graphs``: the static-cache decoder with CUDA-graph decode steps (rollout/decoding/, the default on CUDA);
+- ``graphs_attention``: ``graphs`` with the decode attention kernel as well (``megatron.rollout_decode_kernels: true``:
+  attention over the slots each row has reached, in place of SDPA over every slot);
 - ``graphs_torch``: ``graphs`` without the decode step's own kernels (``megatron.rollout_decode_kernels: false``:
   torch's sampling ops, SDPA over every cache slot);
 - ``static``: the same decoder, eager decode steps (``megatron.rollout_cuda_graphs: false``);
@@ -75,7 +77,8 @@ def engine_paths(cfg: Any, prompts: list[list[int]], n: int, new: int, paths: li
     bw = bandwidth()
     sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
     results: dict[str, dict] = {}
-    backends = {"graphs": ("static", "true", "auto"), "graphs_torch": ("static", "true", "false"),
+    backends = {"graphs": ("static", "true", "auto"), "graphs_attention": ("static", "true", "true"),
+                "graphs_torch": ("static", "true", "false"),
                 "static": ("static", "false", "auto"), "schedule": ("schedule", "false", "auto")}
     for name in [p for p in paths if p in backends]:
         path, graphs, kernels = backends[name]
@@ -176,7 +179,7 @@ def trainer_gaps(engine: Any, cfg: Any, prompts: list[list[int]], new: int, grap
 
     sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0)
     out = {}
-    for name, kernels in (("graphs", "auto"), ("graphs_torch", "false")):
+    for name, kernels in (("graphs", "auto"), ("graphs_attention", "true"), ("graphs_torch", "false")):
         backend = MegatronRolloutBackend(engine, cfg.vocab_size, seed=0, path="static", cuda_graphs=graphs,
                                          decode_kernels=kernels)
         done = [g[0] for g in backend.generate(prompts, sampling, 1, seed=3)]

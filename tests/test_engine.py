@@ -437,6 +437,9 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
     for label in ("per_row", "shared"):
         assert r[f"attention_max_abs_diff_fp32_{label}"] <= 1e-5, r
         assert r[f"attention_max_abs_diff_bf16_{label}"] <= 4e-2, r  # bf16 outputs: 2^-8 relative, values up to ~4
+        # the cache split over programs (flash decoding) and their partial softmaxes combined: the same tolerances
+        assert r[f"attention_split_max_abs_diff_fp32_{label}"] <= 1e-5, r
+        assert r[f"attention_split_max_abs_diff_bf16_{label}"] <= 4e-2, r
         assert r[f"cache_write_equal_fp32_{label}"] and r[f"cache_write_equal_bf16_{label}"], r
         # RoPE inside the kernels: engine/kernels/rope.py's arithmetic (fp32, rounded to the tensor's dtype)
         for name in ("fp32", "bf16"):
@@ -445,7 +448,7 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
             assert r[f"rope_attention_max_abs_diff_{name}_{label}"] <= tol, r
     # the decoder: both kernels ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
-    assert "decode kernels: sampling + attention + rope (megatron.rollout_decode_kernels: auto)" in r["decoder_path"], r
+    assert "decode kernels: sampling + attention + rope (megatron.rollout_decode_kernels: true)" in r["decoder_path"], r
     # megatron.rollout_decode_kernels: false: neither kernel runs, the same tokens
     assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0}, r
     assert "decode kernels: none (megatron.rollout_decode_kernels: false)" in r["decoder_off_path"], r

@@ -77,30 +77,35 @@ def _kernel_stages(device: str, sdpa: bool = True, head_dim: int = 64, unsupport
 
 
 @pytest.mark.parametrize(("stages", "requested", "on", "why"), [
-    (_kernel_stages("cuda"), "auto", (True, True, True), "rollout_decode_kernels: auto"),
+    (_kernel_stages("cuda"), "auto", (True, False, False), "auto; attention on SDPA"),
     (_kernel_stages("cuda"), "true", (True, True, True), "rollout_decode_kernels: true"),
-    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "auto", (True, True, False),
+    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "true", (True, True, False),
      "RoPE in the layers (apply_rope_fusion off)"),
-    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, False), "sampling only (layers not on attention_backend: sdpa)"),
-    (_kernel_stages("cuda", head_dim=512), "auto", (True, False, False), "head dim 512 > 256"),
+    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, False), "auto; attention on SDPA"),
+    (_kernel_stages("cuda", sdpa=False), "true", None, "decode attention kernel cannot run: layers not on attention_backend: sdpa"),
+    (_kernel_stages("cuda", head_dim=512), "true", None, "decode attention kernel cannot run: head dim 512 > 256"),
     (_kernel_stages("cuda", unsupported="multi-latent attention"), "auto", (False, False, False), "does not cover"),
+    (_kernel_stages("cuda", unsupported="multi-latent attention"), "true", None, "kernels cannot run here"),
     (_kernel_stages("cpu"), "auto", (False, False, False), "no CUDA device"),
+    (_kernel_stages("cpu"), "true", None, "no CUDA device"),
     (_kernel_stages("cuda"), "false", (False, False, False), "rollout_decode_kernels: false"),
 ])
-def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tuple[bool, bool, bool], why: str,
+def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tuple[bool, bool, bool] | None, why: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron.rollout_decode_kernels, decided once per decoder (a CUDA device stands for Triton running: no tensor is
-    made on it here); RoPE moves into the attention kernels only where the layers' rotation is their arithmetic."""
+    made on it here): ``auto`` runs the sampling kernel, ``true`` the attention kernel too (None: an error naming the
+    field); RoPE moves into the attention kernels only where the layers' rotation is their arithmetic."""
     import oumi_megatron.rollout.decoding.decoder as decoder
 
     monkeypatch.setattr(decoder, "triton_runs_on_device", lambda device: device.type == "cuda")
+    if on is None:
+        with pytest.raises(ValueError, match=r"megatron.rollout_decode_kernels: true, but .*Set megatron.rollout_decode_kernels: auto") as e:
+            decoder.resolve_decode_kernels(requested, stages)  # type: ignore[arg-type]
+        assert why in str(e.value)
+        return
     got = decoder.resolve_decode_kernels(requested, stages)  # type: ignore[arg-type]
     assert (got.sampling, got.attention, got.rope) == on
     assert why in got.why, got
-    if requested != "auto" or on[:2] == (True, True):
-        return
-    with pytest.raises(ValueError, match=r"megatron.rollout_decode_kernels: true, but .*Set megatron.rollout_decode_kernels: auto"):
-        decoder.resolve_decode_kernels("true", stages)  # type: ignore[arg-type]
 
 
 def test_cuda_graphs_true_where_they_cannot_run_is_an_error_naming_the_field() -> None:

@@ -60,6 +60,7 @@ def sampling_checks() -> dict:
 
 
 def attention_checks() -> dict:
+    import oumi_megatron.engine.kernels.decode_attention as da
     from oumi_megatron.engine.kernels.attention import sdpa
     from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
     from oumi_megatron.engine.kernels.rope import fused_rope
@@ -83,6 +84,12 @@ def attention_checks() -> dict:
                        scale=dim ** -0.5, enable_gqa=True)  # [rows, heads, 1, dim]
             ref = ref.permute(2, 0, 1, 3).reshape(1, rows, heads * dim)
             out[f"attention_max_abs_diff_{name}_{label}"] = (got.float() - ref).abs().max().item()
+            da.SPLIT_SLOTS, default = 64, da.SPLIT_SLOTS  # 150 slots over three programs a row: the combine kernel
+            try:
+                split = decode_attention(q, keys, values, allowed, last, dim ** -0.5)
+            finally:
+                da.SPLIT_SLOTS = default
+            out[f"attention_split_max_abs_diff_{name}_{label}"] = (split.float() - ref).abs().max().item()
             # the step's key and value written at each row's slot, as index_copy_ / scatter_ write them (a strided value:
             # a view of the layer's fused QKV projection)
             key = torch.randn(1, rows, groups, dim).to(DEVICE, dtype)
@@ -140,7 +147,7 @@ def decoder_checks(ckpt: str) -> dict:
     prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()
                for _ in range(8)]
     schedule = MegatronRolloutBackend(engine, vocab, path="schedule")
-    static = MegatronRolloutBackend(engine, vocab, path="static")
+    static = MegatronRolloutBackend(engine, vocab, path="static", decode_kernels="true")
     probe = schedule.generate(prompts, SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True), 1)
     eos = int(torch.tensor([g[0].completion_ids[2] for g in probe]).mode().values)  # some rows end early
     greedy = SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True, eos_token_id=eos)

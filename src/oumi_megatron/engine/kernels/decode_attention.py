@@ -140,14 +140,22 @@ if triton is not None:
         tl.store(v_cache_ptr + at, v, mask=inside)
 
 
+# Tuned on an H100 (scripts/bench_decode_attention.py sweeps them: 64-slot blocks over 2 warps and 512-slot splits were
+# the fastest across 32-256 rows and 192-1024 slots; 4 warps over 64-slot blocks took 2-3x longer; stages made no
+# difference).
 BLOCK_S = 64
 """Cache slots a program reads per iteration."""
-SPLIT_SLOTS = 128
-"""Cache slots per program: a cache of more slots is split over programs (flash decoding), whose partial softmaxes
-a second kernel combines; at 128 rows and 2 key/value heads one program per (row, head) alone leaves an H100's SMs
-waiting on memory."""
+SPLIT_SLOTS = 512
+"""Cache slots per program: a longer cache is split over programs (flash decoding), whose partial softmaxes a second
+kernel combines."""
+NUM_WARPS = 2
+NUM_STAGES = 2
 MAX_HEAD_DIM = 256
 """The largest head dim whose block of keys and values a program holds."""
+NARROW_PRODUCTS = True
+"""bf16/fp16 caches: both products in the cache's dtype (fp32 sums, the probabilities rounded to the values' dtype, as
+SDPA's flash kernels; 5-15% faster than TF32); False: TF32 (the operands widened to fp32). fp32 caches multiply in IEEE
+fp32 either way."""
 
 
 def _interpreting() -> bool:
@@ -212,7 +220,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         last.stride(0) if last.numel() > 1 else 0, dim, q.stride(0), q.stride(1), f_row,
         GROUPS=groups, SPLITS=splits, CHUNK=SPLIT_SLOTS, QB=max(16, triton.next_power_of_2(per_group)),
         BLOCK_S=BLOCK_S, BLOCK_D=block_d, IEEE=keys.dtype == torch.float32,
-        NARROW=keys.dtype != torch.float32 and not _interpreting(), HALF=half, num_warps=4, num_stages=2)
+        NARROW=NARROW_PRODUCTS and keys.dtype != torch.float32 and not _interpreting(), HALF=half, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if splits > 1:
         _combine_splits_kernel[(rows * heads,)](acc, stats[0], stats[1], out, dim, SPLITS=splits,
                                                 SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)

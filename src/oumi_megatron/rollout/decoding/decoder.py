@@ -108,7 +108,8 @@ def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str
 
 
 def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernels:
-    """Which of the decode step's Triton kernels run, for ``megatron.rollout_decode_kernels`` (decided once per decoder)."""
+    """Which of the decode step's Triton kernels run, for ``megatron.rollout_decode_kernels`` (decided once per decoder):
+    ``auto`` the sampling kernel, ``true`` the attention kernel as well."""
     if requested not in ROLLOUT_DECODE_KERNELS:
         raise ValueError(f"megatron.rollout_decode_kernels must be one of {ROLLOUT_DECODE_KERNELS}, got {requested!r}")
     if requested == "false":
@@ -121,18 +122,21 @@ def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernel
             raise ValueError(f"megatron.rollout_decode_kernels: true, but the kernels cannot run here: {blocker}. Set "
                              "megatron.rollout_decode_kernels: auto (torch's sampling and SDPA where the kernels cannot run).")
         return DecodeKernels(False, False, f"auto: {blocker}")
+    if requested == "auto":
+        # cuDNN's SDPA over every cache slot beat the attention kernel over the slots in use at every shape measured
+        # (scripts/bench_decode_attention.py, H100: 1.3-2x at 32-256 rows and 192-1024 slots); the sampling kernel won
+        return DecodeKernels(True, False, ("megatron.rollout_decode_kernels: auto; attention on SDPA, faster over every "
+                                                "slot than the attention kernel over the slots in use"))
     head_dim = max(a.hidden_size_per_attention_head for a in stages.attentions)
     blocker = ("layers not on attention_backend: sdpa" if not stages.takes_additive_masks else
                f"head dim {head_dim} > {MAX_HEAD_DIM}" if head_dim > MAX_HEAD_DIM else None)
-    if blocker is not None and requested == "true":
+    if blocker is not None:
         raise ValueError(f"megatron.rollout_decode_kernels: true, but the decode attention kernel cannot run: {blocker}. "
                          "Set megatron.rollout_decode_kernels: auto (the sampling kernel alone).")
-    why = f"megatron.rollout_decode_kernels: {requested}" + (f", sampling only ({blocker})" if blocker else "")
     # RoPE inside the attention kernels only where it is the same arithmetic as the layers' own (else they rotate)
-    rope_blocker = stages.rope_in_decode_kernels_reason() if blocker is None else blocker
-    if blocker is None and rope_blocker is not None:
-        why += f", RoPE in the layers ({rope_blocker})"
-    return DecodeKernels(True, blocker is None, why, rope=rope_blocker is None)
+    rope_blocker = stages.rope_in_decode_kernels_reason()
+    why = "megatron.rollout_decode_kernels: true" + (f", RoPE in the layers ({rope_blocker})" if rope_blocker else "")
+    return DecodeKernels(True, True, why, rope=rope_blocker is None)
 
 
 class KeptGenerations:
