@@ -99,7 +99,8 @@ def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tu
 
     monkeypatch.setattr(decoder, "triton_runs_on_device", lambda device: device.type == "cuda")
     if on is None:
-        with pytest.raises(ValueError, match=r"megatron.rollout_decode_kernels: true, but .*Set megatron.rollout_decode_kernels: auto") as e:
+        fix = r"megatron.rollout_decode_kernels: true, but .*Set megatron.rollout_decode_kernels: auto"
+        with pytest.raises(ValueError, match=fix) as e:
             decoder.resolve_decode_kernels(requested, stages)  # type: ignore[arg-type]
         assert why in str(e.value)
         return
