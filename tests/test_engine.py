@@ -446,11 +446,17 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
             tol = 1e-5 if name == "fp32" else 4e-2  # seen 0.0 in the interpreter; a GPU may contract into FMAs
             assert r[f"rope_cache_write_max_abs_diff_{name}_{label}"] <= tol, r
             assert r[f"rope_attention_max_abs_diff_{name}_{label}"] <= tol, r
-    # the decoder: both kernels ran, and it generates what the schedule path generates
+            assert r[f"rope_query_max_abs_diff_{name}_{label}"] <= tol, r
+    # the decoder with every kernel (true): they ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
     assert "decode kernels: sampling + attention + rope (megatron.rollout_decode_kernels: true)" in r["decoder_path"], r
-    # megatron.rollout_decode_kernels: false: neither kernel runs, the same tokens
-    assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0}, r
+    # auto: sampling, and the cache write rotating the query and key for SDPA; the same tokens (episodes below: on auto)
+    assert r["decoder_auto_kernel_calls"]["decode_attention"] == 0, r
+    assert r["decoder_auto_kernel_calls"]["sample_tokens"] > 0 and r["decoder_auto_kernel_calls"]["rotate_query"] > 0, r
+    assert "decode kernels: sampling + rope (megatron.rollout_decode_kernels: auto" in r["decoder_auto_path"], r
+    assert r["decoder_auto_greedy_tokens_equal"] and r["decoder_auto_logprob_max_abs_diff"] <= decoder_atol, r
+    # megatron.rollout_decode_kernels: false: no kernel runs, the same tokens
+    assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0}, r
     assert "decode kernels: none (megatron.rollout_decode_kernels: false)" in r["decoder_off_path"], r
     assert r["decoder_off_greedy_tokens_equal"] and r["decoder_off_logprob_max_abs_diff"] <= decoder_atol, r
     assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r

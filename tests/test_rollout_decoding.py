@@ -77,11 +77,13 @@ def _kernel_stages(device: str, sdpa: bool = True, head_dim: int = 64, unsupport
 
 
 @pytest.mark.parametrize(("stages", "requested", "on", "why"), [
-    (_kernel_stages("cuda"), "auto", (True, False, False), "auto; attention on SDPA"),
+    (_kernel_stages("cuda"), "auto", (True, False, True), "auto; attention on SDPA"),
+    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "auto", (True, False, False),
+     "RoPE in the layers (apply_rope_fusion off)"),
     (_kernel_stages("cuda"), "true", (True, True, True), "rollout_decode_kernels: true"),
     (_kernel_stages("cuda", rope="apply_rope_fusion off"), "true", (True, True, False),
      "RoPE in the layers (apply_rope_fusion off)"),
-    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, False), "auto; attention on SDPA"),
+    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, True), "auto; attention on SDPA"),
     (_kernel_stages("cuda", sdpa=False), "true", None, "decode attention kernel cannot run: layers not on attention_backend: sdpa"),
     (_kernel_stages("cuda", head_dim=512), "true", None, "decode attention kernel cannot run: head dim 512 > 256"),
     (_kernel_stages("cuda", unsupported="multi-latent attention"), "auto", (False, False, False), "does not cover"),
@@ -93,8 +95,9 @@ def _kernel_stages(device: str, sdpa: bool = True, head_dim: int = 64, unsupport
 def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tuple[bool, bool, bool] | None, why: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron.rollout_decode_kernels, decided once per decoder (a CUDA device stands for Triton running: no tensor is
-    made on it here): ``auto`` runs the sampling kernel, ``true`` the attention kernel too (None: an error naming the
-    field); RoPE moves into the attention kernels only where the layers' rotation is their arithmetic."""
+    made on it here): ``auto`` runs the sampling kernel and the step's RoPE in the cache write, ``true`` the attention
+    kernel too (None: an error naming the field); RoPE moves into the kernels only where the layers' rotation is their
+    arithmetic."""
     import oumi_megatron.rollout.decoding.decoder as decoder
 
     monkeypatch.setattr(decoder, "triton_runs_on_device", lambda device: device.type == "cuda")

@@ -62,7 +62,11 @@ def sampling_checks() -> dict:
 def attention_checks() -> dict:
     import oumi_megatron.engine.kernels.decode_attention as da
     from oumi_megatron.engine.kernels.attention import sdpa
-    from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
+    from oumi_megatron.engine.kernels.decode_attention import (
+        decode_attention,
+        rotate_and_write_decode_kv,
+        write_decode_kv,
+    )
     from oumi_megatron.engine.kernels.rope import fused_rope
 
     torch.manual_seed(0)
@@ -108,10 +112,16 @@ def attention_checks() -> dict:
             got = decode_attention(q_view, k_got, v_got, allowed, last, dim ** -0.5, freqs)
             out[f"rope_attention_max_abs_diff_{name}_{label}"] = (got.float() - expected.float()).abs().max().item()
             k_rope, v_rope = keys.clone(), values.clone()
-            write_decode_kv(key, value, k_rope, v_rope, last, freqs)
+            q_rope = rotate_and_write_decode_kv(q_view, key, value, k_rope, v_rope, last, freqs)
+            k_only = keys.clone()
+            write_decode_kv(key, value, k_only, values.clone(), last, freqs)  # the key alone: the same cache
             k_ref = keys.clone()
             k_ref[torch.arange(rows), :, ends] = fused_rope(key, freqs.expand(1, rows, 1, 64))[0]
-            out[f"rope_cache_write_max_abs_diff_{name}_{label}"] = (k_rope.float() - k_ref.float()).abs().max().item()
+            out[f"rope_cache_write_max_abs_diff_{name}_{label}"] = max(
+                (k.float() - k_ref.float()).abs().max().item() for k in (k_rope, k_only))
+            # ... and the query rotated in the same kernel (for SDPA), as the layer's rotation
+            q_ref = fused_rope(q_view, freqs.expand(1, rows, 1, 64))
+            out[f"rope_query_max_abs_diff_{name}_{label}"] = (q_rope.float() - q_ref.float()).abs().max().item()
     return out
 
 
@@ -127,7 +137,7 @@ def decoder_checks(ckpt: str) -> dict:
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
-    calls = {"decode_attention": 0, "sample_tokens": 0}
+    calls = {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0}
 
     def counted(name: str, fn):  # noqa: ANN001, ANN202
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -136,6 +146,7 @@ def decoder_checks(ckpt: str) -> dict:
         return run
 
     static_cache.decode_attention = counted("decode_attention", static_cache.decode_attention)
+    static_cache.rotate_and_write_decode_kv = counted("rotate_query", static_cache.rotate_and_write_decode_kv)
     token_sampling.sample_tokens = counted("sample_tokens", token_sampling.sample_tokens)
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
@@ -159,10 +170,20 @@ def decoder_checks(ckpt: str) -> dict:
     off = MegatronRolloutBackend(engine, vocab, path="static", decode_kernels="false")
     before = dict(calls)
     off_got = [g[0] for g in off.generate(prompts, greedy, 1)]
+    off_used = {k: calls[k] - before[k] for k in calls}
+    # auto: the sampling kernel, the query and key rotated by the cache write, SDPA attends; episodes on it too
+    auto = MegatronRolloutBackend(engine, vocab, path="static")
+    before = dict(calls)
+    auto_got = [g[0] for g in auto.generate(prompts, greedy, 1)]
     return {
+        "decoder_auto_path": auto.decoder.path if auto.decoder else None,
+        "decoder_auto_kernel_calls": {k: calls[k] - before[k] for k in calls},
+        "decoder_auto_greedy_tokens_equal": [r.completion_ids for r in auto_got] == [r.completion_ids for r in ref],
+        "decoder_auto_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(auto_got, ref)
+                                                 for a, b in zip(x.logprobs, y.logprobs)),
         "decoder_path": static.decoder.path if static.decoder else None,
         "decoder_off_path": off.decoder.path if off.decoder else None,
-        "decoder_off_kernel_calls": {k: calls[k] - before[k] for k in calls},
+        "decoder_off_kernel_calls": off_used,
         "decoder_off_greedy_tokens_equal": [r.completion_ids for r in off_got] == [r.completion_ids for r in ref],
         "decoder_off_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(off_got, ref)
                                                 for a, b in zip(x.logprobs, y.logprobs)),
@@ -170,7 +191,7 @@ def decoder_checks(ckpt: str) -> dict:
         "decoder_rows_ended_early": sum(1 for r in got if r.finished and len(r.completion_ids) < 8),
         "decoder_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)),
         "decoder_kernel_calls": used,
-        **episode_checks(static, schedule, prompts[:4], eos),
+        **episode_checks(auto, schedule, prompts[:4], eos),
     }
 
 

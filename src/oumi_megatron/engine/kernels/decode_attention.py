@@ -118,26 +118,38 @@ if triton is not None:
         out = tl.sum(acc * w[:, None], axis=0) / tl.where(norm > 0, norm, 1.0)
         tl.store(out_ptr + i * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_in)
 
-    @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim", "f_row"])
-    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, slot_stride, k_row, k_group, v_row,
-                            v_group, slots, head_dim, f_row, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HALF: tl.constexpr):
+    @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim", "f_row",
+                                   "q_row", "q_head", "heads"])
+    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, q_ptr, q_out_ptr, slot_stride, k_row,
+                            k_group, v_row, v_group, slots, head_dim, f_row, q_row, q_head, heads, GROUPS: tl.constexpr,
+                            BLOCK_D: tl.constexpr, HALF: tl.constexpr):
         row = tl.program_id(0)
-        group = tl.program_id(1)
+        which = tl.program_id(1)  # a key/value head, or past GROUPS a query head to rotate (rotate_query)
         d = tl.arange(0, BLOCK_D)
         inside = d < head_dim
-        slot = tl.load(slot_ptr + row * slot_stride)
-        at = ((row * GROUPS + group) * slots + slot) * head_dim + d
-        k_at = k_ptr + row * k_row + group * k_group
-        k = tl.load(k_at + d, mask=inside)
-        if HALF > 0:  # the step's RoPE on the key, in fp32 as engine/kernels/rope.py, stored in the cache's dtype
-            rotated = d < 2 * HALF
-            partner = tl.load(k_at + tl.where(d < HALF, d + HALF, d - HALF), mask=rotated, other=0.0).to(tl.float32)
+        rotated = d < 2 * HALF
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        if which >= GROUPS:  # the query head rotated as the layer would, into [rows, heads, dim] for SDPA
+            head = which - GROUPS
+            q_at = q_ptr + row * q_row + head * q_head
+            q = tl.load(q_at + d, mask=inside).to(tl.float32)
+            q_p = tl.load(q_at + partner, mask=rotated, other=0.0).to(tl.float32)
             f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
-            k = _rotated(k.to(tl.float32), partner, f, d < HALF, rotated)
-        v = tl.load(v_ptr + row * v_row + group * v_group + d, mask=inside)
-        tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
-        tl.store(v_cache_ptr + at, v, mask=inside)
+            q = _rotated(q, q_p, f, d < HALF, rotated)
+            tl.store(q_out_ptr + (row * heads + head) * head_dim + d, q.to(q_out_ptr.dtype.element_ty), mask=inside)
+        else:
+            group = which
+            slot = tl.load(slot_ptr + row * slot_stride)
+            at = ((row * GROUPS + group) * slots + slot) * head_dim + d
+            k_at = k_ptr + row * k_row + group * k_group
+            k = tl.load(k_at + d, mask=inside)
+            if HALF > 0:  # the step's RoPE on the key, in fp32 as engine/kernels/rope.py, stored in the cache's dtype
+                k_p = tl.load(k_at + partner, mask=rotated, other=0.0).to(tl.float32)
+                f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
+                k = _rotated(k.to(tl.float32), k_p, f, d < HALF, rotated)
+            v = tl.load(v_ptr + row * v_row + group * v_group + d, mask=inside)
+            tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
+            tl.store(v_cache_ptr + at, v, mask=inside)
 
 
 # Tuned on an H100 (scripts/bench_decode_attention.py sweeps them: 64-slot blocks over 2 warps and 512-slot splits were
@@ -186,14 +198,37 @@ def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, 
     """A decode step's ``key``/``value`` [1, rows, groups, dim] into the caches [rows, groups, slots, dim] at each row's
     ``slot`` (long [rows], or [1] for every row): one kernel for both, where index_copy_ or scatter_ take one each.
     ``freqs`` (the step's rotary angles, see ``_freqs``): the key rotated on its way in, as the layer would."""
+    _write(key, value, keys, values, slot, freqs, None)
+
+
+def rotate_and_write_decode_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor,
+                               values: torch.Tensor, slot: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``write_decode_kv`` with the key rotated by ``freqs``, and in the same kernel the step's ``query``
+    [1, rows, heads, dim] (strided is fine) rotated as the layer would: returned as a new [1, rows, heads, dim] tensor
+    for the layer's own attention over the cache. One kernel where the layer takes two RoPE kernels and two copies."""
+    out = _write(key, value, keys, values, slot, freqs, query)
+    assert out is not None
+    return out
+
+
+def _write(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
+           freqs: torch.Tensor | None, query: torch.Tensor | None) -> torch.Tensor | None:
     _, rows, groups, dim = key.shape
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     f, f_row, half = _freqs(freqs, rows, dim, key)
-    _cache_write_kernel[(rows, groups)](
-        key, value, keys, values, slot, f, slot.stride(0) if slot.numel() > 1 else 0, key.stride(1), key.stride(2),
-        value.stride(1), value.stride(2), keys.shape[2], dim, f_row, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim),
-        HALF=half)
+    q, q_out, heads = key[0], None, 0  # no query: key[0] stands in for its pointer, no program reads it
+    if query is not None:
+        if half == 0:
+            raise ValueError("rotate_and_write_decode_kv: the query is rotated by the step's rotary angles (freqs)")
+        q = query[0] if query.stride(-1) == 1 else query[0].contiguous()
+        heads = q.shape[1]
+        q_out = torch.empty(1, rows, heads, dim, dtype=q.dtype, device=q.device)
+    _cache_write_kernel[(rows, groups + heads)](
+        key, value, keys, values, slot, f, q, key if q_out is None else q_out, slot.stride(0) if slot.numel() > 1 else 0,
+        key.stride(1), key.stride(2), value.stride(1), value.stride(2), keys.shape[2], dim, f_row, q.stride(0),
+        q.stride(1), heads, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim), HALF=half)
+    return q_out
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,

@@ -57,11 +57,12 @@ class DecodeKernels:
     sampling: bool
     """engine/kernels/token_sampling.py picks the tokens (top-p below 1: torch's ops still)."""
     attention: bool
-    """engine/kernels/decode_attention.py writes each layer's keys and values and attends (static_cache.py)."""
+    """engine/kernels/decode_attention.py attends over the slots each row has reached (static_cache.py)."""
     why: str
     rope: bool = False
-    """With ``attention``: the step's RoPE inside those two kernels (the layers get no rotary angles), where the layers
-    would rotate with engine/kernels/rope.py's arithmetic (``apply_rope_fusion``)."""
+    """The step's RoPE inside the decode kernels (the layers get no rotary angles): the cache-write kernel rotates the
+    key and the query (or, with ``attention``, the attention kernel the query), where the layers would rotate with
+    engine/kernels/rope.py's arithmetic (``apply_rope_fusion``)."""
 
     def describe(self) -> str:
         kernels = [name for name, on in (("sampling", self.sampling), ("attention", self.attention),

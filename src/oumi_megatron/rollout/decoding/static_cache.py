@@ -6,10 +6,12 @@ decode step cannot be replayed as a CUDA graph. Here each layer's ``core_attenti
 duration of one generation, by :class:`CachedCoreAttention`: the layer's own projections, q/k norms and RoPE
 run as in training (Megatron-Core's ``SelfAttention`` with no inference context), then the wrapper writes the
 already-rotated key and the value into a preallocated cache at the slots the cursor names (device tensors) and
-calls the layer's real core attention (SDPA or Megatron's local one) over the cache; a decode step on SDPA layers,
-where Triton runs, goes through engine/kernels/decode_attention.py instead, which reads each row's slots up to the
-one it writes (the cursor's ``valid`` marks which it attends to) rather than every slot of the cache. Nothing in a decode step
-depends on a host value, so the whole step can be captured once and replayed.
+calls the layer's real core attention (SDPA or Megatron's local one) over the cache. Where the decode kernels run
+(``megatron.rollout_decode_kernels``, engine/kernels/decode_attention.py), a decode step's RoPE moves out of the
+layer into one kernel that rotates the query and writes the rotated key and the value (the cursor's ``rotary``), and
+with ``true`` its attention too, reading each row's slots up to the one it writes (the cursor's ``valid`` marks
+which it attends to) rather than every slot of the cache. Nothing in a decode step depends on a host value, so the
+whole step can be captured once and replayed.
 
 Where a forward writes (``CacheCursor``):
 - **one shared slot** (``slot``): single-turn decoding, every row's token at the same column;
@@ -33,7 +35,11 @@ from typing import Any
 import torch
 
 from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
-from oumi_megatron.engine.kernels.decode_attention import decode_attention, write_decode_kv
+from oumi_megatron.engine.kernels.decode_attention import (
+    decode_attention,
+    rotate_and_write_decode_kv,
+    write_decode_kv,
+)
 
 
 @dataclass
@@ -72,7 +78,8 @@ class CacheCursor:
     and their layers get no mask."""
     rotary: torch.Tensor | None = None
     """[1, 1 or rows, 1, rot] fp32: the decode step's rotary angles where the decode kernels rotate the query and key
-    themselves (the layers then get none); None: the layers rotated them."""
+    themselves (the layers then get none): the cache-write kernel rotates both, or with ``valid`` the cache-write and
+    attention kernels; None: the layers rotated them."""
 
 
 class CachedCoreAttention(torch.nn.Module):
@@ -96,12 +103,14 @@ class CachedCoreAttention(torch.nn.Module):
             return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         keys, values = self.keys, self.values
-        if c.valid is not None and c.chunk is None:  # a decode step on the decode kernels: write, then attend
+        last = c.row_slots if c.row_slots is not None else c.slot
+        if c.chunk is None and c.valid is not None:  # a decode step on the decode kernels: write, then attend
             assert isinstance(self.inner, SdpaCoreAttention)  # the decoder resolves the kernel over SDPA layers only
-            last = c.row_slots if c.row_slots is not None else c.slot
             write_decode_kv(key, value, self.keys, self.values, last, c.rotary)
             return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale, c.rotary)
-        if c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
+        if c.chunk is None and c.rotary is not None:  # a decode step whose query and key the cache write rotates
+            query = rotate_and_write_decode_kv(query, key, value, self.keys, self.values, last, c.rotary)
+        elif c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
             for cache, new in ((self.keys, key), (self.values, value)):
                 # [rows, slots, groups, dim] view: (row, slot) pairs index it, each taking a [groups, dim] vector
                 cache.transpose(1, 2).index_put_((c.chunk.flat_rows, c.chunk.flat_slots), new.transpose(0, 1).flatten(0, 1))
