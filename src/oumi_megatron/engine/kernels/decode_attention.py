@@ -1,16 +1,21 @@
-"""A decode step's attention over the static KV cache, reading only the slots each row has written (Triton).
+"""A decode step's keys and values into the static KV cache, and its attention over the slots each row has written
+(Triton).
 
-A decode step is captured once as a CUDA graph, so its shapes are fixed: SDPA there attends over every slot of the
-cache (the prompts' width + every new token, a batch of episodes' observations too) under a mask, and reads every
-slot's keys and values. At 128 rows of the Qwen2.5-1.5B shape that is ~34 MB a layer over 256 slots, 15% of the step
-on an H100, whatever slots the rows have reached (bench_episodes --profile). Here one program per (row, key/value head)
-reads the row's slots up to the one it writes this step (``last``, a device tensor: the graph replays with the
-cursor's current value), skips the slots ``valid`` marks unused (left padding, a finished row's slots), and keeps the
-softmax online in fp32 (flash attention's recurrence); the group's query heads share each block of keys and values
-(GQA without repeating them). A long cache is split over programs (``SPLIT_SLOTS`` each) and their partial softmaxes
-combined by a second kernel (flash decoding). Scores and softmax in fp32 as SDPA's fused kernels: bf16 queries and
-keys multiply exactly into fp32 sums, and the probabilities meet the values in the values' dtype, as SDPA's flash
-kernels do (fp32 caches: IEEE fp32 throughout).
+``write_decode_kv`` / ``rotate_and_write_decode_kv`` (``megatron.rollout_decode_kernels: auto`` and ``true``): one
+kernel a layer writes the step's key and value at each row's slot, rotating the key (and the query, returned for the
+layer's own attention) with the step's RoPE as engine/kernels/rope.py does, where the layer takes two RoPE kernels
+and two index copies.
+
+``decode_attention`` (``true`` only): a decode step is captured once as a CUDA graph, so its shapes are fixed and SDPA
+attends over every slot of the cache under a mask. Here programs per (row, key/value head, ``SPLIT_SLOTS`` slots) read
+the row's slots up to the one it writes this step (``last``, a device tensor: the graph replays with the cursor's
+current value), skip the slots ``valid`` marks unused (left padding, a finished row's slots), and keep the softmax
+online in fp32 (flash attention's recurrence); the group's query heads share each block of keys and values (GQA
+without repeating them), and a second kernel combines the splits' partial softmaxes (flash decoding). Scores and
+softmax in fp32 as SDPA's fused kernels: bf16 queries and keys multiply exactly into fp32 sums, and the probabilities
+meet the values in the values' dtype, as SDPA's flash kernels do (fp32 caches: IEEE fp32 throughout). cuDNN's SDPA
+streams the whole cache at ~75% of the HBM bandwidth and this kernel the slots in use at up to ~50%
+(scripts/bench_decode_attention.py), so it wins only where rows reach a small part of a long cache.
 """
 
 from __future__ import annotations
