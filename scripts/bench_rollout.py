@@ -129,7 +129,7 @@ def profile_decode(engine: Any, cfg: Any, prompts: list[list[int]], n: int, step
         run, _ = decoder.prepare(prompts, n, sampling, generator)
         run.prefill()
         run.synchronize()
-        with run.cache.attached():
+        with run.stages.generating(run.cache):
             def eager() -> None:
                 for _ in range(steps):
                     run.decode_step(None)

@@ -447,13 +447,20 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
             assert r[f"rope_cache_write_max_abs_diff_{name}_{label}"] <= tol, r
             assert r[f"rope_attention_max_abs_diff_{name}_{label}"] <= tol, r
             assert r[f"rope_query_max_abs_diff_{name}_{label}"] <= tol, r
+    # a residual add fused into the norm after it: the sum as torch's add stores it (bf16: the interpreter rounds toward
+    # zero, one last place at most; compiled: exact), the norm of that sum as torch's to rounding
+    for cols in (80, 3000):
+        assert r[f"add_norm_sum_equal_fp32_{cols}"] and r[f"add_norm_max_abs_diff_fp32_{cols}"] <= 1e-5, r
+        assert r[f"add_norm_sum_ulps_bf16_{cols}"] <= (1 if r["interpreted"] else 0), r
+        assert r[f"add_norm_ulps_bf16_{cols}"] <= 1, r
     # the decoder with every kernel (true): they ran, and it generates what the schedule path generates
     assert r["decoder_kernel_calls"]["decode_attention"] > 0 and r["decoder_kernel_calls"]["sample_tokens"] > 0, r
-    assert "decode kernels: sampling + attention + rope (megatron.rollout_decode_kernels: true)" in r["decoder_path"], r
+    assert ("decode kernels: sampling + attention + rope + residual norms (megatron.rollout_decode_kernels: true)"
+            in r["decoder_path"]), r
     # auto: sampling, and the cache write rotating the query and key for SDPA; the same tokens (episodes below: on auto)
     assert r["decoder_auto_kernel_calls"]["decode_attention"] == 0, r
     assert r["decoder_auto_kernel_calls"]["sample_tokens"] > 0 and r["decoder_auto_kernel_calls"]["rotate_query"] > 0, r
-    assert "decode kernels: sampling + rope (megatron.rollout_decode_kernels: auto" in r["decoder_auto_path"], r
+    assert "decode kernels: sampling + rope + residual norms (megatron.rollout_decode_kernels: auto" in r["decoder_auto_path"], r
     assert r["decoder_auto_greedy_tokens_equal"] and r["decoder_auto_logprob_max_abs_diff"] <= decoder_atol, r
     # megatron.rollout_decode_kernels: false: no kernel runs, the same tokens
     assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0}, r

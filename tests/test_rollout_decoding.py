@@ -70,34 +70,37 @@ def test_cuda_graph_decision(stages: SimpleNamespace, requested: str, graphs: bo
 
 
 def _kernel_stages(device: str, sdpa: bool = True, head_dim: int = 64, unsupported: str | None = None,
-                   rope: str | None = None) -> SimpleNamespace:
+                   rope: str | None = None, norms: str | None = None) -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(device), takes_additive_masks=sdpa,
                            attentions=[SimpleNamespace(hidden_size_per_attention_head=head_dim)],
-                           unsupported_reason=lambda: unsupported, rope_in_decode_kernels_reason=lambda: rope)
+                           unsupported_reason=lambda: unsupported, rope_in_decode_kernels_reason=lambda: rope,
+                           fused_residual_norms_reason=lambda: norms)
 
 
 @pytest.mark.parametrize(("stages", "requested", "on", "why"), [
-    (_kernel_stages("cuda"), "auto", (True, False, True), "auto; attention on SDPA"),
-    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "auto", (True, False, False),
+    (_kernel_stages("cuda"), "auto", (True, False, True, True), "auto; attention on SDPA"),
+    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "auto", (True, False, False, True),
      "RoPE in the layers (apply_rope_fusion off)"),
-    (_kernel_stages("cuda"), "true", (True, True, True), "rollout_decode_kernels: true"),
-    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "true", (True, True, False),
+    (_kernel_stages("cuda", norms="norms other than torch's RMSNorm"), "auto", (True, False, True, False),
+     "residual adds apart (norms other than torch's RMSNorm)"),
+    (_kernel_stages("cuda"), "true", (True, True, True, True), "rollout_decode_kernels: true"),
+    (_kernel_stages("cuda", rope="apply_rope_fusion off"), "true", (True, True, False, True),
      "RoPE in the layers (apply_rope_fusion off)"),
-    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, True), "auto; attention on SDPA"),
+    (_kernel_stages("cuda", sdpa=False), "auto", (True, False, True, True), "auto; attention on SDPA"),
     (_kernel_stages("cuda", sdpa=False), "true", None, "decode attention kernel cannot run: layers not on attention_backend: sdpa"),
     (_kernel_stages("cuda", head_dim=512), "true", None, "decode attention kernel cannot run: head dim 512 > 256"),
-    (_kernel_stages("cuda", unsupported="multi-latent attention"), "auto", (False, False, False), "does not cover"),
+    (_kernel_stages("cuda", unsupported="multi-latent attention"), "auto", (False, False, False, False), "does not cover"),
     (_kernel_stages("cuda", unsupported="multi-latent attention"), "true", None, "kernels cannot run here"),
-    (_kernel_stages("cpu"), "auto", (False, False, False), "no CUDA device"),
+    (_kernel_stages("cpu"), "auto", (False, False, False, False), "no CUDA device"),
     (_kernel_stages("cpu"), "true", None, "no CUDA device"),
-    (_kernel_stages("cuda"), "false", (False, False, False), "rollout_decode_kernels: false"),
+    (_kernel_stages("cuda"), "false", (False, False, False, False), "rollout_decode_kernels: false"),
 ])
-def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tuple[bool, bool, bool] | None, why: str,
+def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tuple[bool, bool, bool, bool] | None, why: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron.rollout_decode_kernels, decided once per decoder (a CUDA device stands for Triton running: no tensor is
-    made on it here): ``auto`` runs the sampling kernel and the step's RoPE in the cache write, ``true`` the attention
-    kernel too (None: an error naming the field); RoPE moves into the kernels only where the layers' rotation is their
-    arithmetic."""
+    made on it here): ``auto`` runs the sampling kernel, the step's RoPE in the cache write and the residual adds in the
+    norms, ``true`` the attention kernel too (None: an error naming the field); RoPE moves into the kernels only where
+    the layers' rotation is their arithmetic, the adds into the norms only where those are torch's RMSNorm."""
     import oumi_megatron.rollout.decoding.decoder as decoder
 
     monkeypatch.setattr(decoder, "triton_runs_on_device", lambda device: device.type == "cuda")
@@ -108,7 +111,7 @@ def test_decode_kernels_decision(stages: SimpleNamespace, requested: str, on: tu
         assert why in str(e.value)
         return
     got = decoder.resolve_decode_kernels(requested, stages)  # type: ignore[arg-type]
-    assert (got.sampling, got.attention, got.rope) == on
+    assert (got.sampling, got.attention, got.rope, got.residual_norms) == on
     assert why in got.why, got
 
 

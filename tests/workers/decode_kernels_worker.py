@@ -14,6 +14,7 @@ compiled on a GPU where CUDA is available, the engine there too).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -125,6 +126,37 @@ def attention_checks() -> dict:
     return out
 
 
+def _ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference in units of ``ref``'s last place (bf16: 8 significant bits)."""
+    ulp = torch.ldexp(torch.ones_like(ref.float()), torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))).int() - 7)
+    return ((got.float() - ref.float()).abs() / ulp).max().item()
+
+
+def norm_checks() -> dict:
+    """engine/kernels/norms.py add_rms_norm against torch's add and RMSNorm (a hidden size of no power of two, and one
+    wider than a program's block: two passes over a row). bf16 in last places: Triton's interpreter rounds fp32 to
+    bf16 toward zero (triton 3.6 interpreter.py ``cast_impl``), a GPU to nearest as torch does."""
+    from oumi_megatron.engine.kernels.norms import add_rms_norm
+
+    torch.manual_seed(1)
+    out: dict = {"interpreted": os.environ.get("TRITON_INTERPRET") == "1"}
+    for cols in (80, 3000):
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            x, residual = (torch.randn(3, 5, cols).to(DEVICE, dtype) for _ in range(2))
+            norm = torch.nn.RMSNorm(cols, eps=1e-5).to(DEVICE, dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.rand(cols) + 0.5)
+                normed, total = add_rms_norm(x, residual, norm.weight, 1e-5)
+                sum_ref, normed_ref = x + residual, norm(total)  # the norm against torch's of the same sum
+            if dtype == torch.float32:
+                out[f"add_norm_sum_equal_{name}_{cols}"] = torch.equal(total, sum_ref)
+                out[f"add_norm_max_abs_diff_{name}_{cols}"] = (normed - normed_ref).abs().max().item()
+            else:
+                out[f"add_norm_sum_ulps_{name}_{cols}"] = _ulps(total, sum_ref)
+                out[f"add_norm_ulps_{name}_{cols}"] = _ulps(normed, normed_ref)
+    return out
+
+
 def decoder_checks(ckpt: str) -> dict:
     from generation_worker import episode_checks
 
@@ -197,7 +229,7 @@ def decoder_checks(ckpt: str) -> dict:
 
 def main() -> None:
     ckpt, out = sys.argv[1], Path(sys.argv[2])
-    result = {**sampling_checks(), **attention_checks(), **decoder_checks(ckpt)}
+    result = {**sampling_checks(), **attention_checks(), **norm_checks(), **decoder_checks(ckpt)}
     out.write_text(json.dumps(result))
 
 

@@ -267,14 +267,15 @@ class MegatronParams(BaseParams):
     cannot), ``false`` (eager steps). vLLM engines capture their own graphs."""
 
     rollout_decode_kernels: str = "auto"
-    """The embedded backend's own Triton kernels for its decode steps (where Triton runs on a CUDA device; the log says
-    what runs): ``auto`` samples the token and its log-probability in one read of the logits
-    (engine/kernels/token_sampling.py) and, where the layers rotate with the project's RoPE kernel, rotates the query
-    and key and writes the cache in one kernel a layer (engine/kernels/decode_attention.py); ``true`` also attends over
-    only the cache slots each row has reached (layers on ``attention_backend: sdpa``; an error where the kernels cannot
-    run; cuDNN's SDPA over every slot was faster at every shape measured, docs/benchmarks.md). ``false``: torch's
-    sampling ops, RoPE and SDPA (the reference when bisecting a rollout). Top-p below 1 samples through torch either
-    way (a nucleus needs a sort)."""
+    """The embedded backend's own Triton kernels for its forwards (where Triton runs on a CUDA device; the log says what
+    runs): ``auto`` samples the token and its log-probability in one read of the logits
+    (engine/kernels/token_sampling.py), rotates the step's query and key and writes the cache in one kernel a layer
+    where the layers rotate with the project's RoPE kernel (engine/kernels/decode_attention.py), and fuses each
+    residual add into the RMSNorm after it (rollout/decoding/residual_norms.py); ``true`` also attends over only the
+    cache slots each row has reached (layers on ``attention_backend: sdpa``; an error where the kernels cannot run;
+    cuDNN's SDPA over every slot was faster at every shape measured, docs/benchmarks.md). ``false``: torch's sampling
+    ops, RoPE, adds, norms and SDPA (the reference when bisecting a rollout). Top-p below 1 samples through torch
+    either way (a nucleus needs a sort)."""
 
     rollout_cuda_graphs_kept: int = 1
     """With the embedded backend's CUDA graphs: how many shapes (rows, prompt width rounded up to a multiple of 64,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from oumi_megatron.engine.kernels.rope import triton
+
 _NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
 
@@ -65,3 +67,52 @@ def sequence_parallel_block_spec(layer_spec: Any, config: Any, vp_stage: int | N
             setattr(attention, name, TorchNorm)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
+
+
+# -- a residual add fused into the next RMSNorm (the static decoder's forwards, rollout/decoding/residual_norms.py) -----
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["cols", "eps"])
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, cols, eps, BLOCK: tl.constexpr):
+        # one program per row: sum = x + residual rounded to the stream's dtype (as torch's add stores it), then
+        # RMSNorm of that rounded sum in fp32, as torch's rms_norm: sum * rsqrt(mean(sum^2) + eps) * weight
+        row = tl.program_id(0)
+        squares = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, cols, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            m = c < cols
+            x = tl.load(x_ptr + row * cols + c, mask=m, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + row * cols + c, mask=m, other=0.0).to(tl.float32)
+            s = (x + r).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * cols + c, s, mask=m)
+            s = s.to(tl.float32)
+            squares += s * s
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / cols + eps)
+        for start in range(0, cols, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            m = c < cols
+            s = tl.load(sum_ptr + row * cols + c, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * cols + c, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+ADD_NORM_BLOCK = 2048
+"""Columns a program of ``add_rms_norm`` reads at once (a wider hidden size: two passes over its row, the second from
+L2)."""
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) with ``weight``, x + residual) in one kernel, where torch takes an add and a norm: the
+    sum rounded to ``residual``'s dtype first, as the add would store it (Triton: a CUDA device or the interpreter)."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must match")
+    x, residual = x.contiguous(), residual.contiguous()
+    cols = x.shape[-1]
+    total = torch.empty_like(residual)
+    out = torch.empty_like(residual)
+    _add_rms_norm_kernel[(x.numel() // cols,)](x, residual, weight, total, out, cols, eps,
+                                               BLOCK=min(ADD_NORM_BLOCK, triton.next_power_of_2(cols)))
+    return out, total

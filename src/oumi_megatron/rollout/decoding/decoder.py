@@ -109,7 +109,8 @@ def resolve_cuda_graphs(requested: str, stages: PolicyStages) -> tuple[bool, str
 
 def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernels:
     """Which of the decode step's Triton kernels run, for ``megatron.rollout_decode_kernels`` (decided once per decoder):
-    ``auto`` the sampling kernel and the step's RoPE in the cache write, ``true`` the attention kernel as well."""
+    ``auto`` the sampling kernel, the step's RoPE in the cache write and the residual adds in the norms, ``true`` the
+    attention kernel as well."""
     if requested not in ROLLOUT_DECODE_KERNELS:
         raise ValueError(f"megatron.rollout_decode_kernels must be one of {ROLLOUT_DECODE_KERNELS}, got {requested!r}")
     if requested == "false":
@@ -124,20 +125,24 @@ def resolve_decode_kernels(requested: str, stages: PolicyStages) -> DecodeKernel
         return DecodeKernels(False, False, f"auto: {blocker}")
     # RoPE inside the kernels only where it is the same arithmetic as the layers' own (else the layers rotate)
     rope_blocker = stages.rope_in_decode_kernels_reason()
-    rope_why = f", RoPE in the layers ({rope_blocker})" if rope_blocker else ""
+    norms_blocker = stages.fused_residual_norms_reason()
+    why = (f", RoPE in the layers ({rope_blocker})" if rope_blocker else "") + \
+        (f", residual adds apart ({norms_blocker})" if norms_blocker else "")
     if requested == "auto":
         # cuDNN's SDPA over every cache slot beat the attention kernel over the slots in use at every shape measured
         # (scripts/bench_decode_attention.py, H100: 1.3-2x at 32-256 rows and 192-1024 slots); the sampling kernel and
         # the query's and key's RoPE in the cache write (four kernels a layer in one) won
         return DecodeKernels(True, False, "megatron.rollout_decode_kernels: auto; attention on SDPA, faster over every "
-                             "slot than the attention kernel over the slots in use" + rope_why, rope=rope_blocker is None)
+                             "slot than the attention kernel over the slots in use" + why, rope=rope_blocker is None,
+                             residual_norms=norms_blocker is None)
     head_dim = max(a.hidden_size_per_attention_head for a in stages.attentions)
     blocker = ("layers not on attention_backend: sdpa" if not stages.takes_additive_masks else
                f"head dim {head_dim} > {MAX_HEAD_DIM}" if head_dim > MAX_HEAD_DIM else None)
     if blocker is not None:
         raise ValueError(f"megatron.rollout_decode_kernels: true, but the decode attention kernel cannot run: {blocker}. "
                          "Set megatron.rollout_decode_kernels: auto (attention on the layers' own kernel).")
-    return DecodeKernels(True, True, "megatron.rollout_decode_kernels: true" + rope_why, rope=rope_blocker is None)
+    return DecodeKernels(True, True, "megatron.rollout_decode_kernels: true" + why, rope=rope_blocker is None,
+                         residual_norms=norms_blocker is None)
 
 
 class KeptGenerations:
@@ -347,7 +352,7 @@ class _Generation:
         positions, mask = positions_and_mask(self.prompt_real)
         rotary = None if self.rotary is None else self.rotary[:self.width]
         self.cursor.prefill_repeat = self.n
-        with self.cache.attached():
+        with self.stages.generating(self.cache):
             logits = self.stages.forward(self.prompt_ids, positions.to(self.prompt_ids.device),
                                          mask.to(self.prompt_ids.device), rotary)
         self.cursor.prefill_repeat = 0
@@ -405,7 +410,7 @@ class _Generation:
         ``peers_done``) has finished; the number of tokens per row generated."""
         total = self.params.max_new_tokens
         step = 1
-        with self.cache.attached():
+        with self.stages.generating(self.cache):
             while step < total:
                 if self.graph is not None:  # captured in this call, or kept from an earlier one (``refill``)
                     self.graph.replay()

@@ -342,7 +342,7 @@ class EpisodeGeneration(_Generation):
         rows, slots = self.valid.shape
         host = _HostView(rows, self.params)
         steps, in_flight, reach = 0, 0.0, self.width
-        with self.cache.attached():
+        with self.stages.generating(self.cache):
             while True:
                 if steps % self.check_every == 0:
                     in_flight += host.going() * min(steps, self.check_every)

@@ -11,6 +11,8 @@ ring for virtual stages) by point-to-point messages; the last stage returns the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from oumi_megatron.engine.wrappers import unwrap
+from oumi_megatron.rollout.decoding.residual_norms import fused_residual_norms, fused_residual_norms_reason
 
 if TYPE_CHECKING:
     from oumi_megatron.engine.engine import MegatronEngine
+    from oumi_megatron.rollout.decoding.static_cache import CacheCursor, StaticKVCache
 
 
 def unsupported_reason(model: Any) -> str | None:  # a GPTModel chunk
@@ -59,6 +63,9 @@ class DecodeKernels:
     attention: bool
     """engine/kernels/decode_attention.py attends over the slots each row has reached (static_cache.py)."""
     why: str
+    residual_norms: bool = False
+    """rollout/decoding/residual_norms.py: each residual add fused into the RMSNorm after it (every forward of the
+    generation: prefill, decode steps, appends)."""
     rope: bool = False
     """The step's RoPE inside the decode kernels (the layers get no rotary angles): the cache-write kernel rotates the
     key and the query (or, with ``attention``, the attention kernel the query), where the layers would rotate with
@@ -66,7 +73,7 @@ class DecodeKernels:
 
     def describe(self) -> str:
         kernels = [name for name, on in (("sampling", self.sampling), ("attention", self.attention),
-                                         ("rope", self.rope)) if on]
+                                         ("rope", self.rope), ("residual norms", self.residual_norms)) if on]
         return f"decode kernels: {' + '.join(kernels) or 'none'} ({self.why})"
 
 
@@ -117,6 +124,18 @@ class PolicyStages:
         if any(getattr(a, "_yarn_concentration_factor", 1.0) != 1.0 for a in self.attentions):
             return "YaRN's attention scaling"
         return None
+
+    def fused_residual_norms_reason(self) -> str | None:
+        """Why the residual adds cannot be fused into the norms after them here (None: they can)."""
+        return fused_residual_norms_reason(self.chunks, self.config)
+
+    @contextlib.contextmanager
+    def generating(self, cache: StaticKVCache) -> Iterator[CacheCursor]:
+        """The layers as a generation's forwards run them: attending through ``cache`` and, where the decode kernels
+        fuse them (``kernels.residual_norms``), each residual add in the norm after it; restored after."""
+        fused = fused_residual_norms(self.chunks) if self.kernels.residual_norms else contextlib.nullcontext()
+        with cache.attached() as cursor, fused:
+            yield cursor
 
     def unsupported_reason(self) -> str | None:
         return next((r for r in (unsupported_reason(c) for c in self.chunks) if r), None)
