@@ -29,7 +29,8 @@ def test_kernel_profile_counts_calls_and_time_per_step() -> None:
     # the rows are heaviest first, their shares of the total under 1, the totals at least the rows'
     times = [r["us_per_step"] for r in profiled["rows"]]
     assert times == sorted(times, reverse=True)
-    assert 0 < sum(r["share"] for r in profiled["rows"]) <= 1.0 + 1e-6
+    # each share is rounded to 4 decimals: their sum may pass 1 by half a unit of that place per row
+    assert 0 < sum(r["share"] for r in profiled["rows"]) <= 1.0 + 0.5e-4 * len(profiled["rows"])
     assert profiled["kernels_per_step"] >= 2 and profiled["us_per_step"] >= max(times)
 
     table = kernel_table(profiled, step_ms=10.0, title="cpu: ")

@@ -80,12 +80,14 @@ def fused_residual_norms_reason(chunks: list[Any], config: Any) -> str | None:
 
     for chunk in chunks:
         for layer in chunk.decoder.layers:
-            if not isinstance(layer, TransformerLayer):
+            if type(layer) is not TransformerLayer:  # a subclass (MoETransformerLayer) runs its own MLP path
                 return f"{type(layer).__name__} layers"
             if not all(type(n) is torch.nn.RMSNorm for n in (layer.input_layernorm, layer.pre_mlp_layernorm)):
                 return "norms other than torch's RMSNorm"
             if not isinstance(layer.pre_cross_attn_layernorm, IdentityOp):
                 return "cross-attention layers"
+            if getattr(layer, "recompute_input_layernorm", False) or getattr(layer, "recompute_pre_mlp_layernorm", False):
+                return "recomputed norms (recompute_modules: layernorm)"  # Megatron-Core checkpoints a norm's one output
     return None
 
 
