@@ -21,7 +21,8 @@ For each: generated tokens/s (wall time of the call, capture included), decode m
 memory above the model, and the fraction of the HBM roofline: (weights + the KV cache a step must read) /
 bandwidth over the measured decode step. Greedy parity (bf16): the static paths' greedy tokens against the
 schedule path's on the same prompts, the first position where a row differs and the logprob gap there. With both
-``graphs`` and ``graphs_torch``: each one's sampled logprobs against the trainer's recomputation (``trainer_gaps``).
+``graphs`` and ``graphs_torch``: the sampled logprobs of ``graphs``, ``graphs_attention`` and ``graphs_torch`` against
+the trainer's recomputation (``trainer_gaps``).
 """
 
 from __future__ import annotations
