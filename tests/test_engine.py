@@ -447,6 +447,10 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
             assert r[f"rope_cache_write_max_abs_diff_{name}_{label}"] <= tol, r
             assert r[f"rope_attention_max_abs_diff_{name}_{label}"] <= tol, r
             assert r[f"rope_query_max_abs_diff_{name}_{label}"] <= tol, r
+            # from the fused QKV projection's layout, its bias added in the kernel (bf16: the interpreter's rounding of
+            # the sum toward zero may move a rotated value by a last place)
+            assert r[f"fused_qkv_query_max_abs_diff_{name}_{label}"] <= tol, r
+            assert r[f"fused_qkv_cache_max_abs_diff_{name}_{label}"] <= tol, r
     # a residual add fused into the norm after it: the sum as torch's add stores it (bf16: the interpreter rounds toward
     # zero, one last place at most; compiled: exact), the norm of that sum as torch's to rounding
     for cols in (80, 3000):
@@ -460,10 +464,13 @@ def check_decode_kernels(r: dict, decoder_atol: float) -> None:
     # auto: sampling, and the cache write rotating the query and key for SDPA; the same tokens (episodes below: on auto)
     assert r["decoder_auto_kernel_calls"]["decode_attention"] == 0, r
     assert r["decoder_auto_kernel_calls"]["sample_tokens"] > 0 and r["decoder_auto_kernel_calls"]["rotate_query"] > 0, r
+    # ... from the QKV projection's own layout, its bias (the model's, added for this check) added by the kernel
+    assert r["decoder_auto_kernel_calls"]["rotate_fused_qkv"] == r["decoder_auto_kernel_calls"]["rotate_query"], r
     assert "decode kernels: sampling + rope + residual norms (megatron.rollout_decode_kernels: auto" in r["decoder_auto_path"], r
     assert r["decoder_auto_greedy_tokens_equal"] and r["decoder_auto_logprob_max_abs_diff"] <= decoder_atol, r
     # megatron.rollout_decode_kernels: false: no kernel runs, the same tokens
-    assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0}, r
+    assert r["decoder_off_kernel_calls"] == {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0,
+                                             "rotate_fused_qkv": 0}, r
     assert "decode kernels: none (megatron.rollout_decode_kernels: false)" in r["decoder_off_path"], r
     assert r["decoder_off_greedy_tokens_equal"] and r["decoder_off_logprob_max_abs_diff"] <= decoder_atol, r
     assert r["decoder_greedy_tokens_equal"] and r["decoder_rows_ended_early"] >= 1, r

@@ -123,6 +123,25 @@ def attention_checks() -> dict:
             # ... and the query rotated in the same kernel (for SDPA), as the layer's rotation
             q_ref = fused_rope(q_view, freqs.expand(1, rows, 1, 64))
             out[f"rope_query_max_abs_diff_{name}_{label}"] = (q_rope.float() - q_ref.float()).abs().max().item()
+            # from the fused QKV projection's own layout (static_cache.KernelQKV): [1, rows, groups, (3 + 2) * dim]
+            # without its bias, which the kernel adds as torch's `output + bias` stores it, then rotates
+            per_group = heads // groups
+            mixed = torch.randn(1, rows, groups, (per_group + 2) * dim).to(DEVICE, dtype)
+            bias = torch.randn(groups, (per_group + 2) * dim).to(DEVICE, dtype)
+            q_m, k_m, v_m = mixed.split([per_group * dim, dim, dim], dim=-1)
+            b_q, b_k, b_v = bias.split([per_group * dim, dim, dim], dim=-1)
+            k_fused, v_fused = keys.clone(), values.clone()
+            q_fused = rotate_and_write_decode_kv(q_m.unflatten(-1, (per_group, dim)), k_m, v_m, k_fused, v_fused, last,
+                                                 freqs, (b_q.unflatten(-1, (per_group, dim)), b_k, b_v))
+            summed = mixed + bias  # Megatron-Core's projection: the add, then the query reshaped out of the groups
+            q_ref = fused_rope(summed[..., :per_group * dim].reshape(1, rows, heads, dim), freqs.expand(1, rows, 1, 64))
+            k_ref, v_ref = keys.clone(), values.clone()
+            k_ref[torch.arange(rows), :, ends] = fused_rope(summed[..., per_group * dim:-dim],
+                                                            freqs.expand(1, rows, 1, 64))[0]
+            v_ref[torch.arange(rows), :, ends] = summed[0, :, :, -dim:]
+            out[f"fused_qkv_query_max_abs_diff_{name}_{label}"] = (q_fused.float() - q_ref.float()).abs().max().item()
+            out[f"fused_qkv_cache_max_abs_diff_{name}_{label}"] = max(
+                (k_fused.float() - k_ref.float()).abs().max().item(), (v_fused.float() - v_ref.float()).abs().max().item())
     return out
 
 
@@ -166,10 +185,11 @@ def decoder_checks(ckpt: str) -> dict:
     from oumi_megatron.engine.builder import build_engine
     from oumi_megatron.engine.optimizer import OptimSettings
     from oumi_megatron.engine.parallel.layout import engine_layout
+    from oumi_megatron.engine.wrappers import unwrap
     from oumi_megatron.rollout.megatron_backend import MegatronRolloutBackend
     from oumi_megatron.rollout.sampling import SamplingParams
 
-    calls = {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0}
+    calls = {"decode_attention": 0, "sample_tokens": 0, "rotate_query": 0, "rotate_fused_qkv": 0}
 
     def counted(name: str, fn):  # noqa: ANN001, ANN202
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -179,12 +199,24 @@ def decoder_checks(ckpt: str) -> dict:
 
     static_cache.decode_attention = counted("decode_attention", static_cache.decode_attention)
     static_cache.rotate_and_write_decode_kv = counted("rotate_query", static_cache.rotate_and_write_decode_kv)
+    own_layout = static_cache.rotate_and_write_decode_kv
+
+    def fused_layout(query, *args):  # noqa: ANN001, ANN002, ANN202
+        calls["rotate_fused_qkv"] += query.dim() == 5 and args[-1] is not None  # KernelQKV's layout and bias
+        return own_layout(query, *args)
+
+    static_cache.rotate_and_write_decode_kv = fused_layout
     token_sampling.sample_tokens = counted("sample_tokens", token_sampling.sample_tokens)
     params = MegatronParams()
     params.transformer_config.recompute_granularity = None
     params.transformer_config.attention_backend = "sdpa"
     params.transformer_config.apply_rope_fusion = True  # the layers rotate as the decode kernels do: RoPE moves into them
     _, engine = build_engine(ckpt, engine_layout(params), params, OptimSettings(), dtype=torch.float32)
+    # a QKV bias as Qwen2's (the tiny Llama has none): every path below adds it, the decode kernels in the cache write
+    for layer in unwrap(engine.model[0]).decoder.layers:
+        linear = layer.self_attention.linear_qkv
+        bias = 0.5 * torch.randn(linear.weight.shape[0], generator=torch.Generator().manual_seed(3))
+        linear.bias = torch.nn.Parameter(bias.to(linear.weight))
     vocab = 259
     rng = torch.Generator().manual_seed(7)  # the prompts: on the host
     prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()

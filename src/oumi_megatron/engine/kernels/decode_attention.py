@@ -35,6 +35,15 @@ if triton is not None:
         s = tl.sin(f)
         return tl.where(rotated, tl.where(first, x * c - partner * s, x * c + partner * s), x)
 
+    @triton.jit
+    def _load_biased(x_at, b_at, idx, mask, HAS_BIAS: tl.constexpr):
+        """``x_at[idx]``, with the projection's bias ``b_at[idx]`` added and rounded as torch's ``output + bias`` stores
+        the sum (a fused QKV projection run without its bias, rotate_and_write_decode_kv)."""
+        x = tl.load(x_at + idx, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(b_at + idx, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        return x
+
     @triton.jit(do_not_specialize=["heads_per_group", "slots", "last_stride", "head_dim", "q_row", "q_head", "f_row"])
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, f_ptr, scale,
                                  heads_per_group, slots, last_stride, head_dim, q_row, q_head, f_row,
@@ -124,10 +133,11 @@ if triton is not None:
         tl.store(out_ptr + i * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_in)
 
     @triton.jit(do_not_specialize=["slot_stride", "k_row", "k_group", "v_row", "v_group", "slots", "head_dim", "f_row",
-                                   "q_row", "q_head", "heads"])
-    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, q_ptr, q_out_ptr, slot_stride, k_row,
-                            k_group, v_row, v_group, slots, head_dim, f_row, q_row, q_head, heads, GROUPS: tl.constexpr,
-                            BLOCK_D: tl.constexpr, HALF: tl.constexpr):
+                                   "q_row", "q_group", "q_head", "q_per_group", "heads", "b_group", "b_head"])
+    def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, f_ptr, q_ptr, q_out_ptr, bq_ptr, bk_ptr,
+                            bv_ptr, slot_stride, k_row, k_group, v_row, v_group, slots, head_dim, f_row, q_row, q_group,
+                            q_head, q_per_group, heads, b_group, b_head, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
         row = tl.program_id(0)
         which = tl.program_id(1)  # a key/value head, or past GROUPS a query head to rotate (rotate_query)
         d = tl.arange(0, BLOCK_D)
@@ -136,9 +146,12 @@ if triton is not None:
         partner = tl.where(d < HALF, d + HALF, d - HALF)
         if which >= GROUPS:  # the query head rotated as the layer would, into [rows, heads, dim] for SDPA
             head = which - GROUPS
-            q_at = q_ptr + row * q_row + head * q_head
-            q = tl.load(q_at + d, mask=inside).to(tl.float32)
-            q_p = tl.load(q_at + partner, mask=rotated, other=0.0).to(tl.float32)
+            group = head // q_per_group  # the query's layout: [rows, groups, heads a group, dim] (flat: one group)
+            in_group = head - group * q_per_group
+            q_at = q_ptr + row * q_row + group * q_group + in_group * q_head
+            bq_at = bq_ptr + group * b_group + in_group * b_head
+            q = _load_biased(q_at, bq_at, d, inside, HAS_BIAS).to(tl.float32)
+            q_p = _load_biased(q_at, bq_at, partner, rotated, HAS_BIAS).to(tl.float32)
             f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
             q = _rotated(q, q_p, f, d < HALF, rotated)
             tl.store(q_out_ptr + (row * heads + head) * head_dim + d, q.to(q_out_ptr.dtype.element_ty), mask=inside)
@@ -147,12 +160,12 @@ if triton is not None:
             slot = tl.load(slot_ptr + row * slot_stride)
             at = ((row * GROUPS + group) * slots + slot) * head_dim + d
             k_at = k_ptr + row * k_row + group * k_group
-            k = tl.load(k_at + d, mask=inside)
+            k = _load_biased(k_at, bk_ptr + group * b_group, d, inside, HAS_BIAS)
             if HALF > 0:  # the step's RoPE on the key, in fp32 as engine/kernels/rope.py, stored in the cache's dtype
-                k_p = tl.load(k_at + partner, mask=rotated, other=0.0).to(tl.float32)
+                k_p = _load_biased(k_at, bk_ptr + group * b_group, partner, rotated, HAS_BIAS).to(tl.float32)
                 f = tl.load(f_ptr + row * f_row + d, mask=rotated, other=0.0).to(tl.float32)
                 k = _rotated(k.to(tl.float32), k_p, f, d < HALF, rotated)
-            v = tl.load(v_ptr + row * v_row + group * v_group + d, mask=inside)
+            v = _load_biased(v_ptr + row * v_row + group * v_group, bv_ptr + group * b_group, d, inside, HAS_BIAS)
             tl.store(k_cache_ptr + at, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
             tl.store(v_cache_ptr + at, v, mask=inside)
 
@@ -198,41 +211,61 @@ def _freqs(freqs: torch.Tensor | None, rows: int, dim: int, like: torch.Tensor) 
     return f, f.stride(0) if f.shape[0] > 1 else 0, rot // 2
 
 
+QKVBias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A fused QKV projection's bias as views of its [groups, (heads a group + 2) * dim] layout: the query's
+[groups, heads a group, dim], the key's and the value's [groups, dim] (rollout/decoding/static_cache.py)."""
+
+
 def write_decode_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     slot: torch.Tensor, freqs: torch.Tensor | None = None) -> None:
     """A decode step's ``key``/``value`` [1, rows, groups, dim] into the caches [rows, groups, slots, dim] at each row's
     ``slot`` (long [rows], or [1] for every row): one kernel for both, where index_copy_ or scatter_ take one each.
     ``freqs`` (the step's rotary angles, see ``_freqs``): the key rotated on its way in, as the layer would."""
-    _write(key, value, keys, values, slot, freqs, None)
+    _write(key, value, keys, values, slot, freqs, None, None)
 
 
 def rotate_and_write_decode_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor,
-                               values: torch.Tensor, slot: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``write_decode_kv`` with the key rotated by ``freqs``, and in the same kernel the step's ``query``
-    [1, rows, heads, dim] (strided is fine) rotated as the layer would: returned as a new [1, rows, heads, dim] tensor
-    for the layer's own attention over the cache. One kernel where the layer takes two RoPE kernels and two copies."""
-    out = _write(key, value, keys, values, slot, freqs, query)
+                               values: torch.Tensor, slot: torch.Tensor, freqs: torch.Tensor,
+                               bias: QKVBias | None = None) -> torch.Tensor:
+    """``write_decode_kv`` with the key rotated by ``freqs``, and in the same kernel the step's ``query`` rotated as the
+    layer would: returned as a new [1, rows, heads, dim] tensor for the layer's own attention over the cache. One
+    kernel where the layer takes two RoPE kernels and two copies. ``query``: [1, rows, heads, dim], or the fused QKV
+    projection's own [1, rows, groups, heads a group, dim] view (strided is fine: no copy). ``bias``: the projection's,
+    where it ran without it: added to the query, key and value first, rounded as torch's add would store them."""
+    out = _write(key, value, keys, values, slot, freqs, query, bias)
     assert out is not None
     return out
 
 
 def _write(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
-           freqs: torch.Tensor | None, query: torch.Tensor | None) -> torch.Tensor | None:
+           freqs: torch.Tensor | None, query: torch.Tensor | None, bias: QKVBias | None) -> torch.Tensor | None:
     _, rows, groups, dim = key.shape
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     f, f_row, half = _freqs(freqs, rows, dim, key)
-    q, q_out, heads = key[0], None, 0  # no query: key[0] stands in for its pointer, no program reads it
+    q, q_out, heads, per_group, q_group = key[0], None, 0, 1, 0  # no query: key[0] stands in, no program reads it
     if query is not None:
         if half == 0:
             raise ValueError("rotate_and_write_decode_kv: the query is rotated by the step's rotary angles (freqs)")
         q = query[0] if query.stride(-1) == 1 else query[0].contiguous()
-        heads = q.shape[1]
+        if q.dim() == 4:  # [rows, groups, heads a group, dim]
+            per_group, q_group, heads = q.shape[2], q.stride(1), q.shape[1] * q.shape[2]
+            q = q.select(1, 0)  # [rows, heads a group, dim]: row and head strides; the group's comes apart
+        else:
+            heads = per_group = q.shape[1]
         q_out = torch.empty(1, rows, heads, dim, dtype=q.dtype, device=q.device)
+    bq, bk, bv = bias if bias is not None else (key, key, key)  # no bias: placeholders no program reads
+    if bias is not None and (query is None or bq.shape != (groups, per_group, dim) or bk.shape != (groups, dim)
+                             or bv.shape != (groups, dim) or len({b.stride(0) for b in bias}) != 1
+                             or any(b.stride(-1) != 1 for b in bias)):
+        raise ValueError(f"rotate_and_write_decode_kv: a bias of views [{groups}, {per_group}, {dim}], [{groups}, {dim}] "
+                         f"x2 sharing a group stride, got {[tuple(b.shape) for b in bias]}")
     _cache_write_kernel[(rows, groups + heads)](
-        key, value, keys, values, slot, f, q, key if q_out is None else q_out, slot.stride(0) if slot.numel() > 1 else 0,
-        key.stride(1), key.stride(2), value.stride(1), value.stride(2), keys.shape[2], dim, f_row, q.stride(0),
-        q.stride(1), heads, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim), HALF=half)
+        key, value, keys, values, slot, f, q, key if q_out is None else q_out, bq, bk, bv,
+        slot.stride(0) if slot.numel() > 1 else 0, key.stride(1), key.stride(2), value.stride(1), value.stride(2),
+        keys.shape[2], dim, f_row, q.stride(0), q_group, q.stride(1), per_group, heads, bk.stride(0),
+        bq.stride(1) if bias is not None else 0, GROUPS=groups, BLOCK_D=triton.next_power_of_2(dim), HALF=half,
+        HAS_BIAS=bias is not None)
     return q_out
 
 

@@ -134,7 +134,7 @@ class PolicyStages:
         """The layers as a generation's forwards run them: attending through ``cache`` and, where the decode kernels
         fuse them (``kernels.residual_norms``), each residual add in the norm after it; restored after."""
         fused = fused_residual_norms(self.chunks) if self.kernels.residual_norms else contextlib.nullcontext()
-        with cache.attached() as cursor, fused:
+        with cache.attached(kernel_qkv=self.kernels.rope) as cursor, fused:
             yield cursor
 
     def unsupported_reason(self) -> str | None:

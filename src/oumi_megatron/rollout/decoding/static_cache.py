@@ -10,8 +10,9 @@ calls the layer's real core attention (SDPA or Megatron's local one) over the ca
 (``megatron.rollout_decode_kernels``, engine/kernels/decode_attention.py), a decode step's RoPE moves out of the
 layer into one kernel that rotates the query and writes the rotated key and the value (the cursor's ``rotary``), and
 with ``true`` its attention too, reading each row's slots up to the one it writes (the cursor's ``valid`` marks
-which it attends to) rather than every slot of the cache. Nothing in a decode step depends on a host value, so the
-whole step can be captured once and replayed.
+which it attends to) rather than every slot of the cache. With the query and key rotated there, ``KernelQKV`` hands
+that kernel the fused QKV projection's own layout and leaves its bias to it (no query copy, no bias add). Nothing
+in a decode step depends on a host value, so the whole step can be captured once and replayed.
 
 Where a forward writes (``CacheCursor``):
 - **one shared slot** (``slot``): single-turn decoding, every row's token at the same column;
@@ -36,6 +37,7 @@ import torch
 
 from oumi_megatron.engine.kernels.attention import SdpaCoreAttention
 from oumi_megatron.engine.kernels.decode_attention import (
+    QKVBias,
     decode_attention,
     rotate_and_write_decode_kv,
     write_decode_kv,
@@ -82,15 +84,79 @@ class CacheCursor:
     attention kernels; None: the layers rotated them."""
 
 
+def rotating(c: CacheCursor) -> bool:
+    """A decode step whose query and key the cache-write kernel rotates (rotate_and_write_decode_kv)."""
+    return not c.prefill_repeat and c.chunk is None and c.valid is None and c.rotary is not None
+
+
+def kernel_qkv_reason(attention: Any) -> str | None:
+    """Why ``KernelQKV`` cannot stand in for this layer's ``get_query_key_value_tensors`` (None: it can)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    linear = attention.linear_qkv
+    if type(linear) is not ColumnParallelLinear:  # an adapter's wrapper or another linear: its own forward
+        return f"a {type(linear).__name__} QKV projection"
+    if linear.skip_bias_add:
+        return "a QKV projection that hands its bias on"
+    if any(n is not None and not isinstance(n, IdentityOp) for n in (attention.q_layernorm, attention.k_layernorm)):
+        return "q/k norms"
+    if attention.config.num_query_groups < attention.world_size:
+        return "fewer query groups than TP ranks"
+    if getattr(attention.config, "attention_output_gate", False) or attention.config.test_mode:
+        return "gated attention output"
+    return None
+
+
+class KernelQKV:
+    """A layer's ``get_query_key_value_tensors`` for the decode steps whose cache write rotates (``rotating``): the
+    fused QKV projection without its bias, split into views of it (the query [sq, b, groups, heads a group, dim]: no
+    copy), and the bias left to the cache-write kernel, which adds it as torch's add would store the sum before it
+    rotates. Megatron-Core's own method adds the bias in a kernel and copies the query out of the fused layout in
+    another: two of a decode step's small kernels a layer. Every other forward (prefill, appends) takes the layer's
+    own method."""
+
+    def __init__(self, attention: Any, cursor: CacheCursor) -> None:
+        self.attention = attention
+        self.cursor = cursor
+        self.own = attention.get_query_key_value_tensors
+        self.groups = attention.num_query_groups_per_partition
+        self.dim = attention.hidden_size_per_attention_head
+        self.per_group = attention.num_attention_heads_per_partition // self.groups
+        self.sizes = [self.per_group * self.dim, self.dim, self.dim]
+        bias = attention.linear_qkv.bias
+        self.bias: QKVBias | None = None
+        if bias is not None:  # views of the parameter the optimizer updates in place
+            q, k, v = bias.view(self.groups, -1).split(self.sizes, dim=-1)
+            self.bias = (q.unflatten(-1, (self.per_group, self.dim)), k, v)
+
+    def __call__(self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None,
+                 output_gate: bool = False, split_qkv: bool = True) -> Any:
+        if not rotating(self.cursor) or key_value_states is not None or output_gate or not split_qkv:
+            return self.own(hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
+        linear = self.attention.linear_qkv
+        linear.skip_bias_add = True  # Megatron-Core's own forward (TP, SP), returning the bias instead of adding it
+        try:
+            mixed, _ = linear(hidden_states)
+        finally:
+            linear.skip_bias_add = False
+        query, key, value = mixed.unflatten(-1, (self.groups, -1)).split(self.sizes, dim=-1)
+        return query.unflatten(-1, (self.per_group, self.dim)), key, value
+
+
 class CachedCoreAttention(torch.nn.Module):
     """A layer's core attention over the static cache (the interface of Megatron's ``DotProductAttention``)."""
 
-    def __init__(self, inner: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, cursor: CacheCursor) -> None:
+    def __init__(self, inner: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, cursor: CacheCursor,
+                 qkv: KernelQKV | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.keys = keys
         self.values = values
         self.cursor = cursor
+        self.qkv = qkv
+        """The layer's projection where ``KernelQKV`` runs it: a decode step's query then arrives in the fused
+        [1, rows, groups, heads a group, dim] layout, without the bias, which the cache-write kernel adds."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                 attn_mask_type: Any = None, attention_bias: torch.Tensor | None = None,
@@ -108,8 +174,10 @@ class CachedCoreAttention(torch.nn.Module):
             assert isinstance(self.inner, SdpaCoreAttention)  # the decoder resolves the kernel over SDPA layers only
             write_decode_kv(key, value, self.keys, self.values, last, c.rotary)
             return decode_attention(query, self.keys, self.values, c.valid, last, self.inner.softmax_scale, c.rotary)
-        if c.chunk is None and c.rotary is not None:  # a decode step whose query and key the cache write rotates
-            query = rotate_and_write_decode_kv(query, key, value, self.keys, self.values, last, c.rotary)
+        if rotating(c):  # a decode step whose query and key the cache write rotates
+            assert c.rotary is not None
+            bias = self.qkv.bias if self.qkv is not None and query.dim() == 5 else None  # KernelQKV left it out
+            query = rotate_and_write_decode_kv(query, key, value, self.keys, self.values, last, c.rotary, bias)
         elif c.chunk is not None:  # [C, G, groups, dim]: the group's chunks, then attention over the group's rows
             for cache, new in ((self.keys, key), (self.values, value)):
                 # [rows, slots, groups, dim] view: (row, slot) pairs index it, each taking a [groups, dim] vector
@@ -149,14 +217,23 @@ class StaticKVCache:
         return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
 
     @contextlib.contextmanager
-    def attached(self) -> Iterator[CacheCursor]:
-        """Every layer's core attention reads and writes this cache while the block runs; restored after."""
+    def attached(self, kernel_qkv: bool = False) -> Iterator[CacheCursor]:
+        """Every layer's core attention reads and writes this cache while the block runs; restored after.
+        ``kernel_qkv`` (the decode kernels rotate: ``DecodeKernels.rope``): ``KernelQKV`` projects the decode steps'
+        query, key and value on the layers where it can (``kernel_qkv_reason``)."""
         originals = [a.core_attention for a in self.attentions]
+        projected = []
         for a, (keys, values) in zip(self.attentions, self.layers):
-            a.core_attention = CachedCoreAttention(a.core_attention, keys, values, self.cursor)
+            qkv = KernelQKV(a, self.cursor) if kernel_qkv and kernel_qkv_reason(a) is None else None
+            if qkv is not None:
+                a.get_query_key_value_tensors = qkv  # an instance attribute over the class's method
+                projected.append(a)
+            a.core_attention = CachedCoreAttention(a.core_attention, keys, values, self.cursor, qkv)
         try:
             yield self.cursor
         finally:
             for a, inner in zip(self.attentions, originals):
                 a.core_attention = inner
+            for a in projected:
+                del a.get_query_key_value_tensors
 
