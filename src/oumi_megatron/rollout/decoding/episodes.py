@@ -198,7 +198,6 @@ class EpisodeGeneration(_Generation):
         self.turn_left = torch.full((rows,), first, dtype=long, device=device)
         self.appends: dict[tuple[int, int], _Append] = {}
         """Per (group, chunk) bucket, its inputs and graph."""
-        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.append_timer = _SpanTimer(device)
         self.append_forwards = 0
         self.append_tokens = [0, 0]
@@ -217,7 +216,7 @@ class EpisodeGeneration(_Generation):
 
     def use(self, params: SamplingParams, width: int) -> None:
         super().use(params, width)
-        if self.graph is None:  # the sampling changed: the appends' graphs sample as the decode step's did
+        if not self.graphs:  # the sampling changed: the appends' graphs sample as the decode step's did
             self.appends.clear()
 
     def restart(self, valid: torch.Tensor) -> None:
@@ -354,13 +353,7 @@ class EpisodeGeneration(_Generation):
                         self._append(resumed, graphs)
                     if peers_done(done):
                         break
-                if self.graph is not None:
-                    self.graph.replay()
-                elif graphs and not self.capture_failed:
-                    self.graph = self._capture()  # one eager step, then the captured one
-                    self.steps_in_capture += self.graph is not None
-                else:
-                    self.decode_step(min(reach + 1, slots))  # eager: the slots any row has reached
+                self.run_step(min(reach + 1, slots), graphs)  # the slots any row may have reached
                 reach += 1
                 steps += 1
         return EpisodeRun(decode_steps=steps, continued_ttft_s=host.ttft, concurrency=in_flight / max(steps, 1),
