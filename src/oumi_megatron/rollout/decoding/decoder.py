@@ -15,7 +15,7 @@ One call (``StaticCacheDecoder.generate``):
    the first time a step needs it: SDPA reads every slot it is given, so early steps read part of the cache).
    Pipeline stages (p2p per token) and MoE layers (token dispatch sizes go through the host) run the same step
    eagerly, over exactly the slots written so far.
-4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graph and device buffers (KV cache
+4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graphs and device buffers (KV cache
    included) are kept for its shape, with the prompts' width rounded up to ``WIDTH_BUCKET``; a later call of the
    same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its

@@ -3,8 +3,8 @@
 A batch of episodes is one generation (``EpisodeGeneration``): the prompts are prefilled once, then every decode step
 feeds one token per row, as single-turn generation does, and the observations (the environment's answers) are written
 into the cache by append forwards, one per look of the host. What differs from single-turn decoding is per row and on
-the device, so each forward has fixed shapes (a decode step is one CUDA graph for the whole batch, an append one per
-bucket):
+the device, so each forward has fixed shapes (a decode step replays the CUDA graph of the 64 cache slots the furthest
+row has reached, decoder.py ``KV_BUCKET``; an append one per bucket):
 
 - **Its own slots.** ``pos[r]`` is at once the cache slot row r writes next and the rotary position of the token it
   feeds there: a decode step scatters each row's key and value at its own slot (static_cache.py ``row_slots``) and
