@@ -351,8 +351,8 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
     assert r["static_sampled_capture_s"][0] > 0 and r["static_sampled_capture_s"][1] == 0, r["static_sampled_capture_s"]
     assert r["static_sampled_fresh_capture"] == r["static_sampled_runs"][1]
     assert r["static_sampled_distinct_in_groups"] > 16
-    # 150 tokens: the replays cross the graphs' 64-slot buckets (a graph each), and give the eager steps' tokens
-    assert len(r["long_graphs_buckets"]) >= 3 and r["long_graphs_tokens_equal"], r["long_graphs_buckets"]
+    # 150 tokens: the replays (every slot under the mask) give the eager steps' (the slots written so far) tokens
+    assert r["long_graphs_tokens_equal"], r
     assert r["long_graphs_logprob_max_abs_diff"] <= 1e-4, r["long_graphs_logprob_max_abs_diff"]
     # episodes without a turn barrier: every turn of every row on one captured decode-step graph, the observations
     # appended by captured graphs of their chunk buckets: the episodes of forced tokens and of the turn-synchronous

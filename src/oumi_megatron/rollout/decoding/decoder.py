@@ -9,13 +9,11 @@ One call (``StaticCacheDecoder.generate``):
    preallocated buffers. The host only counts steps; it reads "has every row finished?" every
    ``check_every`` steps, and the tokens once at the end.
 3. **CUDA graphs** (``megatron.rollout_cuda_graphs``): with one pipeline stage, dense layers and a CUDA device
-   the whole decode step (embedding -> layers -> output layer -> sampling -> bookkeeping) is captured after one
-   eager step and replayed; it reads the engine's parameters in place, so an optimizer step needs no re-capture.
-   A graph attends over the cache's first slots up to a multiple of ``KV_BUCKET`` (one graph per bucket, captured
-   the first time a step needs it: SDPA reads every slot it is given, so early steps read part of the cache).
-   Pipeline stages (p2p per token) and MoE layers (token dispatch sizes go through the host) run the same step
-   eagerly, over exactly the slots written so far.
-4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graphs and device buffers (KV cache
+   the whole decode step (embedding -> layers -> output layer -> sampling -> bookkeeping) is captured once
+   per generation after one eager step and replayed; it reads the engine's parameters in place, so an
+   optimizer step needs no re-capture. Pipeline stages (p2p per token) and MoE layers (token dispatch
+   sizes go through the host) run the same step eagerly.
+4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graph and device buffers (KV cache
    included) are kept for its shape, with the prompts' width rounded up to ``WIDTH_BUCKET``; a later call of the
    same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
@@ -58,12 +56,6 @@ logger = logging.getLogger("oumi")
 WIDTH_BUCKET = 64
 """Kept graphs: prompts are left-padded to a multiple of this many slots, so steps whose longest prompts differ
 by a few tokens share a graph (RoPE is relative: the extra left padding changes no row's attention)."""
-
-KV_BUCKET = 64
-"""CUDA-graph decode steps attend over the cache's first slots rounded up to a multiple of this many (the whole
-cache at most): a graph per bucket a generation reaches, so a 256-slot generation holds up to four, and its steps
-read on average some 3/8 fewer slots than over the whole cache. Not with the decode attention kernel, which reads
-each row's slots up to the one it writes whatever it is given (one graph)."""
 
 
 @dataclass
@@ -225,7 +217,7 @@ class StaticCacheDecoder:
             kept.refill(prompts, n, params)
 
         def keep() -> None:
-            if kept.graphs:
+            if kept.graph is not None:
                 self.kept.keep(key, fingerprint, kept)
 
         return kept, keep
@@ -300,12 +292,10 @@ class _Generation:
         self.capture_failed = False
         self.capture_s = 0.0
         self.steps_in_capture = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        """The decode step's graphs by the slots they attend over (``run_step``), each captured the first time a step needs
-        it; a kept generation replays them in later calls (``refill``)."""
-        self.graph_pool: Any = torch.cuda.graph_pool_handle() if stages.device.type == "cuda" else None
-        """The memory pool this generation's graphs share; they never run at the same time, and a step's results go
-        to the buffers above (in place), so one graph's replay never overwrites what another left to be read."""
+        self.graph: torch.cuda.CUDAGraph | None = None
+        """The decode step's graph once captured; a kept generation replays it in later calls (``refill``)."""
+        self.graph_pool: Any = None
+        """The memory pool this generation's graphs share (None: each its own); they never run at the same time."""
         dtype = stages.config.params_dtype
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device) if stages.takes_additive_masks else None
@@ -339,8 +329,8 @@ class _Generation:
     def use(self, params: SamplingParams, width: int) -> None:
         """The next call (or turn) decodes with ``params`` from slot ``width``. A captured graph that samples otherwise
         is dropped; ``max_new_tokens`` may differ (the host counts the steps)."""
-        if self.graphs and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
-            self.graphs.clear()  # ``_capture`` records the next graphs' sampling
+        if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
+            self.graph = None  # ``_capture`` records the next graph's sampling
         if params.end_ids != self.params.end_ids:  # a new tensor only then: a kept graph reads the one it was captured on
             self.ends = end_token_tensor(params, self.stages.device)
         self.params, self.width = params, width
@@ -368,24 +358,6 @@ class _Generation:
         self.cursor.prefill_repeat = 0
         self.cursor.slot.fill_(self.width)  # token 0 is fed at the first slot after the prompts
         self._record(None if logits is None else logits.repeat_interleave(self.n, dim=0))
-
-    def run_step(self, needed: int, graphs: bool) -> None:
-        """One decode step that attends over (at least) the cache's first ``needed`` slots: a replay of the graph of
-        its ``KV_BUCKET`` (captured the first time: this step runs eagerly, then the capture), or with ``graphs`` off
-        (or a failed capture) an eager step over exactly those slots."""
-        if not graphs or self.capture_failed:
-            self.decode_step(needed)
-            return
-        slots = self.valid.shape[1]
-        kv = slots if self.stages.kernels.attention else min(-(-needed // KV_BUCKET) * KV_BUCKET, slots)
-        graph = self.graphs.get(kv)
-        if graph is not None:
-            graph.replay()
-            return
-        graph = self._capture(functools.partial(self.decode_step, kv))
-        if graph is not None:
-            self.graphs[kv] = graph
-            self.steps_in_capture += 1
 
     def decode_step(self, kv_len: int | None) -> None:
         """Feed the newest token of every row at ``cursor.slot``; pick and record the next one."""
@@ -440,15 +412,23 @@ class _Generation:
         step = 1
         with self.stages.generating(self.cache):
             while step < total:
-                self.run_step(self.width + step, graphs)  # the token fed at slot width + step - 1 attends up to it
+                if self.graph is not None:  # captured in this call, or kept from an earlier one (``refill``)
+                    self.graph.replay()
+                elif graphs and not self.capture_failed:
+                    self.graph = self._capture()  # runs this step eagerly, then captures one for the next ones
+                    self.steps_in_capture += self.graph is not None
+                else:
+                    self.decode_step(self.width + step)
                 step += 1
                 if step % check_every == 0 and step < total and peers_done(bool(self.finished.all())):
                     break
         return step
 
-    def _capture(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        """One eager run of ``run`` (a decode step or an append) on a side stream (it warms up the kernels of these
-        shapes), then the capture of one for replays. None if capture fails (logged; the run continues eagerly)."""
+    def _capture(self, step: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph | None:
+        """One eager run of ``step`` (default: the decode step over every slot) on a side stream (it warms up the
+        kernels of these shapes), then the capture of one for replays. None if capture fails (logged; the run continues
+        eagerly)."""
+        run = step if step is not None else functools.partial(self.decode_step, None)
         started = time.perf_counter()
         stream = torch.cuda.Stream(device=self.stages.device)
         stream.wait_stream(torch.cuda.current_stream())

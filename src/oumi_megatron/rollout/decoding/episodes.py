@@ -3,8 +3,8 @@
 A batch of episodes is one generation (``EpisodeGeneration``): the prompts are prefilled once, then every decode step
 feeds one token per row, as single-turn generation does, and the observations (the environment's answers) are written
 into the cache by append forwards, one per look of the host. What differs from single-turn decoding is per row and on
-the device, so each forward has fixed shapes (a decode step replays the CUDA graph of the 64 cache slots the furthest
-row has reached, decoder.py ``KV_BUCKET``; an append one per bucket):
+the device, so each forward has fixed shapes (a decode step is one CUDA graph for the whole batch, an append one per
+bucket):
 
 - **Its own slots.** ``pos[r]`` is at once the cache slot row r writes next and the rotary position of the token it
   feeds there: a decode step scatters each row's key and value at its own slot (static_cache.py ``row_slots``) and
@@ -198,6 +198,7 @@ class EpisodeGeneration(_Generation):
         self.turn_left = torch.full((rows,), first, dtype=long, device=device)
         self.appends: dict[tuple[int, int], _Append] = {}
         """Per (group, chunk) bucket, its inputs and graph."""
+        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.append_timer = _SpanTimer(device)
         self.append_forwards = 0
         self.append_tokens = [0, 0]
@@ -216,7 +217,7 @@ class EpisodeGeneration(_Generation):
 
     def use(self, params: SamplingParams, width: int) -> None:
         super().use(params, width)
-        if not self.graphs:  # the sampling changed: the appends' graphs sample as the decode step's did
+        if self.graph is None:  # the sampling changed: the appends' graphs sample as the decode step's did
             self.appends.clear()
 
     def restart(self, valid: torch.Tensor) -> None:
@@ -353,7 +354,13 @@ class EpisodeGeneration(_Generation):
                         self._append(resumed, graphs)
                     if peers_done(done):
                         break
-                self.run_step(min(reach + 1, slots), graphs)  # the slots any row may have reached
+                if self.graph is not None:
+                    self.graph.replay()
+                elif graphs and not self.capture_failed:
+                    self.graph = self._capture()  # one eager step, then the captured one
+                    self.steps_in_capture += self.graph is not None
+                else:
+                    self.decode_step(min(reach + 1, slots))  # eager: the slots any row has reached
                 reach += 1
                 steps += 1
         return EpisodeRun(decode_steps=steps, continued_ttft_s=host.ttft, concurrency=in_flight / max(steps, 1),
