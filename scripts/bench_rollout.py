@@ -28,7 +28,6 @@ the trainer's recomputation (``trainer_gaps``).
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import time
@@ -138,7 +137,7 @@ def profile_decode(engine: Any, cfg: Any, prompts: list[list[int]], n: int, step
 
             out["eager"] = bench_common.kernel_profile(eager, per=steps)
             if torch.cuda.is_available():
-                graph = run._capture(functools.partial(run.decode_step, None))  # a step over the whole cache
+                graph = run._capture()  # a decode step over the whole cache
                 assert graph is not None, "the decode step's CUDA graph could not be captured"
                 def replays(graph: torch.cuda.CUDAGraph = graph) -> None:
                     for _ in range(steps // 2):
