@@ -387,14 +387,20 @@ class _Generation:
             return ~valid[:, None, None, :]
         return torch.where(valid[:, None, None, :], self.zero, self.neg_inf)
 
-    def _record(self, logits: torch.Tensor | None) -> None:
-        """The next token of every row (pad after its EOS), from the last stage's logits, into the buffers."""
+    def _pick(self, logits: torch.Tensor | None, picked: torch.Tensor, picked_logprob: torch.Tensor) -> None:
+        """Each row's sample and its logprob from the last stage's logits, written in place into ``picked`` and
+        ``picked_logprob`` (buffers a captured graph reads) and shared with the other pipeline stages (``logits``: None
+        on a stage before the last)."""
         if logits is not None:
             tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
                                            fused=self.stages.kernels.sampling)
-            self.picked.copy_(tokens)
-            self.picked_logprob.copy_(logprobs)
-        self.stages.share_from_last_stage(self.picked, self.picked_logprob)
+            picked.copy_(tokens)
+            picked_logprob.copy_(logprobs)
+        self.stages.share_from_last_stage(picked, picked_logprob)
+
+    def _record(self, logits: torch.Tensor | None) -> None:
+        """The next token of every row (pad after its EOS), from the last stage's logits, into the buffers."""
+        self._pick(logits, self.picked, self.picked_logprob)
         token = torch.where(self.finished, self.params.pad_token_id, self.picked)
         self.tokens.index_copy_(1, self.step, token[:, None])
         self.logprobs.index_copy_(1, self.step, self.picked_logprob[:, None])

@@ -69,7 +69,7 @@ from oumi_megatron.rollout.decoding.decoder import GenerationStats, StaticCacheD
 from oumi_megatron.rollout.decoding.generation_mode import generation_mode
 from oumi_megatron.rollout.decoding.padding import left_pad
 from oumi_megatron.rollout.decoding.static_cache import ChunkWrite
-from oumi_megatron.rollout.sampling import SamplingParams, pick_tokens
+from oumi_megatron.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from oumi_megatron.rollout.decoding.policy_stages import PolicyStages
@@ -259,12 +259,7 @@ class EpisodeGeneration(_Generation):
 
     def _record(self, logits: torch.Tensor | None) -> None:
         """Each row's sample, kept where the row samples (not inside a forced block); rows whose turn ended stop."""
-        if logits is not None:
-            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
-                                           fused=self.stages.kernels.sampling)
-            self.picked.copy_(tokens)
-            self.picked_logprob.copy_(logprobs)
-        self.stages.share_from_last_stage(self.picked, self.picked_logprob)
+        self._pick(logits, self.picked, self.picked_logprob)
         samples = self.active
         if self.forced_mode:
             forcing = self.forced_at < self.forced_len
@@ -309,12 +304,7 @@ class EpisodeGeneration(_Generation):
         finally:
             self.cursor.chunk = None
         self.valid.index_put_((a.rows[:, None].expand(groups, chunk), write), real)  # the blocks are history now
-        if logits is not None:
-            tokens, logprobs = pick_tokens(logits, self.params, self.vocab_size, self.generator,
-                                           fused=self.stages.kernels.sampling)
-            a.picked.copy_(tokens)
-            a.picked_logprob.copy_(logprobs)
-        self.stages.share_from_last_stage(a.picked, a.picked_logprob)
+        self._pick(logits, a.picked, a.picked_logprob)
         fed = a.lens > 0  # padding rows: every value below is the row's own again
         out_at = self.out_at.index_select(0, a.rows)
         column = torch.where(fed, out_at, self.budget)
