@@ -132,6 +132,10 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         capture_s.append(static.last_stats.capture_s if static.last_stats else -1.0)
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
+    # other prompts of the same shape: the kept prefill and decode graphs replayed on the refilled buffers (on CUDA)
+    other = [[r.completion_ids for r in g] for g in static.generate(prompts[16:32], sampled, 4, seed=12)]
+    other_capture_s = static.last_stats.capture_s if static.last_stats else -1.0
+    other_fresh = [[r.completion_ids for r in g] for g in fresh.generate(prompts[16:32], sampled, 4, seed=12)]
     continued = episode_checks(static, schedule, prompts[:8], eos)
     import torch.distributed as dist
 
@@ -173,6 +177,8 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         "static_sampled_runs": draws,
         "static_sampled_capture_s": capture_s,
         "static_sampled_fresh_capture": fresh_draws,
+        "static_other_prompts_equal_fresh": other == other_fresh,
+        "static_other_prompts_capture_s": other_capture_s,
         "static_sampled_distinct_in_groups": sum(len({tuple(c) for c in g}) for g in draws[0]),
         "static_stats_tokens": static.last_stats.tokens if static.last_stats else -1,
     }
@@ -211,13 +217,15 @@ class ScriptedTurns:
         return []
 
 
-def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict:  # noqa: ANN001
+def episode_checks(static, schedule, prompts: list[list[int]], eos: int,  # noqa: ANN001
+                   references: tuple[str, ...] = ("forced", "reference_static", "reference_schedule")) -> dict:
     """Multi-turn episodes without a turn barrier (rollout/decoding/episodes.py): 8 prompts x 2 rows, up to three
     turns, observations appended in one forward per look while other rows decode, against the same decoder feeding
     them as forced tokens (one decode step per token, the path before appends) and the turn-synchronous reference
     (rollout/turns.py: each turn a ``generate`` of every going row's whole history) on the static path and on the
     schedule path (greedy): the same episodes (ids, masks, turns); logprobs against each other and against the
-    trainer's recomputation of the whole sequences (``compute_logprobs``); the decode steps and append forwards."""
+    trainer's recomputation of the whole sequences (``compute_logprobs``); the decode steps and append forwards.
+    ``references``: those of the three to run (each costs a batch of episodes)."""
     from oumi_megatron.rollout.decoding.episodes import episode_check_every
     from oumi_megatron.rollout.sampling import SamplingParams
     from oumi_megatron.rollout.turns import turn_by_turn
@@ -233,9 +241,10 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
             static.episode_observations = "appended"
 
     runs = {}
-    for name, go in (("appended", lambda h: static.run_episodes(prompts, greedy, 2, h, budget, 3)), ("forced", forced),
-                     ("reference_static", lambda h: turn_by_turn(static, prompts, greedy, 2, h)),
-                     ("reference_schedule", lambda h: turn_by_turn(schedule, prompts, greedy, 2, h))):
+    paths = {"appended": lambda h: static.run_episodes(prompts, greedy, 2, h, budget, 3), "forced": forced,
+             "reference_static": lambda h: turn_by_turn(static, prompts, greedy, 2, h),
+             "reference_schedule": lambda h: turn_by_turn(schedule, prompts, greedy, 2, h)}
+    for name, go in ((name, paths[name]) for name in ("appended", *references)):
         handler = Recorder(ScriptedTurns(len(prompts) * 2, budget))
         engine = go(handler)
         stats = static.last_stats
@@ -244,7 +253,7 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
                       "append_forwards": engine.append_forwards, "path": stats.path, "capture_s": stats.capture_s,
                       "stats_append_forwards": stats.append_forwards, "stats_decode_steps": stats.decode_steps}
     native = runs["appended"]
-    others = ("forced", "reference_static", "reference_schedule")
+    others = references
     worst = max(abs(a - b) for ref in others for x, y in zip(native["logprobs"], runs[ref]["logprobs"])
                 for a, b in zip(x, y))
     # sampled episodes (temperature 0.8): other tokens than greedy, their logprobs as the trainer recomputes them too
@@ -261,13 +270,13 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int) -> dict
             "episodes_decode_steps": native["decode_steps"], "episodes_append_forwards": native["append_forwards"],
             "episodes_stats_agree": native["stats_append_forwards"] == native["append_forwards"]
                                     and native["stats_decode_steps"] == native["decode_steps"],
-            "episodes_forced_decode_steps": runs["forced"]["decode_steps"],
-            "episodes_forced_append_forwards": runs["forced"]["append_forwards"],
+            "episodes_forced_decode_steps": runs.get("forced", {}).get("decode_steps"),
+            "episodes_forced_append_forwards": runs.get("forced", {}).get("append_forwards"),
             "episodes_critical_path": max(len(ids) for ids in native["ids"]),
             # the fewest decode steps with appends: a row's sampled tokens less one per turn (the prefill or an append
             # samples each turn's first)
             "episodes_policy_path": max(sum(m) - t for m, t in zip(native["mask"], native["turns"], strict=True)),
-            "episodes_path": native["path"], "episodes_forced_path": runs["forced"]["path"],
+            "episodes_path": native["path"], "episodes_forced_path": runs.get("forced", {}).get("path"),
             "episodes_capture_s": native["capture_s"],
             "episodes_check_every": episode_check_every(static.engine.device)}
 
