@@ -151,6 +151,7 @@ def test_python_tests_feeds_back_the_public_tests_and_ends_when_they_pass(sandbo
     assert broken.text.startswith("error: SyntaxError")  # type: ignore[union-attr]
     done = env.step(state, _block("def add(a, b):\n    return a + b"), [])
     assert isinstance(done, EpisodeEnd) and done.info["code"] == "def add(a, b):\n    return a + b\n"
+    assert done.tool_call and done.info["tool_calls"] == 3 and done.info["tool_errors"] == 2  # the passing call counts
     plain = env.start({"entry_point": "add", "tests": TESTS})  # no public tests (HumanEval): never shown its tests
     answer = env.step(plain, _block("def add(a, b):\n    return a + b\nprint(add(1, 1))"), [])
     assert isinstance(answer, Observation) and answer.text == "2"

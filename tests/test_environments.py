@@ -190,6 +190,25 @@ def _call(expression: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"] + [_ScriptedPolicy.EOS]
 
 
+def test_a_tool_call_that_ends_its_episode_counts_as_a_call() -> None:
+    """An environment may end an episode on a tool call (``python_tests``: the program whose public tests pass,
+    ``EpisodeEnd(tool_call=True)``): the episode's tool calls count it, its errors do not."""
+    from oumi_megatron.environments.episodes import run_episodes
+    from oumi_megatron.rollout.sampling import SamplingParams
+
+    class EndsOnACall:
+        def start(self, row: dict) -> None:
+            return None
+
+        def step(self, state: None, turn_text: str, turn_ids: list[int]) -> EpisodeEnd:
+            return EpisodeEnd(tool_call="<tool_call>" in turn_text)
+
+    tok = build_byte_tokenizer()
+    samples, stats = run_episodes(_ScriptedPolicy([_call("1+1")]), tok, _runner(EndsOnACall()), [[1, 2, 3]], [{}],
+                                  SamplingParams(max_new_tokens=400, eos_token_id=258), n=1, max_turns=4)
+    assert _turns(samples) == [1] and _tool_calls(samples) == 1 and stats.tool_errors == 0
+
+
 def test_episodes_keep_the_policy_s_tokens_and_mask_the_observations() -> None:
     from oumi_megatron.environments.episodes import run_episodes
     from oumi_megatron.rollout.sampling import SamplingParams

@@ -38,6 +38,9 @@ class EpisodeEnd:
     """The episode is over after this turn; ``info`` goes to the reward functions."""
 
     info: dict[str, Any] = field(default_factory=dict)
+    tool_call: bool = False
+    """Whether the turn that ended it called a tool (``python_tests``: the program whose public tests passed): counted
+    in ``env/tool_calls_per_episode`` as an observation's call is."""
 
 
 class Environment(Protocol):

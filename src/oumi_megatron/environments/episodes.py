@@ -210,6 +210,7 @@ class Episodes:
             return
         if isinstance(answer, EpisodeEnd):
             e.running, e.info = False, dict(answer.info)
+            e.calls += answer.tool_call
             return
         e.calls += answer.tool_call
         stats.tool_errors += answer.error

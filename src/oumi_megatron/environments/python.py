@@ -142,11 +142,11 @@ class PythonEnvironment:
             state["tool_errors"] += 1
         return Observation(execution_text(execution), error=not execution.ok)
 
-    def _end(self, state: dict[str, Any]) -> EpisodeEnd:
+    def _end(self, state: dict[str, Any], tool_call: bool = False) -> EpisodeEnd:
         info = {k: state[k] for k in ("tool_calls", "tool_errors")}
         if "code" in state:
             info["code"] = state["code"]
-        return EpisodeEnd(info=info)
+        return EpisodeEnd(info=info, tool_call=tool_call)
 
 
 class PythonTestsEnvironment(PythonEnvironment):
@@ -162,6 +162,6 @@ class PythonTestsEnvironment(PythonEnvironment):
             raise RuntimeError(f"the sandbox failed: {e}") from e
         if outcome.failure is None:
             state["code"] = code
-            return self._end(state)
+            return self._end(state, tool_call=True)
         state["tool_errors"] += 1
         return Observation(tests_text(outcome), error=True)
