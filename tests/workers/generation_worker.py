@@ -132,7 +132,7 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         capture_s.append(static.last_stats.capture_s if static.last_stats else -1.0)
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
-    # other prompts of the same shape: the kept prefill and decode graphs replayed on the refilled buffers (on CUDA)
+    # other prompts of the same shape: the kept decode graph replayed on the refilled buffers (on CUDA)
     other = [[r.completion_ids for r in g] for g in static.generate(prompts[16:32], sampled, 4, seed=12)]
     other_capture_s = static.last_stats.capture_s if static.last_stats else -1.0
     other_fresh = [[r.completion_ids for r in g] for g in fresh.generate(prompts[16:32], sampled, 4, seed=12)]
@@ -253,13 +253,12 @@ def episode_checks(static, schedule, prompts: list[list[int]], eos: int,  # noqa
                       "append_forwards": engine.append_forwards, "path": stats.path, "capture_s": stats.capture_s,
                       "stats_append_forwards": stats.append_forwards, "stats_decode_steps": stats.decode_steps}
     native = runs["appended"]
-    others = references
-    worst = max(abs(a - b) for ref in others for x, y in zip(native["logprobs"], runs[ref]["logprobs"])
+    worst = max(abs(a - b) for ref in references for x, y in zip(native["logprobs"], runs[ref]["logprobs"])
                 for a, b in zip(x, y))
     # sampled episodes (temperature 0.8): other tokens than greedy, their logprobs as the trainer recomputes them too
     sampled = Recorder(ScriptedTurns(len(prompts) * 2, budget))
     static.run_episodes(prompts, replace(greedy, greedy=False, temperature=0.8), 2, sampled, budget, 3, seed=5)
-    return {"episodes_same_tokens": [native[key] == runs[r][key] for r in others for key in ("ids", "mask", "turns")],
+    return {"episodes_same_tokens": [native[key] == runs[r][key] for r in references for key in ("ids", "mask", "turns")],
             "episodes_turns": native["turns"], "episodes_logprob_max_abs_diff": worst,
             "episodes_trainer_logprob_max_abs_diff": trainer_gap(static.engine, prompts, native),
             "episodes_sampled_trainer_logprob_max_abs_diff": trainer_gap(

@@ -208,11 +208,10 @@ class Episodes:
         if isinstance(answer, Failure):
             e.failure, e.running = answer.reason, False
             return
+        e.calls += answer.tool_call  # an observation's call, or the call that ended the episode
         if isinstance(answer, EpisodeEnd):
             e.running, e.info = False, dict(answer.info)
-            e.calls += answer.tool_call
             return
-        e.calls += answer.tool_call
         stats.tool_errors += answer.error
         stats.parse_failures += answer.parse_failure
         if e.turns >= self.max_turns:  # max_turns assistant turns taken: the observation would have no turn to answer it
