@@ -219,8 +219,9 @@ def decoder_checks(ckpt: str) -> dict:
         linear.bias = torch.nn.Parameter(bias.to(linear.weight))
     vocab = 259
     rng = torch.Generator().manual_seed(7)  # the prompts: on the host
+    # 4 prompts of 1-9 tokens: the interpreter runs each of a kernel's programs in Python, its time grows with the rows
     prompts = [torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=rng)),), generator=rng).tolist()
-               for _ in range(8)]
+               for _ in range(4)]
     schedule = MegatronRolloutBackend(engine, vocab, path="schedule")
     static = MegatronRolloutBackend(engine, vocab, path="static", decode_kernels="true")
     probe = schedule.generate(prompts, SamplingParams(max_new_tokens=8, pad_token_id=256, greedy=True), 1)
@@ -256,7 +257,7 @@ def decoder_checks(ckpt: str) -> dict:
         "decoder_logprob_max_abs_diff": max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs)),
         "decoder_kernel_calls": used,
         # on auto's kernels against the schedule path (the decoder's other references are tests/test_engine.py's)
-        **episode_checks(auto, schedule, prompts[:4], eos, references=("reference_schedule",)),
+        **episode_checks(auto, schedule, prompts[:3], eos, references=("reference_schedule",)),  # 6 rows: 1, 2, 3 turns
     }
 
 
