@@ -52,6 +52,10 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; assert sy
 fi
 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# The installed modules' .pyc on every core; a file a package ships that does not compile is skipped, as pip skips it.
+compile_site() {
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+}
 STAMP="$VENV/.oumi_megatron_lock.sha256"
 WANT=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
@@ -77,18 +81,20 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "${PIP[@]}" uninstall -q -y "$OTHER_VLLM"
   fi
   # Each wheel of 50 MB or more (HEAVY) in a command of its own, the rest (~0.45 GB) in one, so pip's
-  # temporary downloads never exceed one batch. (pip still compiles the .pyc files, 0.7 GB: where
-  # PYTHONDONTWRITEBYTECODE is set, as on this project's machines, nothing would write them later and every
-  # test process would compile its imports from source.)
+  # temporary downloads never exceed one batch. The .pyc files (0.7 GB) are compiled after, on every core: pip
+  # compiles each wheel's on one (~50 s more on CI's 2 cores); where PYTHONDONTWRITEBYTECODE is set, as on this
+  # project's machines, nothing would write them later and every test process would compile its imports from source.
   grep -E '^[A-Za-z0-9._-]+==' "$LOCK" | grep -E "$HEAVY" | while read -r req; do
-    "${PIP[@]}" install -q --no-deps "$req" 2> >(grep -v "is ignored: it is neither" >&2)
+    "${PIP[@]}" install -q --no-compile --no-deps "$req" 2> >(grep -v "is ignored: it is neither" >&2)
   done
-  "${PIP[@]}" install -q --no-deps -r <(grep -v -E "$HEAVY" "$LOCK") 2> >(grep -v "is ignored: it is neither" >&2)
+  "${PIP[@]}" install -q --no-compile --no-deps -r <(grep -v -E "$HEAVY" "$LOCK") 2> >(grep -v "is ignored: it is neither" >&2)
+  compile_site
   echo "$WANT" > "$STAMP"
   echo "setup: dependencies installed in $(( $(date +%s) - start )) s"
 fi
 if [ ${#SGLANG_KERNELS[@]} -gt 0 ]; then
-  "${PIP[@]}" install -q --no-deps "${SGLANG_KERNELS[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
+  "${PIP[@]}" install -q --no-compile --no-deps "${SGLANG_KERNELS[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
+  compile_site
 fi
 # Editable install of this package (cheap; keeps the .pth hook that wires us into Oumi in place).
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2> >(grep -v "is ignored: it is neither" >&2)
