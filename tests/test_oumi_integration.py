@@ -96,10 +96,7 @@ def test_torchrun_two_ranks_reach_the_plugin(good_yaml: Path, pp2_run: str) -> N
     checkpoint = good_yaml.parent / "out" / "megatron_checkpoint"
     assert (checkpoint / "oumi_megatron.json").is_file() and (checkpoint / "model").is_dir()
     assert "Megatron-Core engine ready: 1 model chunk(s) per rank" in text, text[-3000:]
-    bad = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", str(free_port()), "-m", "oumi", "train",
-                   "-c", str(good_yaml), "--megatron.tensor_model_parallel_size", "4"])
-    assert bad.returncode != 0
-    assert "world_size (2) must be divisible by the product of all model parallel sizes (4)" in bad.stdout + bad.stderr
+    # (two ranks stopping at validation on a bad config: the stock `oumi distributed torchrun` form below)
 
 
 def test_oumi_distributed_torchrun_forms_zb_h1_and_module_queue(good_yaml: Path, bad_yaml: Path, pp2_run: str,
