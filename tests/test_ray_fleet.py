@@ -24,9 +24,24 @@ pytestmark = pytest.mark.slow
 PY = str(VENV_BIN / "python")
 
 
-def test_fleet_errors_name_the_field_and_the_fix() -> None:
+def _huge_model(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A Llama-3.1-405B-shaped config.json (no weights needed: the checks read the shape): ~760 GiB of bf16 weights."""
+    model = tmp_path / "huge"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(hidden_size=16384, num_hidden_layers=126, intermediate_size=53248, num_attention_heads=128,
+                  num_key_value_heads=8, vocab_size=128256, head_dim=128, tie_word_embeddings=False)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_fleet_errors_name_the_field_and_the_fix(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``preflight``'s two checks (train.py runs it on rank 0 before converting: the next test shows the order), on one
+    local Ray head: the cluster holds the engines, and an engine holds the model (a 405B shape, more than this
+    machine's memory)."""
     import ray
 
+    from oumi_megatron.config.megatron_params import MegatronParams
     from oumi_megatron.rollout import ray_fleet
 
     with pytest.raises(ValueError, match=r"megatron.ray_address: nothing answers at '127.0.0.1:1'.*ray start --head"):
@@ -35,6 +50,10 @@ def test_fleet_errors_name_the_field_and_the_fix() -> None:
     try:  # a local head has this machine's CPUs (no GPU here): 64 engines do not fit
         with pytest.raises(ValueError, match=r"megatron.rollout_engines x rollout_gpus_per_engine = 64 x 1 needs 64 CPU"):
             ray_fleet.connect("local", engines=64, gpus_per_engine=1)
+        model = _huge_model(tmp_path, tiny_model_dir)
+        with pytest.raises(ValueError, match=r"megatron.rollout_placement: ray: an engine needs 7\d\d\.\d GiB for .*huge's "
+                                             r"weights .*more than it may use: \d+\.\d GiB \(the largest Ray node's memory\)"):
+            ray_fleet.check_engine_fits(MegatronParams(), str(model))
     finally:
         ray.shutdown()
         ray_fleet._started_ray = False
@@ -49,27 +68,6 @@ def test_unreachable_cluster_stops_the_run_before_conversion(tmp_path: Path, tin
     assert proc.returncode != 0
     assert "megatron.ray_address: nothing answers at '127.0.0.1:1'" in proc.stdout + proc.stderr
     assert not (out / "megatron_checkpoint").exists()  # stopped before converting the model
-
-
-def test_a_model_no_engine_can_hold_stops_the_run_before_conversion(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A Llama-3.1-405B-shaped config.json (no weights needed: the check reads the shape) on a local Ray head: ~760 GiB
-    of bf16 weights, more than this machine's memory, so the run stops before converting anything."""
-    model = tmp_path / "huge"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config.update(hidden_size=16384, num_hidden_layers=126, intermediate_size=53248, num_attention_heads=128,
-                  num_key_value_heads=8, vocab_size=128256, head_dim=128, tie_word_embeddings=False)
-    (model / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "run"
-    proc = run_cli([PY, "-m", "oumi", "train", "-c", str(REPO / "configs" / "tiny_cpu_grpo.yaml"),
-                    "--model.model_name", str(model), "--training.output_dir", str(out),
-                    "--megatron.inference_backend", "vllm", "--megatron.rollout_placement", "ray",
-                    "--megatron.weight_sync_method", "gloo"])
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert re.search(r"megatron.rollout_placement: ray: an engine needs 7\d\d\.\d GiB for .*huge's weights .*more than it "
-                     r"may use: \d+\.\d GiB \(the largest Ray node's memory\)", text), text[-4000:]
-    assert not (out / "megatron_checkpoint").exists()
 
 
 def _engine_processes(root: int) -> list[tuple[psutil.Process, str]]:
