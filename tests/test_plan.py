@@ -37,6 +37,7 @@ def _plan(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool 
     params.vllm_sleep = megatron.pop("vllm_sleep", True)
     params.sglang_mem_fraction_static = megatron.pop("sglang_mem_fraction_static", 0.4)
     params.lora_sync = megatron.pop("lora_sync", "merged")
+    params.rollout_cuda_graphs_kept = megatron.pop("kept", params.rollout_cuda_graphs_kept)
     gpu_memory_gib = megatron.pop("gpu_memory_gib", None)
     assert not megatron, megatron
     layout = ParallelLayout(tp * pp * dp, tp, pp, 1, 1, dp, vpp, sp, mbs, mbs * microbatches * dp,
@@ -138,6 +139,20 @@ def test_embedded_rollout_kv_cache_by_hand_and_the_total_takes_the_larger_of_tra
     assert plan.training_peak == pytest.approx(persistent + plan.activations + plan.logits, rel=1e-9)
     few = _plan(TINY, pp=2, seq=32, mbs=2, microbatches=1)  # 2 completions: training's activations are the peak
     assert few.total == pytest.approx(few.training_peak, rel=1e-9)
+
+
+def test_kept_generations_hold_their_prefill_graphs_activations() -> None:
+    """One stage, graphs kept (a GPU run's default): the kept generation's prefill graph keeps the prefill's activations
+    (rollout/decoding/decoder.py ``PREFILL_GRAPH_TOKENS``): 64 completions in groups of 2 = 32 prompts of 8 tokens,
+    padded to 64 slots, 2,048 tokens x (4 x 64 + 3 x 128) x 2 B = 2,621,440 B beside the cache; over TP 2 the MLP's
+    share halves. Without kept graphs (``rollout_cuda_graphs_kept: 0``) no prefill is captured."""
+    def prefill(**kw):  # noqa: ANN003, ANN202
+        kept = _plan(TINY, seq=32, mbs=2, microbatches=32, episodes=(24, 1), **kw)
+        return kept.kept_rollout * GIB - _plan(TINY, seq=32, mbs=2, microbatches=32, episodes=(24, 1), kept=0, **kw).rollout * GIB
+
+    assert prefill() == pytest.approx(2_048 * (4 * 64 + 3 * 128) * 2, rel=1e-9)
+    assert prefill(tp=2) == pytest.approx(2_048 * (4 * 64 + 3 * 128 / 2) * 2, rel=1e-9)
+    assert _plan(TINY, seq=32, mbs=2, microbatches=32, episodes=(24, 1), kept=0).kept_rollout == 0
 
 
 @pytest.mark.parametrize(("turns", "workers"), [(1, 0), (4, 0), (4, 2)])

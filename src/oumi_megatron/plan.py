@@ -26,7 +26,8 @@ hand-computed cases; docs/benchmarks.md compares it with ``torch.cuda.max_memory
   completions x ``max_sequence_length`` slots) and four fp32 [rows, vocabulary] sampling buffers on the last stage.
   It lives while generating, when no training activations or logits do: the total takes the larger of the two,
   except where the decoder keeps its CUDA graphs (``rollout_cuda_graphs_kept`` > 0, one stage, dense layers): the
-  kept generations' caches stay beside training's memory, and the total adds them (kept x one generation's);
+  kept generations' caches stay beside training's memory, and the total adds them (kept x one generation's), each with
+  its prefill graph's activations (``kept_prefill_bytes``);
 - **overhead**: the CUDA context, NCCL buffers and allocator reserve outside ``max_memory_allocated`` (measured).
 
 With LoRA (``training.use_peft``, docs/lora.md) the base keeps its bf16 weights alone (frozen: no gradient buffer, no
@@ -218,6 +219,20 @@ def _embedded_rollout_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layo
     return cache + sampling
 
 
+def kept_prefill_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layout: ParallelLayout) -> float:
+    """The memory a kept generation's prefill graph holds on one GPU (rollout/decoding/decoder.py
+    ``PREFILL_GRAPH_TOKENS``): the prefill's activations, a layer's at a time (the residual stream, the norm's output,
+    the attention's input and output, the MLP's gate-and-up output and its activation), for this rank's prompts at
+    their bucketed width, at most the captured limit's tokens (a batch of shorter prompts may be captured)."""
+    from oumi_megatron.rollout.decoding.decoder import PREFILL_GRAPH_TOKENS, WIDTH_BUCKET
+
+    prompts = layout.prompts_per_rollout / layout.data_parallel
+    width = -(-cfg.grpo.max_prompt_length // WIDTH_BUCKET) * WIDTH_BUCKET
+    tokens = min(prompts * width, PREFILL_GRAPH_TOKENS)
+    ffn = shape.intermediate_size or 4 * shape.hidden_size
+    return tokens * (4 * shape.hidden_size + 3 * ffn / layout.tensor_parallel) * 2
+
+
 def _decoder_keeps_graphs(m: Any, shape: ModelShape, layout: ParallelLayout) -> bool:
     """Whether the embedded decoder's CUDA graphs (and so its kept caches) run on a GPU for this run
     (rollout/decoding/decoder.py ``resolve_cuda_graphs``: one pipeline stage, dense layers)."""
@@ -303,7 +318,7 @@ def estimate_memory(cfg: MegatronTrainingConfig, shape: ModelShape, layout: Para
         resident = colocated_vllm and mode.resident_while_training(m)
         kept = 0.0
         if mode.memory == DECODER_CACHE and _decoder_keeps_graphs(m, shape, layout):
-            rollout = kept = rollout * m.rollout_cuda_graphs_kept
+            rollout = kept = (rollout + kept_prefill_bytes(cfg, shape, layout)) * m.rollout_cuda_graphs_kept
             resident = True
         training = activations + logits
         # kept decoder buffers (or an awake engine) stay beside training; the merge's copy lives while decoding only

@@ -15,7 +15,9 @@ One call (``StaticCacheDecoder.generate``):
    sizes go through the host) run the same step eagerly.
 4. **Kept graphs** (``megatron.rollout_cuda_graphs_kept``): a generation's graph and device buffers (KV cache
    included) are kept for its shape, with the prompts' width rounded up to ``WIDTH_BUCKET``; a later call of the
-   same shape refills the buffers in place and replays from its first step, with no eager step and no capture.
+   same shape refills the buffers in place and replays from its first step, with no eager step and no capture. Its
+   prefill is captured too (the prompts' forward, launched eagerly from Python, costs tens of ms) and replayed on
+   the refilled prompts.
    A kept graph is dropped when any parameter's storage moved since its capture (ModuleQueue re-attaches its
    weights to new storage; a graph reading the old addresses would read freed memory). A batch of multi-turn
    episodes (episodes.py) is one such generation: every turn of every row replays one decode-step graph, the
@@ -56,6 +58,11 @@ logger = logging.getLogger("oumi")
 WIDTH_BUCKET = 64
 """Kept graphs: prompts are left-padded to a multiple of this many slots, so steps whose longest prompts differ
 by a few tokens share a graph (RoPE is relative: the extra left padding changes no row's attention)."""
+
+PREFILL_GRAPH_TOKENS = 4096
+"""Kept generations capture their prefill where it feeds at most this many tokens (prompts x width): there the eager
+prefill's Python launches, not its kernels, bound it, and the graph's memory (the prefill's activations, held while the
+generation is kept) stays small; ``oumi-megatron plan`` counts it (plan.py ``kept_prefill_bytes``)."""
 
 
 @dataclass
@@ -189,7 +196,7 @@ class StaticCacheDecoder:
         a row's EOS) and their log-probabilities, on the host, with the call's stats."""
         with generation_mode(self.engine):
             run, keep = self.prepare(prompts, n, params, generator)
-            out = self.run(run, run.prefill)
+            out = self.run(run, functools.partial(run.prefill, self.kept.limit > 0))
             keep()
         return out
 
@@ -274,7 +281,12 @@ class _Generation:
         slots = self.width + new + extra_slots
         self.prompt_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.prompt_real = torch.zeros(0, 0, dtype=torch.bool)
-        """The left-padded prompts ``prefill`` runs (``for_prompts``)."""
+        """The left-padded prompts ``prefill`` runs (``load_prompts``), and where their real tokens are (on the host)."""
+        self.prompt_positions = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.prompt_mask = torch.zeros(0, 1, 0, 0, dtype=torch.bool, device=device)
+        """The prefill's position ids and mask (``positions_and_mask``), on the device: a captured prefill reads them."""
+        self.prefill_graph: torch.cuda.CUDAGraph | None = None
+        """The prefill's graph (kept generations: ``prefill``); a refill of the same prompt shape replays it."""
         self.tokens = torch.full((rows, new), params.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(rows, new, dtype=torch.float32, device=device)
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -294,8 +306,9 @@ class _Generation:
         self.steps_in_capture = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         """The decode step's graph once captured; a kept generation replays it in later calls (``refill``)."""
-        self.graph_pool: Any = None
-        """The memory pool this generation's graphs share (None: each its own); they never run at the same time."""
+        self.graph_pool: Any = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        """The memory pool this generation's graphs share: they never run at the same time, and what one hands to the
+        next lives in buffers allocated before any capture."""
         dtype = stages.config.params_dtype
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device) if stages.takes_additive_masks else None
@@ -311,9 +324,24 @@ class _Generation:
         runs them)."""
         ids, real = left_pad(prompts, params.pad_token_id, width)
         run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1])
-        run.prompt_ids, run.prompt_real = ids.to(stages.device), real
+        run.load_prompts(ids, real, n)
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run
+
+    def load_prompts(self, ids: torch.Tensor, real: torch.Tensor, n: int) -> None:
+        """The left-padded prompts (``left_pad``) the next ``prefill`` runs, ``n`` rows each: into the device buffers in
+        place where their shape is the last call's (a captured prefill reads them), else new buffers (and the prefill's
+        graph, captured on the old ones, dropped)."""
+        positions, mask = positions_and_mask(real)
+        device = self.stages.device
+        if ids.shape == self.prompt_ids.shape and n == self.n:
+            self.prompt_ids.copy_(ids)
+            self.prompt_positions.copy_(positions)
+            self.prompt_mask.copy_(mask)
+        else:
+            self.prompt_ids, self.prompt_positions, self.prompt_mask = ids.to(device), positions.to(device), mask.to(device)
+            self.prefill_graph = None
+        self.n, self.prompt_real = n, real
 
     def refill(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         """A kept generation's buffers, in place (the graph reads them), for ``prompts`` of its shape and ``params``
@@ -321,7 +349,7 @@ class _Generation:
         a slot is read only once ``valid`` says so."""
         self.use(params, self.prompt_width)  # an episode's later turns changed them
         ids, real = left_pad(prompts, params.pad_token_id, self.width)
-        self.n, self.prompt_ids, self.prompt_real = n, ids.to(self.stages.device), real
+        self.load_prompts(ids, real, n)
         valid = torch.zeros_like(self.valid)
         valid[:, :self.width] = real.repeat_interleave(n, dim=0).to(self.stages.device)
         self.restart(valid)
@@ -329,8 +357,9 @@ class _Generation:
     def use(self, params: SamplingParams, width: int) -> None:
         """The next call (or turn) decodes with ``params`` from slot ``width``. A captured graph that samples otherwise
         is dropped; ``max_new_tokens`` may differ (the host counts the steps)."""
-        if self.graph is not None and replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
-            self.graph = None  # ``_capture`` records the next graph's sampling
+        if replace(params, max_new_tokens=self.captured_params.max_new_tokens) != self.captured_params:
+            self.graph = None  # ``_capture`` records the next graphs' sampling (the prefill's samples token 0)
+            self.prefill_graph = None
         if params.end_ids != self.params.end_ids:  # a new tensor only then: a kept graph reads the one it was captured on
             self.ends = end_token_tensor(params, self.stages.device)
         self.params, self.width = params, width
@@ -348,14 +377,27 @@ class _Generation:
         self.steps_in_capture = 0
 
     # -- the steps ---------------------------------------------------------------------------------------------------
-    def prefill(self) -> None:
-        positions, mask = positions_and_mask(self.prompt_real)
+    def prefill(self, graph: bool = False) -> None:
+        """The prompts' forward and every row's token 0. ``graph`` (a generation kept for later calls of its shape) and
+        at most ``PREFILL_GRAPH_TOKENS``: the first call runs it eagerly and captures it, later calls replay it (an eager
+        prefill is ~30 launches a layer from Python: tens of ms where a replay takes its kernels' few)."""
+        if self.prefill_graph is not None:
+            self.prefill_graph.replay()
+        elif graph and self.prompt_ids.numel() <= PREFILL_GRAPH_TOKENS and not self.capture_failed:
+            decode_captures = self.capture_s
+            self.prefill_graph = self._capture(self._prefill)
+            self.capture_s = decode_captures  # the prefill's capture is prefill time (``prefill_s``), not decode time
+        else:
+            self._prefill()
+
+    def _prefill(self) -> None:
         rotary = None if self.rotary is None else self.rotary[:self.width]
         self.cursor.prefill_repeat = self.n
-        with self.stages.generating(self.cache):
-            logits = self.stages.forward(self.prompt_ids, positions.to(self.prompt_ids.device),
-                                         mask.to(self.prompt_ids.device), rotary)
-        self.cursor.prefill_repeat = 0
+        try:
+            with self.stages.generating(self.cache):
+                logits = self.stages.forward(self.prompt_ids, self.prompt_positions, self.prompt_mask, rotary)
+        finally:
+            self.cursor.prefill_repeat = 0
         self.cursor.slot.fill_(self.width)  # token 0 is fed at the first slot after the prompts
         self._record(None if logits is None else logits.repeat_interleave(self.n, dim=0))
 
@@ -431,9 +473,9 @@ class _Generation:
         return step
 
     def _capture(self, step: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph | None:
-        """One eager run of ``step`` (default: the decode step over every slot) on a side stream (it warms up the
-        kernels of these shapes), then the capture of one for replays. None if capture fails (logged; the run continues
-        eagerly)."""
+        """One eager run of ``step`` (default: the decode step over every slot; the prefill, an append) on a side stream
+        (it warms up the kernels of these shapes), then the capture of one for replays. None if capture fails (logged;
+        the run continues eagerly)."""
         run = step if step is not None else functools.partial(self.decode_step, None)
         started = time.perf_counter()
         stream = torch.cuda.Stream(device=self.stages.device)

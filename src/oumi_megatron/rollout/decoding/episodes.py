@@ -198,7 +198,6 @@ class EpisodeGeneration(_Generation):
         self.turn_left = torch.full((rows,), first, dtype=long, device=device)
         self.appends: dict[tuple[int, int], _Append] = {}
         """Per (group, chunk) bucket, its inputs and graph."""
-        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.append_timer = _SpanTimer(device)
         self.append_forwards = 0
         self.append_tokens = [0, 0]
@@ -211,7 +210,7 @@ class EpisodeGeneration(_Generation):
         ids, real = left_pad(prompts, params.pad_token_id, width)
         run = cls(stages, params, vocab_size, generator, n, len(prompts) * n, ids.shape[1], budget, check_every,
                   observations)
-        run.prompt_ids, run.prompt_real = ids.to(stages.device), real
+        run.load_prompts(ids, real, n)
         run.valid[:, :run.width] = real.repeat_interleave(n, dim=0).to(stages.device)
         return run
 
@@ -461,7 +460,7 @@ def run_episodes(decoder: StaticCacheDecoder, prompts: list[list[int]], n: int, 
     with generation_mode(decoder.engine):
         run, keep = decoder.prepared(("episodes", budget, k, observations), prompts, n, params, generator, make)
         started = time.perf_counter()
-        run.prefill()
+        run.prefill(decoder.kept.limit > 0)
         run.synchronize()
         prefill_s = time.perf_counter() - started
         result = run.play(turns, decoder.graphs, decoder.peers_done)
