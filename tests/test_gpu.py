@@ -350,7 +350,7 @@ def test_kv_cache_generation_on_gpu(tmp_path_factory: pytest.TempPathFactory) ->
     # the second call replayed the first's kept graph (no capture) and drew what a decoder capturing afresh draws
     assert r["static_sampled_capture_s"][0] > 0 and r["static_sampled_capture_s"][1] == 0, r["static_sampled_capture_s"]
     assert r["static_sampled_fresh_capture"] == r["static_sampled_runs"][1]
-    # other prompts of that shape: the kept decode graph replays on the refilled prompts (no capture) and
+    # other prompts of that shape: the kept prefill and decode graphs replay on the refilled prompts (no capture) and
     # draw what a decoder running them afresh draws
     assert r["static_other_prompts_equal_fresh"] and r["static_other_prompts_capture_s"] == 0, r
     assert r["static_sampled_distinct_in_groups"] > 16

@@ -132,7 +132,7 @@ def static_path_checks(engine, vocab: int) -> dict:  # noqa: ANN001
         capture_s.append(static.last_stats.capture_s if static.last_stats else -1.0)
     fresh = MegatronRolloutBackend(engine, vocab, path="static", cuda_graphs_kept=0)  # captures in every call
     fresh_draws = [[r.completion_ids for r in g] for g in fresh.generate(prompts[:16], sampled, 4, seed=11)]
-    # other prompts of the same shape: the kept decode graph replayed on the refilled buffers (on CUDA)
+    # other prompts of the same shape: the kept prefill and decode graphs replayed on the refilled buffers (on CUDA)
     other = [[r.completion_ids for r in g] for g in static.generate(prompts[16:32], sampled, 4, seed=12)]
     other_capture_s = static.last_stats.capture_s if static.last_stats else -1.0
     other_fresh = [[r.completion_ids for r in g] for g in fresh.generate(prompts[16:32], sampled, 4, seed=12)]
