@@ -224,10 +224,10 @@ def kept_prefill_bytes(cfg: MegatronTrainingConfig, shape: ModelShape, layout: P
     ``PREFILL_GRAPH_TOKENS``): the prefill's activations, a layer's at a time (the residual stream, the norm's output,
     the attention's input and output, the MLP's gate-and-up output and its activation), for this rank's prompts at
     their bucketed width, at most the captured limit's tokens (a batch of shorter prompts may be captured)."""
-    from oumi_megatron.rollout.decoding.decoder import PREFILL_GRAPH_TOKENS, WIDTH_BUCKET
+    from oumi_megatron.rollout.decoding.decoder import PREFILL_GRAPH_TOKENS, bucketed_width
 
     prompts = layout.prompts_per_rollout / layout.data_parallel
-    width = -(-cfg.grpo.max_prompt_length // WIDTH_BUCKET) * WIDTH_BUCKET
+    width = bucketed_width(cfg.grpo.max_prompt_length)
     tokens = min(prompts * width, PREFILL_GRAPH_TOKENS)
     ffn = shape.intermediate_size or 4 * shape.hidden_size
     return tokens * (4 * shape.hidden_size + 3 * ffn / layout.tensor_parallel) * 2

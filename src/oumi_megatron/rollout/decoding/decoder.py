@@ -59,6 +59,11 @@ WIDTH_BUCKET = 64
 """Kept graphs: prompts are left-padded to a multiple of this many slots, so steps whose longest prompts differ
 by a few tokens share a graph (RoPE is relative: the extra left padding changes no row's attention)."""
 
+
+def bucketed_width(longest: int) -> int:
+    """A kept generation's prompt width: the longest prompt's length rounded up to ``WIDTH_BUCKET``."""
+    return -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET
+
 PREFILL_GRAPH_TOKENS = 4096
 """Kept generations capture their prefill where it feeds at most this many tokens (prompts x width): there the eager
 prefill's Python launches, not its kernels, bound it, and the graph's memory (the prefill's activations, held while the
@@ -215,7 +220,7 @@ class StaticCacheDecoder:
         rollout/decoding/episodes.py)."""
         if not self.kept.limit:
             return make(None), lambda: None
-        width = -(-max(len(p) for p in prompts) // WIDTH_BUCKET) * WIDTH_BUCKET
+        width = bucketed_width(max(len(p) for p in prompts))
         key, fingerprint = (len(prompts) * n, width, params, kind), self._storage_fingerprint()
         kept = self.kept.take(key, fingerprint)
         if kept is None or kept.generator is not generator:
